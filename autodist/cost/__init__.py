@@ -1,0 +1,1 @@
+"""Comm model and its sweep, memory rules, budget, simulator, learned estimator."""

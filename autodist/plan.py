@@ -1,0 +1,511 @@
+"""The plan: every decision AutoDist makes, as plain versioned data (DESIGN.md section 4).
+
+A plan is separate from everything that reads it: the validator below checks it against a model, the
+simulator predicts it, the runtime enacts it, ``autodist show`` prints it. JSON is the interchange
+form; it is written with sorted, indented keys so two plans diff line by line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from .errors import PlanError
+from .structure import ModelStructure
+
+SCHEMA_VERSION = 1
+SUPPORTED_SCHEMA_VERSIONS = (1,)
+
+PLACEMENTS = ("replicate", "shard")
+RESIDENCIES = ("after_forward", "after_backward", "persistent")
+BUCKET_OPS = ("all_reduce", "reduce_scatter")
+OP_FOR_PLACEMENT = {"replicate": "all_reduce", "shard": "reduce_scatter"}
+
+Window = Union[int, Literal["memory"]]
+
+
+@dataclass
+class UnitPlan:
+    """One unit: its parameters, their placement, and (if sharded) when gathered copies are freed."""
+
+    name: str
+    params: list[str]
+    placement: str = "replicate"
+    residency: str = "after_forward"  # ignored for replicate units, which are always resident
+
+
+@dataclass
+class Prefetch:
+    """How many units ahead of use a gather group's all-gather is issued, or ``"memory"``."""
+
+    forward: Window = 1
+    backward: Window = 1
+
+
+@dataclass
+class GatherGroup:
+    units: list[str]
+    prefetch: Prefetch = field(default_factory=Prefetch)
+
+
+@dataclass
+class Bucket:
+    """Parameters whose gradients are reduced by one collective, in gradient-ready order."""
+
+    params: list[str]
+    op: str = "all_reduce"
+
+
+@dataclass
+class BucketRebuild:
+    """Ask the runtime to re-bucket once from the observed gradient-ready order (DDP's behaviour)."""
+
+    cap_bytes: int = 25 * 1024 * 1024
+    first_cap_bytes: int = 1024 * 1024
+
+
+@dataclass
+class OffloadFragment:
+    """A slice ``[start, end)`` of one optimizer-state tensor (local shard, flattened) kept on the host.
+
+    ``out_after``: ``"step"`` (copy out right after the optimizer step) or ``"forward:<unit>"`` (start
+    the copy-out when that unit's forward begins). ``back_from``: ``"backward:<unit>"`` (start the
+    copy-back when that unit's backward begins) or ``"step"`` (copy back just before the step).
+    """
+
+    param: str
+    state: str
+    fragment: tuple[int, int]
+    out_after: str = "step"
+    back_from: str = "step"
+
+
+@dataclass
+class Plan:
+    world_size: int
+    units: list[UnitPlan]
+    gather_groups: list[GatherGroup] = field(default_factory=list)
+    buckets: list[Bucket] = field(default_factory=list)
+    offload: list[OffloadFragment] = field(default_factory=list)
+    rebuild_buckets: BucketRebuild | None = None
+    schema_version: int = SCHEMA_VERSION
+    fingerprint: str = ""
+    device: str = "cpu"
+    budget_bytes: int | None = None
+    predicted: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    # ---- convenience views -------------------------------------------------------------------
+    def unit(self, name: str) -> UnitPlan:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(name)
+
+    @property
+    def placement_of_param(self) -> dict[str, str]:
+        return {p: u.placement for u in self.units for p in u.params}
+
+    @property
+    def sharded_units(self) -> list[UnitPlan]:
+        return [u for u in self.units if u.placement == "shard"]
+
+    @property
+    def label(self) -> str:
+        return str(self.provenance.get("source", "custom"))
+
+    # ---- serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for o in d["offload"]:
+            o["fragment"] = list(o["fragment"])
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str | None = None) -> Plan:
+        return _parse_plan(data, source)
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str | None = None) -> Plan:
+        where = source or "<string>"
+        if not text.strip():
+            raise PlanError(
+                f"{where} is empty; the file was probably truncated while being written. "
+                "Regenerate it (`autodist plan ...` or AutoDist(..., plan='auto')) or pass a built-in "
+                "plan such as plan='ddp'.",
+                source=source,
+            )
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(
+                f"{where} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); it may be "
+                "truncated or corrupt. Regenerate it or pass a built-in plan such as plan='ddp'.",
+                source=source,
+            ) from None
+        return _parse_plan(data, source)
+
+    def hash(self) -> str:
+        """Digest of every field that affects execution (not predictions or provenance)."""
+        d = self.to_dict()
+        for k in ("predicted", "provenance", "fingerprint", "budget_bytes"):
+            d.pop(k, None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
+    """Write ``plan`` as JSON, atomically (a reader never sees a half-written file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(plan.to_json() + "\n")
+    os.replace(tmp, path)
+
+
+def load_plan(path: str | os.PathLike[str], model: Any = None, *, world_size: int | None = None) -> Plan:
+    """Read a plan file; if ``model`` (an ``nn.Module`` or ``ModelStructure``) is given, validate it."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise PlanError(f"plan file {str(path)!r} does not exist", source=str(path)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PlanError(f"cannot read plan file {str(path)!r}: {e}", source=str(path)) from None
+    plan = Plan.from_json(text, source=str(path))
+    if model is not None:
+        from .structure import discover
+
+        structure = model if isinstance(model, ModelStructure) else discover(model)
+        validate_plan(plan, structure, world_size=world_size, source=str(path))
+    return plan
+
+
+# ------------------------------------------------------------------------------------------------
+# Parsing: a small typed reader that reports the path of every field it rejects.
+# ------------------------------------------------------------------------------------------------
+
+
+class _Reader:
+    def __init__(self, source: str | None) -> None:
+        self.source = source
+        self.problems: list[str] = []
+
+    def fail(self, path: str, msg: str) -> None:
+        self.problems.append(f"{path}: {msg}")
+
+    def obj(self, value: Any, path: str, required: set[str], optional: set[str]) -> dict | None:
+        if not isinstance(value, dict):
+            self.fail(path, f"expected a JSON object, got {type(value).__name__}")
+            return None
+        for k in sorted(required - value.keys()):
+            self.fail(f"{path}.{k}" if path else k, "missing required field")
+        for k in sorted(value.keys() - required - optional):
+            known = ", ".join(sorted(required | optional))
+            self.fail(f"{path}.{k}" if path else k, f"unknown field (known fields: {known})")
+        return value
+
+    def typed(self, value: Any, path: str, kind: type | tuple[type, ...], what: str) -> Any:
+        ok = isinstance(value, kind) and not (isinstance(value, bool) and kind in (int, (int, float)))
+        if not ok:
+            self.fail(path, f"expected {what}, got {json.dumps(value)[:60]}")
+            return None
+        return value
+
+    def choice(self, value: Any, path: str, choices: tuple[str, ...]) -> Any:
+        if value not in choices:
+            self.fail(path, f"expected one of {', '.join(choices)}; got {json.dumps(value)[:60]}")
+            return None
+        return value
+
+    def str_list(self, value: Any, path: str) -> list[str]:
+        if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+            self.fail(path, "expected a list of strings")
+            return []
+        return value
+
+    def window(self, value: Any, path: str) -> Window:
+        if value == "memory" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        self.fail(path, f"expected a non-negative integer or \"memory\"; got {json.dumps(value)[:60]}")
+        return 0
+
+
+def _parse_plan(data: Any, source: str | None) -> Plan:
+    r = _Reader(source)
+    top_required = {"schema_version", "world_size", "units"}
+    top_optional = {
+        "gather_groups", "buckets", "offload", "rebuild_buckets", "fingerprint", "device",
+        "budget_bytes", "predicted", "provenance",
+    }
+    if isinstance(data, dict) and "schema_version" in data:
+        v = data["schema_version"]
+        if v not in SUPPORTED_SCHEMA_VERSIONS:
+            raise PlanError(
+                f"schema_version {json.dumps(v)} is not supported by this autodist (it reads "
+                f"{', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}); upgrade autodist or regenerate "
+                "the plan with this version",
+                source=source,
+            )
+    d = r.obj(data, "", top_required, top_optional)
+    if d is None:
+        raise PlanError(r.problems, source=source)
+
+    world_size = r.typed(d.get("world_size"), "world_size", int, "a positive integer")
+    if isinstance(world_size, int) and world_size < 1:
+        r.fail("world_size", f"expected a positive integer, got {world_size}")
+
+    units: list[UnitPlan] = []
+    raw_units = d.get("units")
+    if not isinstance(raw_units, list):
+        r.fail("units", "expected a list of unit objects")
+        raw_units = []
+    for i, u in enumerate(raw_units):
+        p = f"units[{i}]"
+        uo = r.obj(u, p, {"name", "params"}, {"placement", "residency"})
+        if uo is None:
+            continue
+        units.append(
+            UnitPlan(
+                name=r.typed(uo.get("name"), f"{p}.name", str, "a string") or "",
+                params=r.str_list(uo.get("params"), f"{p}.params"),
+                placement=r.choice(uo.get("placement", "replicate"), f"{p}.placement", PLACEMENTS)
+                or "replicate",
+                residency=r.choice(uo.get("residency", "after_forward"), f"{p}.residency", RESIDENCIES)
+                or "after_forward",
+            )
+        )
+
+    groups: list[GatherGroup] = []
+    raw_groups = d.get("gather_groups", [])
+    if not isinstance(raw_groups, list):
+        r.fail("gather_groups", "expected a list")
+        raw_groups = []
+    for i, g in enumerate(raw_groups):
+        p = f"gather_groups[{i}]"
+        go = r.obj(g, p, {"units"}, {"prefetch"})
+        if go is None:
+            continue
+        pf = go.get("prefetch", {"forward": 1, "backward": 1})
+        pfo = r.obj(pf, f"{p}.prefetch", set(), {"forward", "backward"}) or {}
+        groups.append(
+            GatherGroup(
+                units=r.str_list(go.get("units"), f"{p}.units"),
+                prefetch=Prefetch(
+                    forward=r.window(pfo.get("forward", 1), f"{p}.prefetch.forward"),
+                    backward=r.window(pfo.get("backward", 1), f"{p}.prefetch.backward"),
+                ),
+            )
+        )
+
+    buckets: list[Bucket] = []
+    raw_buckets = d.get("buckets", [])
+    if not isinstance(raw_buckets, list):
+        r.fail("buckets", "expected a list")
+        raw_buckets = []
+    for i, b in enumerate(raw_buckets):
+        p = f"buckets[{i}]"
+        bo = r.obj(b, p, {"params"}, {"op"})
+        if bo is None:
+            continue
+        buckets.append(
+            Bucket(
+                params=r.str_list(bo.get("params"), f"{p}.params"),
+                op=r.choice(bo.get("op", "all_reduce"), f"{p}.op", BUCKET_OPS) or "all_reduce",
+            )
+        )
+
+    offload: list[OffloadFragment] = []
+    raw_off = d.get("offload", [])
+    if not isinstance(raw_off, list):
+        r.fail("offload", "expected a list")
+        raw_off = []
+    for i, o in enumerate(raw_off):
+        p = f"offload[{i}]"
+        oo = r.obj(o, p, {"param", "state", "fragment"}, {"out_after", "back_from"})
+        if oo is None:
+            continue
+        frag = oo.get("fragment")
+        if not (
+            isinstance(frag, list)
+            and len(frag) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in frag)
+            and 0 <= frag[0] < frag[1]
+        ):
+            r.fail(f"{p}.fragment", f"expected [start, end] with 0 <= start < end; got {json.dumps(frag)}")
+            frag = [0, 1]
+        offload.append(
+            OffloadFragment(
+                param=r.typed(oo.get("param"), f"{p}.param", str, "a string") or "",
+                state=r.typed(oo.get("state"), f"{p}.state", str, "a string") or "",
+                fragment=(frag[0], frag[1]),
+                out_after=r.typed(oo.get("out_after", "step"), f"{p}.out_after", str, "a string") or "step",
+                back_from=r.typed(oo.get("back_from", "step"), f"{p}.back_from", str, "a string") or "step",
+            )
+        )
+
+    rebuild = None
+    if d.get("rebuild_buckets") is not None:
+        ro = r.obj(d["rebuild_buckets"], "rebuild_buckets", set(), {"cap_bytes", "first_cap_bytes"})
+        if ro is not None:
+            rebuild = BucketRebuild(
+                cap_bytes=r.typed(ro.get("cap_bytes", 25 << 20), "rebuild_buckets.cap_bytes", int, "bytes")
+                or (25 << 20),
+                first_cap_bytes=r.typed(
+                    ro.get("first_cap_bytes", 1 << 20), "rebuild_buckets.first_cap_bytes", int, "bytes"
+                )
+                or (1 << 20),
+            )
+
+    budget = d.get("budget_bytes")
+    if budget is not None:
+        budget = r.typed(budget, "budget_bytes", int, "an integer number of bytes or null")
+    for key in ("predicted", "provenance"):
+        if not isinstance(d.get(key, {}), dict):
+            r.fail(key, "expected a JSON object")
+    if r.problems:
+        raise PlanError(r.problems, source=source)
+    return Plan(
+        schema_version=d["schema_version"],
+        world_size=world_size,
+        units=units,
+        gather_groups=groups,
+        buckets=buckets,
+        offload=offload,
+        rebuild_buckets=rebuild,
+        fingerprint=str(d.get("fingerprint", "")),
+        device=str(d.get("device", "cpu")),
+        budget_bytes=budget,
+        predicted=dict(d.get("predicted", {})),
+        provenance=dict(d.get("provenance", {})),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation against a model.
+# ------------------------------------------------------------------------------------------------
+
+
+def validate_plan(
+    plan: Plan,
+    structure: ModelStructure,
+    *,
+    world_size: int | None = None,
+    source: str | None = None,
+) -> None:
+    """Raise :class:`PlanError` listing every way ``plan`` does not fit ``structure``."""
+    problems: list[str] = []
+    fix_other_model = (
+        "this plan was probably made for a different model; regenerate it for this one "
+        "(plan='auto' or `autodist plan`)"
+    )
+    if plan.schema_version not in SUPPORTED_SCHEMA_VERSIONS:
+        problems.append(f"schema_version {plan.schema_version} is not supported (this autodist reads 1)")
+    if world_size is not None and plan.world_size != world_size:
+        problems.append(
+            f"world_size: the plan was made for {plan.world_size} ranks but this job has {world_size}; "
+            "regenerate the plan for this world size or launch with the matching --nproc_per_node"
+        )
+
+    params = structure.params
+    unit_of_param = structure.unit_of_param
+    # Units: names exist, each parameter covered exactly once, and by its own unit.
+    seen_units: set[str] = set()
+    covered: dict[str, str] = {}
+    model_units = {u.name for u in structure.units}
+    for i, u in enumerate(plan.units):
+        if u.name in seen_units:
+            problems.append(f"units[{i}] {u.name!r} appears twice; each unit must be listed once")
+        seen_units.add(u.name)
+        if u.name not in model_units:
+            problems.append(
+                f"units[{i}] {u.name!r} is not a module of this model that owns parameters; {fix_other_model}"
+            )
+        for p in u.params:
+            if p not in params:
+                problems.append(f"units[{i}] ({u.name}) names parameter {p!r}, which this model does not have; {fix_other_model}")
+                continue
+            if p in covered:
+                problems.append(f"parameter {p!r} is listed in unit {covered[p]!r} and again in {u.name!r}; list it once")
+            covered[p] = u.name
+            if unit_of_param.get(p) != u.name and u.name in model_units:
+                problems.append(
+                    f"parameter {p!r} is owned by module unit {unit_of_param.get(p)!r}, not {u.name!r}; "
+                    "move it to that unit"
+                )
+            if u.placement == "shard" and len(params[p].shape) == 0:
+                problems.append(
+                    f"parameter {p!r} is 0-dimensional and cannot be sharded on dim 0; "
+                    f"make unit {u.name!r} placement 'replicate'"
+                )
+    for p in params:
+        if p not in covered:
+            problems.append(f"parameter {p!r} is not in any unit; add it to unit {unit_of_param[p]!r}")
+
+    # Gather groups: only sharded units, each exactly once.
+    placement = {u.name: u.placement for u in plan.units}
+    grouped: dict[str, int] = {}
+    for gi, g in enumerate(plan.gather_groups):
+        if not g.units:
+            problems.append(f"gather_groups[{gi}] is empty; remove it")
+        for un in g.units:
+            if un not in placement:
+                problems.append(f"gather_groups[{gi}] names unit {un!r}, which is not in the plan's units")
+            elif placement[un] != "shard":
+                problems.append(
+                    f"gather_groups[{gi}] names unit {un!r}, which is replicated; only sharded units are gathered"
+                )
+            if un in grouped:
+                problems.append(f"unit {un!r} is in gather_groups[{grouped[un]}] and gather_groups[{gi}]; list it once")
+            grouped[un] = gi
+    for u in plan.units:
+        if u.placement == "shard" and u.name not in grouped:
+            problems.append(f"sharded unit {u.name!r} is in no gather group; add it to one")
+
+    # Buckets: every trainable parameter exactly once, op matching placement, one dtype per bucket.
+    pplace = plan.placement_of_param
+    in_bucket: dict[str, int] = {}
+    for bi, b in enumerate(plan.buckets):
+        if not b.params:
+            problems.append(f"buckets[{bi}] is empty; remove it")
+        dtypes = set()
+        for p in b.params:
+            if p not in params:
+                problems.append(f"buckets[{bi}] names parameter {p!r}, which this model does not have; {fix_other_model}")
+                continue
+            if p in in_bucket:
+                problems.append(f"parameter {p!r} is in buckets[{in_bucket[p]}] and buckets[{bi}]; list it once")
+            in_bucket[p] = bi
+            if not params[p].requires_grad:
+                problems.append(f"buckets[{bi}] names frozen parameter {p!r} (requires_grad=False); remove it")
+            want = OP_FOR_PLACEMENT.get(pplace.get(p, ""), None)
+            if want is not None and b.op != want:
+                problems.append(
+                    f"buckets[{bi}] reduces {p!r} with {b.op}, but its placement is {pplace[p]!r}, which needs "
+                    f"{want}; split the bucket by placement"
+                )
+            dtypes.add(params[p].dtype)
+        if len(dtypes) > 1:
+            names = ", ".join(sorted(str(t).replace("torch.", "") for t in dtypes))
+            problems.append(f"buckets[{bi}] mixes dtypes {names}; split it so each bucket has one dtype")
+    for p in structure.trainable:
+        if p not in in_bucket:
+            problems.append(f"trainable parameter {p!r} is in no bucket; add it to one (its gradient would never be reduced)")
+
+    for oi, o in enumerate(plan.offload):
+        if o.param not in params:
+            problems.append(f"offload[{oi}] names parameter {o.param!r}, which this model does not have")
+        for key, val, kinds in (("out_after", o.out_after, ("step", "forward")), ("back_from", o.back_from, ("step", "backward"))):
+            kind, _, unit = val.partition(":")
+            if kind not in kinds or (kind != "step" and unit not in model_units):
+                problems.append(
+                    f"offload[{oi}].{key} = {val!r}; expected 'step' or '{kinds[1]}:<unit name of this model>'"
+                )
+    if problems:
+        raise PlanError(problems, source=source)

@@ -1,0 +1,1 @@
+"""Enactment of a plan: parameters and DTensors, gathers, buckets, prefetch, offload, hooks."""

@@ -1,0 +1,583 @@
+"""The runtime that enacts a plan: hooks on modules, parameters and optimizers.
+
+One :class:`Engine` per wrapped model. It owns the managed parameters, the gather groups and the
+reducer, and drives them from four kinds of hooks:
+
+* module forward pre/post hooks on every module that uses a parameter which must be swapped
+  (sharded, or cast to a compute dtype): gather (or wait for a prefetched gather), swap the full
+  tensors in, issue the next prefetches; swap back and free per residency after the forward;
+* a multi-grad hook on those modules' outputs: the module's backward is about to run — regather
+  what was freed, issue backward prefetches;
+* a post-accumulate-grad hook on every trainable parameter: its gradient is ready — feed the bucket,
+  free the group once all its gradients are in;
+* a final autograd callback at the end of backward: flush buckets, wait for every reduction, hand
+  out gradients, release what the plan says to release, and learn the observed orders;
+* an optimizer step post-hook (only if some group is persistent): refresh persistent groups.
+
+[Note: prefetch triggers] A gather group with window ``w`` is issued when the unit ``w`` positions
+before its first unit starts its forward (position -1 is the start of the root forward). Forward
+positions follow the previous step's observed unit order (the plan's order before the first step);
+backward positions follow the reverse of *this* step's forward. Triggers are processed in position
+order, so the issue order is a function of the plan and the control flow only — identical on every
+rank that runs the same control flow. A unit whose group was not prefetched gathers on demand; the
+deviation is counted and logged once.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed.device_mesh import DeviceMesh
+from torch.profiler import record_function
+from torch.utils._pytree import tree_flatten
+
+from .._log import OnceLogger, logger
+from ..plan import Plan
+from ..structure import ModelStructure
+from .comm import Comm
+from .gather import GatherGroupRuntime, GroupState
+from .params import ManagedParam
+from .reducer import BucketRuntime, Reducer
+
+
+@dataclass
+class MixedPrecision:
+    """Compute and reduction dtypes, as FSDP2's ``MixedPrecisionPolicy``.
+
+    ``param_dtype``: dtype of the full parameters used in forward/backward (and of all-gathers);
+    master parameters and optimizer state keep their own dtype. ``reduce_dtype``: dtype gradients
+    are reduced in (default: ``param_dtype``). ``cast_forward_inputs``: cast floating-point inputs of
+    the root forward to ``param_dtype``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    @classmethod
+    def coerce(cls, policy: object) -> MixedPrecision | None:
+        if policy is None or isinstance(policy, MixedPrecision):
+            return policy
+        if hasattr(policy, "param_dtype") and hasattr(policy, "reduce_dtype"):
+            return cls(
+                param_dtype=policy.param_dtype,
+                reduce_dtype=policy.reduce_dtype,
+                cast_forward_inputs=getattr(policy, "cast_forward_inputs", True),
+            )
+        raise TypeError(
+            f"mixed_precision must be autodist.MixedPrecision or torch's MixedPrecisionPolicy, got {type(policy).__name__}"
+        )
+
+
+@dataclass
+class _ModuleSite:
+    """What one module's forward hooks do: which tensors to swap and which groups to gather."""
+
+    module: nn.Module
+    unit: str | None  # the unit this module owns, if any
+    swaps: list[tuple[str, ManagedParam]]
+    groups: list[GatherGroupRuntime]
+    units: list[str]  # units whose parameters this module uses (own first)
+
+
+@dataclass
+class _Step:
+    """Per forward/backward state."""
+
+    sync: bool = True
+    fwd_sequence: list[str] = field(default_factory=list)
+    seen_units: set[str] = field(default_factory=set)
+    fwd_trigger_pos: int = -2
+    fwd_issued: set[int] = field(default_factory=set)
+    in_backward: bool = False
+    bwd_triggers: list[tuple[int, GatherGroupRuntime]] = field(default_factory=list)
+    bwd_trigger_next: int = 0
+    bwd_pos: dict[str, int] = field(default_factory=dict)
+    ready_order: list[str] = field(default_factory=list)
+    expects_backward: bool = False
+
+
+@dataclass
+class RuntimeStats:
+    steps: int = 0
+    order_deviations: int = 0
+    on_demand_forward: int = 0
+    unused_param_steps: int = 0
+    persistent_refreshes: int = 0
+
+
+class Engine:
+    def __init__(
+        self,
+        module: nn.Module,
+        plan: Plan,
+        structure: ModelStructure,
+        *,
+        comm: Comm,
+        mesh: DeviceMesh | None,
+        device: torch.device,
+        mixed_precision: MixedPrecision | None,
+        broadcast_buffers: bool,
+        windows: dict[int, tuple[int, int]] | None = None,
+    ) -> None:
+        self.module = module
+        self.plan = plan
+        self.structure = structure
+        self.comm = comm
+        self.mesh = mesh
+        self.device = device
+        self.mp = mixed_precision
+        self.broadcast_buffers = broadcast_buffers
+        self.sync_enabled = True
+        self.stats = RuntimeStats()
+        self.once = OnceLogger()
+        self._handles: list[object] = []
+        self._step = _Step()
+        self._order_learned = False
+
+        world, rank = comm.world_size, comm.rank
+        placement = plan.placement_of_param
+        self.use_dtensor = any(u.placement == "shard" for u in plan.units)
+        compute_dtype = self.mp.param_dtype if self.mp else None
+
+        # ---- managed parameters -------------------------------------------------------------
+        self.params: dict[str, ManagedParam] = {}
+        original = dict(module.named_parameters(remove_duplicate=True))
+        for name, info in structure.params.items():
+            mp = ManagedParam(
+                info,
+                original[name],
+                placement=placement[name],
+                mesh=mesh,
+                rank=rank,
+                world_size=world,
+                use_dtensor=self.use_dtensor,
+                compute_dtype=compute_dtype if original[name].is_floating_point() else None,
+                device=device,
+            )
+            mp.sites = [(module.get_submodule(m), attr) for m, attr in info.sites]
+            mp.register_visible()
+            self.params[name] = mp
+
+        # ---- gather groups ------------------------------------------------------------------
+        unit_plan = {u.name: u for u in plan.units}
+        self.groups: list[GatherGroupRuntime] = []
+        self.group_of_unit: dict[str, GatherGroupRuntime] = {}
+        windows = windows or {}
+        for gi, g in enumerate(plan.gather_groups):
+            gparams = [self.params[p] for un in g.units for p in unit_plan[un].params]
+            fw, bw = windows.get(gi, (g.prefetch.forward, g.prefetch.backward))
+            grt = GatherGroupRuntime(
+                gi, list(g.units), gparams,
+                residency=unit_plan[g.units[0]].residency,
+                forward_window=int(fw) if fw != "memory" else 1,
+                backward_window=int(bw) if bw != "memory" else 1,
+                comm=comm, device=device,
+            )
+            self.groups.append(grt)
+            for un in g.units:
+                self.group_of_unit[un] = grt
+        self.group_of_param = {id(self.params[p]): grt for grt in self.groups for p in (mp.name for mp in grt.params)}
+        self.has_persistent = any(g.residency == "persistent" for g in self.groups)
+
+        # ---- buckets -------------------------------------------------------------------------
+        self.reducer = Reducer(self._build_buckets(plan))
+
+        # ---- forward order ---------------------------------------------------------------------
+        self.unit_order = [u.name for u in plan.units]
+        self._compute_forward_triggers()
+        self._install_hooks()
+
+    # ------------------------------------------------------------------------------------------
+    # construction helpers
+    # ------------------------------------------------------------------------------------------
+    def reduce_dtype(self, mp: ManagedParam) -> torch.dtype:
+        if self.mp is not None and mp.dtype.is_floating_point:
+            return self.mp.reduce_dtype or self.mp.param_dtype or mp.dtype
+        return mp.dtype
+
+    def _build_buckets(self, plan: Plan) -> list[BucketRuntime]:
+        buckets = []
+        for bi, b in enumerate(plan.buckets):
+            mps = [self.params[p] for p in b.params]
+            rd = {self.reduce_dtype(mp) for mp in mps}
+            if len(rd) != 1:
+                raise ValueError(f"bucket {bi} would reduce in several dtypes {rd}; split it by dtype")
+            buckets.append(
+                BucketRuntime(bi, b.op, mps, reduce_dtype=rd.pop(), comm=self.comm, device=self.device)
+            )
+        return buckets
+
+    def _compute_forward_triggers(self) -> None:
+        pos = {u: i for i, u in enumerate(self.unit_order)}
+        self.unit_pos = pos
+        triggers: dict[int, list[GatherGroupRuntime]] = {}
+        self.group_last_unit: dict[int, str] = {}
+        for g in self.groups:
+            first = min(pos.get(u, len(pos)) for u in g.units)
+            self.group_last_unit[g.index] = max(g.units, key=lambda u: pos.get(u, -1))
+            t = max(first - g.forward_window, -1)
+            triggers.setdefault(t, []).append(g)
+        self.fwd_triggers = sorted(triggers.items())
+
+    def _install_hooks(self) -> None:
+        # Module forward hooks, only where something must happen.
+        unit_of_module = {u.module_name: u.name for u in self.structure.units}
+        for mname, module in self.module.named_modules():
+            swaps, groups, units = [], [], []
+            own = unit_of_module.get(mname)
+            if own is not None:
+                units.append(own)
+            for attr, p in list(module._parameters.items()):
+                if p is None:
+                    continue
+                mp = self._mp_by_visible(p)
+                if mp is None:
+                    continue
+                if mp.needs_swap:
+                    swaps.append((attr, mp))
+                g = self.group_of_param.get(id(mp))
+                if g is not None and g not in groups:
+                    groups.append(g)
+                u = self.structure.unit_of_param[mp.name]
+                if u not in units:
+                    units.append(u)
+            if not swaps and not groups:
+                continue
+            site = _ModuleSite(module=module, unit=own, swaps=swaps, groups=groups, units=units)
+            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(site)))
+            self._handles.append(module.register_forward_hook(self._make_post_forward(site), always_call=True))
+        # Gradient-ready hooks.
+        for mp in self.params.values():
+            if mp.requires_grad:
+                self._handles.append(mp.full.register_post_accumulate_grad_hook(self._make_grad_hook(mp)))
+        # Optimizer hook for persistent refresh.
+        if self.has_persistent:
+            self._handles.append(
+                torch.optim.optimizer.register_optimizer_step_post_hook(_weak_optimizer_hook(self))
+            )
+            self._visible_ids = {id(mp.visible) for mp in self.params.values()}
+            self._our_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _mp_by_visible(self, p: torch.Tensor) -> ManagedParam | None:
+        if not hasattr(self, "_visible_map"):
+            self._visible_map = {id(mp.visible): mp for mp in self.params.values()}
+        return self._visible_map.get(id(p))
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------------------------------
+    # root forward
+    # ------------------------------------------------------------------------------------------
+    def forward(self, args: tuple, kwargs: dict) -> object:
+        self._begin_step()
+        if self.mp is not None and self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), self.mp.param_dtype)
+        self._run_forward_triggers(-1)
+        out = self.module(*args, **kwargs)
+        self._end_forward(out)
+        return out
+
+    def _begin_step(self) -> None:
+        step = self._step
+        if step.expects_backward and not step.in_backward:
+            # The previous forward's backward never ran (or ran without reaching our hooks).
+            self._release_after_step(drop_reductions=True)
+        grad = torch.is_grad_enabled()
+        self._step = _Step(sync=self.sync_enabled and grad)
+        for g in self.groups:
+            g.reset_step()
+        if self.broadcast_buffers and grad and self.sync_enabled and self.comm.world_size > 1:
+            bufs = [b for b in self.module.buffers()]
+            if bufs:
+                self.comm.broadcast_tensors(bufs, "buffers")
+        for mp in self.params.values():
+            if not mp.sharded:
+                mp.refresh_cast()
+
+    def _end_forward(self, out: object) -> None:
+        step = self._step
+        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        step.expects_backward = bool(tensors) and torch.is_grad_enabled()
+        for g in self.groups:
+            if g.active:
+                continue
+            if g.residency == "after_forward" or (g.residency == "after_backward" and not step.expects_backward):
+                g.free()
+        if step.expects_backward:
+            register_multi_grad_hook(tensors, self._root_pre_backward, mode="any")
+        self._learn_forward_order(step.fwd_sequence)
+
+    def _learn_forward_order(self, seq: list[str]) -> None:
+        """Prefetch for the next forward follows the order units actually ran in this one."""
+        if not seq:
+            return
+        seen = set(seq)
+        new_order = list(seq) + [u for u in self.unit_order if u not in seen]
+        if new_order == self.unit_order:
+            self._order_learned = True
+            return
+        if self._order_learned:
+            self.stats.order_deviations += 1
+            self.once.info(
+                "order",
+                "autodist: units ran in a different order than in the previous step (control flow changed); "
+                "prefetch follows the latest order and gathers on demand where it guessed wrong",
+            )
+        self._order_learned = True
+        self.unit_order = new_order
+        self._compute_forward_triggers()
+
+    # ------------------------------------------------------------------------------------------
+    # module hooks
+    # ------------------------------------------------------------------------------------------
+    def _run_forward_triggers(self, pos: int) -> None:
+        step = self._step
+        if pos <= step.fwd_trigger_pos:
+            return
+        for t, groups in self.fwd_triggers:
+            if t > pos:
+                break
+            if t <= step.fwd_trigger_pos:
+                continue
+            for g in groups:
+                if g.index not in step.fwd_issued:
+                    step.fwd_issued.add(g.index)
+                    g.issue()
+        step.fwd_trigger_pos = pos
+
+    def _make_pre_forward(self, site: _ModuleSite):
+        def pre_forward(module: nn.Module, args: tuple) -> None:
+            step = self._step
+            for u in site.units:
+                if u not in step.seen_units:
+                    step.seen_units.add(u)
+                    step.fwd_sequence.append(u)
+            if site.unit is not None:
+                self._run_forward_triggers(self.unit_pos.get(site.unit, -1))
+            for g in site.groups:
+                if g.ensure() and g.forward_window > 0 and self._order_learned:
+                    self.stats.on_demand_forward += 1
+                    self.once.info(
+                        f"ondemand{g.index}",
+                        "autodist: gather group %d (%s) was needed before its planned prefetch (control flow "
+                        "changed, or a parameter is shared with another unit) and was gathered on demand",
+                        g.index, g.label,
+                    )
+                g.active += 1
+            for attr, mp in site.swaps:
+                module._parameters[attr] = mp.full
+            return None
+
+        return pre_forward
+
+    def _make_post_forward(self, site: _ModuleSite):
+        def post_forward(module: nn.Module, args: tuple, output: object) -> None:
+            for attr, mp in site.swaps:
+                module._parameters[attr] = mp.visible
+            step = self._step
+            for g in site.groups:
+                g.active -= 1
+                if site.unit is not None and self.group_last_unit.get(g.index) == site.unit:
+                    g.forward_done = True
+                if g.residency == "after_forward" and g.forward_done and g.active == 0:
+                    g.free()
+            if site.groups and torch.is_grad_enabled():
+                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                if tensors:
+                    register_multi_grad_hook(tensors, self._make_pre_backward(site), mode="any")
+            return None
+
+        return post_forward
+
+    def _make_pre_backward(self, site: _ModuleSite):
+        def pre_backward(grads: object) -> None:
+            self._on_backward_start()
+            step = self._step
+            if site.unit is not None:
+                self._run_backward_triggers(step.bwd_pos.get(site.unit, -1))
+            for g in site.groups:
+                with record_function(f"autodist::pre_backward({g.label})"):
+                    g.ensure()
+
+        return pre_backward
+
+    def _root_pre_backward(self, grads: object) -> None:
+        self._on_backward_start()
+        self._run_backward_triggers(-1)
+
+    def _on_backward_start(self) -> None:
+        step = self._step
+        if step.in_backward:
+            return
+        step.in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        # Backward order: reverse of this step's forward.
+        order = list(reversed(step.fwd_sequence))
+        step.bwd_pos = {u: i for i, u in enumerate(order)}
+        trig = []
+        for g in self.groups:
+            if g.residency != "after_forward":
+                continue
+            first = min((step.bwd_pos[u] for u in g.units if u in step.bwd_pos), default=None)
+            if first is None:
+                continue
+            trig.append((max(first - g.backward_window, -1), first, g))
+        trig.sort(key=lambda x: (x[0], x[1]))
+        step.bwd_triggers = [(t, g) for t, _, g in trig]
+        step.bwd_trigger_next = 0
+
+    def _run_backward_triggers(self, pos: int) -> None:
+        step = self._step
+        while step.bwd_trigger_next < len(step.bwd_triggers) and step.bwd_triggers[step.bwd_trigger_next][0] <= pos:
+            g = step.bwd_triggers[step.bwd_trigger_next][1]
+            step.bwd_trigger_next += 1
+            g.issue()
+
+    def _make_grad_hook(self, mp: ManagedParam):
+        group = self.group_of_param.get(id(mp))
+
+        def on_grad_ready(param: torch.Tensor) -> None:
+            step = self._step
+            if not step.in_backward:
+                self._on_backward_start()
+            step.ready_order.append(mp.name)
+            if step.sync:
+                self.reducer.on_ready(mp)
+            if group is not None:
+                group.grads_ready += 1
+                if (
+                    group.all_trainable
+                    and group.grads_ready == group.n_trainable
+                    and group.residency != "persistent"
+                    and group.active == 0
+                ):
+                    group.free()
+
+        return on_grad_ready
+
+    # ------------------------------------------------------------------------------------------
+    # end of backward
+    # ------------------------------------------------------------------------------------------
+    def _end_backward(self) -> None:
+        step = self._step
+        with record_function("autodist::end_backward"):
+            if step.sync:
+                missing = self.reducer.flush()
+                if missing:
+                    self.stats.unused_param_steps += 1
+                    self.once.info(
+                        "unused",
+                        "autodist: %d parameter(s) got no gradient on this rank (e.g. %s); their buckets "
+                        "were flushed at the end of backward and globally unused ones keep grad=None",
+                        len(missing), missing[0],
+                    )
+                self._maybe_rebuild_buckets(step.ready_order)
+            self._release_after_step(drop_reductions=False)
+        self.stats.steps += 1
+        step.expects_backward = False
+        step.in_backward = False
+
+    def _release_after_step(self, *, drop_reductions: bool) -> None:
+        if drop_reductions:
+            self.reducer.reset()
+        for g in self.groups:
+            if g.residency != "persistent":
+                g.free()
+            g.reset_step()
+
+    def _maybe_rebuild_buckets(self, ready_order: list[str]) -> None:
+        rb = self.plan.rebuild_buckets
+        if rb is None:
+            return
+        from ..sched.seeds import bucket_by_size
+
+        # Rank 0's observed order wins, so every rank builds identical buckets.
+        order = self.comm.broadcast_object(list(dict.fromkeys(ready_order)))
+        seen = set(order)
+        trainable = [p for p in reversed(self.structure.trainable) if p not in seen]
+        order = [p for p in order if p in self.params and self.params[p].requires_grad] + trainable
+        by_op: dict[str, list[str]] = {}
+        for p in order:
+            by_op.setdefault("reduce_scatter" if self.params[p].sharded else "all_reduce", []).append(p)
+        buckets = []
+        for op, names in by_op.items():
+            buckets.extend(
+                bucket_by_size(names, self.structure, cap_bytes=rb.cap_bytes, first_cap_bytes=rb.first_cap_bytes, op=op)
+            )
+        position = {p: i for i, p in enumerate(order)}
+        buckets.sort(key=lambda b: min(position[p] for p in b.params))
+        # Keep existing gradient views alive: they are the visible .grad tensors.
+        old_grads = {mp.name: mp.local_grad() for mp in self.params.values()}
+        from dataclasses import replace
+
+        self.plan = replace(self.plan, buckets=buckets, rebuild_buckets=None)
+        self.reducer = Reducer(self._build_buckets(self.plan))
+        with torch.no_grad():
+            for b in self.reducer.buckets:
+                if b.op != "all_reduce":
+                    continue
+                for slot, mp in enumerate(b.params):
+                    g = old_grads.get(mp.name)
+                    if g is not None:
+                        b.views[slot].copy_(g)
+                        mp.set_local_grad(b.views[slot])
+        logger.info(
+            "autodist: rebuilt %d gradient buckets from the observed gradient-ready order", len(buckets)
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # optimizer hook
+    # ------------------------------------------------------------------------------------------
+    def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        ours = self._our_optimizers.get(optimizer)
+        if ours is None:
+            ours = any(id(p) in self._visible_ids for grp in optimizer.param_groups for p in grp["params"])
+            self._our_optimizers[optimizer] = ours
+        if not ours:
+            return
+        for g in sorted(
+            (g for g in self.groups if g.residency == "persistent" and g.state is not GroupState.SHARDED),
+            key=lambda g: min(self.unit_pos.get(u, 0) for u in g.units),
+        ):
+            if g.issue():
+                self.stats.persistent_refreshes += 1
+
+    def mark_stale(self) -> None:
+        """Parameters were overwritten in place (a state dict was loaded): re-gather and re-cast."""
+        for mp in self.params.values():
+            mp.mark_stale()
+        for g in self.groups:
+            g.mark_stale()
+
+    def full_param_bytes_gathered(self) -> int:
+        return sum(g.full_bytes for g in self.groups if g.state is not GroupState.SHARDED)
+
+
+def _weak_optimizer_hook(engine: Engine):
+    ref = weakref.ref(engine)
+
+    def hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        eng = ref()
+        if eng is not None:
+            eng.on_optimizer_step(optimizer)
+
+    return hook
+
+
+def _cast_floats(tree: object, dtype: torch.dtype) -> object:
+    from torch.utils._pytree import tree_map
+
+    def cast(x: object) -> object:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)

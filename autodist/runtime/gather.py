@@ -1,0 +1,148 @@
+"""Gather groups: the fused all-gather of consecutive sharded units, and its state machine.
+
+A group is ``SHARDED`` (full storage released), ``GATHERING`` (an all-gather is in flight; its
+buffers travel in the :class:`InFlight`), or ``GATHERED`` (every parameter's ``full`` tensor holds the
+current values). All transitions happen in this file.
+
+A persistent group stays ``GATHERED`` across steps; after an optimizer step it is *stale* (the shards
+changed) and is refreshed by one all-gather, issued right after the step and waited for at the next
+forward. Staleness is read from the visible parameters' version counters, so a parameter updated
+without an optimizer hook (a manual in-place update, ``load_state_dict``) is re-gathered before use
+instead of being computed with stale values.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from .comm import Comm, InFlight
+from .params import ManagedParam
+
+
+class GroupState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+@dataclass
+class _DtypeLayout:
+    """The part of a group gathered in one dtype: one collective, params at column offsets."""
+
+    dtype: torch.dtype
+    params: list[ManagedParam]
+    sizes: list[int]
+    total: int
+
+
+class GatherGroupRuntime:
+    def __init__(
+        self,
+        index: int,
+        units: list[str],
+        params: list[ManagedParam],
+        *,
+        residency: str,
+        forward_window: int,
+        backward_window: int,
+        comm: Comm,
+        device: torch.device,
+    ) -> None:
+        self.index = index
+        self.units = units
+        self.params = params
+        self.residency = residency
+        self.forward_window = forward_window
+        self.backward_window = backward_window
+        self.comm = comm
+        self.device = device
+        self.label = units[0] if len(units) == 1 else f"{units[0]}..{units[-1]}"
+        layouts: dict[torch.dtype, _DtypeLayout] = {}
+        for mp in params:
+            lay = layouts.setdefault(mp.compute_dtype, _DtypeLayout(mp.compute_dtype, [], [], 0))
+            lay.params.append(mp)
+            lay.sizes.append(mp.shard_numel)
+            lay.total += mp.shard_numel
+        self.layouts = list(layouts.values())
+        self.all_trainable = all(mp.requires_grad for mp in params)
+        self.n_trainable = sum(mp.requires_grad for mp in params)
+        self.full_bytes = sum(mp.full_nbytes for mp in params)
+        self.state = GroupState.SHARDED
+        self._inflight: list[InFlight] = []
+        self._versions: tuple[int, ...] = ()
+        # Per-step bookkeeping, reset by the engine.
+        self.active = 0  # modules of this group currently inside their forward
+        self.forward_done = False
+        self.grads_ready = 0
+
+    # ------------------------------------------------------------------------------------------
+    def is_stale(self) -> bool:
+        return tuple(mp.version() for mp in self.params) != self._versions
+
+    def mark_stale(self) -> None:
+        """The shards were written behind the version counters' back (``load_state_dict``)."""
+        self._versions = ()
+
+    def needs_gather(self) -> bool:
+        if self.state is GroupState.SHARDED:
+            return True
+        return self.state is GroupState.GATHERED and self.is_stale()
+
+    def issue(self, *, on_demand: bool = False) -> bool:
+        """Start the all-gather if the group is not gathered (or is stale). Returns whether it did."""
+        if not self.needs_gather():
+            return False
+        world = self.comm.world_size
+        self._versions = tuple(mp.version() for mp in self.params)
+        for lay in self.layouts:
+            if len(lay.params) == 1 and lay.params[0].dtype == lay.dtype:
+                send = lay.params[0].shard_flat  # no copy-in needed
+            else:
+                send = torch.empty(lay.total, dtype=lay.dtype, device=self.device)
+                for dst, mp in zip(torch.split(send, lay.sizes), lay.params):
+                    dst.copy_(mp.shard_flat)
+            recv = torch.empty(world * lay.total, dtype=lay.dtype, device=self.device)
+            self._inflight.append(self.comm.all_gather(recv, send, self.label, on_demand=on_demand))
+        self.state = GroupState.GATHERING
+        return True
+
+    def wait(self) -> None:
+        """Finish an in-flight gather: copy each parameter's rows out of the gathered buffer."""
+        if self.state is not GroupState.GATHERING:
+            return
+        world = self.comm.world_size
+        for lay, inflight in zip(self.layouts, self._inflight):
+            inflight.wait()
+            recv = inflight.buffers[0].view(world, lay.total)
+            for mp in lay.params:
+                mp.alloc_full()
+            if len(lay.params) == 1:
+                lay.params[0].full_padded_2d().copy_(recv)
+            else:
+                torch.split_with_sizes_copy(
+                    recv, lay.sizes, dim=1, out=[mp.full_padded_2d() for mp in lay.params]
+                )
+        self._inflight.clear()  # drops the buffers: they have been waited on
+        self.state = GroupState.GATHERED
+
+    def ensure(self) -> bool:
+        """Make the full parameters valid now. Returns True if this had to gather on demand."""
+        on_demand = self.issue(on_demand=True)
+        self.wait()
+        return on_demand
+
+    def free(self) -> None:
+        if self.state is GroupState.GATHERING:
+            self.wait()  # a collective must be consumed before its buffers go
+        if self.state is GroupState.GATHERED:
+            for mp in self.params:
+                mp.free_full()
+            self.state = GroupState.SHARDED
+
+    def reset_step(self) -> None:
+        self.active = 0
+        self.forward_done = False
+        self.grads_ready = 0

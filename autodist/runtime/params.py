@@ -1,0 +1,219 @@
+"""Per-parameter state: what the user sees, what the model computes with, and the local shard.
+
+Each managed parameter has two faces:
+
+* ``visible`` — the ``nn.Parameter`` registered on the model between steps, which the user's
+  optimizer, ``clip_grad_norm_`` and checkpoints see. A plain tensor when every parameter of the
+  model is replicated (exactly as under DDP); otherwise a DTensor (``Replicate()`` or ``Shard(0)``)
+  on a 1-D mesh, as under FSDP2, so that norms and checkpoints over mixed placements are correct.
+* ``full`` — the leaf tensor the forward computes with. For a replicated parameter without a
+  compute-dtype cast it *is* ``visible`` (or shares its storage); for a sharded one it is a separate
+  leaf whose storage is allocated when its gather group is gathered and released when it is freed.
+
+[Note: why storage is resized instead of reallocated] Autograd saves ``full`` (the same tensor
+object) for backward. Freeing a gathered parameter after forward and gathering it again for backward
+must therefore refill the *same* tensor: the runtime resizes its storage to zero bytes and back, and
+writes through ``.data`` so the version counter autograd checks is not bumped.
+
+[Note: dim-0 shards and padding] A parameter of ``R`` rows is split into ``world`` chunks of
+``C = ceil(R / world)`` rows (``torch.chunk`` semantics, as DTensor's ``Shard(0)``); the last ranks may
+hold fewer rows or none. Each rank keeps a padded ``C``-row buffer whose leading rows are its shard,
+so every rank contributes the same number of elements to an all-gather and the gathered buffer holds
+the parameter's rows in order followed by padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..structure import ParamInfo
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+class ManagedParam:
+    """One parameter under AutoDist's control."""
+
+    def __init__(
+        self,
+        info: ParamInfo,
+        original: nn.Parameter,
+        *,
+        placement: str,
+        mesh: DeviceMesh | None,
+        rank: int,
+        world_size: int,
+        use_dtensor: bool,
+        compute_dtype: torch.dtype | None,
+        device: torch.device,
+    ) -> None:
+        self.name = info.name
+        self.info = info
+        self.placement = placement
+        self.requires_grad = original.requires_grad
+        self.dtype = original.dtype
+        self.compute_dtype = compute_dtype or original.dtype
+        self.shape = tuple(original.shape)
+        self.world_size = world_size
+        self.rank = rank
+        self.mesh = mesh
+        self.is_dtensor = use_dtensor
+        self.sites: list[tuple[nn.Module, str]] = []
+        data = original.detach()
+        if data.device != device:
+            data = data.to(device)
+
+        if placement == "replicate":
+            self.rows = self.padded_rows = self.local_rows = 0
+            self.row_numel = 0
+            if not use_dtensor:
+                # Exactly DDP: the user's own Parameter object stays registered.
+                self.visible = original if original.device == device else nn.Parameter(data, original.requires_grad)
+                self._master = self.visible
+            else:
+                self.visible = nn.Parameter(
+                    DTensor.from_local(data, mesh, [Replicate()], run_check=False),
+                    requires_grad=original.requires_grad,
+                )
+                self._master = data  # shares storage (and version counter) with visible's local tensor
+            if self.compute_dtype == self.dtype:
+                self.full = self.visible if not use_dtensor else nn.Parameter(
+                    self._master, requires_grad=original.requires_grad
+                )
+                self._cast_version = None
+            else:
+                self.full = nn.Parameter(
+                    self._master.detach().to(self.compute_dtype), requires_grad=original.requires_grad
+                )
+                self._cast_version = -1  # cast on first use
+            self.shard_flat = None
+            self.local = self._master
+            return
+
+        # ---- sharded on dim 0 ----
+        if len(self.shape) == 0:
+            raise ValueError(f"parameter {self.name!r} is 0-dimensional and cannot be sharded")
+        self.rows = self.shape[0]
+        self.row_numel = math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
+        self.padded_rows = -(-self.rows // world_size)
+        start = min(rank * self.padded_rows, self.rows)
+        end = min(start + self.padded_rows, self.rows)
+        self.local_rows = end - start
+        self.shard_flat = torch.zeros(self.padded_rows * self.row_numel, dtype=self.dtype, device=device)
+        local = self.shard_flat[: self.local_rows * self.row_numel].view(self.local_rows, *self.shape[1:])
+        local.copy_(data[start:end])
+        self.local = local
+        self.visible = nn.Parameter(
+            DTensor.from_local(
+                local, mesh, [Shard(0)], run_check=False, shape=torch.Size(self.shape),
+                stride=_contiguous_stride(self.shape),
+            ),
+            requires_grad=original.requires_grad,
+        )
+        padded = torch.empty(world_size * self.shard_numel, dtype=self.compute_dtype, device=device)
+        self.full = nn.Parameter(padded[: math.prod(self.shape)].view(self.shape), requires_grad=original.requires_grad)
+        self._full_padded = padded  # the flat storage view, for copy-out
+        self.free_full()
+        self._cast_version = None
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def sharded(self) -> bool:
+        return self.placement == "shard"
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of the padded local shard (what this parameter contributes to an all-gather)."""
+        return self.padded_rows * self.row_numel
+
+    @property
+    def full_nbytes(self) -> int:
+        return math.prod(self.shape) * self.compute_dtype.itemsize
+
+    @property
+    def master(self) -> torch.Tensor:
+        """The local tensor the optimizer updates (the whole tensor if replicated, else the shard)."""
+        return self.local
+
+    def local_grad(self) -> torch.Tensor | None:
+        g = self.visible.grad
+        if g is None:
+            return None
+        return g.to_local() if isinstance(g, DTensor) else g
+
+    def set_local_grad(self, grad: torch.Tensor) -> None:
+        """Make ``grad`` (this rank's local part, master dtype) the visible gradient, without copying."""
+        if self.is_dtensor:
+            placements = [Shard(0)] if self.sharded else [Replicate()]
+            self.visible.grad = DTensor.from_local(
+                grad, self.mesh, placements, run_check=False, shape=torch.Size(self.shape),
+                stride=_contiguous_stride(self.shape),
+            )
+        else:
+            self.visible.grad = grad
+
+    # -- full (unsharded) storage -------------------------------------------------------------
+    def alloc_full(self) -> None:
+        storage = self.full.untyped_storage()
+        need = self._full_padded.numel() * self._full_padded.element_size()
+        if storage.nbytes() != need:
+            storage.resize_(need)
+
+    def free_full(self) -> None:
+        storage = self.full.untyped_storage()
+        if storage.nbytes() != 0:
+            storage.resize_(0)
+
+    def full_is_allocated(self) -> bool:
+        return self.full.untyped_storage().nbytes() != 0
+
+    def full_padded_2d(self) -> torch.Tensor:
+        """The full parameter's padded storage as ``(world, shard_numel)`` (``.data``: no version bump)."""
+        return self._full_padded.data.view(self.world_size, self.shard_numel)
+
+    # -- replicated compute-dtype copy -------------------------------------------------------
+    def mark_stale(self) -> None:
+        if self._cast_version is not None:
+            self._cast_version = -1
+
+    def refresh_cast(self) -> None:
+        """Re-cast the replicated master into the low-precision compute copy if it changed."""
+        if self._cast_version is None or self.sharded:
+            return
+        v = self.version()
+        if v != self._cast_version:
+            with torch.no_grad():
+                self.full.data.copy_(self._master)
+            self._cast_version = v
+
+    # -- module registration ------------------------------------------------------------------
+    def register_visible(self) -> None:
+        for module, attr in self.sites:
+            module._parameters[attr] = self.visible
+
+    def register_full(self) -> None:
+        for module, attr in self.sites:
+            module._parameters[attr] = self.full
+
+    @property
+    def needs_swap(self) -> bool:
+        return self.full is not self.visible
+
+    def version(self) -> int:
+        """Bumped by every in-place update through the visible parameter (an optimizer step).
+
+        [Note: which version counter] For a DTensor parameter the in-place ops of an optimizer bump
+        the DTensor wrapper's counter, not its local tensor's, so staleness is read here.
+        """
+        return self.visible._version

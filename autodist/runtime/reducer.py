@@ -1,0 +1,257 @@
+"""Gradient buckets: one asynchronous collective per plan bucket, launched in bucket order.
+
+A bucket is launched as soon as its last gradient is ready *and* every earlier bucket has been
+launched, so every rank issues the same collectives in the same order. At the end of backward every
+bucket still waiting is flushed: gradients that never arrived contribute zeros.
+
+[Note: used flags] Each bucket carries one extra element per parameter, 1 if this rank produced a
+gradient for it. After the reduction a parameter whose flag sum is zero was unused on *every* rank;
+its ``.grad`` is left untouched (``None`` stays ``None``), exactly as DDP with
+``find_unused_parameters`` does, so optimizers that skip gradient-less parameters behave the same as
+in single-process training. The flags cost a few bytes per bucket and no extra collective.
+
+[Note: gradients as bucket views] A replicated bucket owns a persistent flat buffer and, after the
+reduction, each parameter's ``.grad`` *is* a view into it (DDP's ``gradient_as_bucket_view``). If the
+user keeps gradients across steps (no ``zero_grad`` or ``zero_grad(set_to_none=False)``), autograd
+accumulates straight into the view and nothing is copied; otherwise the fresh gradient is copied in
+once. A gradient the user kept is already reduced and identical on all ranks, so averaging
+``old + new_r`` over ranks yields ``old + mean(new)`` — the accumulation DDP gives. A sharded bucket
+reduce-scatters into a fresh output buffer each step; existing local gradients are added to.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import Comm, InFlight
+from .params import ManagedParam
+
+# After-reduction action per parameter slot.
+_SET, _ADD, _KEEP = 0, 1, 2
+
+
+class BucketRuntime:
+    def __init__(
+        self,
+        index: int,
+        op: str,
+        params: list[ManagedParam],
+        *,
+        reduce_dtype: torch.dtype,
+        comm: Comm,
+        device: torch.device,
+    ) -> None:
+        self.index = index
+        self.op = op
+        self.params = params
+        self.dtype = reduce_dtype
+        self.comm = comm
+        self.device = device
+        self.world = comm.world_size
+        self.n = len(params)
+        self.label = f"bucket{index}"
+        if op == "all_reduce":
+            self.sizes = [int(torch.Size(mp.shape).numel()) for mp in params]
+        else:
+            self.sizes = [mp.shard_numel for mp in params]
+        self.offsets = []
+        off = 0
+        for s in self.sizes:
+            self.offsets.append(off)
+            off += s
+        self.total = off
+        self.nbytes = self.total * reduce_dtype.itemsize
+        if op == "all_reduce":
+            self.buffer = torch.zeros(self.total + self.n, dtype=reduce_dtype, device=device)
+            self.views = [
+                self.buffer[o : o + s].view(mp.shape) for o, s, mp in zip(self.offsets, self.sizes, params)
+            ]
+        self.reset()
+
+    def reset(self) -> None:
+        self.ready = [False] * self.n
+        self.action = [_SET] * self.n
+        self.pending = self.n
+        self.launched = False
+        self.inflight: InFlight | None = None
+        self._input: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------------------------------
+    def _is_slot_view(self, t: torch.Tensor | None, slot: int) -> bool:
+        if t is None or self.op != "all_reduce":
+            return False
+        v = self.views[slot]
+        return t.dtype == v.dtype and t.data_ptr() == v.data_ptr() and t.shape == v.shape
+
+    def _rs_input(self) -> torch.Tensor:
+        if self._input is None:
+            self._input = torch.empty(self.world, self.total + self.n, dtype=self.dtype, device=self.device)
+        return self._input
+
+    def _rs_copy_in(self, slot: int, grad: torch.Tensor | None) -> None:
+        """Place a full gradient's dim-0 chunks into each rank's row (zero padding; ``None`` = zeros)."""
+        inp = self._rs_input()
+        off, k = self.offsets[slot], self.sizes[slot]
+        cols = inp[:, off : off + k]
+        if grad is None:
+            cols.zero_()
+            return
+        g = grad.reshape(-1)
+        q, rem = divmod(g.numel(), k)
+        if q:
+            cols[:q].copy_(g[: q * k].view(q, k))
+        if q < self.world:
+            if rem:
+                cols[q, :rem].copy_(g[q * k :])
+                cols[q, rem:].zero_()
+                cols[q + 1 :].zero_()
+            else:
+                cols[q:].zero_()
+
+    def add_grad(self, slot: int, mp: ManagedParam) -> None:
+        """Take this rank's gradient for ``mp`` into the bucket (called once per step per parameter)."""
+        if self.ready[slot]:
+            return
+        self.ready[slot] = True
+        self.pending -= 1
+        if self.op == "all_reduce":
+            view = self.views[slot]
+            if not mp.needs_swap:
+                g = mp.visible.grad  # autograd accumulated straight into the visible parameter
+                if self._is_slot_view(g, slot):
+                    self.action[slot] = _KEEP
+                else:
+                    view.copy_(g)
+                    self.action[slot] = _SET
+            else:
+                g = mp.full.grad
+                mp.full.grad = None
+                vg = mp.local_grad()
+                if self._is_slot_view(vg, slot):
+                    view.add_(g)
+                    self.action[slot] = _KEEP
+                else:
+                    view.copy_(g)
+                    self.action[slot] = _SET if vg is None else _ADD
+        else:
+            g = mp.full.grad
+            mp.full.grad = None
+            self._rs_copy_in(slot, g)
+            self.action[slot] = _SET if mp.local_grad() is None else _ADD
+
+    def has_pending_grad(self, mp: ManagedParam) -> bool:
+        """A gradient accumulated earlier (e.g. under ``no_sync``) for a parameter unused this step."""
+        if not mp.needs_swap:
+            g = mp.visible.grad
+            return g is not None and not self._is_slot_view(g, self.params.index(mp))
+        return mp.full.grad is not None
+
+    def launch(self) -> list[str]:
+        """Flush missing gradients as zeros and start the collective. Returns names of missing params."""
+        missing = []
+        for slot, mp in enumerate(self.params):
+            if self.ready[slot]:
+                continue
+            if self.has_pending_grad(mp):
+                self.add_grad(slot, mp)
+                continue
+            missing.append(mp.name)
+            if self.op == "all_reduce":
+                vg = mp.visible.grad if not mp.needs_swap else mp.local_grad()
+                if self._is_slot_view(vg, slot):
+                    self.action[slot] = _KEEP  # an old, already-reduced gradient: keep it in the sum
+                else:
+                    self.views[slot].zero_()
+            else:
+                self._rs_copy_in(slot, None)
+        flags = torch.tensor([1.0 if r else 0.0 for r in self.ready], dtype=self.dtype)
+        if self.device.type != "cpu":
+            flags = flags.to(self.device, non_blocking=True)
+        if self.op == "all_reduce":
+            self.buffer[self.total :].copy_(flags)
+            if self.world > 1:
+                self.buffer.div_(self.world)
+            self.inflight = self.comm.all_reduce(self.buffer, self.label)
+        else:
+            inp = self._rs_input()
+            inp[:, self.total :].copy_(flags.expand(self.world, self.n))
+            if self.world > 1:
+                inp.div_(self.world)
+            out = torch.empty(self.total + self.n, dtype=self.dtype, device=self.device)
+            self.inflight = self.comm.reduce_scatter(out, inp.view(-1), self.label)
+            self._input = None  # the InFlight owns it now
+        self.launched = True
+        return missing
+
+    def finish(self) -> None:
+        """Wait for the collective and hand each parameter its reduced gradient."""
+        assert self.inflight is not None, "finish() before launch()"
+        self.inflight.wait()
+        if self.op == "all_reduce":
+            result, views = self.buffer, self.views
+        else:
+            result = self.inflight.buffers[0]
+            views = [
+                result[o : o + mp.local_rows * mp.row_numel].view(mp.local.shape)
+                for o, mp in zip(self.offsets, self.params)
+            ]
+        used = (result[self.total :] > 0).tolist()
+        with torch.no_grad():
+            for slot, mp in enumerate(self.params):
+                if not used[slot]:
+                    continue
+                act = self.action[slot]
+                if act == _KEEP:
+                    continue
+                g = views[slot] if self.dtype == mp.dtype else views[slot].to(mp.dtype)
+                if act == _SET:
+                    mp.set_local_grad(g)
+                else:
+                    vg = mp.local_grad()
+                    vg.add_(g)
+        self.inflight = None
+
+
+class Reducer:
+    """Launches buckets in order as their gradients become ready; flushes and finishes at the end."""
+
+    def __init__(self, buckets: list[BucketRuntime]) -> None:
+        self.buckets = buckets
+        self.slot: dict[int, tuple[BucketRuntime, int]] = {
+            id(mp): (b, i) for b in buckets for i, mp in enumerate(b.params)
+        }
+        self.next_launch = 0
+
+    def on_ready(self, mp: ManagedParam) -> None:
+        entry = self.slot.get(id(mp))
+        if entry is None:
+            return
+        bucket, slot = entry
+        bucket.add_grad(slot, mp)
+        if bucket.pending == 0 and bucket.index == self.next_launch:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].pending == 0:
+            self.buckets[self.next_launch].launch()
+            self.next_launch += 1
+
+    def flush(self) -> list[str]:
+        """Launch every remaining bucket (in order), wait for all, assign gradients.
+
+        Returns the names of parameters that got no gradient on this rank this step."""
+        missing: list[str] = []
+        while self.next_launch < len(self.buckets):
+            missing.extend(self.buckets[self.next_launch].launch())
+            self.next_launch += 1
+        for b in self.buckets:
+            b.finish()
+        self.reset()
+        return missing
+
+    def reset(self) -> None:
+        for b in self.buckets:
+            if b.inflight is not None:  # never leave a collective un-waited
+                b.inflight.wait()
+            b.reset()
+        self.next_launch = 0

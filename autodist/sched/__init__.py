@@ -1,0 +1,1 @@
+"""Plan space and moves, seeds and greedy passes, backtracking search."""

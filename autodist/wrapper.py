@@ -1,0 +1,232 @@
+"""``AutoDist``: the one line a training loop changes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ._log import logger
+from .cost.budget import format_bytes, parse_memory_limit
+from .errors import PlanError, RankMismatchError
+from .plan import Plan, load_plan, validate_plan
+from .runtime.comm import Comm, init_distributed
+from .runtime.engine import Engine, MixedPrecision
+from .runtime.state import full_state_dict, load_full_state_dict
+from .sched.seeds import BUILTIN_PLANS, builtin_plan
+from .structure import ModelStructure, discover
+
+PLAN_CHOICES = ("auto",) + BUILTIN_PLANS
+
+
+class AutoDist(nn.Module):
+    """Data-parallel training of ``module`` following a plan.
+
+    Args:
+        module: the model, on the CPU or on this rank's device (it is moved to the device).
+        plan: ``"auto"`` (profile, search, cache), a built-in baseline (``"ddp"``, ``"fsdp"``,
+            ``"zero2"``), a :class:`Plan`, or the path of a plan JSON file.
+        mesh: a 1-D ``DeviceMesh`` to run on (default: every rank of the default process group).
+        memory_limit: budget per rank — bytes, ``"24GiB"`` or ``"80%"``. Default: what the device has
+            free, minus a margin.
+        example_inputs: a tuple of positional inputs for one forward call; lets ``plan="auto"``
+            profile and search before the first step.
+        cache_dir: where ``plan="auto"`` keeps profiles and plans (default ``$AUTODIST_CACHE_DIR``,
+            ``$XDG_CACHE_HOME/autodist`` or ``~/.cache/autodist``).
+        mixed_precision: :class:`MixedPrecision` (or torch's ``MixedPrecisionPolicy``).
+        broadcast_buffers: broadcast buffers (BatchNorm statistics) from rank 0 at the start of
+            every forward that will synchronise gradients, as DDP does (default ``True``).
+
+    The wrapper behaves like the wrapped module: ``named_parameters()`` and ``state_dict()`` use the
+    wrapped module's names (no ``module.`` prefix). ``state_dict()`` returns full tensors;
+    ``model.module.state_dict()`` returns the parameters as they are held (DTensor shards when the
+    plan shards anything), which is what ``torch.distributed.checkpoint`` should save.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        plan: str | os.PathLike[str] | Plan = "auto",
+        *,
+        mesh: DeviceMesh | None = None,
+        memory_limit: int | str | None = None,
+        example_inputs: tuple[Any, ...] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        mixed_precision: MixedPrecision | Any | None = None,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"AutoDist wraps an nn.Module, got {type(module).__name__}")
+        if isinstance(module, AutoDist):
+            raise TypeError("this module is already wrapped by AutoDist; wrap the inner module once")
+        mixed_precision = MixedPrecision.coerce(mixed_precision)
+        _check_plan_argument(plan)
+        if mesh is not None and mesh.ndim != 1:
+            raise ValueError(f"AutoDist runs on a 1-D DeviceMesh; got a {mesh.ndim}-D mesh {mesh}")
+        device = init_distributed(torch.device(mesh.device_type) if mesh is not None and mesh.device_type == "cpu" else None)
+        if mesh is None:
+            mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        devices = {p.device for p in module.parameters()} | {b.device for b in module.buffers()}
+        if len(devices) > 1:
+            raise ValueError(f"all parameters and buffers must be on one device before wrapping; found {sorted(map(str, devices))}")
+        if devices and next(iter(devices)) != device:
+            logger.info("autodist: moving the model from %s to %s", next(iter(devices)), device)
+            module.to(device)
+        self.module = module
+        self.device = device
+        self.mesh = mesh
+        self.budget_bytes = parse_memory_limit(memory_limit, device)
+        self._comm = Comm(mesh.get_group())
+        self._structure = discover(module)
+        self._sync_initial_state()
+        resolved = self._resolve_plan(plan, example_inputs=example_inputs, cache_dir=cache_dir)
+        self._check_rank_agreement(resolved)
+        self._engine = Engine(
+            module,
+            resolved,
+            self._structure,
+            comm=self._comm,
+            mesh=mesh,
+            device=device,
+            mixed_precision=mixed_precision,
+            broadcast_buffers=broadcast_buffers,
+        )
+        if self._comm.rank == 0:
+            logger.info(
+                "autodist: plan %s in force (%d units, %d sharded, %d gather groups, %d buckets; "
+                "world size %d, budget %s)",
+                resolved.label, len(resolved.units), len(resolved.sharded_units),
+                len(resolved.gather_groups), len(resolved.buckets), self._comm.world_size,
+                format_bytes(self.budget_bytes),
+            )
+
+    # ---------------------------------------------------------------------------------------------
+    # plan resolution
+    # ---------------------------------------------------------------------------------------------
+    def _resolve_plan(self, plan: Any, *, example_inputs: Any, cache_dir: Any) -> Plan:
+        world = self._comm.world_size
+        if isinstance(plan, Plan):
+            validate_plan(plan, self._structure, world_size=world, source="(Plan object)")
+            return plan
+        if isinstance(plan, str) and plan in BUILTIN_PLANS:
+            p = builtin_plan(plan, self._structure, world)
+            p.device = self.device.type
+            return p
+        if isinstance(plan, str) and plan == "auto":
+            from .lifecycle import resolve_auto_plan
+
+            return resolve_auto_plan(self, example_inputs=example_inputs, cache_dir=cache_dir)
+        path = os.fspath(plan)
+        return load_plan(path, self._structure, world_size=world)
+
+    def _check_rank_agreement(self, plan: Plan) -> None:
+        hashes = self._comm.all_gather_object(plan.hash())
+        if len(set(hashes)) > 1:
+            differing = [r for r, h in enumerate(hashes) if h != hashes[0]]
+            raise RankMismatchError(
+                f"ranks disagree on the plan (hash on rank 0: {hashes[0]}; ranks {differing} differ). Every rank "
+                "must load the same plan file and wrap the same model."
+            )
+
+    @torch.no_grad()
+    def _sync_initial_state(self) -> None:
+        """Every rank starts from rank 0's parameters and buffers."""
+        tensors = [p.detach() for p in self.module.parameters()] + list(self.module.buffers())
+        self._comm.broadcast_tensors(tensors, "init")
+
+    # ---------------------------------------------------------------------------------------------
+    # nn.Module interface
+    # ---------------------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._engine.forward(args, kwargs)
+
+    @property
+    def plan(self) -> Plan:
+        """The plan in force (after any switch or bucket rebuild)."""
+        return self._engine.plan
+
+    @property
+    def structure(self) -> ModelStructure:
+        return self._structure
+
+    @property
+    def runtime(self) -> Engine:
+        return self._engine
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """Full (unsharded) tensors under the wrapped module's keys. A collective: call on every rank."""
+        if args:
+            raise TypeError("state_dict() takes keyword arguments only (destination=, prefix=, keep_vars=)")
+        sd = full_state_dict(self.module, prefix=prefix, keep_vars=keep_vars)
+        if destination is not None:
+            destination.update(sd)
+            return destination
+        return sd
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load full tensors (or DTensors) saved under any plan or world size. A collective."""
+        if assign:
+            raise ValueError("AutoDist.load_state_dict does not support assign=True: parameters are managed in place")
+        result = load_full_state_dict(self.module, self._engine.params, state_dict, strict=strict)
+        self._engine.mark_stale()
+        return result
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        # torch.distributed.checkpoint.state_dict: our keys omit the 'module.' level.
+        return {name: "module" for name, _ in self.module.named_children()}
+
+    # ---------------------------------------------------------------------------------------------
+    # gradient synchronisation control
+    # ---------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, without communication, in forwards run inside (DDP's API)."""
+        old = self._engine.sync_enabled
+        self._engine.sync_enabled = False
+        try:
+            yield
+        finally:
+            self._engine.sync_enabled = old
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """FSDP2's API: whether the next forward/backward reduces gradients."""
+        self._engine.sync_enabled = bool(requires_gradient_sync)
+
+    def extra_repr(self) -> str:
+        p = self.plan
+        return f"plan={p.label}, world_size={p.world_size}, sharded_units={len(p.sharded_units)}, buckets={len(p.buckets)}"
+
+
+def _check_plan_argument(plan: Any) -> None:
+    if isinstance(plan, Plan):
+        return
+    if isinstance(plan, str) and plan in PLAN_CHOICES:
+        return
+    if isinstance(plan, (str, os.PathLike)):
+        path = os.fspath(plan)
+        if os.path.exists(path):
+            return
+        raise PlanError(
+            f"plan={path!r} is neither one of {', '.join(repr(c) for c in PLAN_CHOICES)} nor an existing plan "
+            "file; pass one of those names, a Plan, or the path of a plan JSON file"
+        )
+    raise TypeError(
+        f"plan must be one of {', '.join(repr(c) for c in PLAN_CHOICES)}, a Plan, or a path; got {type(plan).__name__}"
+    )
