@@ -464,6 +464,12 @@ def validate_plan(
             if un in grouped:
                 problems.append(f"unit {un!r} is in gather_groups[{grouped[un]}] and gather_groups[{gi}]; list it once")
             grouped[un] = gi
+        res = {next((u.residency for u in plan.units if u.name == un), None) for un in g.units} - {None}
+        if len(res) > 1:
+            problems.append(
+                f"gather_groups[{gi}] mixes residencies {sorted(res)}; units gathered together are freed together, "
+                "so give them one residency or split the group"
+            )
     for u in plan.units:
         if u.placement == "shard" and u.name not in grouped:
             problems.append(f"sharded unit {u.name!r} is in no gather group; add it to one")

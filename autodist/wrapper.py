@@ -76,17 +76,24 @@ class AutoDist(nn.Module):
         devices = {p.device for p in module.parameters()} | {b.device for b in module.buffers()}
         if len(devices) > 1:
             raise ValueError(f"all parameters and buffers must be on one device before wrapping; found {sorted(map(str, devices))}")
-        if devices and next(iter(devices)) != device:
-            logger.info("autodist: moving the model from %s to %s", next(iter(devices)), device)
-            module.to(device)
         self.module = module
         self.device = device
         self.mesh = mesh
         self.budget_bytes = parse_memory_limit(memory_limit, device)
         self._comm = Comm(mesh.get_group())
         self._structure = discover(module)
+        # A plan that can be resolved without running the model is checked before anything changes.
+        resolved = None
+        if not (isinstance(plan, str) and plan == "auto"):
+            resolved = self._agree(lambda: self._resolve_plan(plan, example_inputs=None, cache_dir=None))
+        if devices and next(iter(devices)) != device:
+            logger.info("autodist: moving the model from %s to %s", next(iter(devices)), device)
+            module.to(device)
         self._sync_initial_state()
-        resolved = self._resolve_plan(plan, example_inputs=example_inputs, cache_dir=cache_dir)
+        if resolved is None:
+            resolved = self._agree(
+                lambda: self._resolve_plan(plan, example_inputs=example_inputs, cache_dir=cache_dir)
+            )
         self._check_rank_agreement(resolved)
         self._engine = Engine(
             module,
@@ -125,6 +132,22 @@ class AutoDist(nn.Module):
             return resolve_auto_plan(self, example_inputs=example_inputs, cache_dir=cache_dir)
         path = os.fspath(plan)
         return load_plan(path, self._structure, world_size=world)
+
+    def _agree(self, fn: Any) -> Any:
+        """Run ``fn`` on every rank; if it raises on any rank, raise on every rank (never hang)."""
+        error: BaseException | None = None
+        try:
+            result = fn()
+        except (PlanError, OSError, ValueError, TypeError) as e:
+            error, result = e, None
+        statuses = self._comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        failed = [(r, m) for r, m in enumerate(statuses) if m is not None]
+        if failed:
+            r, m = failed[0]
+            raise PlanError(f"rank {r} could not resolve the plan ({m}); every rank must see the same plan", source=None)
+        return result
 
     def _check_rank_agreement(self, plan: Plan) -> None:
         hashes = self._comm.all_gather_object(plan.hash())
@@ -208,6 +231,12 @@ class AutoDist(nn.Module):
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """FSDP2's API: whether the next forward/backward reduces gradients."""
         self._engine.sync_enabled = bool(requires_gradient_sync)
+
+    def close(self) -> None:
+        """Remove every hook and release this instance's process groups (the model stays usable as a
+        plain module holding its current parameters). Call on every rank."""
+        self._engine.close()
+        self._comm.destroy()
 
     def extra_repr(self) -> str:
         p = self.plan

@@ -26,6 +26,10 @@ from torch.profiler import record_function
 
 from .._log import logger
 
+# torch >= 2.14 renamed the flat-tensor collectives (the old names still work but warn).
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class CommStats:
@@ -117,7 +121,7 @@ class Comm:
             if self.world_size == 1:
                 out.copy_(inp)
                 return InFlight(None, (out, inp), label)
-            work = dist.all_gather_into_tensor(out, inp, group=self.gather_pg, async_op=True)
+            work = _all_gather_flat(out, inp, group=self.gather_pg, async_op=True)
         return InFlight(work, (out, inp), label)
 
     # -- gradient reductions ------------------------------------------------------------------
@@ -129,7 +133,7 @@ class Comm:
             if self.world_size == 1:
                 out.copy_(inp.view(-1)[: out.numel()])
                 return InFlight(None, (out, inp), label)
-            work = dist.reduce_scatter_tensor(out, inp, group=self.reduce_pg, async_op=True)
+            work = _reduce_scatter_flat(out, inp, group=self.reduce_pg, async_op=True)
         return InFlight(work, (out, inp), label)
 
     def all_reduce(self, buf: torch.Tensor, label: str) -> InFlight:

@@ -268,7 +268,12 @@ class Engine:
             self._visible_map = {id(mp.visible): mp for mp in self.params.values()}
         return self._visible_map.get(id(p))
 
-    def remove_hooks(self) -> None:
+    def close(self) -> None:
+        """Remove all hooks; wait for anything in flight."""
+        self.reducer.reset()
+        for g in self.groups:
+            if g.state is GroupState.GATHERING:
+                g.wait()
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -1,0 +1,180 @@
+"""Run test functions on N gloo ranks that are spawned once and reused.
+
+``RankPool(world_size)`` starts ``world_size`` worker processes that form a gloo process group and
+then wait for work. ``pool.run(fn, *args)`` runs ``fn(*args)`` on every rank at once (``fn`` must be
+importable: a module-level function of a test module) and returns the per-rank results, rank order.
+
+Failures are reported by rank with the rank's own traceback. If a rank fails, the others get a short
+grace period to finish (they may be blocked in a collective waiting for it); ranks that do not finish
+in time — or a run that exceeds its timeout — are killed and the pool restarts on the next ``run``.
+Workers exit when the pool closes, when the parent process dies, or at interpreter exit: nothing is
+left behind.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 180.0
+FAILURE_GRACE_S = 15.0
+COLLECTIVE_TIMEOUT_S = 90.0
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised; the message holds each failing rank's traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(3)
+        time.sleep(1.0)
+
+
+def _worker(rank: int, world_size: int, port: int, conn: Any, parent_pid: int, sys_path: list[str]) -> None:
+    sys.path[:] = sys_path
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    conn.send(("ready", None))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            result = fn(*args, **kwargs)
+            conn.send(("ok", result))
+        except BaseException:  # report everything, including assertion errors
+            conn.send(("err", traceback.format_exc()))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class RankPool:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._procs: list[mp.Process] = []
+        self._conns: list[Any] = []
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._procs, self._conns = [], []
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=_worker,
+                args=(rank, self.world_size, port, child, os.getpid(), list(sys.path)),
+                daemon=True,
+                name=f"autodist-test-rank{rank}",
+            )
+            p.start()
+            child.close()
+            self._procs.append(p)
+            self._conns.append(parent)
+        deadline = time.monotonic() + 120
+        for rank, c in enumerate(self._conns):
+            if not c.poll(max(0.0, deadline - time.monotonic())):
+                self.kill()
+                raise RuntimeError(f"rank {rank} of the test pool did not start within 120 s")
+            c.recv()
+
+    def kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+        for p in self._procs:
+            p.join(timeout=10)
+        for c in self._conns:
+            c.close()
+        self._procs, self._conns = [], []
+
+    def close(self) -> None:
+        for c in self._conns:
+            try:
+                c.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self._procs:
+            p.join(timeout=10)
+        self.kill()
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    # -- running --------------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+        if not self.alive:
+            self.kill()
+            self._start()
+        for c in self._conns:
+            c.send((fn, args, kwargs))
+        results: list[Any] = [None] * self.world_size
+        errors: dict[int, str] = {}
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + timeout
+        while pending:
+            now = time.monotonic()
+            if errors:
+                deadline = min(deadline, now + FAILURE_GRACE_S)
+            if now >= deadline:
+                break
+            for rank in sorted(pending):
+                c = self._conns[rank]
+                if c.poll(0.02):
+                    try:
+                        status, payload = c.recv()
+                    except EOFError:
+                        status, payload = "err", f"rank {rank} died (exit code {self._procs[rank].exitcode})"
+                    pending.discard(rank)
+                    if status == "ok":
+                        results[rank] = payload
+                    else:
+                        errors[rank] = payload
+                elif not self._procs[rank].is_alive():
+                    pending.discard(rank)
+                    errors[rank] = f"rank {rank} died (exit code {self._procs[rank].exitcode})"
+        if pending:
+            self.kill()  # stuck ranks: the process group is unusable, start afresh next time
+        if errors or pending:
+            parts = [f"--- rank {r} failed ---\n{tb}" for r, tb in sorted(errors.items())]
+            if pending:
+                why = "after another rank failed" if errors else f"within {timeout:.0f} s"
+                parts.append(f"--- ranks {sorted(pending)} did not finish {why}; the pool was killed ---")
+            raise RankFailure(f"{fn.__module__}.{fn.__qualname__} on {self.world_size} ranks:\n" + "\n".join(parts))
+        return results

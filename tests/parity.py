@@ -1,0 +1,216 @@
+"""Parity runs: an AutoDist model on every rank against a single-process reference on the same data.
+
+``run_case`` is executed on every rank of a pool. Each rank trains the AutoDist model on its slice of
+a global batch, and also trains a plain copy of the model on the whole batch (the reference). After
+every step it compares the global loss, the full gradients and the full parameters, and returns the
+largest differences seen. Tolerances are applied by the calling test.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import models
+from autodist import AutoDist, MixedPrecision
+from autodist.plan import Bucket, GatherGroup, Plan, Prefetch, UnitPlan
+from autodist.sched.seeds import block_groups, builtin_plan
+from autodist.structure import discover
+
+
+@dataclass
+class Case:
+    model: str = "mlp"
+    plan: Any = "ddp"  # built-in name, or a dict of make_plan() options
+    optim: str = "sgd"
+    steps: int = 3
+    per_rank: int = 4
+    accumulate: int = 1
+    zero_grad: str = "none"  # "none": set_to_none; "zeros": set_to_none=False; "never": accumulate across steps
+    bf16: bool = False
+    clip: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def make_plan(
+    model: torch.nn.Module,
+    world: int,
+    *,
+    placement: str = "shard",
+    residency: str = "after_forward",
+    grouping: str = "unit",
+    window: Any = 1,
+    bwd_window: Any = None,
+    buckets: str = "per_group",
+    replicate_units: tuple[str, ...] = (),
+) -> Plan:
+    """A hand-written plan from a few knobs (see the test files for the combinations used)."""
+    s = discover(model)
+    units = []
+    for u in s.units:
+        pl = placement
+        if placement == "mixed":
+            pl = "replicate" if len(units) % 2 else "shard"
+        if u.name in replicate_units or any(len(s.params[p].shape) == 0 for p in u.params):
+            pl = "replicate"
+        units.append(UnitPlan(u.name, list(u.params), pl, residency))
+    sharded = [u.name for u in units if u.placement == "shard"]
+    if grouping == "unit":
+        gl = [[u] for u in sharded]
+    elif grouping == "all":
+        gl = [sharded] if sharded else []
+    elif grouping == "block":
+        gl = [[u for u in g if u in sharded] for g in block_groups(s)]
+        gl = [g for g in gl if g]
+    else:
+        raise ValueError(grouping)
+    pf = Prefetch(forward=window, backward=window if bwd_window is None else bwd_window)
+    groups = [GatherGroup(units=g, prefetch=pf) for g in gl]
+    place = {u.name: u.placement for u in units}
+    order = [p for u in reversed(units) for p in reversed(u.params) if s.params[p].requires_grad]
+    op = lambda p: "reduce_scatter" if place[s.unit_of_param[p]] == "shard" else "all_reduce"
+    if buckets == "per_param":
+        bl = [Bucket([p], op(p)) for p in order]
+    elif buckets in ("one", "per_group"):
+        bl = []
+        for p in order:
+            key = op(p) if buckets == "one" else (op(p), s.unit_of_param[p])
+            if buckets == "per_group" and op(p) == "reduce_scatter":
+                g = next(i for i, g in enumerate(gl) if s.unit_of_param[p] in g)
+                key = ("rs", g)
+            if bl and bl[-1][0] == key:
+                bl[-1][1].append(p)
+            elif buckets == "one" and any(k == key for k, _ in bl):
+                next(ps for k, ps in bl if k == key).append(p)
+            else:
+                bl.append((key, [p]))
+        bl = [Bucket(ps, op(ps[0])) for _, ps in bl]
+    else:
+        raise ValueError(buckets)
+    return Plan(world_size=world, units=units, gather_groups=groups, buckets=bl, provenance={"source": "test"})
+
+
+def _full(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _maxdiff(a: torch.Tensor | None, b: torch.Tensor | None, what: str) -> float:
+    if a is None and b is None:
+        return 0.0
+    if a is None or b is None:
+        raise AssertionError(f"{what}: one side has no gradient (autodist={a is not None}, reference={b is not None})")
+    return (a.detach().float() - b.detach().float()).abs().max().item() if a.numel() else 0.0
+
+
+def _has_bn(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def _optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-3)
+    raise ValueError(name)
+
+
+def run_case(case: Case) -> dict[str, float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = models.make(case.model)
+    base = models.make(case.model)
+    if isinstance(case.plan, dict):
+        plan = make_plan(base, world, **case.plan)
+    else:
+        plan = case.plan
+    mpol = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.bf16 else None
+    model = AutoDist(base, plan=plan, mixed_precision=mpol, **case.extra)
+    opt = _optimizer(case.optim, model.parameters())
+    ropt = _optimizer(case.optim, ref.parameters())
+    gen = torch.Generator().manual_seed(1234)
+    bn = _has_bn(ref)
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "buffer": 0.0}
+    ref_params = dict(ref.named_parameters())
+    for step in range(case.steps):
+        if case.model == "unused":
+            base.use_sometimes = ref.use_sometimes = step % 2 == 0
+        total_loss = torch.zeros(())
+        ref_total = 0.0
+        for micro in range(case.accumulate):
+            x, y = models.batch(case.model, case.per_rank * world, gen)
+            lo, hi = rank * case.per_rank, (rank + 1) * case.per_rank
+            sync = micro == case.accumulate - 1
+            ctx = model.no_sync() if not sync else _nullctx()
+            with ctx:
+                out = model(x[lo:hi])
+                loss = models.loss_fn(case.model, out.float(), y[lo:hi]) / case.accumulate
+                loss.backward()
+            total_loss += loss.detach().float()
+            # reference: concatenated batch (per-rank chunks when BatchNorm must see each rank's batch)
+            if bn:
+                bufs0 = copy.deepcopy(dict(ref.named_buffers()))
+                rank0_bufs = None
+                for r in range(world):
+                    for k, v in ref.named_buffers():
+                        v.copy_(bufs0[k])
+                    sl = slice(r * case.per_rank, (r + 1) * case.per_rank)
+                    rl = models.loss_fn(case.model, ref(x[sl]), y[sl]) / (case.accumulate * world)
+                    rl.backward()
+                    ref_total += rl.item()
+                    if r == 0:
+                        rank0_bufs = {k: v.clone() for k, v in ref.named_buffers()}
+                for k, v in ref.named_buffers():
+                    v.copy_(rank0_bufs[k])
+            else:
+                rl = models.loss_fn(case.model, ref(x), y) / case.accumulate
+                rl.backward()
+                ref_total += rl.item()
+        dist.all_reduce(total_loss)
+        worst["loss"] = max(worst["loss"], abs(total_loss.item() / world - ref_total))
+        named = dict(model.named_parameters())
+        for name, p in named.items():
+            worst["grad"] = max(worst["grad"], _maxdiff(_full(p.grad), ref_params[name].grad, f"step {step} {name}.grad"))
+        if case.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), case.clip)
+        opt.step()
+        ropt.step()
+        if case.zero_grad == "none":
+            opt.zero_grad(set_to_none=True)
+            ropt.zero_grad(set_to_none=True)
+        elif case.zero_grad == "zeros":
+            opt.zero_grad(set_to_none=False)
+            ropt.zero_grad(set_to_none=False)
+        sd = model.state_dict()
+        for name, v in ref.state_dict().items():
+            if name in ref_params:
+                worst["param"] = max(worst["param"], _maxdiff(sd[name], v, f"step {step} {name}"))
+            elif rank == 0 and v.is_floating_point():
+                worst["buffer"] = max(worst["buffer"], _maxdiff(sd[name], v, f"step {step} buffer {name}"))
+    worst["stats"] = model.runtime.comm.stats.__dict__.copy()
+    worst["stats"].pop("log", None)
+    worst["runtime"] = model.runtime.stats.__dict__.copy()
+    model.close()
+    return worst
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def check(results: list[dict[str, float]], *, atol: float) -> None:
+    for rank, r in enumerate(results):
+        for key in ("loss", "grad", "param", "buffer"):
+            assert r[key] <= atol, f"rank {rank}: max {key} difference {r[key]:.3g} exceeds {atol:.1g} ({r})"

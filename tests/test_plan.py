@@ -1,0 +1,198 @@
+"""Plan files: JSON round trip, and a clear error for every way a plan can be wrong."""
+
+import json
+
+import pytest
+import torch
+
+import models
+from autodist import AutoDist, Plan, PlanError, load_plan, save_plan, validate_plan
+from autodist.sched.seeds import ddp_plan, fsdp_plan, zero2_plan
+from autodist.structure import ROOT_UNIT, discover
+
+
+@pytest.fixture
+def gpt():
+    return models.make("gpt")
+
+
+@pytest.fixture
+def structure(gpt):
+    return discover(gpt)
+
+
+def _plan_dict(structure, world=2, kind=fsdp_plan):
+    return json.loads(kind(structure, world).to_json())
+
+
+def _problems(data, structure, world=2):
+    with pytest.raises(PlanError) as e:
+        validate_plan(Plan.from_dict(data), structure, world_size=world)
+    return str(e.value)
+
+
+def test_plan_round_trips_through_json(tmp_path, structure):
+    for kind in (ddp_plan, fsdp_plan, zero2_plan):
+        plan = kind(structure, 4)
+        plan.predicted = {"step_seconds": 0.5, "vs": {"ddp": 1.2}}
+        save_plan(plan, tmp_path / "p.json")
+        again = load_plan(tmp_path / "p.json", structure, world_size=4)
+        assert again == plan
+        assert again.hash() == plan.hash()
+
+
+def test_plan_json_is_sorted_and_diffable(structure):
+    text = fsdp_plan(structure, 2).to_json()
+    data = json.loads(text)
+    assert list(data) == sorted(data)
+    assert text.count("\n") > 20  # one field per line, not one long line
+
+
+def test_tied_parameter_is_covered_once(structure):
+    owners = [u.name for u in structure.units if "wte.weight" in u.params]
+    assert owners == ["wte"]
+    assert ("head", "weight") in structure.params["wte.weight"].sites
+    assert "head.weight" not in structure.params
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(PlanError, match="does not exist"):
+        load_plan(tmp_path / "nope.json")
+
+
+def test_corrupt_json(tmp_path):
+    (tmp_path / "p.json").write_text("{not json")
+    with pytest.raises(PlanError, match="not valid JSON.*line 1"):
+        load_plan(tmp_path / "p.json")
+
+
+def test_truncated_file(tmp_path, structure):
+    text = fsdp_plan(structure, 2).to_json()
+    (tmp_path / "p.json").write_text(text[: len(text) // 2])
+    with pytest.raises(PlanError, match="truncated or corrupt"):
+        load_plan(tmp_path / "p.json")
+    (tmp_path / "e.json").write_text("")
+    with pytest.raises(PlanError, match="empty"):
+        load_plan(tmp_path / "e.json")
+
+
+def test_not_an_object(tmp_path):
+    (tmp_path / "p.json").write_text("[1, 2]")
+    with pytest.raises(PlanError, match="expected a JSON object"):
+        load_plan(tmp_path / "p.json")
+
+
+def test_unknown_schema_version(structure):
+    d = _plan_dict(structure)
+    d["schema_version"] = 7
+    with pytest.raises(PlanError, match="schema_version 7 is not supported.*upgrade autodist or regenerate"):
+        Plan.from_dict(d)
+
+
+def test_wrong_world_size(structure):
+    msg = _problems(_plan_dict(structure, world=4), structure, world=2)
+    assert "made for 4 ranks but this job has 2" in msg
+
+
+def test_plan_for_another_model(structure):
+    other = fsdp_plan(discover(models.make("mlp")), 2)
+    with pytest.raises(PlanError) as e:
+        validate_plan(other, structure, world_size=2)
+    msg = str(e.value)
+    assert "layers.0" in msg and "different model" in msg
+    assert "'wte.weight' is not in any unit" in msg
+
+
+def test_parameter_listed_twice(structure):
+    d = _plan_dict(structure)
+    d["units"][1]["params"].append(d["units"][0]["params"][0])
+    assert "listed in unit 'wte' and again in 'wpe'" in _problems(d, structure)
+
+
+def test_parameter_missing_from_units(structure):
+    d = _plan_dict(structure)
+    dropped = d["units"][2]["params"].pop()
+    assert f"parameter '{dropped}' is not in any unit" in _problems(d, structure)
+
+
+def test_trainable_parameter_in_no_bucket(structure):
+    d = _plan_dict(structure)
+    dropped = d["buckets"][0]["params"].pop()
+    assert f"trainable parameter '{dropped}' is in no bucket" in _problems(d, structure)
+
+
+def test_unknown_parameter_in_bucket(structure):
+    d = _plan_dict(structure)
+    d["buckets"][0]["params"].append("decoder.weight")
+    assert "names parameter 'decoder.weight', which this model does not have" in _problems(d, structure)
+
+
+def test_bucket_op_must_match_placement(structure):
+    d = _plan_dict(structure)
+    d["buckets"][0]["op"] = "all_reduce"
+    assert "needs reduce_scatter" in _problems(d, structure)
+
+
+def test_frozen_parameter_in_bucket():
+    m = models.make("frozen")
+    s = discover(m)
+    d = json.loads(ddp_plan(s, 2).to_json())
+    d["buckets"][0]["params"].append("embed.weight")
+    assert "frozen parameter 'embed.weight'" in _problems(d, s)
+
+
+def test_sharded_unit_without_group(structure):
+    d = _plan_dict(structure)
+    d["gather_groups"][0]["units"] = d["gather_groups"][0]["units"][1:]
+    assert "is in no gather group" in _problems(d, structure)
+
+
+def test_replicated_unit_in_gather_group(structure):
+    d = _plan_dict(structure)
+    d["units"][0]["placement"] = "replicate"
+    msg = _problems(d, structure)
+    assert "'wte', which is replicated" in msg
+
+
+def test_group_mixing_residencies(structure):
+    d = _plan_dict(structure)
+    g = next(g for g in d["gather_groups"] if len(g["units"]) > 1)
+    unit = next(u for u in d["units"] if u["name"] == g["units"][0])
+    unit["residency"] = "persistent"
+    assert "mixes residencies" in _problems(d, structure)
+
+
+def test_bad_field_values_name_their_path(structure):
+    d = _plan_dict(structure)
+    d["units"][3]["placement"] = "spread"
+    d["gather_groups"][0]["prefetch"]["forward"] = -1
+    d["buckets"][1]["op"] = "allreduce"
+    d["unitz"] = []
+    with pytest.raises(PlanError) as e:
+        Plan.from_dict(d)
+    msg = str(e.value)
+    assert "units[3].placement: expected one of replicate, shard; got \"spread\"" in msg
+    assert "gather_groups[0].prefetch.forward: expected a non-negative integer" in msg
+    assert "buckets[1].op" in msg
+    assert "unitz: unknown field" in msg
+
+
+def test_zero_dim_parameter_cannot_be_sharded():
+    m = torch.nn.Module()
+    m.scale = torch.nn.Parameter(torch.ones(()))
+    m.lin = torch.nn.Linear(3, 3)
+    s = discover(m)
+    d = json.loads(fsdp_plan(s, 2).to_json())
+    assert next(u for u in d["units"] if u["name"] == ROOT_UNIT)["placement"] == "replicate"
+    next(u for u in d["units"] if u["name"] == ROOT_UNIT)["placement"] = "shard"
+    assert "0-dimensional" in _problems(d, s)
+
+
+def test_unknown_plan_name_fails_before_touching_the_model():
+    m = models.make("mlp")
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(PlanError, match="neither one of 'auto', 'ddp', 'fsdp', 'zero2' nor an existing plan file"):
+        AutoDist(m, plan="fdsp")
+    with pytest.raises(TypeError, match="plan must be one of"):
+        AutoDist(m, plan=3)
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())

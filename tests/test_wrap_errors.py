@@ -1,0 +1,82 @@
+"""Bad plans given to AutoDist on several ranks: every rank raises a clear error, none hangs."""
+
+import os
+import tempfile
+
+import torch.distributed as dist
+
+import models
+from autodist import AutoDist, PlanError, RankMismatchError, save_plan
+from autodist.sched.seeds import ddp_plan, fsdp_plan
+from autodist.structure import discover
+
+
+def _wrap_expecting(plan_for_rank, exc=PlanError):
+    rank = dist.get_rank()
+    m = models.make("mlp")
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    try:
+        AutoDist(m, plan=plan_for_rank(rank))
+    except exc as e:
+        unchanged = all((before[k] == v).all() for k, v in m.state_dict().items())
+        return {"error": str(e), "unchanged": bool(unchanged)}
+    return {"error": None}
+
+
+def _corrupt_everywhere(directory):
+    path = os.path.join(directory, "plan.json")
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            f.write('{"schema_version": 1, "world_size": 2, "units": [')
+    dist.barrier()
+    return _wrap_expecting(lambda r: path)
+
+
+def _corrupt_on_rank1(directory):
+    good = os.path.join(directory, "good.json")
+    bad = os.path.join(directory, "bad.json")
+    if dist.get_rank() == 0:
+        save_plan(ddp_plan(discover(models.make("mlp")), 2), good)
+        with open(bad, "w") as f:
+            f.write("garbage")
+    dist.barrier()
+    return _wrap_expecting(lambda r: good if r == 0 else bad)
+
+
+def _wrong_world(directory):
+    path = os.path.join(directory, "p4.json")
+    if dist.get_rank() == 0:
+        save_plan(fsdp_plan(discover(models.make("mlp")), 4), path)
+    dist.barrier()
+    return _wrap_expecting(lambda r: path)
+
+
+def _ranks_disagree():
+    s = discover(models.make("mlp"))
+    return _wrap_expecting(lambda r: ddp_plan(s, 2) if r == 0 else fsdp_plan(s, 2), exc=RankMismatchError)
+
+
+def test_corrupt_plan_file_fails_on_every_rank(world2):
+    with tempfile.TemporaryDirectory() as d:
+        res = world2.run(_corrupt_everywhere, d)
+    for r in res:
+        assert "not valid JSON" in r["error"] and r["unchanged"]
+
+
+def test_plan_file_corrupt_on_one_rank_fails_everywhere_without_hanging(world2):
+    with tempfile.TemporaryDirectory() as d:
+        res = world2.run(_corrupt_on_rank1, d, timeout=60)
+    assert "rank 1 could not resolve the plan" in res[0]["error"]
+    assert "not valid JSON" in res[1]["error"]
+
+
+def test_plan_for_other_world_size(world2):
+    with tempfile.TemporaryDirectory() as d:
+        res = world2.run(_wrong_world, d)
+    for r in res:
+        assert "made for 4 ranks but this job has 2" in r["error"] and r["unchanged"]
+
+
+def test_ranks_with_different_plans_are_refused(world2):
+    for r in world2.run(_ranks_disagree):
+        assert "ranks disagree on the plan" in r["error"]
