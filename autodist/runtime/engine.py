@@ -29,6 +29,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+import torch.optim.optimizer as optim_hooks
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
@@ -84,6 +85,25 @@ class _ModuleSite:
     units: list[str]  # units whose parameters this module uses (own first)
 
 
+class PrefetchSchedule:
+    """Gather groups ordered by the position that triggers them (see [Note: prefetch triggers]).
+
+    ``fire(pos)`` issues every group whose trigger is at or before ``pos`` and whose first use is
+    not yet behind: a group whose units were skipped this pass is not gathered for nothing.
+    """
+
+    def __init__(self, entries: list[tuple[int, int, GatherGroupRuntime]]) -> None:
+        self.entries = sorted(entries, key=lambda e: (e[0], e[1], e[2].index))
+        self.next = 0
+
+    def fire(self, pos: int) -> None:
+        while self.next < len(self.entries) and self.entries[self.next][0] <= pos:
+            _, first, group = self.entries[self.next]
+            self.next += 1
+            if first >= pos:
+                group.issue()
+
+
 @dataclass
 class _Step:
     """Per forward/backward state."""
@@ -91,11 +111,9 @@ class _Step:
     sync: bool = True
     fwd_sequence: list[str] = field(default_factory=list)
     seen_units: set[str] = field(default_factory=set)
-    fwd_trigger_pos: int = -2
-    fwd_issued: set[int] = field(default_factory=set)
+    fwd_schedule: PrefetchSchedule = field(default_factory=lambda: PrefetchSchedule([]))
     in_backward: bool = False
-    bwd_triggers: list[tuple[int, GatherGroupRuntime]] = field(default_factory=list)
-    bwd_trigger_next: int = 0
+    bwd_schedule: PrefetchSchedule = field(default_factory=lambda: PrefetchSchedule([]))
     bwd_pos: dict[str, int] = field(default_factory=dict)
     ready_order: list[str] = field(default_factory=list)
     expects_backward: bool = False
@@ -215,14 +233,13 @@ class Engine:
     def _compute_forward_triggers(self) -> None:
         pos = {u: i for i, u in enumerate(self.unit_order)}
         self.unit_pos = pos
-        triggers: dict[int, list[GatherGroupRuntime]] = {}
         self.group_last_unit: dict[int, str] = {}
+        entries = []
         for g in self.groups:
             first = min(pos.get(u, len(pos)) for u in g.units)
             self.group_last_unit[g.index] = max(g.units, key=lambda u: pos.get(u, -1))
-            t = max(first - g.forward_window, -1)
-            triggers.setdefault(t, []).append(g)
-        self.fwd_triggers = sorted(triggers.items())
+            entries.append((max(first - g.forward_window, -1), first, g))
+        self._fwd_entries = entries
 
     def _install_hooks(self) -> None:
         # Module forward hooks, only where something must happen.
@@ -258,7 +275,7 @@ class Engine:
         # Optimizer hook for persistent refresh.
         if self.has_persistent:
             self._handles.append(
-                torch.optim.optimizer.register_optimizer_step_post_hook(_weak_optimizer_hook(self))
+                optim_hooks.register_optimizer_step_post_hook(_weak_optimizer_hook(self))
             )
             self._visible_ids = {id(mp.visible) for mp in self.params.values()}
             self._our_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -296,7 +313,7 @@ class Engine:
             # The previous forward's backward never ran (or ran without reaching our hooks).
             self._release_after_step(drop_reductions=True)
         grad = torch.is_grad_enabled()
-        self._step = _Step(sync=self.sync_enabled and grad)
+        self._step = _Step(sync=self.sync_enabled and grad, fwd_schedule=PrefetchSchedule(self._fwd_entries))
         for g in self.groups:
             g.reset_step()
         if self.broadcast_buffers and grad and self.sync_enabled and self.comm.world_size > 1:
@@ -344,19 +361,7 @@ class Engine:
     # module hooks
     # ------------------------------------------------------------------------------------------
     def _run_forward_triggers(self, pos: int) -> None:
-        step = self._step
-        if pos <= step.fwd_trigger_pos:
-            return
-        for t, groups in self.fwd_triggers:
-            if t > pos:
-                break
-            if t <= step.fwd_trigger_pos:
-                continue
-            for g in groups:
-                if g.index not in step.fwd_issued:
-                    step.fwd_issued.add(g.index)
-                    g.issue()
-        step.fwd_trigger_pos = pos
+        self._step.fwd_schedule.fire(pos)
 
     def _make_pre_forward(self, site: _ModuleSite):
         def pre_forward(module: nn.Module, args: tuple) -> None:
@@ -427,24 +432,17 @@ class Engine:
         # Backward order: reverse of this step's forward.
         order = list(reversed(step.fwd_sequence))
         step.bwd_pos = {u: i for i, u in enumerate(order)}
-        trig = []
+        entries = []
         for g in self.groups:
             if g.residency != "after_forward":
                 continue
             first = min((step.bwd_pos[u] for u in g.units if u in step.bwd_pos), default=None)
-            if first is None:
-                continue
-            trig.append((max(first - g.backward_window, -1), first, g))
-        trig.sort(key=lambda x: (x[0], x[1]))
-        step.bwd_triggers = [(t, g) for t, _, g in trig]
-        step.bwd_trigger_next = 0
+            if first is not None:
+                entries.append((max(first - g.backward_window, -1), first, g))
+        step.bwd_schedule = PrefetchSchedule(entries)
 
     def _run_backward_triggers(self, pos: int) -> None:
-        step = self._step
-        while step.bwd_trigger_next < len(step.bwd_triggers) and step.bwd_triggers[step.bwd_trigger_next][0] <= pos:
-            g = step.bwd_triggers[step.bwd_trigger_next][1]
-            step.bwd_trigger_next += 1
-            g.issue()
+        self._step.bwd_schedule.fire(pos)
 
     def _make_grad_hook(self, mp: ManagedParam):
         group = self.group_of_param.get(id(mp))

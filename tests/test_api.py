@@ -1,0 +1,145 @@
+"""The conventions DDP/FSDP2 users rely on: names, shapes, state dicts, no_sync, a world of one."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import models
+from autodist import AutoDist
+from parity import make_plan
+
+
+def _visible_params(plan):
+    plain = models.make("gpt")
+    expected = {n: (tuple(p.shape), p.dtype, p.requires_grad) for n, p in plain.named_parameters()}
+    model = AutoDist(models.make("gpt"), plan=plan)
+    got = {n: (tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()}
+    kinds = {type(p.data).__name__ for p in model.parameters()}
+    keys_ok = list(model.state_dict()) == list(plain.state_dict())
+    full = all(type(v) is torch.Tensor for v in model.state_dict().values())
+    is_module = model.module.__class__ is plain.__class__
+    model.close()
+    return {"same": got == expected, "kinds": sorted(kinds), "keys_ok": keys_ok, "full": full, "is_module": is_module}
+
+
+@pytest.mark.parametrize("plan", ["ddp", "fsdp"])
+def test_visible_parameters_keep_names_shapes_dtypes(world2, plan):
+    for r in world2.run(_visible_params, plan):
+        assert r["same"] and r["keys_ok"] and r["full"] and r["is_module"]
+        assert r["kinds"] == (["Tensor"] if plan == "ddp" else ["DTensor"])
+
+
+def _load_across_plans(src_plan, dst_plan):
+    rank = dist.get_rank()
+    torch.manual_seed(5)
+    a = AutoDist(models.make("mlp", seed=1), plan=make_plan(models.make("mlp"), 2, **src_plan) if isinstance(src_plan, dict) else src_plan)
+    opt = torch.optim.SGD(a.parameters(), lr=0.1)
+    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(rank))
+    models.loss_fn("mlp", a(x), y).backward()
+    opt.step()
+    sd = a.state_dict()
+    b = AutoDist(models.make("mlp", seed=2), plan=make_plan(models.make("mlp"), 2, **dst_plan) if isinstance(dst_plan, dict) else dst_plan)
+    b.load_state_dict(sd)
+    after = b.state_dict()
+    same = all(torch.equal(sd[k], after[k]) for k in sd)
+    # the loaded model computes with the loaded weights (gathered copies refreshed)
+    out_a, out_b = a(x), b(x)
+    prefixed = AutoDist(models.make("mlp", seed=3), plan="ddp")
+    prefixed.load_state_dict({f"module.{k}": v for k, v in sd.items()})
+    same_prefixed = all(torch.equal(sd[k], v) for k, v in prefixed.state_dict().items())
+    for m in (a, b, prefixed):
+        m.close()
+    return {"same": same, "outputs": (out_a - out_b).abs().max().item(), "prefixed": same_prefixed}
+
+
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        ("ddp", "fsdp"),
+        ("fsdp", "ddp"),
+        ({"residency": "persistent", "grouping": "all"}, {"placement": "mixed", "residency": "after_backward"}),
+    ],
+)
+def test_state_dict_loads_under_another_plan(world2, src, dst):
+    for r in world2.run(_load_across_plans, src, dst):
+        assert r["same"] and r["prefixed"] and r["outputs"] == 0.0
+
+
+def test_load_state_dict_reports_missing_keys(world2):
+    for r in world2.run(_load_missing):
+        assert "missing keys ['layers.2.bias']" in r
+
+
+def _load_missing():
+    m = AutoDist(models.make("mlp"), plan="ddp")
+    sd = m.state_dict()
+    del sd["layers.2.bias"]
+    try:
+        m.load_state_dict(sd)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        m.close()
+    return "no error"
+
+
+def _count_collectives(plan, use_context):
+    rank = dist.get_rank()
+    m = AutoDist(models.make("mlp"), plan=plan)
+    gen = torch.Generator().manual_seed(rank)
+    counts = []
+    for step in range(2):
+        for micro in range(3):
+            x, y = models.batch("mlp", 4, gen)
+            last = micro == 2
+            if use_context:
+                ctx = m.no_sync() if not last else torch.enable_grad()
+            else:
+                m.set_requires_gradient_sync(last)
+                ctx = torch.enable_grad()
+            with ctx:
+                models.loss_fn("mlp", m(x), y).backward()
+            s = m.runtime.comm.stats
+            counts.append(s.all_reduces + s.reduce_scatters)
+    n_buckets = len(m.plan.buckets)
+    m.close()
+    return counts, n_buckets
+
+
+@pytest.mark.parametrize("plan", ["ddp", "fsdp"])
+@pytest.mark.parametrize("use_context", [True, False], ids=["no_sync", "set_requires_gradient_sync"])
+def test_accumulation_without_sync_communicates_once_per_step(world2, plan, use_context):
+    counts, n = world2.run(_count_collectives, plan, use_context)[0]
+    assert counts == [0, 0, n, n, n, 2 * n]
+
+
+def test_single_process_without_torchrun(tmp_path):
+    script = textwrap.dedent(
+        """
+        import torch, torch.distributed as dist
+        from autodist import AutoDist
+        torch.manual_seed(0)
+        ref = torch.nn.Linear(4, 3)
+        model = AutoDist(torch.nn.Linear(4, 3), plan="fsdp")
+        assert dist.get_world_size() == 1
+        model.load_state_dict(ref.state_dict())
+        opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        x = torch.randn(8, 4)
+        for _ in range(3):
+            model(x).square().mean().backward(); opt.step(); opt.zero_grad()
+            ref(x).square().mean().backward(); ropt.step(); ropt.zero_grad()
+        err = max((model.state_dict()[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+        assert err < 1e-6, err
+        print("ok")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

@@ -1,0 +1,62 @@
+"""The collectives a known plan issues: count and order per step (recorded by the runtime)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import models
+from autodist import AutoDist
+from parity import make_plan
+
+
+def _record(plan_kw, steps=3):
+    rank = dist.get_rank()
+    m = AutoDist(models.make("mlp"), plan=make_plan(models.make("mlp"), 2, **plan_kw))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    per_step = []
+    for _ in range(steps):
+        m.runtime.comm.stats.log = log = []
+        x, y = models.batch("mlp", 4, gen)
+        models.loss_fn("mlp", m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        per_step.append(log)
+    m.close()
+    return per_step
+
+
+def test_after_forward_gathers_twice_per_group_in_plan_order(world2):
+    steps = world2.run(_record, {"residency": "after_forward", "grouping": "unit", "window": 1})
+    assert steps[0] == steps[1]  # identical on every rank
+    expected = [
+        ("all_gather", "layers.0"),  # window 1: issued at the start of the root forward
+        ("all_gather", "layers.1"),  # ... when layers.0 starts
+        ("all_gather", "layers.2"),  # ... when layers.1 starts
+        ("all_gather", "layers.2"),  # backward: freed after forward, gathered again at the root's pre-backward
+        ("all_gather", "layers.1"),  # ... one unit ahead
+        ("reduce_scatter", "bucket0"),  # layers.2's gradients ready
+        ("all_gather", "layers.0"),
+        ("reduce_scatter", "bucket1"),
+        ("reduce_scatter", "bucket2"),
+    ]
+    for step in steps[0]:
+        assert step == expected
+
+
+@pytest.mark.parametrize("residency", ["after_backward", "persistent"])
+def test_once_gathered_residencies_gather_once_per_step(world2, residency):
+    steps = world2.run(_record, {"residency": residency, "grouping": "unit", "window": 1})[0]
+    for log in steps[1:]:  # steady state; persistent refreshes after the step belong to that step
+        gathers = [label for kind, label in log if kind == "all_gather"]
+        assert sorted(gathers) == ["layers.0", "layers.1", "layers.2"]
+        assert [k for k, _ in log].count("reduce_scatter") == 3
+    if residency == "persistent":
+        # all three refreshes are issued by the optimizer step, after every reduction
+        assert [k for k, _ in steps[1]][-3:] == ["all_gather"] * 3
+
+
+def test_fused_group_issues_one_gather(world2):
+    steps = world2.run(_record, {"residency": "after_forward", "grouping": "all", "buckets": "one"})[0]
+    for log in steps:
+        assert log == [("all_gather", "layers.0..layers.2"), ("all_gather", "layers.0..layers.2"), ("reduce_scatter", "bucket0")]
