@@ -86,12 +86,17 @@ class OffloadFragment:
 
 @dataclass
 class Plan:
+    """Every decision, as data. ``max_inflight_buckets``: at most this many bucket reductions in
+    flight (launching one more waits for the oldest; 0 = wait right after launch; null = no limit,
+    all waited for at the end of backward)."""
+
     world_size: int
     units: list[UnitPlan]
     gather_groups: list[GatherGroup] = field(default_factory=list)
     buckets: list[Bucket] = field(default_factory=list)
     offload: list[OffloadFragment] = field(default_factory=list)
     rebuild_buckets: BucketRebuild | None = None
+    max_inflight_buckets: int | None = None
     schema_version: int = SCHEMA_VERSION
     fingerprint: str = ""
     device: str = "cpu"
@@ -241,7 +246,7 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
     r = _Reader(source)
     top_required = {"schema_version", "world_size", "units"}
     top_optional = {
-        "gather_groups", "buckets", "offload", "rebuild_buckets", "fingerprint", "device",
+        "gather_groups", "buckets", "offload", "rebuild_buckets", "max_inflight_buckets", "fingerprint", "device",
         "budget_bytes", "predicted", "provenance",
     }
     if isinstance(data, dict) and "schema_version" in data:
@@ -363,6 +368,10 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
                 or (1 << 20),
             )
 
+    inflight = d.get("max_inflight_buckets")
+    if inflight is not None and not (isinstance(inflight, int) and not isinstance(inflight, bool) and inflight >= 0):
+        r.fail("max_inflight_buckets", f"expected a non-negative integer or null; got {json.dumps(inflight)[:60]}")
+        inflight = None
     budget = d.get("budget_bytes")
     if budget is not None:
         budget = r.typed(budget, "budget_bytes", int, "an integer number of bytes or null")
@@ -379,6 +388,7 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
         buckets=buckets,
         offload=offload,
         rebuild_buckets=rebuild,
+        max_inflight_buckets=inflight,
         fingerprint=str(d.get("fingerprint", "")),
         device=str(d.get("device", "cpu")),
         budget_bytes=budget,

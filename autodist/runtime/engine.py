@@ -165,6 +165,7 @@ class Engine:
         # ---- managed parameters -------------------------------------------------------------
         self.params: dict[str, ManagedParam] = {}
         original = dict(module.named_parameters(remove_duplicate=True))
+        shard_storage = self._allocate_shard_storage(plan, structure, world, device)
         for name, info in structure.params.items():
             mp = ManagedParam(
                 info,
@@ -176,6 +177,7 @@ class Engine:
                 use_dtensor=self.use_dtensor,
                 compute_dtype=compute_dtype if original[name].is_floating_point() else None,
                 device=device,
+                shard_storage=shard_storage.get(name),
             )
             mp.sites = [(module.get_submodule(m), attr) for m, attr in info.sites]
             mp.register_visible()
@@ -203,7 +205,7 @@ class Engine:
         self.has_persistent = any(g.residency == "persistent" for g in self.groups)
 
         # ---- buckets -------------------------------------------------------------------------
-        self.reducer = Reducer(self._build_buckets(plan))
+        self.reducer = Reducer(self._build_buckets(plan), max_inflight=plan.max_inflight_buckets)
 
         # ---- forward order ---------------------------------------------------------------------
         self.unit_order = [u.name for u in plan.units]
@@ -213,6 +215,26 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     # construction helpers
     # ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _allocate_shard_storage(
+        plan: Plan, structure: ModelStructure, world: int, device: torch.device
+    ) -> dict[str, torch.Tensor]:
+        """One flat buffer per dtype for all local shards, in plan unit order (see params.py)."""
+        from .params import shard_geometry
+
+        order = [p for u in plan.units if u.placement == "shard" for p in u.params]
+        sizes: dict[torch.dtype, int] = {}
+        spans: dict[str, tuple[torch.dtype, int, int]] = {}
+        for name in order:
+            info = structure.params[name]
+            _, row_numel, padded_rows = shard_geometry(info.shape, world)
+            n = padded_rows * row_numel
+            off = sizes.get(info.dtype, 0)
+            spans[name] = (info.dtype, off, n)
+            sizes[info.dtype] = off + n
+        buffers = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in sizes.items()}
+        return {name: buffers[dt][off : off + n] for name, (dt, off, n) in spans.items()}
+
     def reduce_dtype(self, mp: ManagedParam) -> torch.dtype:
         if self.mp is not None and mp.dtype.is_floating_point:
             return self.mp.reduce_dtype or self.mp.param_dtype or mp.dtype
@@ -370,8 +392,8 @@ class Engine:
                 if u not in step.seen_units:
                     step.seen_units.add(u)
                     step.fwd_sequence.append(u)
-            if site.unit is not None:
-                self._run_forward_triggers(self.unit_pos.get(site.unit, -1))
+            # Own groups first, then prefetch: the finished gather's buffers are released before the
+            # next one allocates its own (FSDP2 orders them the same way).
             for g in site.groups:
                 if g.ensure() and g.forward_window > 0 and self._order_learned:
                     self.stats.on_demand_forward += 1
@@ -382,6 +404,8 @@ class Engine:
                         g.index, g.label,
                     )
                 g.active += 1
+            if site.unit is not None:
+                self._run_forward_triggers(self.unit_pos.get(site.unit, -1))
             for attr, mp in site.swaps:
                 module._parameters[attr] = mp.full
             return None
@@ -411,11 +435,11 @@ class Engine:
         def pre_backward(grads: object) -> None:
             self._on_backward_start()
             step = self._step
-            if site.unit is not None:
-                self._run_backward_triggers(step.bwd_pos.get(site.unit, -1))
             for g in site.groups:
                 with record_function(f"autodist::pre_backward({g.label})"):
                     g.ensure()
+            if site.unit is not None:
+                self._run_backward_triggers(step.bwd_pos.get(site.unit, -1))
 
         return pre_backward
 
@@ -452,9 +476,8 @@ class Engine:
             if not step.in_backward:
                 self._on_backward_start()
             step.ready_order.append(mp.name)
-            if step.sync:
-                self.reducer.on_ready(mp)
             if group is not None:
+                # Release the full parameters first: the reduction below does not need them.
                 group.grads_ready += 1
                 if (
                     group.all_trainable
@@ -463,6 +486,8 @@ class Engine:
                     and group.active == 0
                 ):
                     group.free()
+            if step.sync:
+                self.reducer.on_ready(mp)
 
         return on_grad_ready
 
@@ -522,7 +547,7 @@ class Engine:
         from dataclasses import replace
 
         self.plan = replace(self.plan, buckets=buckets, rebuild_buckets=None)
-        self.reducer = Reducer(self._build_buckets(self.plan))
+        self.reducer = Reducer(self._build_buckets(self.plan), max_inflight=self.plan.max_inflight_buckets)
         with torch.no_grad():
             for b in self.reducer.buckets:
                 if b.op != "all_reduce":

@@ -36,6 +36,22 @@ class _DtypeLayout:
     params: list[ManagedParam]
     sizes: list[int]
     total: int
+    contiguous_send: torch.Tensor | None = None
+
+    def find_contiguous_send(self) -> None:
+        """If every shard is already in ``dtype`` and they are adjacent in memory, send in place."""
+        first = self.params[0].shard_flat
+        if any(mp.shard_flat.dtype != self.dtype for mp in self.params):
+            return
+        expect = first.data_ptr()
+        for mp in self.params:
+            if mp.shard_flat.data_ptr() != expect or mp.shard_flat.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+                return
+            expect += mp.shard_flat.numel() * mp.shard_flat.element_size()
+        base = first.untyped_storage()
+        offset = first.storage_offset()
+        flat = torch.empty(0, dtype=self.dtype, device=first.device).set_(base, offset, (self.total,), (1,))
+        self.contiguous_send = flat
 
 
 class GatherGroupRuntime:
@@ -67,6 +83,8 @@ class GatherGroupRuntime:
             lay.sizes.append(mp.shard_numel)
             lay.total += mp.shard_numel
         self.layouts = list(layouts.values())
+        for lay in self.layouts:
+            lay.find_contiguous_send()
         self.all_trainable = all(mp.requires_grad for mp in params)
         self.n_trainable = sum(mp.requires_grad for mp in params)
         self.full_bytes = sum(mp.full_nbytes for mp in params)
@@ -98,13 +116,19 @@ class GatherGroupRuntime:
         world = self.comm.world_size
         self._versions = tuple(mp.version() for mp in self.params)
         for lay in self.layouts:
-            if len(lay.params) == 1 and lay.params[0].dtype == lay.dtype:
-                send = lay.params[0].shard_flat  # no copy-in needed
+            single = lay.params[0] if len(lay.params) == 1 else None
+            if lay.contiguous_send is not None:
+                send = lay.contiguous_send  # the shards already lie side by side: no copy-in
             else:
                 send = torch.empty(lay.total, dtype=lay.dtype, device=self.device)
                 for dst, mp in zip(torch.split(send, lay.sizes), lay.params):
                     dst.copy_(mp.shard_flat)
-            recv = torch.empty(world * lay.total, dtype=lay.dtype, device=self.device)
+            if single is not None:
+                # One parameter: gather straight into its full storage (no copy-out, no extra buffer).
+                single.alloc_full()
+                recv = single.full_padded_flat()
+            else:
+                recv = torch.empty(world * lay.total, dtype=lay.dtype, device=self.device)
             self._inflight.append(self.comm.all_gather(recv, send, self.label, on_demand=on_demand))
         self.state = GroupState.GATHERING
         return True
@@ -116,15 +140,12 @@ class GatherGroupRuntime:
         world = self.comm.world_size
         for lay, inflight in zip(self.layouts, self._inflight):
             inflight.wait()
+            if len(lay.params) == 1:
+                continue  # gathered in place
             recv = inflight.buffers[0].view(world, lay.total)
             for mp in lay.params:
                 mp.alloc_full()
-            if len(lay.params) == 1:
-                lay.params[0].full_padded_2d().copy_(recv)
-            else:
-                torch.split_with_sizes_copy(
-                    recv, lay.sizes, dim=1, out=[mp.full_padded_2d() for mp in lay.params]
-                )
+            torch.split_with_sizes_copy(recv, lay.sizes, dim=1, out=[mp.full_padded_2d() for mp in lay.params])
         self._inflight.clear()  # drops the buffers: they have been waited on
         self.state = GroupState.GATHERED
 

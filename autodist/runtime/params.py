@@ -15,6 +15,10 @@ object) for backward. Freeing a gathered parameter after forward and gathering i
 must therefore refill the *same* tensor: the runtime resizes its storage to zero bytes and back, and
 writes through ``.data`` so the version counter autograd checks is not bumped.
 
+[Note: one shard storage per dtype] The engine allocates the local shards of all sharded parameters
+of one dtype in a single flat buffer, in the plan's unit order. A gather group of consecutive units
+then sends a contiguous slice of it, with no copy-in.
+
 [Note: dim-0 shards and padding] A parameter of ``R`` rows is split into ``world`` chunks of
 ``C = ceil(R / world)`` rows (``torch.chunk`` semantics, as DTensor's ``Shard(0)``); the last ranks may
 hold fewer rows or none. Each rank keeps a padded ``C``-row buffer whose leading rows are its shard,
@@ -32,6 +36,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..structure import ParamInfo
+
+
+def shard_geometry(shape: tuple[int, ...], world_size: int) -> tuple[int, int, int]:
+    """(rows, elements per row, padded rows per rank) of a dim-0 sharded tensor."""
+    rows = shape[0]
+    row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
+    return rows, row_numel, -(-rows // world_size)
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -57,6 +68,7 @@ class ManagedParam:
         use_dtensor: bool,
         compute_dtype: torch.dtype | None,
         device: torch.device,
+        shard_storage: torch.Tensor | None = None,
     ) -> None:
         self.name = info.name
         self.info = info
@@ -104,13 +116,17 @@ class ManagedParam:
         # ---- sharded on dim 0 ----
         if len(self.shape) == 0:
             raise ValueError(f"parameter {self.name!r} is 0-dimensional and cannot be sharded")
-        self.rows = self.shape[0]
-        self.row_numel = math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
-        self.padded_rows = -(-self.rows // world_size)
+        self.rows, self.row_numel, self.padded_rows = shard_geometry(self.shape, world_size)
         start = min(rank * self.padded_rows, self.rows)
         end = min(start + self.padded_rows, self.rows)
         self.local_rows = end - start
-        self.shard_flat = torch.zeros(self.padded_rows * self.row_numel, dtype=self.dtype, device=device)
+        if shard_storage is not None:
+            if shard_storage.numel() != self.shard_numel or shard_storage.dtype != self.dtype:
+                raise ValueError(f"shard storage for {self.name!r} has the wrong size or dtype")
+            self.shard_flat = shard_storage
+            self.shard_flat.zero_()
+        else:
+            self.shard_flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
         local = self.shard_flat[: self.local_rows * self.row_numel].view(self.local_rows, *self.shape[1:])
         local.copy_(data[start:end])
         self.local = local
@@ -177,6 +193,10 @@ class ManagedParam:
 
     def full_is_allocated(self) -> bool:
         return self.full.untyped_storage().nbytes() != 0
+
+    def full_padded_flat(self) -> torch.Tensor:
+        """The full parameter's padded storage, flat (``.data``: writes do not bump the version)."""
+        return self._full_padded.data
 
     def full_padded_2d(self) -> torch.Tensor:
         """The full parameter's padded storage as ``(world, shard_numel)`` (``.data``: no version bump)."""

@@ -75,6 +75,8 @@ class BucketRuntime:
         self.launched = False
         self.inflight: InFlight | None = None
         self._input: torch.Tensor | None = None
+        self._deferred: list[tuple[int, torch.Tensor]] = []
+        self._deferred_bytes = 0
 
     # ------------------------------------------------------------------------------------------
     def _is_slot_view(self, t: torch.Tensor | None, slot: int) -> bool:
@@ -136,8 +138,20 @@ class BucketRuntime:
         else:
             g = mp.full.grad
             mp.full.grad = None
-            self._rs_copy_in(slot, g)
             self.action[slot] = _SET if mp.local_grad() is None else _ADD
+            if self._input is None:
+                # [Note: deferred copy-in] Small gradients wait (in ``_deferred``) until enough of the
+                # bucket has arrived to justify allocating its input buffer: a bias arriving before its
+                # weight must not make the buffer coexist with the weight's gradient and parameters.
+                self._deferred.append((slot, g))
+                self._deferred_bytes += g.numel() * g.element_size()
+                if self._deferred_bytes * 4 < self.nbytes * self.world:
+                    return
+                for s_, g_ in self._deferred:
+                    self._rs_copy_in(s_, g_)
+                self._deferred.clear()
+            else:
+                self._rs_copy_in(slot, g)
 
     def has_pending_grad(self, mp: ManagedParam) -> bool:
         """A gradient accumulated earlier (e.g. under ``no_sync``) for a parameter unused this step."""
@@ -164,6 +178,10 @@ class BucketRuntime:
                     self.views[slot].zero_()
             else:
                 self._rs_copy_in(slot, None)
+        if self.op == "reduce_scatter":
+            for s_, g_ in self._deferred:
+                self._rs_copy_in(s_, g_)
+            self._deferred.clear()
         flags = torch.tensor([1.0 if r else 0.0 for r in self.ready], dtype=self.dtype)
         if self.device.type != "cpu":
             flags = flags.to(self.device, non_blocking=True)
@@ -213,14 +231,21 @@ class BucketRuntime:
 
 
 class Reducer:
-    """Launches buckets in order as their gradients become ready; flushes and finishes at the end."""
+    """Launches buckets in order as their gradients become ready; flushes and finishes at the end.
 
-    def __init__(self, buckets: list[BucketRuntime]) -> None:
+    ``max_inflight`` bounds the reductions in flight: launching one more first waits for the oldest
+    (``0``: every bucket is waited for right after launch; ``None``: all are waited for at the end of
+    backward). Fewer in flight frees reduction buffers sooner at the cost of overlap.
+    """
+
+    def __init__(self, buckets: list[BucketRuntime], *, max_inflight: int | None = None) -> None:
         self.buckets = buckets
+        self.max_inflight = max_inflight
         self.slot: dict[int, tuple[BucketRuntime, int]] = {
             id(mp): (b, i) for b in buckets for i, mp in enumerate(b.params)
         }
         self.next_launch = 0
+        self.next_finish = 0
 
     def on_ready(self, mp: ManagedParam) -> None:
         entry = self.slot.get(id(mp))
@@ -235,6 +260,10 @@ class Reducer:
         while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].pending == 0:
             self.buckets[self.next_launch].launch()
             self.next_launch += 1
+            if self.max_inflight is not None:
+                while self.next_launch - self.next_finish > self.max_inflight:
+                    self.buckets[self.next_finish].finish()
+                    self.next_finish += 1
 
     def flush(self) -> list[str]:
         """Launch every remaining bucket (in order), wait for all, assign gradients.
@@ -244,7 +273,7 @@ class Reducer:
         while self.next_launch < len(self.buckets):
             missing.extend(self.buckets[self.next_launch].launch())
             self.next_launch += 1
-        for b in self.buckets:
+        for b in self.buckets[self.next_finish :]:
             b.finish()
         self.reset()
         return missing
@@ -255,3 +284,4 @@ class Reducer:
                 b.inflight.wait()
             b.reset()
         self.next_launch = 0
+        self.next_finish = 0

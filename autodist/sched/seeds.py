@@ -138,6 +138,8 @@ def _sharded_plan(
         world_size=world_size,
         units=units,
         gather_groups=groups,
+        # FSDP2 keeps one reduce-scatter in flight: the next group's post-backward waits for it.
+        max_inflight_buckets=1,
         buckets=buckets,
         fingerprint=structure.fingerprint(),
         provenance={"source": source},

@@ -1,0 +1,63 @@
+"""Measuring memory on the device this rank computes on.
+
+On CUDA the caching allocator's counters are exact. On the CPU there is no allocator with
+statistics, so the meter reads the process's resident set: ``VmHWM`` (the high-water mark) after
+resetting it through ``/proc/self/clear_refs``. Resident memory counts everything the process
+touches, so differences between two readings — not absolute values — are what a measurement
+reports. Linux only; elsewhere the CPU meter reports the current RSS from psutil and no peak.
+
+[Note: glibc and freed tensors] glibc serves large allocations with ``mmap`` and returns them on
+``free`` — but raises its threshold dynamically after the first large free, after which freed tensor
+memory may stay resident. Processes that measure peaks (``tools/bench.py``, ``tools/simcheck.py``)
+set ``MALLOC_MMAP_THRESHOLD_`` to fix the threshold, so resident memory follows live tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import torch
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class MemoryMeter:
+    """``reset_peak()`` then ``peak()``: the most memory in use since the reset, in bytes."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._proc_ok = os.path.exists("/proc/self/clear_refs")
+
+    def current(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        rss = _status_bytes("VmRSS")
+        return rss if rss is not None else psutil.Process().memory_info().rss
+
+    def reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self._proc_ok:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                self._proc_ok = False
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        hwm = _status_bytes("VmHWM") if self._proc_ok else None
+        return hwm if hwm is not None else self.current()

@@ -1,0 +1,280 @@
+"""Benchmark AutoDist against torch DDP and FSDP2, side by side in one launch.
+
+    python tools/bench.py                           # all models, all contenders, 2 CPU ranks
+    python tools/bench.py --models gpt --json out.json
+    python tools/bench.py --memory-limit 200MB      # a budget for every contender that takes one
+
+The script re-launches itself under ``torchrun`` (``--nproc`` ranks) with glibc's mmap threshold
+fixed so resident memory follows live tensors (see ``autodist.memory``). Every contender trains the
+same model (same seed) on the same batches; contenders run one after another, in two passes in
+opposite orders, and the median step time over both passes is reported (the maximum over ranks for
+each step). ``compute`` is the model with no wrapper and no communication: every rank trains its own
+copy at the same time, so it is what the step costs when communication is free. Peak memory is the
+largest growth of the resident set over the contender's steps, above what the process held before
+the contender was built (maximum over ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from autodist import AutoDist  # noqa: E402
+from autodist.cost.budget import format_bytes  # noqa: E402
+from autodist.memory import MALLOC_ENV, MemoryMeter  # noqa: E402
+from autodist.zoo import blocks_of, zoo  # noqa: E402
+
+DEFAULT_MODELS = ["wide-mlp", "deep-mlp", "resnet18", "gpt"]
+
+
+# ----------------------------------------------------------------------------------------------
+# contenders
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Contender:
+    name: str
+    wrap: Callable[[nn.Module, argparse.Namespace], nn.Module]
+    close: Callable[[nn.Module], None] = lambda m: None
+    takes_budget: bool = False
+
+
+def _ddp(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model)
+
+
+def _fsdp2(reshard: bool | int = True, group: int = 1) -> Callable[[nn.Module, argparse.Namespace], nn.Module]:
+    def wrap(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        blocks = blocks_of(model)
+        for i in range(0, len(blocks), group):
+            chunk = blocks[i : i + group]
+            fully_shard(chunk if len(chunk) > 1 else chunk[0], reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+        return model
+
+    return wrap
+
+
+def _autodist(plan: str) -> Callable[[nn.Module, argparse.Namespace], nn.Module]:
+    def wrap(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+        return AutoDist(model, plan=plan, memory_limit=args.memory_limit)
+
+    return wrap
+
+
+def _close_autodist(m: nn.Module) -> None:
+    m.close()
+
+
+CONTENDERS: dict[str, Contender] = {
+    "compute": Contender("compute", lambda m, a: m),
+    "ddp": Contender("ddp", _ddp),
+    "autodist:ddp": Contender("autodist:ddp", _autodist("ddp"), _close_autodist, takes_budget=True),
+    "fsdp2": Contender("fsdp2", _fsdp2(True)),
+    "autodist:fsdp": Contender("autodist:fsdp", _autodist("fsdp"), _close_autodist, takes_budget=True),
+    "fsdp2:no-reshard": Contender("fsdp2:no-reshard", _fsdp2(False)),
+    "autodist:zero2": Contender("autodist:zero2", _autodist("zero2"), _close_autodist, takes_budget=True),
+}
+DEFAULT_CONTENDERS = list(CONTENDERS)
+
+
+# ----------------------------------------------------------------------------------------------
+# measurement
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Result:
+    model: str
+    contender: str
+    step_times: list[float] = field(default_factory=list)
+    peak_bytes: int = 0
+    error: str | None = None
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.step_times) if self.step_times else float("nan")
+
+
+def _max_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def run_contender(workload: Any, contender: Contender, batches: list, args: argparse.Namespace, res: Result) -> None:
+    meter = MemoryMeter(torch.device("cpu"))
+    gc.collect()
+    base = meter.current()
+    torch.manual_seed(0)
+    model = contender.wrap(workload.build(), args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    try:
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            workload.loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for x, y in batches[: args.warmup]:
+            step(x, y)
+        meter.reset_peak()
+        for x, y in batches[args.warmup :]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(x, y)
+            res.step_times.append(_max_over_ranks(time.perf_counter() - t0))
+        peak = int(_max_over_ranks(meter.peak() - base))
+        # the smallest over passes: a first run also pays one-time allocations (thread pools, caches)
+        res.peak_bytes = peak if res.peak_bytes == 0 else min(res.peak_bytes, peak)
+    finally:
+        contender.close(model)
+        del model, opt
+        gc.collect()
+
+
+def worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    workloads = zoo(args.size)
+    names = [c for c in args.contenders]
+    results: list[Result] = []
+    for model_name in args.models:
+        wl = workloads[model_name]
+        per_rank = args.batch or wl.default_batch
+        gen = torch.Generator().manual_seed(1000 + rank)
+        batches = [wl.batch(per_rank, gen) for _ in range(args.warmup + args.steps)]
+        by_name = {n: Result(model_name, n) for n in names}
+        for p in range(args.passes):
+            order = names if p % 2 == 0 else list(reversed(names))
+            for n in order:
+                try:
+                    run_contender(wl, CONTENDERS[n], batches, args, by_name[n])
+                except Exception as e:  # a contender that cannot run is reported, not fatal
+                    by_name[n].error = f"{type(e).__name__}: {e}"
+                    if rank == 0:
+                        print(f"[bench] {model_name} / {n} failed: {by_name[n].error}", file=sys.stderr)
+        results.extend(by_name.values())
+        if rank == 0:
+            print(f"[bench] {model_name}: done", file=sys.stderr, flush=True)
+    if rank == 0:
+        payload = {
+            "world_size": world,
+            "torch": torch.__version__,
+            "steps": args.steps,
+            "passes": args.passes,
+            "memory_limit": args.memory_limit,
+            "results": [
+                {
+                    "model": r.model,
+                    "contender": r.contender,
+                    "median_step_s": r.median,
+                    "step_times_s": r.step_times,
+                    "peak_bytes": r.peak_bytes,
+                    "error": r.error,
+                }
+                for r in results
+            ],
+        }
+        with open(args.out, "w") as f:
+            json.dump(payload, f, indent=1)
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------
+def table(payload: dict) -> str:
+    rows = payload["results"]
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = {r["contender"]: r for r in rows if r["model"] == model}
+        ddp = mine.get("ddp", {}).get("median_step_s")
+        fsdp = mine.get("fsdp2", {}).get("median_step_s")
+        compute = mine.get("compute", {}).get("median_step_s")
+        lines.append(f"\n{model}")
+        lines.append(f"  {'contender':<22}{'step (ms)':>11}{'vs ddp':>9}{'vs fsdp2':>10}{'vs compute':>12}{'peak mem':>13}")
+        for name, r in mine.items():
+            if r["error"]:
+                lines.append(f"  {name:<22}  failed: {r['error'][:70]}")
+                continue
+            t = r["median_step_s"]
+            rd = f"{t / ddp:.3f}x" if ddp else "-"
+            rf = f"{t / fsdp:.3f}x" if fsdp else "-"
+            rc = f"{t / compute:.2f}x" if compute else "-"
+            lines.append(f"  {name:<22}{t * 1e3:>11.1f}{rd:>9}{rf:>10}{rc:>12}{format_bytes(r['peak_bytes']):>13}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated (default: %(default)s)")
+    ap.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS), help="comma-separated (default: all)")
+    ap.add_argument("--nproc", type=int, default=2, help="ranks (default: 2)")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per contender per pass (default: 8)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
+    ap.add_argument("--passes", type=int, default=2, help="passes over the contenders, alternating order (default: 2)")
+    ap.add_argument("--batch", type=int, default=None, help="per-rank batch (default: per model)")
+    ap.add_argument("--size", default="default", choices=["default", "tiny"], help="model sizes (tiny: for tests)")
+    ap.add_argument("--memory-limit", default=None, help="budget for contenders that take one, e.g. 300MB")
+    ap.add_argument("--json", default=None, help="also write the results as JSON here")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    args.contenders = [c for c in args.contenders.split(",") if c]
+    unknown = [m for m in args.models if m not in zoo()] + [c for c in args.contenders if c not in CONTENDERS]
+    if unknown:
+        ap.error(f"unknown model or contender: {', '.join(unknown)} (models: {', '.join(zoo())}; contenders: {', '.join(CONTENDERS)})")
+    if args.worker:
+        worker(args)
+        return 0
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "result.json")
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+            os.path.abspath(__file__), "--worker", "--out", out,
+            "--models", ",".join(args.models), "--contenders", ",".join(args.contenders),
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--passes", str(args.passes),
+            "--size", args.size,
+        ]
+        if args.batch is not None:
+            cmd += ["--batch", str(args.batch)]
+        if args.memory_limit is not None:
+            cmd += ["--memory-limit", args.memory_limit]
+        env = dict(os.environ, OMP_NUM_THREADS="1", **MALLOC_ENV)
+        t0 = time.time()
+        proc = subprocess.run(cmd, env=env)
+        if proc.returncode != 0:
+            print(f"bench: the ranks failed (exit code {proc.returncode})", file=sys.stderr)
+            return proc.returncode
+        with open(out) as f:
+            payload = json.load(f)
+    payload["wall_seconds"] = time.time() - t0
+    payload["command"] = "python tools/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(table(payload))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
