@@ -15,6 +15,7 @@ set ``MALLOC_MMAP_THRESHOLD_`` to fix the threshold, so resident memory follows 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import psutil
 import torch
@@ -61,3 +62,28 @@ class MemoryMeter:
             return torch.cuda.max_memory_allocated(self.device)
         hwm = _status_bytes("VmHWM") if self._proc_ok else None
         return hwm if hwm is not None else self.current()
+
+
+def trace_cpu_memory(fn: Callable[[], None], mark_prefix: str = "autodist::mark(") -> tuple[list[tuple[float, int]], dict[str, float]]:
+    """Run ``fn`` under the torch profiler's memory tracking (host tensors, every thread).
+
+    Returns the allocator's running total after every allocation or free, as ``(time_us, bytes)``
+    relative to the start of ``fn``, and the time of every ``record_function`` whose name starts
+    with ``mark_prefix``. The CPU allocator keeps no statistics of its own; this is how transient
+    peaks are measured there (the profile pass and the comm sweep use it once, not per step).
+    """
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    mem = sorted((e["ts"], int(e["args"].get("Total Allocated", 0))) for e in events if e.get("name") == "[memory]")
+    marks = {e["name"]: e["ts"] for e in events if e.get("ph") == "X" and e.get("name", "").startswith(mark_prefix)}
+    return mem, marks

@@ -285,7 +285,9 @@ class Engine:
                 u = self.structure.unit_of_param[mp.name]
                 if u not in units:
                     units.append(u)
-            if not swaps and not groups:
+            # Unit modules also carry prefetch triggers (and record the order units run in) as soon
+            # as anything is gathered, even when their own parameters are replicated.
+            if not swaps and not groups and not (own is not None and self.groups):
                 continue
             site = _ModuleSite(module=module, unit=own, swaps=swaps, groups=groups, units=units)
             self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(site)))
@@ -423,7 +425,7 @@ class Engine:
                     g.forward_done = True
                 if g.residency == "after_forward" and g.forward_done and g.active == 0:
                     g.free()
-            if site.groups and torch.is_grad_enabled():
+            if (site.groups or site.unit is not None) and torch.is_grad_enabled():
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
                 if tensors:
                     register_multi_grad_hook(tensors, self._make_pre_backward(site), mode="any")
@@ -464,6 +466,7 @@ class Engine:
             if first is not None:
                 entries.append((max(first - g.backward_window, -1), first, g))
         step.bwd_schedule = PrefetchSchedule(entries)
+        step.bwd_schedule.fire(-1)  # the start of backward, whichever hook saw it first
 
     def _run_backward_triggers(self, pos: int) -> None:
         self._step.bwd_schedule.fire(pos)

@@ -1,0 +1,98 @@
+"""What was measured about one model and input signature (DESIGN.md section 5), as plain data.
+
+A profile is measured on one device without communication, so it does not depend on the plan: the
+simulator combines it with a plan and a comm model. Times are per step on this rank's batch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PROFILE_SCHEMA_VERSION = 1
+
+
+@dataclass
+class UnitProfile:
+    """One unit, in forward order.
+
+    ``fwd_s``/``bwd_s``: compute time attributed to the unit (glue between units goes to the unit
+    that ran last). ``act_bytes``: tensors saved for backward while the unit ran (parameters
+    excluded), alive from the end of its forward to the end of its backward. ``out_bytes``: its
+    outputs. ``fwd_peak_bytes``/``bwd_peak_bytes``: transient memory above what was live when the
+    segment started. ``ready``: parameters whose gradients became ready during its backward.
+    """
+
+    name: str
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    act_bytes: int = 0
+    out_bytes: int = 0
+    fwd_peak_bytes: int = 0
+    bwd_peak_bytes: int = 0
+    ready: list[str] = field(default_factory=list)
+
+
+@dataclass
+class OptimizerProfile:
+    """The optimizer step: ``step_s = fixed_s + per_tensor_s * tensors + per_byte_s * bytes`` over
+    the local parameters it updates; ``state_factor`` bytes of state per parameter byte (Adam 2,
+    SGD with momentum 1). ``measured``: from the user's optimizer (False: the Adam assumption)."""
+
+    kind: str = "Adam"
+    state_factor: float = 2.0
+    transient_factor: float = 1.0  # temporary bytes during the step per parameter byte
+    fixed_s: float = 0.0
+    per_tensor_s: float = 0.0
+    per_byte_s: float = 0.0
+    measured: bool = False
+
+    def step_seconds(self, tensors: int, nbytes: int) -> float:
+        return self.fixed_s + self.per_tensor_s * tensors + self.per_byte_s * nbytes
+
+
+@dataclass
+class Profile:
+    units: list[UnitProfile]
+    ready_order: list[str]
+    pre_fwd_s: float = 0.0  # before the first unit (e.g. input handling in the root forward)
+    post_fwd_s: float = 0.0  # after the last unit, including the loss
+    pre_bwd_s: float = 0.0  # backward before the first unit's (the loss's backward)
+    post_bwd_s: float = 0.0
+    batch_signature: str = ""
+    device: str = "cpu"
+    optimizer: OptimizerProfile = field(default_factory=OptimizerProfile)
+    site_after: dict[str, str] = field(default_factory=dict)  # module reusing others' params -> unit it follows
+    meta: dict[str, Any] = field(default_factory=dict)
+    schema_version: int = PROFILE_SCHEMA_VERSION
+
+    def unit(self, name: str) -> UnitProfile:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(name)
+
+    @property
+    def compute_s(self) -> float:
+        """Forward + backward compute of one step, without the optimizer."""
+        return (
+            self.pre_fwd_s + self.post_fwd_s + self.pre_bwd_s + self.post_bwd_s
+            + sum(u.fwd_s + u.bwd_s for u in self.units)
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Profile:
+        if d.get("schema_version") != PROFILE_SCHEMA_VERSION:
+            raise ValueError(f"profile schema_version {d.get('schema_version')!r} is not {PROFILE_SCHEMA_VERSION}")
+        d = dict(d)
+        d["units"] = [UnitProfile(**u) for u in d["units"]]
+        d["optimizer"] = OptimizerProfile(**d.get("optimizer", {}))
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        return cls.from_dict(json.loads(text))

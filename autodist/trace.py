@@ -1,0 +1,491 @@
+"""Profiling hooks: time every unit's forward and backward, count what it saves for backward.
+
+:func:`profile_model` runs a few forward/backward passes of the plain (unwrapped) module on one
+device, with no communication and no optimizer step, and returns a :class:`~autodist.cost.profile.Profile`.
+It leaves parameters, gradients, buffers and RNG state as it found them, and frees each gradient as
+soon as it is produced, so it needs no more memory than one training step.
+
+[Note: attributing time] Hooks mark when each unit enters and leaves its forward and when its
+backward begins (a multi-grad hook on its outputs). Time between two marks belongs to the unit that
+was running — the innermost one entered and not yet left; after a unit leaves, to that unit until
+the next one starts (the glue between units, e.g. an activation in the parent's forward). Time
+before the first unit and after the last one (the loss) is kept apart as ``pre_fwd_s``/``post_fwd_s``.
+In backward, time from one unit's backward start to the next belongs to the first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
+from torch.profiler import record_function
+from torch.utils._pytree import tree_flatten
+
+from .cost.profile import OptimizerProfile, Profile, UnitProfile
+from .structure import ModelStructure
+
+
+class _Clock:
+    """Monotonic host clock on CPU; CUDA events on CUDA (resolved after the pass)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def seconds(self, a: Any, b: Any) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return a.elapsed_time(b) / 1e3
+        return b - a
+
+
+def _tensor_bytes(tree: object) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
+
+
+@dataclass
+class _Pass:
+    fwd: list[tuple[Any, str, str]] = field(default_factory=list)  # (clock mark, "enter"|"exit", unit)
+    bwd: list[tuple[Any, str, str]] = field(default_factory=list)  # (mark, "pre"|"ready", unit|param)
+    saved: dict[str, int] = field(default_factory=dict)
+    out: dict[str, int] = field(default_factory=dict)
+    seen_storage: set[int] = field(default_factory=set)
+    pre_seen: set[str] = field(default_factory=set)
+
+
+class UnitTracer:
+    """Hooks on a plain module's units; ``with tracer.recording(pass_)`` to collect one pass."""
+
+    def __init__(self, module: nn.Module, structure: ModelStructure, clock: _Clock, *, label: bool = False) -> None:
+        self.module = module
+        self.clock = clock
+        self.label = label
+        self.unit_of = {id(module.get_submodule(u.module_name)): u.name for u in structure.units}
+        self.param_names = {id(p): n for n, p in module.named_parameters()}
+        self.param_storages: set[int] = set()
+        self._pass: _Pass | None = None
+        self._stack: list[str] = []
+        self._last: str | None = None
+        self._handles: list[Any] = []
+        self.site_after: dict[str, str] = {}
+        for name, sub in module.named_modules():
+            if id(sub) in self.unit_of:
+                u = self.unit_of[id(sub)]
+                self._handles.append(sub.register_forward_pre_hook(self._enter(u)))
+                self._handles.append(sub.register_forward_hook(self._exit(u), always_call=True))
+            elif any(p is not None for p in sub._parameters.values()):
+                self._handles.append(sub.register_forward_pre_hook(self._site(name)))
+        for p in module.parameters():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._ready))
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def _enter(self, unit: str) -> Callable:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if self._pass is None:
+                return
+            if self.label:
+                torch.ops.profiler._record_function_enter_new(f"autodist::unit({unit})", None)
+            self._pass.fwd.append((self.clock.mark(), "enter", unit))
+            self._stack.append(unit)
+
+        return hook
+
+    def _site(self, module_name: str) -> Callable:
+        """A module that only registers other units' parameters (a tied output layer)."""
+
+        def hook(module: nn.Module, args: tuple) -> None:
+            if self._pass is not None:
+                after = self._stack[-1] if self._stack else self._last
+                if after is not None:
+                    self.site_after.setdefault(module_name, after)
+
+        return hook
+
+    def _exit(self, unit: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            p = self._pass
+            if p is None:
+                return
+            p.fwd.append((self.clock.mark(), "exit", unit))
+            if self._stack and self._stack[-1] == unit:
+                self._stack.pop()
+            self._last = unit
+            p.out.setdefault(unit, _tensor_bytes(output))
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors and torch.is_grad_enabled():
+                register_multi_grad_hook(tensors, self._pre_backward(unit), mode="any")
+
+        return hook
+
+    def _pre_backward(self, unit: str) -> Callable:
+        def hook(grads: object) -> None:
+            p = self._pass
+            if p is not None and unit not in p.pre_seen:
+                p.pre_seen.add(unit)
+                p.bwd.append((self.clock.mark(), "pre", unit))
+
+        return hook
+
+    def _ready(self, param: torch.Tensor) -> None:
+        p = self._pass
+        if p is not None:
+            p.bwd.append((self.clock.mark(), "ready", self.param_names.get(id(param), "?")))
+        param.grad = None  # profiling keeps no gradients: memory stays that of one step
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        p = self._pass
+        if p is not None:
+            try:
+                key = t.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):
+                return t
+            if key not in self.param_storages and key not in p.seen_storage:
+                p.seen_storage.add(key)
+                owner = self._stack[-1] if self._stack else (self._last or "(pre)")
+                p.saved[owner] = p.saved.get(owner, 0) + t.untyped_storage().nbytes()
+        return t
+
+    @contextlib.contextmanager
+    def recording(self, pass_: _Pass) -> Iterator[None]:
+        self.param_storages = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        self._pass, self._stack, self._last = pass_, [], None
+        try:
+            with saved_tensors_hooks(self._pack, lambda x: x):
+                yield
+        finally:
+            self._pass = None
+
+
+def _surrogate_loss(out: object) -> torch.Tensor:
+    floats = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    if not floats:
+        raise ValueError("the model's output has no floating-point tensor that requires grad; cannot profile backward")
+    return sum(t.float().mean() for t in floats)
+
+
+@contextlib.contextmanager
+def _preserved(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Restore gradients, buffers and RNG state after profiling."""
+    grads = {id(p): p.grad for p in module.parameters()}
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    for p in module.parameters():
+        p.grad = None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, b in module.named_buffers():
+                if n in buffers:
+                    b.copy_(buffers[n])
+        for p in module.parameters():
+            p.grad = grads.get(id(p))
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+
+
+def _attribute(pass_: _Pass, clock: _Clock, t0: Any, t_fwd_end: Any, t_bwd_end: Any, units: list[str]) -> dict[str, Any]:
+    fwd = {u: 0.0 for u in units}
+    bwd = {u: 0.0 for u in units}
+    ready: dict[str, list[str]] = {u: [] for u in units}
+    pre_fwd = post_fwd = pre_bwd = 0.0
+    # forward
+    stack: list[str] = []
+    owner: str | None = None
+    prev = t0
+    for mark, kind, unit in pass_.fwd:
+        d = clock.seconds(prev, mark)
+        if owner is None:
+            pre_fwd += d
+        else:
+            fwd[owner] += d
+        if kind == "enter":
+            stack.append(unit)
+            owner = unit
+        else:
+            if stack and stack[-1] == unit:
+                stack.pop()
+            owner = stack[-1] if stack else unit
+        prev = mark
+    tail = clock.seconds(prev, t_fwd_end)
+    if stack or owner is None:
+        pre_fwd += tail if owner is None else 0.0
+        if owner is not None:
+            fwd[owner] += tail
+    else:
+        post_fwd += tail
+    # backward
+    prev = t_fwd_end
+    owner = None
+    order: list[str] = []
+    for mark, kind, name in pass_.bwd:
+        d = clock.seconds(prev, mark)
+        if owner is None:
+            pre_bwd += d
+        else:
+            bwd[owner] += d
+        prev = mark
+        if kind == "pre":
+            owner = name
+        else:
+            order.append(name)
+            ready.setdefault(owner or units[-1], []).append(name)
+    d = clock.seconds(prev, t_bwd_end)
+    if owner is None:
+        pre_bwd += d
+    else:
+        bwd[owner] += d
+    return {
+        "fwd": fwd, "bwd": bwd, "ready": ready, "order": order,
+        "pre_fwd": pre_fwd, "post_fwd": post_fwd, "pre_bwd": pre_bwd,
+    }
+
+
+def _memory_peaks(
+    module: nn.Module, structure: ModelStructure, run: Callable[[], None], device: torch.device
+) -> dict[str, tuple[int, int]]:
+    """Per unit: (forward, backward) transient peak above the live bytes at the segment's start.
+
+    CUDA: the caching allocator's counters, reset at every unit boundary. CPU: one pass under the
+    torch profiler's memory tracking, segments delimited by zero-length ``record_function`` marks
+    (the host allocator keeps no statistics).
+    """
+    marks: list[tuple[str, str]] = []  # (phase, unit) in order
+    readings: list[tuple[int, int]] = []  # CUDA: (allocated at mark, peak since previous mark)
+    cuda = device.type == "cuda"
+
+    def mark(phase: str, unit: str) -> None:
+        marks.append((phase, unit))
+        if cuda:
+            readings.append((torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)))
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            with record_function(f"autodist::mark({len(marks) - 1})"):
+                pass
+
+    handles = []
+    seen_bwd: set[str] = set()
+
+    def pre_fwd(u: str) -> Callable:
+        def hook(m: nn.Module, a: tuple) -> None:
+            mark("fwd", u)
+
+        return hook
+
+    def post_fwd(u: str) -> Callable:
+        def hook(m: nn.Module, a: tuple, out: object) -> None:
+            tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors and torch.is_grad_enabled():
+                def pre_bwd(grads: object, u: str = u) -> None:
+                    if u not in seen_bwd:
+                        seen_bwd.add(u)
+                        mark("bwd", u)
+
+                register_multi_grad_hook(tensors, pre_bwd, mode="any")
+
+        return hook
+
+    for uinfo in structure.units:
+        sub = module.get_submodule(uinfo.module_name)
+        handles.append(sub.register_forward_pre_hook(pre_fwd(uinfo.name)))
+        handles.append(sub.register_forward_hook(post_fwd(uinfo.name), always_call=True))
+    peaks: dict[str, list[int]] = {}
+    try:
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            run()
+            mark("end", "")
+            for i, (phase, unit) in enumerate(marks[:-1]):
+                start = readings[i][0]
+                seg_peak = readings[i + 1][1]
+                key = 0 if phase == "fwd" else 1
+                peaks.setdefault(unit, [0, 0])[key] = max(peaks.get(unit, [0, 0])[key], seg_peak - start)
+        else:
+            from .memory import trace_cpu_memory
+
+            def run_and_end() -> None:
+                run()
+                mark("end", "")
+
+            mem, named = trace_cpu_memory(run_and_end)
+            mark_ts = {int(k[len("autodist::mark(") : -1]): v for k, v in named.items()}
+            times = [m for _, m in sorted(mark_ts.items())]
+            j, live = 0, 0
+            for i, (phase, unit) in enumerate(marks[:-1]):
+                if i + 1 >= len(times):
+                    break
+                t_start, t_end = times[i], times[i + 1]
+                while j < len(mem) and mem[j][0] < t_start:
+                    live = mem[j][1]
+                    j += 1
+                start, top = live, live
+                while j < len(mem) and mem[j][0] < t_end:
+                    live = mem[j][1]
+                    top = max(top, live)
+                    j += 1
+                key = 0 if phase == "fwd" else 1
+                cur = peaks.setdefault(unit, [0, 0])
+                cur[key] = max(cur[key], int(top - start))
+    finally:
+        for h in handles:
+            h.remove()
+    return {u: (v[0], v[1]) for u, v in peaks.items()}
+
+
+def profile_model(
+    module: nn.Module,
+    structure: ModelStructure,
+    example_inputs: tuple[Any, ...],
+    *,
+    device: torch.device,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    warmup: int = 1,
+    repeats: int = 3,
+    memory: bool = True,
+) -> Profile:
+    """Profile ``module`` on ``example_inputs`` (a tuple of positional arguments for one forward)."""
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    clock = _Clock(device)
+    unit_names = [u.name for u in structure.units]
+    tracer = UnitTracer(module, structure, clock)
+    loss_fn = loss_fn or _surrogate_loss
+    results = []
+    last: _Pass | None = None
+
+    def one_pass() -> None:
+        loss = loss_fn(module(*inputs))
+        loss.backward()
+        for q in module.parameters():
+            q.grad = None
+
+    try:
+        with _preserved(module, device):
+            peaks = _memory_peaks(module, structure, one_pass, device) if memory else {}
+            for it in range(warmup + repeats):
+                p = _Pass()
+                with tracer.recording(p):
+                    t0 = clock.mark()
+                    out = module(*inputs)
+                    loss = loss_fn(out)
+                    t_fwd = clock.mark()
+                del out
+                with tracer.recording(p):
+                    loss.backward()
+                    t_bwd = clock.mark()
+                del loss
+                if it >= warmup:
+                    results.append(_attribute(p, clock, t0, t_fwd, t_bwd, unit_names))
+                    last = p
+    finally:
+        tracer.close()
+    assert last is not None
+    seq = list(dict.fromkeys(u for _, kind, u in last.fwd if kind == "enter"))
+    order = seq + [u for u in unit_names if u not in set(seq)]
+
+    def med(key: str, u: str) -> float:
+        return statistics.median(r[key][u] for r in results)
+
+    units = [
+        UnitProfile(
+            name=u,
+            fwd_s=med("fwd", u),
+            bwd_s=med("bwd", u),
+            act_bytes=last.saved.get(u, 0),
+            out_bytes=last.out.get(u, 0),
+            fwd_peak_bytes=peaks.get(u, (0, 0))[0],
+            bwd_peak_bytes=peaks.get(u, (0, 0))[1],
+            ready=results[-1]["ready"].get(u, []),
+        )
+        for u in order
+    ]
+    # activations saved before any unit ran belong to the first unit's lifetime
+    if "(pre)" in last.saved and units:
+        units[0].act_bytes += last.saved["(pre)"]
+    sig = ";".join(
+        f"{tuple(x.shape)}:{str(x.dtype).replace('torch.', '')}" if isinstance(x, torch.Tensor) else type(x).__name__
+        for x in example_inputs
+    )
+    return Profile(
+        units=units,
+        ready_order=results[-1]["order"],
+        pre_fwd_s=statistics.median(r["pre_fwd"] for r in results),
+        post_fwd_s=statistics.median(r["post_fwd"] for r in results),
+        pre_bwd_s=statistics.median(r["pre_bwd"] for r in results),
+        batch_signature=sig,
+        device=device.type,
+        optimizer=estimate_optimizer(device),
+        site_after=dict(tracer.site_after),
+        meta={"warmup": warmup, "repeats": repeats, "torch": torch.__version__},
+    )
+
+
+def estimate_optimizer(device: torch.device, kind: str = "Adam") -> OptimizerProfile:
+    """The Adam assumption before the user's optimizer has run: time a scratch AdamW step on a few
+    tensors, fit ``per_tensor_s`` and ``per_byte_s``, and measure its temporary memory."""
+    samples = []
+    transient = 1.0
+    for n_tensors, numel in ((32, 1024), (4, 1 << 20)):
+        params = [torch.zeros(numel, device=device, requires_grad=True) for _ in range(n_tensors)]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        opt.step()
+        t0 = time.perf_counter()
+        reps = 3
+        for _ in range(reps):
+            opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append((n_tensors, n_tensors * numel * 4, (time.perf_counter() - t0) / reps))
+        if numel > 1024:
+            transient = _step_transient(opt, device) / (n_tensors * numel * 4)
+        del params, opt
+    (n1, b1, s1), (n2, b2, s2) = samples
+    # two equations, two unknowns: s = a*n + b*bytes
+    det = n1 * b2 - n2 * b1
+    per_tensor = max(0.0, (s1 * b2 - s2 * b1) / det)
+    per_byte = max(0.0, (n1 * s2 - n2 * s1) / det)
+    return OptimizerProfile(
+        kind=kind, state_factor=2.0, transient_factor=transient, per_tensor_s=per_tensor, per_byte_s=per_byte,
+        measured=False,
+    )
+
+
+def _step_transient(opt: torch.optim.Optimizer, device: torch.device) -> int:
+    """Peak temporary bytes of one optimizer step."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        opt.step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from .memory import trace_cpu_memory
+
+    mem, _ = trace_cpu_memory(opt.step)
+    return max((m for _, m in mem), default=0)

@@ -1,0 +1,225 @@
+"""The simulator on hand-computable cases, its speed, and its agreement with the runtime's order.
+
+The hand cases: two units ``u0``, ``u1`` with one 250-element float32 parameter each (1000 bytes;
+on 2 ranks a 125-element, 500-byte shard), 10 ms forward and 20 ms backward each, 100 bytes of
+activations each, no optimizer time. Collectives take a fixed time whatever their size: all-gather
+2 ms, reduce-scatter 3 ms, all-reduce 4 ms. Every expected number below is worked out in the
+comment next to it.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from autodist.cost.comm import CommModel, OpModel, Piece
+from autodist.cost.profile import OptimizerProfile, Profile, UnitProfile
+from autodist.cost.simulator import Simulator
+from autodist.plan import Bucket, GatherGroup, Plan, Prefetch, UnitPlan
+from autodist.structure import discover
+
+MS = 1e-3
+
+
+class _P(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(n))
+
+
+class _Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.u0 = _P(250)
+        self.u1 = _P(250)
+
+
+def _const(seconds):
+    return OpModel(Piece(0.0, seconds), Piece(0.0, seconds), float("inf"))
+
+
+COMM = CommModel(
+    "test", 2, "cpu",
+    {"all_gather": _const(2 * MS), "reduce_scatter": _const(3 * MS), "all_reduce": _const(4 * MS),
+     "h2d": _const(1 * MS), "d2h": _const(1 * MS)},
+)
+PROFILE = Profile(
+    units=[
+        UnitProfile("u0", fwd_s=10 * MS, bwd_s=20 * MS, act_bytes=100, ready=["u0.w"]),
+        UnitProfile("u1", fwd_s=10 * MS, bwd_s=20 * MS, act_bytes=100, ready=["u1.w"]),
+    ],
+    ready_order=["u1.w", "u0.w"],
+    optimizer=OptimizerProfile(state_factor=2.0, transient_factor=0.0),
+)
+STRUCTURE = discover(_Two())
+
+
+def _sharded(residency="after_forward", window=1, inflight=None, budget=None):
+    plan = Plan(
+        world_size=2,
+        units=[UnitPlan("u0", ["u0.w"], "shard", residency), UnitPlan("u1", ["u1.w"], "shard", residency)],
+        gather_groups=[GatherGroup(["u0"], Prefetch(window, window)), GatherGroup(["u1"], Prefetch(window, window))],
+        buckets=[Bucket(["u1.w"], "reduce_scatter"), Bucket(["u0.w"], "reduce_scatter")],
+        max_inflight_buckets=inflight,
+    )
+    return Simulator(PROFILE, STRUCTURE, COMM, world_size=2, budget_bytes=budget).run(plan, record=True)
+
+
+def _names(result, stream):
+    return [e.name for e in result.events if e.stream == stream]
+
+
+# Static memory of the sharded plans: 2 shards of 500 bytes + Adam state 2 x (2 x 500) = 3000.
+# A reduce-scatter bucket of one parameter: input 2 x (500 + 4 flag bytes) = 1008, output 504.
+
+
+def test_after_forward_window_1():
+    r = _sharded()
+    # fwd: AG u0 [0,2] waited; AG u1 issued at 2 [2,4]; fwd u0 2..12 (u0 freed); fwd u1 12..22 (freed)
+    # bwd: AG u1 at 22 [22,24] waited; AG u0 prefetched [24,26]; bwd u1 24..44, RS u1 [44,47];
+    #      bwd u0 44..64, RS u0 [64,67]; flush waits until 67.
+    assert r.step_s == pytest.approx(67 * MS)
+    # peak at 64: static 3000 + RS u1 input 1008 and output 504 (waited at the flush)
+    #             + RS u0 input 1008 and output 504 = 6024
+    assert r.peak_bytes == 6024
+    assert _names(r, "compute") == ["fwd u0", "fwd u1", "bwd u1", "bwd u0"]
+    assert _names(r, "comm") == [
+        "all_gather gather u0", "all_gather gather u1", "all_gather gather u1", "all_gather gather u0",
+        "reduce_scatter bucket0", "reduce_scatter bucket1",
+    ]
+    assert (r.gathers, r.reductions) == (4, 2)
+
+
+def test_window_0_gathers_on_demand():
+    r = _sharded(window=0)
+    # fwd: AG u0 [0,2], fwd u0 2..12; AG u1 [12,14], fwd u1 14..24
+    # bwd: AG u1 [24,26], bwd u1 26..46, RS u1 [46,49]; AG u0 queued behind it [49,51],
+    #      bwd u0 51..71, RS u0 [71,74]; flush 74
+    assert r.step_s == pytest.approx(74 * MS)
+    assert r.exposed_comm_s == pytest.approx((74 - 60) * MS)
+
+
+def test_after_backward_gathers_once():
+    r = _sharded(residency="after_backward")
+    # fwd as window 1 but nothing freed: fwd u0 2..12, fwd u1 12..22
+    # bwd u1 22..42 (u1 freed), RS u1 [42,45]; bwd u0 42..62, RS u0 [62,65]; flush 65
+    assert r.step_s == pytest.approx(65 * MS)
+    assert _names(r, "comm") == [
+        "all_gather gather u0", "all_gather gather u1", "reduce_scatter bucket0", "reduce_scatter bucket1",
+    ]
+    assert r.peak_bytes == 6024  # same accounting as after_forward at its peak (t=62)
+
+
+def test_persistent_refresh_overlaps_next_forward():
+    r = _sharded(residency="persistent")
+    # the first step's optimizer issued refreshes of u0 [0,2] and u1 [2,4] (times from the second
+    # step's start); fwd u0 waits to 2, 2..12; fwd u1 12..22; bwd 22..42, 42..62; RS [42,45], [62,65]
+    assert r.step_s == pytest.approx(65 * MS)
+    # full parameters stay resident: 3000 static + 2000 full; at 62: + 2 x (1008 + 504) = 8024
+    assert r.peak_bytes == 8024
+    assert _names(r, "comm")[:2] == ["all_gather refresh u0", "all_gather refresh u1"]
+
+
+def test_bounded_inflight_reductions_wait_in_backward():
+    r = _sharded(inflight=0)
+    # RS u1 [44,47] is waited for right away: bwd u0 runs 47..67, RS u0 [67,70]: step 70
+    assert r.step_s == pytest.approx(70 * MS)
+    # its input is gone before u0's gradient arrives: peak 3000 + 504 + 1008 + 504 = 5016 at 67
+    # (or 3000 + 1000 full u0 + 100 act + 1008 + 504 = 5612 at 44)
+    assert r.peak_bytes == 5612
+
+
+def test_replicated_plan_all_reduces_one_bucket():
+    plan = Plan(
+        world_size=2,
+        units=[UnitPlan("u0", ["u0.w"]), UnitPlan("u1", ["u1.w"])],
+        buckets=[Bucket(["u1.w", "u0.w"], "all_reduce")],
+    )
+    r = Simulator(PROFILE, STRUCTURE, COMM, world_size=2).run(plan, record=True)
+    # fwd 0..20, bwd 20..60; the bucket launches when u0's gradient is ready: AR [60,64]; flush 64
+    assert r.step_s == pytest.approx(64 * MS)
+    # static: params 2000 + Adam 4000 + bucket buffer 2000 + 8 flag bytes = 8008; + 2 x 100 activations
+    assert r.static_bytes == 8008
+    assert r.peak_bytes == 8208
+
+
+def test_infeasible_plan_is_flagged():
+    assert not _sharded(budget=6000).feasible  # peak 6024
+    assert _sharded(budget=7000).feasible
+
+
+def test_slowdown_stretches_overlapped_compute():
+    slow = CommModel("test", 2, "cpu", COMM.ops, compute_slowdown=2.0, comm_slowdown=1.0)
+    plan = Plan(
+        world_size=2,
+        units=[UnitPlan("u0", ["u0.w"]), UnitPlan("u1", ["u1.w"])],
+        buckets=[Bucket(["u1.w"], "all_reduce"), Bucket(["u0.w"], "all_reduce")],
+    )
+    r = Simulator(PROFILE, STRUCTURE, slow, world_size=2).run(plan)
+    # bwd u1 20..40; AR u1 [40,44] runs while bwd u0 computes: its first 4 ms of wall time do
+    # 2 ms of work, so bwd u0 ends at 40 + 4 + 18 = 62; AR u0 [62,66]
+    assert r.step_s == pytest.approx(66 * MS)
+
+
+def test_deterministic():
+    a, b = _sharded(window=1), _sharded(window=1)
+    assert (a.step_s, a.peak_bytes, [(e.name, e.start) for e in a.events]) == (
+        b.step_s, b.peak_bytes, [(e.name, e.start) for e in b.events]
+    )
+
+
+# ---- the simulator issues what the runtime issues, in the same order ---------------------------
+
+import torch.distributed as dist  # noqa: E402
+
+import models  # noqa: E402
+from parity import make_plan  # noqa: E402
+
+
+def _runtime_and_simulated_order(plan_kw):
+    from autodist import AutoDist
+    from autodist.trace import profile_model
+
+    rank = dist.get_rank()
+    plain = models.make("mlp")
+    structure = discover(plain)
+    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(rank))
+    prof = profile_model(plain, structure, (x,), device=torch.device("cpu"), repeats=1, memory=False)
+    plan = make_plan(models.make("mlp"), 2, **plan_kw)
+    simulated = Simulator(prof, structure, COMM, world_size=2).run(plan, record=True)
+    sim_order = [tuple(e.name.split(" ")) for e in simulated.events if e.stream == "comm"]
+    m = AutoDist(models.make("mlp"), plan=plan)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    logs = []
+    for _ in range(3):
+        m.runtime.comm.stats.log = log = []
+        models.loss_fn("mlp", m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        logs.append(log)
+    m.close()
+    # the steady step: refreshes issued after step 2's optimizer open step 3 in the simulator's view
+    refresh = [e for e in logs[1] if e[0] == "all_gather"][-len([g for g in plan.gather_groups if plan.unit(g.units[0]).residency == "persistent"]) or len(logs[1]):]
+    if not any(plan.unit(g.units[0]).residency == "persistent" for g in plan.gather_groups):
+        refresh = []
+    step = logs[2][: len(logs[2]) - len(refresh)]
+    runtime_order = [(k, lbl.split("..")[0]) for k, lbl in refresh + step]
+    sim_keyed = [(parts[0], parts[-1]) for parts in sim_order]
+    return runtime_order, sim_keyed
+
+
+@pytest.mark.parametrize(
+    "plan_kw",
+    [
+        {"residency": "after_forward", "window": 1},
+        {"residency": "after_forward", "window": 0},
+        {"residency": "after_forward", "window": 3, "buckets": "per_param"},
+        {"residency": "after_backward", "window": 1, "buckets": "one"},
+        {"residency": "persistent", "window": 1},
+        {"residency": "after_forward", "grouping": "all", "buckets": "one"},
+        {"placement": "mixed", "residency": "after_forward", "window": 1},
+    ],
+    ids=["af-w1", "af-w0", "af-w3-per-param", "ab-one-bucket", "persistent", "af-all", "mixed"],
+)
+def test_simulator_issues_collectives_in_the_runtimes_order(world2, plan_kw):
+    runtime_order, sim_order = world2.run(_runtime_and_simulated_order, plan_kw)[0]
+    assert runtime_order == sim_order
