@@ -401,6 +401,7 @@ def profile_model(
                 if it >= warmup:
                     results.append(_attribute(p, clock, t0, t_fwd, t_bwd, unit_names))
                     last = p
+            optimizer = estimate_optimizer(device)
     finally:
         tracer.close()
     assert last is not None
@@ -438,7 +439,7 @@ def profile_model(
         pre_bwd_s=statistics.median(r["pre_bwd"] for r in results),
         batch_signature=sig,
         device=device.type,
-        optimizer=estimate_optimizer(device),
+        optimizer=optimizer,
         site_after=dict(tracer.site_after),
         meta={"warmup": warmup, "repeats": repeats, "torch": torch.__version__},
     )

@@ -2,7 +2,8 @@
 
 ``sweep()`` times ``all_reduce``, ``all_gather``, ``reduce_scatter`` and host<->device copies over
 log-spaced sizes on the real process group, and fits each operation with two linear pieces — small
-and large messages — ``T = C * bytes + D`` (DisCo's form), split where the fit is best. It also
+and large messages — ``T = C * bytes + D`` (DisCo's form), each the line with the smallest worst-case
+relative error, split where the fit is best. It also
 measures how much compute slows down while a collective runs and how much a collective slows down
 while compute runs (on CPU they share cores), and how many extra bytes the backend allocates per
 message byte while a collective runs (gloo's all-gather stages its output in a temporary).
@@ -120,52 +121,87 @@ class CommModel:
 # ----------------------------------------------------------------------------------------------
 # fitting
 # ----------------------------------------------------------------------------------------------
-def _fit_line(points: list[tuple[float, float]]) -> Piece:
-    """Least squares on relative error (weights 1/t^2), clamped to non-negative coefficients."""
-    if len(points) == 1:
-        x, t = points[0]
-        return Piece(t / x if x else 0.0, 0.0)
-    sw = sx = sy = sxx = sxy = 0.0
-    for x, t in points:
-        w = 1.0 / max(t, 1e-9) ** 2
-        sw += w
-        sx += w * x
-        sy += w * t
-        sxx += w * x * x
-        sxy += w * x * t
-    det = sw * sxx - sx * sx
-    if det <= 0:
-        return Piece(0.0, sy / sw)
-    c = (sw * sxy - sx * sy) / det
-    d = (sy - c * sx) / sw
-    if c < 0:
-        return Piece(0.0, sy / sw)
-    if d < 0:
-        c = sxy / sxx if sxx else 0.0
-        d = 0.0
-    return Piece(c, d)
+def _max_rel_err(piece: Piece, points: list[tuple[float, float]]) -> float:
+    return max(abs(piece(x) - t) / t for x, t in points)
 
 
-def _rel_sse(piece: Piece, points: list[tuple[float, float]]) -> float:
-    return sum(((piece(x) - t) / max(t, 1e-9)) ** 2 for x, t in points)
+def _fit_line(points: list[tuple[float, float]], *, negative_intercept: bool = False) -> Piece:
+    """The line ``T = C*x + D`` (C >= 0; D >= 0 unless ``negative_intercept``) with the smallest
+    worst-case relative error. The large-message piece may extrapolate below zero towards 0 bytes
+    (bandwidth that improves with size, e.g. once a copy leaves the cache); it is only used from the
+    split upwards, where it stays positive.
+
+    By Chebyshev's alternation theorem the best line's error reaches its maximum at three points
+    with alternating signs, so it is found by solving every triple (few points: a sweep has ~6-14).
+    """
+    pts = [(x, max(t, 1e-12)) for x, t in points]
+    if len(pts) == 1:
+        return Piece(0.0, pts[0][1])
+    # the best constant (C = 0) and the best proportional line (D = 0): where the bounds bind
+    ts = [t for _, t in pts]
+    qs = [x / t for x, t in pts]
+    candidates: list[Piece] = [Piece(0.0, 2 * min(ts) * max(ts) / (min(ts) + max(ts)))]
+    if max(qs) > 0:
+        candidates.append(Piece(2 / (min(qs) + max(qs)), 0.0))
+    for i in range(len(pts)):
+        for j in range(i + 1, len(pts)):
+            (x1, t1), (x2, t2) = pts[i], pts[j]
+            if x2 != x1:
+                c = (t2 - t1) / (x2 - x1)
+                candidates.append(Piece(c, t1 - c * x1))
+            for k in range(j + 1, len(pts)):
+                x3, t3 = pts[k]
+                for sign in (1.0, -1.0):
+                    # c*x + d - t = s_i * e * t  for s = (+,-,+)*sign, unknowns c, d, e
+                    rows = [(x1, 1.0, -sign * t1, t1), (x2, 1.0, sign * t2, t2), (x3, 1.0, -sign * t3, t3)]
+                    sol = _solve3(rows)
+                    if sol is not None:
+                        candidates.append(Piece(sol[0], sol[1]))
+    best = None
+    lowest = min(x for x, _ in pts)
+    for cand in candidates:
+        if cand.c < 0 or (cand.d < 0 and not negative_intercept) or cand(lowest) <= 0:
+            continue
+        err = _max_rel_err(cand, pts)
+        if best is None or err < best[0]:
+            best = (err, cand)
+    return best[1] if best is not None else Piece(0.0, sum(t for _, t in pts) / len(pts))
+
+
+def _solve3(rows: list[tuple[float, float, float, float]]) -> tuple[float, float, float] | None:
+    """Solve a 3x3 system given as rows (a, b, c | rhs) by Cramer's rule."""
+    (a1, b1, c1, r1), (a2, b2, c2, r2), (a3, b3, c3, r3) = rows
+
+    def det(m: tuple[tuple[float, ...], ...]) -> float:
+        return (
+            m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
+        )
+
+    base = ((a1, b1, c1), (a2, b2, c2), (a3, b3, c3))
+    dd = det(base)
+    if abs(dd) < 1e-30:
+        return None
+    x = det(((r1, b1, c1), (r2, b2, c2), (r3, b3, c3))) / dd
+    y = det(((a1, r1, c1), (a2, r2, c2), (a3, r3, c3))) / dd
+    z = det(((a1, b1, r1), (a2, b2, r2), (a3, b3, r3))) / dd
+    return x, y, z
 
 
 def fit_op(samples: list[tuple[float, float]]) -> OpModel:
-    """Two linear pieces split at the sample that minimises total relative squared error."""
+    """Two linear pieces (small and large messages), split where the worse of the two pieces'
+    worst-case relative errors is smallest; one line if that is as good."""
     pts = sorted(samples)
-    best: tuple[float, OpModel] | None = None
+    one = _fit_line(pts)
+    one_err = _max_rel_err(one, pts)
+    best: tuple[float, OpModel] = (one_err, OpModel(one, one, float("inf"), pts))
     for k in range(2, len(pts) - 1):
         lo, hi = pts[:k], pts[k:]
-        a, b = _fit_line(lo), _fit_line(hi)
-        err = _rel_sse(a, lo) + _rel_sse(b, hi)
-        if best is None or err < best[0]:
+        a, b = _fit_line(lo), _fit_line(hi, negative_intercept=True)
+        err = max(_max_rel_err(a, lo), _max_rel_err(b, hi))
+        if err < best[0] * 0.95:  # two pieces only when clearly better than one line
             best = (err, OpModel(a, b, (lo[-1][0] + hi[0][0]) / 2, pts))
-    if best is None:
-        line = _fit_line(pts)
-        return OpModel(line, line, float("inf"), pts)
-    one = _fit_line(pts)
-    if _rel_sse(one, pts) <= best[0] * 1.05:  # one line is as good: keep it simple
-        return OpModel(one, one, float("inf"), pts)
     return best[1]
 
 
@@ -175,25 +211,52 @@ def fit_op(samples: list[tuple[float, float]]) -> OpModel:
 @dataclass
 class SweepConfig:
     """Sizes and repetitions of the sweep. Defaults keep it to a few seconds on 2 CPU ranks:
-    16 KiB to 16 MiB in 4x steps, the median of 3 timed runs after 1 warm-up."""
+    16 KiB to 16 MiB in 4x steps; each sample times as many calls as fill ``min_run_s`` (10 to 50),
+    spread over ``rounds`` interleaved passes, and keeps their median."""
 
     sizes: tuple[int, ...] = tuple(16 * 1024 * 4**i for i in range(6))
-    repeats: int = 3
-    warmup: int = 1
+    warmup: int = 2
+    min_calls: int = 10
+    max_calls: int = 50
+    min_run_s: float = 0.05
+    rounds: int = 5
 
 
-def _timed(fn: Any, group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig) -> float:
+def _calls_for(fn: Any, group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig) -> int:
+    """How many timed calls a sample gets: enough to fill ``min_run_s``, the same on every rank."""
     for _ in range(cfg.warmup):
         fn()
-    times = []
-    for _ in range(cfg.repeats):
-        dist.barrier(group=group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    once = max(time.perf_counter() - t0, 1e-6)
+    calls = max(cfg.min_calls, min(cfg.max_calls, int(cfg.min_run_s / once)))
+    n = torch.tensor([calls], dtype=torch.int64, device=device if device.type != "cpu" else None)
+    dist.all_reduce(n, op=dist.ReduceOp.MIN, group=group)
+    return int(n.item())
+
+
+def _time_calls(fn: Any, calls: int, device: torch.device, group: dist.ProcessGroup) -> list[float]:
+    """Times of ``calls`` calls, each started together on all ranks.
+
+    [Note: which statistic] On a shared 2-core host a collective's time has a long tail (a tenth of
+    small all-reduces take ~10x the median: the scheduler, not the wire) and even its median moves
+    2-3x between runs at some sizes. The sweep keeps the 10th percentile — the cost of the operation
+    itself, reproducible run to run — and measures interference separately (``compute_slowdown``,
+    ``comm_slowdown``), which the simulator applies where compute and communication overlap.
+    """
+    out = []
+    for _ in range(calls):
+        dist.barrier(group=group)  # both ranks start together: no skew from the previous call
         t0 = time.perf_counter()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        out.append(time.perf_counter() - t0)
+    return out
 
 
 def _max_over_ranks(values: list[float], group: dist.ProcessGroup, device: torch.device) -> list[float]:
@@ -209,26 +272,38 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig = Swe
     world = dist.get_world_size(group)
     comm = Comm(group)
     t_start = time.perf_counter()
-    names: list[tuple[str, int]] = []
-    times: list[float] = []
     fdt = torch.float32
+    cases: list[tuple[str, int, Any]] = []
+    keep: list[torch.Tensor] = []
     for nbytes in cfg.sizes:
         n = max(world, nbytes // 4 // world * world)
         buf = torch.zeros(n, dtype=fdt, device=device)
         shard = torch.zeros(n // world, dtype=fdt, device=device)
         out = torch.empty(n, dtype=fdt, device=device)
-        if world > 1:
-            names.append(("all_reduce", n * 4))
-            times.append(_timed(lambda: comm.all_reduce(buf, "sweep").wait(), group, device, cfg))
-            names.append(("all_gather", n * 4))
-            times.append(_timed(lambda: comm.all_gather(out, shard, "sweep").wait(), group, device, cfg))
-            names.append(("reduce_scatter", n * 4))
-            times.append(_timed(lambda: comm.reduce_scatter(shard, buf, "sweep").wait(), group, device, cfg))
         host = torch.empty(n, dtype=fdt, pin_memory=device.type == "cuda")
-        names.append(("d2h", n * 4))
-        times.append(_timed(lambda: host.copy_(buf, non_blocking=device.type == "cuda"), group, device, cfg))
-        names.append(("h2d", n * 4))
-        times.append(_timed(lambda: buf.copy_(host, non_blocking=device.type == "cuda"), group, device, cfg))
+        keep += [buf, shard, out, host]
+        nb = n * 4
+        if world > 1:
+            cases.append(("all_reduce", nb, lambda buf=buf: comm.all_reduce(buf, "sweep").wait()))
+            cases.append(("all_gather", nb, lambda out=out, shard=shard: comm.all_gather(out, shard, "sweep").wait()))
+            cases.append(("reduce_scatter", nb, lambda buf=buf, shard=shard: comm.reduce_scatter(shard, buf, "sweep").wait()))
+        nonblock = device.type == "cuda"
+        cases.append(("d2h", nb, lambda host=host, buf=buf: host.copy_(buf, non_blocking=nonblock)))
+        cases.append(("h2d", nb, lambda host=host, buf=buf: buf.copy_(host, non_blocking=nonblock)))
+    # Samples are collected in interleaved rounds, so a disturbance of the host (another process,
+    # the scheduler) touches a few calls of many samples instead of all calls of one; the median
+    # of each sample's calls then ignores it.
+    calls = [_calls_for(fn, group, device, cfg) for _, _, fn in cases]
+    per_round = [max(1, -(-c // cfg.rounds)) for c in calls]
+    durations: list[list[float]] = [[] for _ in cases]
+    for _ in range(cfg.rounds):
+        dist.barrier(group=group)
+        for _, _, fn in cases[:3]:  # wake the backend's threads before the first timed call
+            fn()
+        for i, (_, _, fn) in enumerate(cases):
+            durations[i] += _time_calls(fn, per_round[i], device, group)
+    names = [(op, nb) for op, nb, _ in cases]
+    times = [sorted(d)[len(d) // 10] for d in durations]  # the 10th percentile: see _time_calls
     times = _max_over_ranks(times, group, device)
     samples: dict[str, list[tuple[float, float]]] = {}
     for (op, nb), t in zip(names, times):
@@ -279,7 +354,10 @@ def _contention(comm: Any, group: dist.ProcessGroup, device: torch.device) -> tu
     t0 = time.perf_counter()
     comm.all_reduce(buf, "sweep").wait()
     t_comm = time.perf_counter() - t0
-    k = max(1, math.ceil(t_compute / max(t_comm, 1e-6)))
+    # every rank must issue the same number of collectives: agree on the largest
+    kk = torch.tensor([max(1, math.ceil(t_compute / max(t_comm, 1e-6)))], dtype=torch.int64)
+    dist.all_reduce(kk, op=dist.ReduceOp.MAX, group=group)
+    k = int(kk.item())
     dist.barrier(group=group)
     t0 = time.perf_counter()
     works = [comm.all_reduce(buf, "sweep") for _ in range(k)]

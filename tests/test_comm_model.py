@@ -1,0 +1,46 @@
+"""The comm model: fitting, and the sweep on the real process group."""
+
+import json
+
+import torch
+import torch.distributed as dist
+
+from autodist.cost.comm import CommModel, fit_op, sweep
+
+
+def test_two_piece_fit_recovers_a_known_curve():
+    # latency-bound below 1 MiB, bandwidth-bound above, with +-5% deterministic "noise"
+    sizes = [2**k for k in range(12, 26)]
+    truth = [(x, (50e-6 + x * 1e-10) if x < 2**20 else (x * 1e-9 + 20e-6)) for x in sizes]
+    noisy = [(x, t * (1.05 if i % 2 else 0.95)) for i, (x, t) in enumerate(truth)]
+    model = fit_op(noisy)
+    assert model.split_bytes < 2**21 and model.split_bytes > 2**19
+    for x, t in truth:
+        assert abs(model(x) - t) / t < 0.10
+
+
+def test_single_line_when_one_fits():
+    pts = [(float(x), 1e-4 + x * 2e-10) for x in (1e3, 1e4, 1e5, 1e6, 1e7)]
+    model = fit_op(pts)
+    assert model.small == model.large
+    assert abs(model(5e5) - (1e-4 + 5e5 * 2e-10)) < 1e-9
+
+
+def _sweep():
+    m = sweep(dist.group.WORLD, torch.device("cpu"))
+    worst = {op: max(abs(om(x) - t) / t for x, t in om.samples) for op, om in m.ops.items()}
+    return m.to_json(), worst, m.meta["sweep_seconds"]
+
+
+def test_sweep_is_fast_identical_on_every_rank_and_fits_its_samples(world2):
+    results = world2.run(_sweep)
+    texts = [r[0] for r in results]
+    assert texts[0] == texts[1]
+    model = CommModel.from_json(texts[0])
+    assert model.world_size == 2 and model.backend == "gloo"
+    assert set(model.ops) == {"all_reduce", "all_gather", "reduce_scatter", "h2d", "d2h"}
+    for op, err in results[0][1].items():
+        assert err <= 0.20, f"{op}: a fitted sample is off by {err:.0%}"
+    assert results[0][2] < 30  # seconds, not minutes
+    assert model.compute_slowdown >= 1.0 and model.comm_slowdown >= 1.0
+    assert json.loads(texts[0])["transient"]["all_gather"] > 0  # gloo stages all-gather output

@@ -1,0 +1,66 @@
+"""The profile: activation bytes against a direct count, forward order, and no side effects."""
+
+import torch
+from torch import nn
+
+from autodist.structure import discover
+from autodist.trace import profile_model
+
+CPU = torch.device("cpu")
+
+
+def test_activation_bytes_match_a_direct_count():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    n = 4
+    prof = profile_model(model, discover(model), (torch.randn(n, 16),), device=CPU, repeats=1)
+    acts = {u.name: u.act_bytes for u in prof.units}
+    # Linear 0 saves its input (n x 16 floats; its weight is a parameter and not counted); the ReLU
+    # after it (glue, attributed to unit "0") saves its output (n x 32); Linear 2 saves that same
+    # tensor as its input — counted once.
+    assert acts == {"0": n * 16 * 4 + n * 32 * 4, "2": 0}
+    assert {u.name: u.out_bytes for u in prof.units} == {"0": n * 32 * 4, "2": n * 8 * 4}
+
+
+class _Reordered(nn.Module):
+    """Registration order (a, b) differs from forward order (b, a)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(torch.relu(self.b(x)))
+
+
+def test_units_are_in_forward_order_and_gradients_ready_in_backward_order():
+    model = _Reordered()
+    prof = profile_model(model, discover(model), (torch.randn(3, 8),), device=CPU, repeats=1)
+    assert [u.name for u in prof.units] == ["b", "a"]
+    assert prof.ready_order[:2] in (["a.bias", "a.weight"], ["a.weight", "a.bias"])
+    assert set(prof.unit("a").ready) == {"a.weight", "a.bias"}
+    assert all(u.fwd_s > 0 and u.bwd_s > 0 for u in prof.units)
+
+
+def test_profiling_leaves_parameters_gradients_buffers_and_rng_as_found():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Dropout(0.5), nn.Linear(6, 2))
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    x = torch.randn(5, 6)
+    rng = torch.get_rng_state()
+    profile_model(model, discover(model), (x,), device=CPU, repeats=2)
+    assert all(torch.equal(params[k], v) for k, v in model.state_dict().items())  # incl. BN statistics
+    assert all(p.grad is grads[n] and bool((p.grad == 7).all()) for n, p in model.named_parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_tied_output_layer_is_recorded_as_a_site():
+    from autodist.zoo import GPT
+
+    model = GPT(vocab=32, d=16, layers=1, heads=2, seq=4)
+    prof = profile_model(model, discover(model), (torch.randint(0, 32, (2, 4)),), device=CPU, repeats=1)
+    assert prof.site_after == {"head": "ln_f"}
