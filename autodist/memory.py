@@ -15,7 +15,7 @@ set ``MALLOC_MMAP_THRESHOLD_`` to fix the threshold, so resident memory follows 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import psutil
 import torch
@@ -87,3 +87,38 @@ def trace_cpu_memory(fn: Callable[[], None], mark_prefix: str = "autodist::mark(
     mem = sorted((e["ts"], int(e["args"].get("Total Allocated", 0))) for e in events if e.get("name") == "[memory]")
     marks = {e["name"]: e["ts"] for e in events if e.get("ph") == "X" and e.get("name", "").startswith(mark_prefix)}
     return mem, marks
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views and aliases counted once; a DTensor
+    by its local tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key and key not in seen:
+            seen.add(key)
+            total += st.nbytes()
+    return total
+
+
+def measure_step_peak(step: Callable[[], None], device: torch.device, live: Iterable[torch.Tensor] = ()) -> int:
+    """Peak tensor bytes during ``step()``: on CUDA the allocator's peak; on CPU the bytes of the
+    ``live`` tensors held when the step starts plus the profiler's running total of what the step
+    allocates and frees (the CPU allocator keeps no statistics)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    start = storage_bytes(live)
+    mem, _ = trace_cpu_memory(step)
+    return start + max((m for _, m in mem), default=0)

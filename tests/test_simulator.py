@@ -3,8 +3,9 @@
 The hand cases: two units ``u0``, ``u1`` with one 250-element float32 parameter each (1000 bytes;
 on 2 ranks a 125-element, 500-byte shard), 10 ms forward and 20 ms backward each, 100 bytes of
 activations each, no optimizer time. Collectives take a fixed time whatever their size: all-gather
-2 ms, reduce-scatter 3 ms, all-reduce 4 ms. Every expected number below is worked out in the
-comment next to it.
+2 ms, reduce-scatter 3 ms, all-reduce 4 ms; memory copies and the runtime's own overheads cost
+nothing unless a test says otherwise. Every expected number below is worked out in the comment
+next to it.
 """
 
 import pytest
@@ -40,7 +41,7 @@ def _const(seconds):
 COMM = CommModel(
     "test", 2, "cpu",
     {"all_gather": _const(2 * MS), "reduce_scatter": _const(3 * MS), "all_reduce": _const(4 * MS),
-     "h2d": _const(1 * MS), "d2h": _const(1 * MS)},
+     "h2d": _const(0.0), "d2h": _const(0.0)},  # memory copies free here; priced in a test of their own
 )
 PROFILE = Profile(
     units=[
@@ -158,6 +159,25 @@ def test_slowdown_stretches_overlapped_compute():
     # bwd u1 20..40; AR u1 [40,44] runs while bwd u0 computes: its first 4 ms of wall time do
     # 2 ms of work, so bwd u0 ends at 40 + 4 + 18 = 62; AR u0 [62,66]
     assert r.step_s == pytest.approx(66 * MS)
+
+
+def test_runtime_overheads_and_copies_are_charged_to_compute():
+    costly = CommModel(
+        "test", 2, "cpu",
+        dict(COMM.ops, h2d=_const(0.5 * MS)),
+        overhead={"per_gather_s": 1 * MS, "per_bucket_s": 2 * MS, "per_unit_s": 4 * MS},
+    )
+    plan = Plan(
+        world_size=2,
+        units=[UnitPlan("u0", ["u0.w"], "shard", "after_backward"), UnitPlan("u1", ["u1.w"], "shard", "after_backward")],
+        gather_groups=[GatherGroup(["u0", "u1"], Prefetch(0, 0))],
+        buckets=[Bucket(["u1.w", "u0.w"], "reduce_scatter")],
+    )
+    r = Simulator(PROFILE, STRUCTURE, costly, world_size=2).run(plan)
+    # gather: 1 ms bookkeeping, AG [1,3], 0.5 ms copy-out (two parameters share the buffer): 3.5
+    # four unit segments each 2 ms longer (half of 4 ms per unit, per pass): fwd 3.5..15.5..27.5,
+    # bwd 27.5..49.5..71.5; bucket: 2 ms + two 0.5 ms passes = 3 ms -> 74.5; RS [74.5,77.5]
+    assert r.step_s == pytest.approx(77.5 * MS)
 
 
 def test_deterministic():

@@ -21,7 +21,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,10 +33,13 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _launch import max_over_ranks, relaunch  # noqa: E402
 
 from autodist import AutoDist  # noqa: E402
 from autodist.cost.budget import format_bytes  # noqa: E402
-from autodist.memory import MALLOC_ENV, MemoryMeter  # noqa: E402
+from autodist.memory import MemoryMeter  # noqa: E402
 from autodist.zoo import blocks_of, zoo  # noqa: E402
 
 DEFAULT_MODELS = ["wide-mlp", "deep-mlp", "resnet18", "gpt"]
@@ -113,12 +115,6 @@ class Result:
         return statistics.median(self.step_times) if self.step_times else float("nan")
 
 
-def _max_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def run_contender(workload: Any, contender: Contender, batches: list, args: argparse.Namespace, res: Result) -> None:
     meter = MemoryMeter(torch.device("cpu"))
     gc.collect()
@@ -139,8 +135,8 @@ def run_contender(workload: Any, contender: Contender, batches: list, args: argp
             dist.barrier()
             t0 = time.perf_counter()
             step(x, y)
-            res.step_times.append(_max_over_ranks(time.perf_counter() - t0))
-        peak = int(_max_over_ranks(meter.peak() - base))
+            res.step_times.append(max_over_ranks(time.perf_counter() - t0))
+        peak = int(max_over_ranks(meter.peak() - base))
         # the smallest over passes: a first run also pays one-time allocations (thread pools, caches)
         res.peak_bytes = peak if res.peak_bytes == 0 else min(res.peak_bytes, peak)
     finally:
@@ -248,23 +244,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "result.json")
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-            os.path.abspath(__file__), "--worker", "--out", out,
+        worker_args = [
+            "--worker", "--out", out,
             "--models", ",".join(args.models), "--contenders", ",".join(args.contenders),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--passes", str(args.passes),
             "--size", args.size,
         ]
         if args.batch is not None:
-            cmd += ["--batch", str(args.batch)]
+            worker_args += ["--batch", str(args.batch)]
         if args.memory_limit is not None:
-            cmd += ["--memory-limit", args.memory_limit]
-        env = dict(os.environ, OMP_NUM_THREADS="1", **MALLOC_ENV)
+            worker_args += ["--memory-limit", args.memory_limit]
         t0 = time.time()
-        proc = subprocess.run(cmd, env=env)
-        if proc.returncode != 0:
-            print(f"bench: the ranks failed (exit code {proc.returncode})", file=sys.stderr)
-            return proc.returncode
+        returncode = relaunch(os.path.abspath(__file__), args.nproc, worker_args)
+        if returncode != 0:
+            print(f"bench: the ranks failed (exit code {returncode})", file=sys.stderr)
+            return returncode
         with open(out) as f:
             payload = json.load(f)
     payload["wall_seconds"] = time.time() - t0

@@ -62,8 +62,15 @@ class CommModel:
     compute_slowdown: float = 1.0  # compute runs this many times longer while a collective runs
     comm_slowdown: float = 1.0  # a collective runs this many times longer while compute runs
     transient: dict[str, float] = field(default_factory=dict)  # extra bytes per message byte
+    overhead: dict[str, float] = field(default_factory=dict)  # the runtime's own costs (cost/overhead.py)
     meta: dict[str, Any] = field(default_factory=dict)
     schema_version: int = COMM_SCHEMA_VERSION
+
+    def memcpy(self, nbytes: float) -> float:
+        """A copy of ``nbytes`` within device memory (on the CPU: host memory bandwidth)."""
+        if self.device == "cpu" and "h2d" in self.ops:
+            return self.ops["h2d"](nbytes)
+        return nbytes / 1e12  # device memory: ~1 TB/s, negligible next to everything else
 
     def time(self, op: str, nbytes: float) -> float:
         if self.world_size == 1 and op in ("all_reduce", "all_gather", "reduce_scatter"):
@@ -315,6 +322,9 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig = Swe
             ops[op] = zero
     slow_compute, slow_comm = _contention(comm, group, device) if world > 1 else (1.0, 1.0)
     transient = _transient_bytes(comm, device) if world > 1 else {}
+    from .overhead import measure_runtime_overhead
+
+    overhead = asdict(measure_runtime_overhead(device))
     model = CommModel(
         backend=dist.get_backend(group),
         world_size=world,
@@ -323,6 +333,7 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig = Swe
         compute_slowdown=slow_compute,
         comm_slowdown=slow_comm,
         transient=transient,
+        overhead=overhead,
         meta={"sweep_seconds": time.perf_counter() - t_start, "torch": torch.__version__},
     )
     comm.destroy()

@@ -96,3 +96,25 @@ class Profile:
     @classmethod
     def from_json(cls, text: str) -> Profile:
         return cls.from_dict(json.loads(text))
+
+
+def slowest(profiles: list[Profile]) -> Profile:
+    """One profile for all ranks: each time and size the largest any rank measured (the slowest
+    rank sets the step time). Orders come from the first."""
+    base = profiles[0]
+    out = Profile.from_json(base.to_json())
+    for other in profiles[1:]:
+        by_name = {u.name: u for u in other.units}
+        for u in out.units:
+            o = by_name.get(u.name)
+            if o is None:
+                continue
+            u.fwd_s, u.bwd_s = max(u.fwd_s, o.fwd_s), max(u.bwd_s, o.bwd_s)
+            u.act_bytes = max(u.act_bytes, o.act_bytes)
+            u.fwd_peak_bytes = max(u.fwd_peak_bytes, o.fwd_peak_bytes)
+            u.bwd_peak_bytes = max(u.bwd_peak_bytes, o.bwd_peak_bytes)
+        for key in ("pre_fwd_s", "post_fwd_s", "pre_bwd_s", "post_bwd_s"):
+            setattr(out, key, max(getattr(out, key), getattr(other, key)))
+        out.optimizer.per_byte_s = max(out.optimizer.per_byte_s, other.optimizer.per_byte_s)
+        out.optimizer.per_tensor_s = max(out.optimizer.per_tensor_s, other.optimizer.per_tensor_s)
+    return out

@@ -204,6 +204,7 @@ class Simulator:
         world = self.world
         unit_plan = {u.name: u for u in plan.units}
         placement = {p: u.placement for u in plan.units for p in u.params}
+        placement_of_unit = {u.name: u.placement for u in plan.units}
         trainable = {n for n, p in st.params.items() if p.requires_grad}
         t_ag = self.comm.transient.get("all_gather", 0.0)
         t_rs = self.comm.transient.get("reduce_scatter", 0.0)
@@ -274,9 +275,15 @@ class Simulator:
         emit = prog.append
         comm = self.comm
 
+        ovh = comm.overhead
+        per_gather = ovh.get("per_gather_s", 0.0)
+        per_bucket = ovh.get("per_bucket_s", 0.0)
+
         def issue_gather(grp: _Group) -> None:
             if grp.state != "sharded":
                 return
+            if per_gather:
+                emit((_C, per_gather, "gather bookkeeping", 0))
             secs = self._time("all_gather", grp.msg_bytes)
             ops.append(CommOp("all_gather", f"gather {grp.units[0]}", grp.msg_bytes, secs, int(t_ag * grp.msg_bytes)))
             grp.op = len(ops) - 1
@@ -290,6 +297,7 @@ class Simulator:
             if grp.state == "issued":
                 emit((_WAIT, grp.op))
                 if grp.recv_bytes:  # copy out of the receive buffer, which is then dropped
+                    emit((_C, comm.memcpy(grp.full_bytes), "copy-out", 0))
                     emit((_MEM, (0 if grp.refreshing else grp.full_bytes) - grp.recv_bytes))
                 grp.state = "gathered"
                 grp.refreshing = False
@@ -311,6 +319,8 @@ class Simulator:
                 emit((_MEM, -bk.in_bytes))
 
         def launch(bk: _Bucket) -> None:
+            # copy-in of the gradients and the pre-division, both a pass over the message
+            emit((_C, per_bucket + 2 * comm.memcpy(bk.msg_bytes), "bucket copy-in", 0))
             if bk.op == "reduce_scatter":
                 if not bk.allocated:
                     emit((_MEM, bk.in_bytes - bk.deferred))
@@ -381,6 +391,15 @@ class Simulator:
         bpos = {u: i for i, u in enumerate(rev)}
         bwd_sched = entries(bpos, lambda g: g.bw, True)
         opt_s = opt.step_seconds(local_tensors, local_master)
+        uses_dtensor = any(u.placement == "shard" for u in plan.units)
+        if uses_dtensor:
+            opt_s += ovh.get("dtensor_opt_per_tensor_s", 0.0) * local_tensors
+        # module hooks run on every unit once anything is gathered (swapping units cost the most)
+        hook_s = {}
+        if groups:
+            per_unit = ovh.get("per_unit_s", 0.0)
+            for u in self.order:
+                hook_s[u] = per_unit / 2 if placement_of_unit.get(u) == "shard" else per_unit / 4
         opt_transient = int(opt.transient_factor * local_master)
         grads_persist = sum(bk.out_bytes for bk in buckets if bk.op == "reduce_scatter")
         persistent_full = 0
@@ -410,7 +429,7 @@ class Simulator:
                     ensure(grp)
             fire(fwd_sched, cursor, pos[u])
             if up is not None:
-                emit((_C, up.fwd_s, f"fwd {u}", up.fwd_peak_bytes))
+                emit((_C, up.fwd_s + hook_s.get(u, 0.0), f"fwd {u}", up.fwd_peak_bytes))
                 emit((_MEM, up.act_bytes))
             grp = group_of_unit.get(u)
             if grp is not None and grp.residency == "after_forward" and grp.active_last == u:
@@ -441,7 +460,7 @@ class Simulator:
                     ensure(grp)
             fire(bwd_sched, bcursor, bpos[u])
             if up is not None:
-                emit((_C, up.bwd_s, f"bwd {u}", up.bwd_peak_bytes))
+                emit((_C, up.bwd_s + hook_s.get(u, 0.0), f"bwd {u}", up.bwd_peak_bytes))
                 emit((_MEM, -up.act_bytes))
                 for p in up.ready:
                     if p in trainable:

@@ -438,8 +438,7 @@ class Engine:
             self._on_backward_start()
             step = self._step
             for g in site.groups:
-                with record_function(f"autodist::pre_backward({g.label})"):
-                    g.ensure()
+                g.ensure()
             if site.unit is not None:
                 self._run_backward_triggers(step.bwd_pos.get(site.unit, -1))
 
@@ -580,6 +579,18 @@ class Engine:
         ):
             if g.issue():
                 self.stats.persistent_refreshes += 1
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the runtime holds between steps (for memory accounting)."""
+        out: list[torch.Tensor] = []
+        for mp in self.params.values():
+            out.append(mp.local)
+            if mp.full is not mp.visible:
+                out.append(mp.full)
+            if mp.shard_flat is not None:
+                out.append(mp.shard_flat)
+        out += [b.buffer for b in self.reducer.buckets]
+        return out
 
     def mark_stale(self) -> None:
         """Parameters were overwritten in place (a state dict was loaded): re-gather and re-cast."""

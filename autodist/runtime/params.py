@@ -168,16 +168,18 @@ class ManagedParam:
             return None
         return g.to_local() if isinstance(g, DTensor) else g
 
+    def wrap_local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` (this rank's part) as the visible gradient type: a DTensor like the parameter."""
+        if not self.is_dtensor:
+            return grad
+        placements = [Shard(0)] if self.sharded else [Replicate()]
+        return DTensor.from_local(
+            grad, self.mesh, placements, run_check=False, shape=torch.Size(self.shape), stride=_contiguous_stride(self.shape)
+        )
+
     def set_local_grad(self, grad: torch.Tensor) -> None:
         """Make ``grad`` (this rank's local part, master dtype) the visible gradient, without copying."""
-        if self.is_dtensor:
-            placements = [Shard(0)] if self.sharded else [Replicate()]
-            self.visible.grad = DTensor.from_local(
-                grad, self.mesh, placements, run_check=False, shape=torch.Size(self.shape),
-                stride=_contiguous_stride(self.shape),
-            )
-        else:
-            self.visible.grad = grad
+        self.visible.grad = self.wrap_local_grad(grad)
 
     # -- full (unsharded) storage -------------------------------------------------------------
     def alloc_full(self) -> None:

@@ -26,8 +26,10 @@ import torch
 from .comm import Comm, InFlight
 from .params import ManagedParam
 
-# After-reduction action per parameter slot.
-_SET, _ADD, _KEEP = 0, 1, 2
+# After-reduction action per parameter slot: make the slot the gradient; add it into the user's own
+# gradient tensor; nothing (the slot already is the gradient and was reduced in place); add back the
+# previous gradient saved before a reduce-scatter overwrote the slot.
+_SET, _ADD, _KEEP, _RESTORE = 0, 1, 2, 3
 
 
 class BucketRuntime:
@@ -61,12 +63,30 @@ class BucketRuntime:
             off += s
         self.total = off
         self.nbytes = self.total * reduce_dtype.itemsize
+        # The persistent buffer: the all-reduce operand, or the reduce-scatter output. Either way the
+        # visible gradients are views of it (see [Note: gradients as bucket views]).
+        self.buffer = torch.zeros(self.total + self.n, dtype=reduce_dtype, device=device)
         if op == "all_reduce":
-            self.buffer = torch.zeros(self.total + self.n, dtype=reduce_dtype, device=device)
+            self.views = [self.buffer[o : o + s].view(mp.shape) for o, s, mp in zip(self.offsets, self.sizes, params)]
+        else:
             self.views = [
-                self.buffer[o : o + s].view(mp.shape) for o, s, mp in zip(self.offsets, self.sizes, params)
+                self.buffer[o : o + mp.local_rows * mp.row_numel].view(mp.local.shape)
+                for o, mp in zip(self.offsets, params)
             ]
+        self._grad_objs: list[torch.Tensor | None] = [None] * self.n
+        self._saved: dict[int, torch.Tensor] = {}
         self.reset()
+
+    def grad_obj(self, slot: int) -> torch.Tensor | None:
+        """What ``visible.grad`` is set to: the slot view (wrapped once as a DTensor when the
+        parameter is one), or ``None`` when dtypes differ and a cast copy is needed."""
+        mp = self.params[slot]
+        if self.dtype != mp.dtype:
+            return None
+        obj = self._grad_objs[slot]
+        if obj is None:
+            obj = self._grad_objs[slot] = mp.wrap_local_grad(self.views[slot])
+        return obj
 
     def reset(self) -> None:
         self.ready = [False] * self.n
@@ -80,7 +100,7 @@ class BucketRuntime:
 
     # ------------------------------------------------------------------------------------------
     def _is_slot_view(self, t: torch.Tensor | None, slot: int) -> bool:
-        if t is None or self.op != "all_reduce":
+        if t is None:
             return False
         v = self.views[slot]
         return t.dtype == v.dtype and t.data_ptr() == v.data_ptr() and t.shape == v.shape
@@ -138,7 +158,14 @@ class BucketRuntime:
         else:
             g = mp.full.grad
             mp.full.grad = None
-            self.action[slot] = _SET if mp.local_grad() is None else _ADD
+            vg = mp.local_grad()
+            if vg is None:
+                self.action[slot] = _SET
+            elif self._is_slot_view(vg, slot):  # kept from the last step: the output will overwrite it
+                self._saved[slot] = vg.clone()
+                self.action[slot] = _RESTORE
+            else:
+                self.action[slot] = _ADD
             if self._input is None:
                 # [Note: deferred copy-in] Small gradients wait (in ``_deferred``) until enough of the
                 # bucket has arrived to justify allocating its input buffer: a bias arriving before its
@@ -195,8 +222,11 @@ class BucketRuntime:
             inp[:, self.total :].copy_(flags.expand(self.world, self.n))
             if self.world > 1:
                 inp.div_(self.world)
-            out = torch.empty(self.total + self.n, dtype=self.dtype, device=self.device)
-            self.inflight = self.comm.reduce_scatter(out, inp.view(-1), self.label)
+            for slot, mp in enumerate(self.params):
+                if not self.ready[slot] and self._is_slot_view(mp.local_grad(), slot):
+                    self._saved[slot] = self.views[slot].clone()  # a kept gradient of an unused parameter
+                    self.action[slot] = _RESTORE
+            self.inflight = self.comm.reduce_scatter(self.buffer, inp.view(-1), self.label)
             self._input = None  # the InFlight owns it now
         self.launched = True
         return missing
@@ -205,28 +235,25 @@ class BucketRuntime:
         """Wait for the collective and hand each parameter its reduced gradient."""
         assert self.inflight is not None, "finish() before launch()"
         self.inflight.wait()
-        if self.op == "all_reduce":
-            result, views = self.buffer, self.views
-        else:
-            result = self.inflight.buffers[0]
-            views = [
-                result[o : o + mp.local_rows * mp.row_numel].view(mp.local.shape)
-                for o, mp in zip(self.offsets, self.params)
-            ]
-        used = (result[self.total :] > 0).tolist()
+        views = self.views
+        used = (self.buffer[self.total :] > 0).tolist()
         with torch.no_grad():
             for slot, mp in enumerate(self.params):
-                if not used[slot]:
-                    continue
                 act = self.action[slot]
-                if act == _KEEP:
+                if act == _RESTORE:
+                    views[slot].add_(self._saved.pop(slot))
                     continue
-                g = views[slot] if self.dtype == mp.dtype else views[slot].to(mp.dtype)
+                if not used[slot] or act == _KEEP:
+                    continue
                 if act == _SET:
-                    mp.set_local_grad(g)
+                    obj = self.grad_obj(slot)
+                    if obj is not None:
+                        mp.visible.grad = obj
+                    else:
+                        mp.set_local_grad(views[slot].to(mp.dtype))
                 else:
-                    vg = mp.local_grad()
-                    vg.add_(g)
+                    mp.local_grad().add_(views[slot].to(mp.dtype))
+        self._saved.clear()
         self.inflight = None
 
 

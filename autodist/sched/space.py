@@ -1,0 +1,270 @@
+"""The plan space the search walks: a compact *genome* per plan, conversion to :class:`Plan`, seeds,
+random plans and moves.
+
+A genome fixes every decision over two orders measured by the profile: units in forward order and
+trainable parameters in gradient-ready order.
+
+* ``shard[i]`` — unit *i* is sharded (else replicated);
+* ``residency[i]`` — its residency (0 ``after_forward``, 1 ``after_backward``, 2 ``persistent``);
+  every unit of a gather group takes its group's first unit's residency;
+* ``group_start`` — indices of sharded units that start a new gather group (groups are runs of
+  consecutive sharded units in forward order);
+* ``window[i]`` — forward and backward prefetch window of the group that unit *i* starts;
+* ``bucket_start`` — positions in the ready order that start a new bucket (a change of op or dtype
+  always starts one);
+* ``inflight`` — ``max_inflight_buckets`` (-1: no limit);
+* ``offload`` — offloaded fragments as (parameter, state, start, end, back_from unit index).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from ..plan import Bucket, GatherGroup, OffloadFragment, Plan, Prefetch, UnitPlan
+from ..structure import ModelStructure
+from .seeds import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_CAP_BYTES
+
+RESIDENCIES = ("after_forward", "after_backward", "persistent")
+MEMORY_WINDOW = -1  # a window of "memory"
+WINDOW_CHOICES = (0, 1, 2, 3, MEMORY_WINDOW)
+INFLIGHT_CHOICES = (-1, 0, 1, 2)
+
+
+@dataclass(frozen=True)
+class Genome:
+    shard: tuple[bool, ...]
+    residency: tuple[int, ...]
+    group_start: frozenset[int]
+    window: tuple[tuple[int, int], ...]
+    bucket_start: frozenset[int]
+    inflight: int = -1
+    offload: tuple[tuple[str, str, int, int, int], ...] = ()
+
+
+class PlanSpace:
+    """Genomes for one model and world size, given the measured orders."""
+
+    def __init__(
+        self,
+        structure: ModelStructure,
+        world_size: int,
+        unit_order: Sequence[str],
+        ready_order: Sequence[str],
+        *,
+        fixed_placement: dict[str, str] | None = None,
+    ) -> None:
+        self.structure = structure
+        self.world = world_size
+        known = set(unit_order)
+        self.units = list(unit_order) + [u.name for u in structure.units if u.name not in known]
+        self.index = {u: i for i, u in enumerate(self.units)}
+        self.unit_params = {u.name: list(u.params) for u in structure.units}
+        trainable = structure.trainable
+        seen = set(ready_order)
+        self.ready = [p for p in ready_order if p in set(trainable)] + [p for p in reversed(trainable) if p not in seen]
+        unit_of = structure.unit_of_param
+        self.unit_of_ready = [self.index[unit_of[p]] for p in self.ready]
+        self.shardable = tuple(
+            all(len(structure.params[p].shape) > 0 for p in self.unit_params[u]) for u in self.units
+        )
+        self.fixed = fixed_placement  # placement can no longer change (the user holds the parameters)
+        self.blocks = [next((u.block for u in structure.units if u.name == name), None) for name in self.units]
+
+    # ---- conversion ------------------------------------------------------------------------
+    def normalize(self, g: Genome) -> Genome:
+        """Enforce invariants: fixed/unshardable placement, group starts only on sharded units
+        (and on the first sharded unit of every run), one residency per group."""
+        shard = list(g.shard)
+        for i, u in enumerate(self.units):
+            if not self.shardable[i]:
+                shard[i] = False
+            if self.fixed is not None:
+                shard[i] = self.fixed[u] == "shard"
+        starts = set()
+        prev_sharded = False
+        for i, s in enumerate(shard):
+            if s and (not prev_sharded or i in g.group_start):
+                starts.add(i)
+            prev_sharded = s
+        res = list(g.residency)
+        current = 0
+        for i, s in enumerate(shard):
+            if s:
+                if i in starts:
+                    current = res[i]
+                res[i] = current
+        return replace(g, shard=tuple(shard), residency=tuple(res), group_start=frozenset(starts))
+
+    def groups(self, g: Genome) -> list[list[int]]:
+        out: list[list[int]] = []
+        for i, s in enumerate(g.shard):
+            if not s:
+                continue
+            if i in g.group_start or not out:
+                out.append([i])
+            else:
+                out[-1].append(i)
+        return out
+
+    def buckets(self, g: Genome) -> list[list[int]]:
+        """Bucket partition of the ready order (indices into ``self.ready``)."""
+        out: list[list[int]] = []
+        prev_key = None
+        for k, p in enumerate(self.ready):
+            key = (g.shard[self.unit_of_ready[k]], self.structure.params[p].dtype)
+            if not out or k in g.bucket_start or key != prev_key:
+                out.append([k])
+            else:
+                out[-1].append(k)
+            prev_key = key
+        return out
+
+    def to_plan(self, g: Genome, *, provenance: dict | None = None) -> Plan:
+        g = self.normalize(g)
+        units = [
+            UnitPlan(u, list(self.unit_params[u]), "shard" if g.shard[i] else "replicate", RESIDENCIES[g.residency[i]])
+            for i, u in enumerate(self.units)
+        ]
+        groups = []
+        for members in self.groups(g):
+            fw, bw = g.window[members[0]]
+            groups.append(
+                GatherGroup(
+                    [self.units[i] for i in members],
+                    Prefetch("memory" if fw == MEMORY_WINDOW else fw, "memory" if bw == MEMORY_WINDOW else bw),
+                )
+            )
+        buckets = [
+            Bucket([self.ready[k] for k in ks], "reduce_scatter" if g.shard[self.unit_of_ready[ks[0]]] else "all_reduce")
+            for ks in self.buckets(g)
+        ]
+        offload = [
+            OffloadFragment(p, state, (a, b), "step", f"backward:{self.units[bu]}" if bu >= 0 else "step")
+            for p, state, a, b, bu in g.offload
+        ]
+        return Plan(
+            world_size=self.world,
+            units=units,
+            gather_groups=groups,
+            buckets=buckets,
+            offload=offload,
+            max_inflight_buckets=None if g.inflight < 0 else g.inflight,
+            fingerprint=self.structure.fingerprint(),
+            provenance=dict(provenance or {}),
+        )
+
+    # ---- seeds -----------------------------------------------------------------------------
+    def _size_breaks(self, shard: Sequence[bool], cap: int, first_cap: int) -> frozenset[int]:
+        """DDP's bucketing over the ready order (close a bucket once it reaches its cap)."""
+        starts = set()
+        size = 0
+        closed = 0
+        for k, p in enumerate(self.ready):
+            nbytes = self.structure.params[p].nbytes
+            if size == 0:
+                starts.add(k)
+            size += nbytes
+            if size >= (first_cap if closed == 0 else cap):
+                size = 0
+                closed += 1
+        return frozenset(starts)
+
+    def ddp(self) -> Genome:
+        n = len(self.units)
+        shard = (False,) * n
+        return self.normalize(
+            Genome(shard, (0,) * n, frozenset(), ((1, 1),) * n,
+                   self._size_breaks(shard, DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_CAP_BYTES))
+        )
+
+    def _per_block(self, residency: int) -> Genome:
+        n = len(self.units)
+        starts = {i for i in range(n) if i == 0 or self.blocks[i] != self.blocks[i - 1]}
+        # FSDP2's root group (units outside blocks) is not resharded after forward
+        res = tuple(1 if self.blocks[i] is None and residency == 0 else residency for i in range(n))
+        g = Genome((True,) * n, res, frozenset(starts), ((1, 1),) * n, frozenset(), inflight=1)
+        g = self.normalize(g)
+        # one bucket per group: break the ready order where the owning group changes
+        group_of = {}
+        for gi, members in enumerate(self.groups(g)):
+            for i in members:
+                group_of[i] = gi
+        breaks = {
+            k for k in range(len(self.ready))
+            if k == 0 or group_of.get(self.unit_of_ready[k]) != group_of.get(self.unit_of_ready[k - 1])
+        }
+        return replace(g, bucket_start=frozenset(breaks))
+
+    def fsdp(self) -> Genome:
+        return self._per_block(0)
+
+    def zero2(self) -> Genome:
+        return self._per_block(1)
+
+    # ---- random plans and moves ------------------------------------------------------------
+    def random(self, rng: random.Random) -> Genome:
+        n = len(self.units)
+        shard = tuple(rng.random() < 0.6 for _ in range(n))
+        residency = tuple(rng.randrange(3) for _ in range(n))
+        starts = frozenset(i for i in range(n) if rng.random() < 0.4)
+        window = tuple((rng.choice(WINDOW_CHOICES), rng.choice(WINDOW_CHOICES)) for _ in range(n))
+        bstarts = frozenset(k for k in range(len(self.ready)) if rng.random() < 0.3)
+        return self.normalize(Genome(shard, residency, starts, window, bstarts, rng.choice(INFLIGHT_CHOICES)))
+
+    def mutate(self, g: Genome, rng: random.Random, moves: int = 1) -> Genome:
+        """Apply ``moves`` random moves (bucket merge/split, group merge/split, residency, window,
+        placement when free, in-flight bound)."""
+        for _ in range(moves):
+            g = self._move(g, rng)
+        return self.normalize(g)
+
+    def _move(self, g: Genome, rng: random.Random) -> Genome:
+        n = len(self.units)
+        kinds = ["bucket_merge", "bucket_split", "residency", "window", "inflight"]
+        sharded = [i for i in range(n) if g.shard[i]]
+        if sharded:
+            kinds += ["group_merge", "group_split", "residency", "window"]
+        if self.fixed is None:
+            kinds.append("placement")
+        kind = rng.choice(kinds)
+        if kind == "bucket_merge" and g.bucket_start:
+            k = rng.choice(sorted(g.bucket_start))
+            return replace(g, bucket_start=g.bucket_start - {k})
+        if kind == "bucket_split" and len(self.ready) > 1:
+            k = rng.randrange(1, len(self.ready))
+            return replace(g, bucket_start=g.bucket_start | {k})
+        if kind == "group_merge":
+            candidates = [i for i in g.group_start if i > 0 and g.shard[i - 1]]
+            if candidates:
+                return replace(g, group_start=g.group_start - {rng.choice(sorted(candidates))})
+        if kind == "group_split" and sharded:
+            return replace(g, group_start=g.group_start | {rng.choice(sharded)})
+        if kind == "residency" and sharded:
+            groups = self.groups(g)
+            members = rng.choice(groups)
+            r = rng.randrange(3)
+            res = list(g.residency)
+            for i in members:
+                res[i] = r
+            return replace(g, residency=tuple(res))
+        if kind == "window" and sharded:
+            groups = self.groups(g)
+            first = rng.choice(groups)[0]
+            fw, bw = g.window[first]
+            if rng.random() < 0.5:
+                fw = rng.choice(WINDOW_CHOICES)
+            else:
+                bw = rng.choice(WINDOW_CHOICES)
+            w = list(g.window)
+            w[first] = (fw, bw)
+            return replace(g, window=tuple(w))
+        if kind == "inflight":
+            return replace(g, inflight=rng.choice(INFLIGHT_CHOICES))
+        if kind == "placement":
+            i = rng.randrange(n)
+            shard = list(g.shard)
+            shard[i] = not shard[i]
+            return replace(g, shard=tuple(shard), group_start=g.group_start | {i})
+        return g
