@@ -38,6 +38,7 @@ class _Clock:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.device = device
 
     def mark(self) -> Any:
         if self.cuda:
@@ -70,12 +71,25 @@ class _Pass:
 class UnitTracer:
     """Hooks on a plain module's units; ``with tracer.recording(pass_)`` to collect one pass."""
 
-    def __init__(self, module: nn.Module, structure: ModelStructure, clock: _Clock, *, label: bool = False) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        structure: ModelStructure,
+        clock: _Clock,
+        *,
+        params: list[tuple[str, torch.Tensor]] | None = None,
+        free_grads: bool = True,
+    ) -> None:
+        """``params``: the leaf tensors whose gradient-ready events to record (default: the module's
+        parameters; a wrapped model passes the full tensors it computes with). ``free_grads``: drop
+        each gradient as soon as it is produced (standalone profiling only)."""
         self.module = module
         self.clock = clock
-        self.label = label
+        self.free_grads = free_grads
         self.unit_of = {id(module.get_submodule(u.module_name)): u.name for u in structure.units}
-        self.param_names = {id(p): n for n, p in module.named_parameters()}
+        params = params if params is not None else list(module.named_parameters())
+        self.params = params
+        self.param_names = {id(p): n for n, p in params}
         self.param_storages: set[int] = set()
         self._pass: _Pass | None = None
         self._stack: list[str] = []
@@ -89,7 +103,7 @@ class UnitTracer:
                 self._handles.append(sub.register_forward_hook(self._exit(u), always_call=True))
             elif any(p is not None for p in sub._parameters.values()):
                 self._handles.append(sub.register_forward_pre_hook(self._site(name)))
-        for p in module.parameters():
+        for _, p in params:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._ready))
 
@@ -103,8 +117,6 @@ class UnitTracer:
         def hook(module: nn.Module, args: tuple) -> None:
             if self._pass is None:
                 return
-            if self.label:
-                torch.ops.profiler._record_function_enter_new(f"autodist::unit({unit})", None)
             self._pass.fwd.append((self.clock.mark(), "enter", unit))
             self._stack.append(unit)
 
@@ -150,7 +162,8 @@ class UnitTracer:
         p = self._pass
         if p is not None:
             p.bwd.append((self.clock.mark(), "ready", self.param_names.get(id(param), "?")))
-        param.grad = None  # profiling keeps no gradients: memory stays that of one step
+        if self.free_grads:
+            param.grad = None  # profiling keeps no gradients: memory stays that of one step
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         p = self._pass
@@ -165,15 +178,27 @@ class UnitTracer:
                 p.saved[owner] = p.saved.get(owner, 0) + t.untyped_storage().nbytes()
         return t
 
+    def start(self, pass_: _Pass) -> None:
+        """Record hooks into ``pass_`` until ``stop()``."""
+        self.param_storages = {p.untyped_storage().data_ptr() for _, p in self.params}
+        self.param_storages |= {p.untyped_storage().data_ptr() for p in self.module.parameters() if not hasattr(p, "_local_tensor")}
+        self._pass, self._stack, self._last = pass_, [], None
+
+    def stop(self) -> None:
+        self._pass = None
+
+    def saving(self) -> Any:
+        """Context to wrap a forward in: counts the tensors saved for backward."""
+        return saved_tensors_hooks(self._pack, lambda x: x)
+
     @contextlib.contextmanager
     def recording(self, pass_: _Pass) -> Iterator[None]:
-        self.param_storages = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
-        self._pass, self._stack, self._last = pass_, [], None
+        self.start(pass_)
         try:
-            with saved_tensors_hooks(self._pack, lambda x: x):
+            with self.saving():
                 yield
         finally:
-            self._pass = None
+            self.stop()
 
 
 def _surrogate_loss(out: object) -> torch.Tensor:

@@ -68,6 +68,13 @@ class AutoDist(nn.Module):
             raise TypeError("this module is already wrapped by AutoDist; wrap the inner module once")
         mixed_precision = MixedPrecision.coerce(mixed_precision)
         _check_plan_argument(plan)
+        if example_inputs is not None and not (isinstance(plan, str) and plan == "auto"):
+            raise ValueError("example_inputs is only used by plan='auto'; drop it or pass plan='auto'")
+        if cache_dir is not None and not (isinstance(plan, str) and plan == "auto"):
+            raise ValueError("cache_dir is only used by plan='auto'; drop it or pass plan='auto'")
+        self._mixed_precision = mixed_precision
+        self._explicit_budget = memory_limit is not None
+        self._auto = None
         if mesh is not None and mesh.ndim != 1:
             raise ValueError(f"AutoDist runs on a 1-D DeviceMesh; got a {mesh.ndim}-D mesh {mesh}")
         device = init_distributed(torch.device(mesh.device_type) if mesh is not None and mesh.device_type == "cpu" else None)
@@ -104,6 +111,7 @@ class AutoDist(nn.Module):
             device=device,
             mixed_precision=mixed_precision,
             broadcast_buffers=broadcast_buffers,
+            budget_bytes=self.budget_bytes,
         )
         if self._comm.rank == 0:
             logger.info(
@@ -127,9 +135,10 @@ class AutoDist(nn.Module):
             p.device = self.device.type
             return p
         if isinstance(plan, str) and plan == "auto":
-            from .lifecycle import resolve_auto_plan
+            from .lifecycle import AutoPlanner
 
-            return resolve_auto_plan(self, example_inputs=example_inputs, cache_dir=cache_dir)
+            self._auto = AutoPlanner(self, cache_dir, explicit_budget=self._explicit_budget)
+            return self._auto.resolve(example_inputs)
         path = os.fspath(plan)
         return load_plan(path, self._structure, world_size=world)
 
@@ -168,6 +177,8 @@ class AutoDist(nn.Module):
     # nn.Module interface
     # ---------------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._auto is not None and torch.is_grad_enabled():
+            self._auto.before_forward(args, kwargs)
         return self._engine.forward(args, kwargs)
 
     @property

@@ -26,10 +26,10 @@ class RuntimeOverhead:
     dtensor_opt_per_tensor_s: float = 0.0  # extra optimizer time per DTensor parameter
 
 
-def _timed_steps(model: nn.Module, x: torch.Tensor, steps: int = 10) -> float:
+def _timed_steps(run: object, module: nn.Module, x: torch.Tensor, steps: int = 10) -> float:
     def one() -> None:
-        model(x).sum().backward()
-        for p in model.parameters():
+        run(x).sum().backward()
+        for p in module.parameters():
             p.grad = None
 
     for _ in range(3):
@@ -45,8 +45,9 @@ def _timed_steps(model: nn.Module, x: torch.Tensor, steps: int = 10) -> float:
 def measure_runtime_overhead(device: torch.device, units: int = 12) -> RuntimeOverhead:
     """A collective over the default group (every rank measures; the slowest rank's values win)."""
     from ..plan import Bucket, GatherGroup, Plan, Prefetch, UnitPlan
+    from ..runtime.comm import Comm
+    from ..runtime.engine import Engine
     from ..structure import discover
-    from ..wrapper import AutoDist
 
     world = dist.get_world_size()
     rank = dist.get_rank()
@@ -73,12 +74,18 @@ def measure_runtime_overhead(device: torch.device, units: int = 12) -> RuntimeOv
         return Plan(world_size=1, units=ups, gather_groups=groups, buckets=buckets)
 
     x = torch.randn(4, 8, device=device)
-    t_plain = _timed_steps(make(), x)
+    plain = make()
+    t_plain = _timed_steps(plain, plain, x)
     timings = {}
+    comm = Comm(own)
     for key, (pg, pb) in {"A": (True, True), "B": (False, False), "C": (True, False)}.items():
-        m = AutoDist(make(), plan=plan(pg, pb), mesh=mesh)
-        timings[key] = _timed_steps(m, x)
-        m.close()
+        module = make()
+        engine = Engine(
+            module, plan(pg, pb), discover(module), comm=comm, mesh=mesh, device=device,
+            mixed_precision=None, broadcast_buffers=False,
+        )
+        timings[key] = _timed_steps(lambda t: engine.forward((t,), {}), module, x)
+        engine.close()
     k = units
     gather = max(0.0, (timings["C"] - timings["B"]) / (k - 1))
     bucket = max(0.0, (timings["A"] - timings["C"]) / (k - 1))

@@ -124,6 +124,7 @@ class RuntimeStats:
     steps: int = 0
     order_deviations: int = 0
     on_demand_forward: int = 0
+    plan_switches: int = 0
     unused_param_steps: int = 0
     persistent_refreshes: int = 0
 
@@ -141,8 +142,10 @@ class Engine:
         mixed_precision: MixedPrecision | None,
         broadcast_buffers: bool,
         windows: dict[int, tuple[int, int]] | None = None,
+        budget_bytes: int | None = None,
     ) -> None:
         self.module = module
+        self.budget_bytes = budget_bytes
         self.plan = plan
         self.structure = structure
         self.comm = comm
@@ -156,6 +159,7 @@ class Engine:
         self._handles: list[object] = []
         self._step = _Step()
         self._order_learned = False
+        self.observer = None  # plan="auto"'s step recorder while it profiles (autodist/lifecycle.py)
 
         world, rank = comm.world_size, comm.rank
         placement = plan.placement_of_param
@@ -183,7 +187,14 @@ class Engine:
             mp.register_visible()
             self.params[name] = mp
 
-        # ---- gather groups ------------------------------------------------------------------
+        self.unit_order = [u.name for u in plan.units]
+        self.reducer = Reducer([])
+        self._configure(plan, windows)
+
+    def _configure(self, plan: Plan, windows: dict[int, tuple[int, int]] | None) -> None:
+        """Build gather groups, buckets, prefetch triggers and hooks for ``plan`` (placement is
+        already fixed by the managed parameters)."""
+        self.plan = plan
         unit_plan = {u.name: u for u in plan.units}
         self.groups: list[GatherGroupRuntime] = []
         self.group_of_unit: dict[str, GatherGroupRuntime] = {}
@@ -196,21 +207,82 @@ class Engine:
                 residency=unit_plan[g.units[0]].residency,
                 forward_window=int(fw) if fw != "memory" else 1,
                 backward_window=int(bw) if bw != "memory" else 1,
-                comm=comm, device=device,
+                comm=self.comm, device=self.device,
             )
             self.groups.append(grt)
             for un in g.units:
                 self.group_of_unit[un] = grt
-        self.group_of_param = {id(self.params[p]): grt for grt in self.groups for p in (mp.name for mp in grt.params)}
+        self._resolve_memory_windows(plan, windows)
+        self.group_of_param = {id(mp): grt for grt in self.groups for mp in grt.params}
         self.has_persistent = any(g.residency == "persistent" for g in self.groups)
-
-        # ---- buckets -------------------------------------------------------------------------
-        self.reducer = Reducer(self._build_buckets(plan), max_inflight=plan.max_inflight_buckets)
-
-        # ---- forward order ---------------------------------------------------------------------
-        self.unit_order = [u.name for u in plan.units]
+        self._install_reducer(plan)
         self._compute_forward_triggers()
         self._install_hooks()
+
+    def _resolve_memory_windows(self, plan: Plan, given: dict[int, tuple[int, int]]) -> None:
+        """Windows of ``"memory"`` the caller did not resolve (with a simulator, see
+        ``autodist/lifecycle.py``) get a static estimate: as many groups ahead as fit in half the
+        budget left after the resident state (the other half is for activations)."""
+        if not any("memory" in (g.prefetch.forward, g.prefetch.backward) for g in plan.gather_groups):
+            return
+        resident = sum(mp.local.numel() * mp.local.element_size() * 4 for mp in self.params.values())
+        resident += sum(g.full_bytes for g in self.groups if g.residency == "persistent")
+        headroom = max(0, (self.budget_bytes or 0) - resident) // 2
+        sizes = [g.full_bytes for g in self.groups]
+        for gi, g in enumerate(plan.gather_groups):
+            if gi in given:
+                continue
+            w = 1
+            while w < 8 and gi - w >= 0 and sum(sizes[gi - w : gi + 1]) <= headroom:
+                w += 1
+            if g.prefetch.forward == "memory":
+                self.groups[gi].forward_window = w
+            if g.prefetch.backward == "memory":
+                self.groups[gi].backward_window = w
+
+    def _install_reducer(self, plan: Plan) -> None:
+        """New buckets for ``plan``; gradients held in the old buckets move into the new ones."""
+        old_buffers = {b.buffer.untyped_storage().data_ptr() for b in self.reducer.buckets}
+        kept = {}
+        for mp in self.params.values():
+            g = mp.local_grad()
+            if g is not None and g.untyped_storage().data_ptr() in old_buffers:
+                kept[mp.name] = g.detach().clone()
+        self.reducer.reset()
+        self.reducer = Reducer(self._build_buckets(plan), max_inflight=plan.max_inflight_buckets)
+        if not kept:
+            return
+        with torch.no_grad():
+            for b in self.reducer.buckets:
+                for slot, mp in enumerate(b.params):
+                    if mp.name in kept:
+                        obj = b.grad_obj(slot)
+                        if obj is not None:
+                            b.views[slot].copy_(kept.pop(mp.name))
+                            mp.visible.grad = obj
+            for name, g in kept.items():  # params no longer in any bucket keep a private copy
+                self.params[name].set_local_grad(g)
+
+    def switch_plan(self, plan: Plan, windows: dict[int, tuple[int, int]] | None = None) -> None:
+        """Change every knob that can change between steps: residency, gather groups, windows,
+        buckets, in-flight bound. Placement must stay as it is. Call between steps."""
+        placement = {p: mp.placement for p, mp in self.params.items()}
+        changed = [p for p, pl in plan.placement_of_param.items() if placement.get(p) != pl]
+        if changed:
+            raise ValueError(
+                f"switch_plan cannot change placement (e.g. {changed[0]!r}); placement is fixed at wrap time"
+            )
+        if self._step.in_backward:
+            raise RuntimeError("switch_plan during backward; switch between steps")
+        for g in self.groups:
+            if g.state is not GroupState.SHARDED:
+                g.free()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._step = _Step()
+        self._configure(plan, windows)
+        self.stats.plan_switches += 1
 
     # ------------------------------------------------------------------------------------------
     # construction helpers
@@ -327,7 +399,12 @@ class Engine:
         if self.mp is not None and self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), self.mp.param_dtype)
         self._run_forward_triggers(-1)
-        out = self.module(*args, **kwargs)
+        if self.observer is not None:
+            with self.observer.forward_context():
+                out = self.module(*args, **kwargs)
+            self.observer.forward_end()
+        else:
+            out = self.module(*args, **kwargs)
         self._end_forward(out)
         return out
 
@@ -498,6 +575,8 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     def _end_backward(self) -> None:
         step = self._step
+        if self.observer is not None:
+            self.observer.backward_end()
         with record_function("autodist::end_backward"):
             if step.sync:
                 missing = self.reducer.flush()
@@ -544,24 +623,12 @@ class Engine:
             )
         position = {p: i for i, p in enumerate(order)}
         buckets.sort(key=lambda b: min(position[p] for p in b.params))
-        # Keep existing gradient views alive: they are the visible .grad tensors.
-        old_grads = {mp.name: mp.local_grad() for mp in self.params.values()}
         from dataclasses import replace
 
         self.plan = replace(self.plan, buckets=buckets, rebuild_buckets=None)
-        self.reducer = Reducer(self._build_buckets(self.plan), max_inflight=self.plan.max_inflight_buckets)
-        with torch.no_grad():
-            for b in self.reducer.buckets:
-                if b.op != "all_reduce":
-                    continue
-                for slot, mp in enumerate(b.params):
-                    g = old_grads.get(mp.name)
-                    if g is not None:
-                        b.views[slot].copy_(g)
-                        mp.set_local_grad(b.views[slot])
-        logger.info(
-            "autodist: rebuilt %d gradient buckets from the observed gradient-ready order", len(buckets)
-        )
+        self._install_reducer(self.plan)
+        if self.comm.rank == 0:
+            logger.info("autodist: rebuilt %d gradient buckets from the observed gradient-ready order", len(buckets))
 
     # ------------------------------------------------------------------------------------------
     # optimizer hook

@@ -27,8 +27,7 @@ from ..structure import ModelStructure
 from .seeds import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_CAP_BYTES
 
 RESIDENCIES = ("after_forward", "after_backward", "persistent")
-MEMORY_WINDOW = -1  # a window of "memory"
-WINDOW_CHOICES = (0, 1, 2, 3, MEMORY_WINDOW)
+MEMORY_WINDOW = -1  # a window of "memory" (resolved by the simulator, see autodist/sched/search.py)
 INFLIGHT_CHOICES = (-1, 0, 1, 2)
 
 
@@ -70,6 +69,9 @@ class PlanSpace:
             all(len(structure.params[p].shape) > 0 for p in self.unit_params[u]) for u in self.units
         )
         self.fixed = fixed_placement  # placement can no longer change (the user holds the parameters)
+        # the values moves choose from (a search over a small space can narrow them)
+        self.window_choices: tuple[int, ...] = (0, 1, 2, 3)
+        self.inflight_choices: tuple[int, ...] = INFLIGHT_CHOICES
         self.blocks = [next((u.block for u in structure.units if u.name == name), None) for name in self.units]
 
     # ---- conversion ------------------------------------------------------------------------
@@ -89,13 +91,25 @@ class PlanSpace:
                 starts.add(i)
             prev_sharded = s
         res = list(g.residency)
+        win = list(g.window)
         current = 0
         for i, s in enumerate(shard):
             if s:
                 if i in starts:
                     current = res[i]
+                else:
+                    win[i] = (0, 0)
                 res[i] = current
-        return replace(g, shard=tuple(shard), residency=tuple(res), group_start=frozenset(starts))
+            else:
+                res[i] = 0
+                win[i] = (0, 0)
+        # bucket breaks the op/dtype would force anyway are dropped, so equal plans have equal genomes
+        keys = [(shard[self.unit_of_ready[k]], self.structure.params[p].dtype) for k, p in enumerate(self.ready)]
+        bstarts = frozenset(k for k in g.bucket_start if 0 < k < len(self.ready) and keys[k] == keys[k - 1])
+        return replace(
+            g, shard=tuple(shard), residency=tuple(res), group_start=frozenset(starts), window=tuple(win),
+            bucket_start=bstarts,
+        )
 
     def groups(self, g: Genome) -> list[list[int]]:
         out: list[list[int]] = []
@@ -209,9 +223,9 @@ class PlanSpace:
         shard = tuple(rng.random() < 0.6 for _ in range(n))
         residency = tuple(rng.randrange(3) for _ in range(n))
         starts = frozenset(i for i in range(n) if rng.random() < 0.4)
-        window = tuple((rng.choice(WINDOW_CHOICES), rng.choice(WINDOW_CHOICES)) for _ in range(n))
+        window = tuple((rng.choice(self.window_choices), rng.choice(self.window_choices)) for _ in range(n))
         bstarts = frozenset(k for k in range(len(self.ready)) if rng.random() < 0.3)
-        return self.normalize(Genome(shard, residency, starts, window, bstarts, rng.choice(INFLIGHT_CHOICES)))
+        return self.normalize(Genome(shard, residency, starts, window, bstarts, rng.choice(self.inflight_choices)))
 
     def mutate(self, g: Genome, rng: random.Random, moves: int = 1) -> Genome:
         """Apply ``moves`` random moves (bucket merge/split, group merge/split, residency, window,
@@ -221,14 +235,15 @@ class PlanSpace:
         return self.normalize(g)
 
     def _move(self, g: Genome, rng: random.Random) -> Genome:
-        n = len(self.units)
-        kinds = ["bucket_merge", "bucket_split", "residency", "window", "inflight"]
-        sharded = [i for i in range(n) if g.shard[i]]
-        if sharded:
-            kinds += ["group_merge", "group_split", "residency", "window"]
+        kinds = ["bucket_merge", "bucket_split", "residency", "window", "inflight", "group_merge", "group_split"]
         if self.fixed is None:
             kinds.append("placement")
-        kind = rng.choice(kinds)
+        return self._move_kind(g, rng.choice(kinds), rng)
+
+    def _move_kind(self, g: Genome, kind: str, rng: random.Random) -> Genome:
+        """One move of the given kind (a no-op when it does not apply)."""
+        n = len(self.units)
+        sharded = [i for i in range(n) if g.shard[i]]
         if kind == "bucket_merge" and g.bucket_start:
             k = rng.choice(sorted(g.bucket_start))
             return replace(g, bucket_start=g.bucket_start - {k})
@@ -242,27 +257,25 @@ class PlanSpace:
         if kind == "group_split" and sharded:
             return replace(g, group_start=g.group_start | {rng.choice(sharded)})
         if kind == "residency" and sharded:
-            groups = self.groups(g)
-            members = rng.choice(groups)
+            members = rng.choice(self.groups(g))
             r = rng.randrange(3)
             res = list(g.residency)
             for i in members:
                 res[i] = r
             return replace(g, residency=tuple(res))
         if kind == "window" and sharded:
-            groups = self.groups(g)
-            first = rng.choice(groups)[0]
+            first = rng.choice(self.groups(g))[0]
             fw, bw = g.window[first]
             if rng.random() < 0.5:
-                fw = rng.choice(WINDOW_CHOICES)
+                fw = rng.choice(self.window_choices)
             else:
-                bw = rng.choice(WINDOW_CHOICES)
+                bw = rng.choice(self.window_choices)
             w = list(g.window)
             w[first] = (fw, bw)
             return replace(g, window=tuple(w))
         if kind == "inflight":
-            return replace(g, inflight=rng.choice(INFLIGHT_CHOICES))
-        if kind == "placement":
+            return replace(g, inflight=rng.choice(self.inflight_choices))
+        if kind == "placement" and self.fixed is None:
             i = rng.randrange(n)
             shard = list(g.shard)
             shard[i] = not shard[i]

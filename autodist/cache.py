@@ -1,0 +1,169 @@
+"""The on-disk cache of profiles, comm models and plans.
+
+Location: ``cache_dir`` if given, else ``$AUTODIST_CACHE_DIR``, else ``$XDG_CACHE_HOME/autodist``,
+else ``~/.cache/autodist``. Three kinds of entry live apart, so that a new budget re-plans without
+re-profiling and a new model reuses the machine's comm model:
+
+* ``profiles/<key>.json`` — a :class:`~autodist.cost.profile.Profile`, keyed by model structure,
+  input signature, device and torch version;
+* ``comm/<key>.json`` — a :class:`~autodist.cost.comm.CommModel`, keyed by backend, world size,
+  device name and torch version;
+* ``plans/<key>.json`` — a plan, keyed by everything that decides it (the profile key, world size,
+  backend, budget, optimizer kind, mixed precision, plan schema version); and
+  ``placements/<key>.json`` — the placement of the last plan stored for a model, world size and
+  budget, which a launch without example inputs uses at wrap time (placement cannot change later).
+
+Writes are atomic (temporary file + rename) under an exclusive ``fcntl`` lock; only rank 0 writes.
+A corrupt, truncated or stale entry is reported once, removed and treated as a miss — it never
+crashes training or changes results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ._log import OnceLogger, logger
+
+KINDS = ("profiles", "comm", "plans", "placements")
+T = TypeVar("T")
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("AUTODIST_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "autodist"
+    return Path.home() / ".cache" / "autodist"
+
+
+def digest(parts: dict[str, Any]) -> str:
+    """A stable short key for a dict of identifying facts."""
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:20]
+
+
+@dataclass
+class Entry:
+    kind: str
+    key: str
+    path: Path
+    bytes: int
+    modified: float
+
+
+class Cache:
+    def __init__(self, directory: str | os.PathLike[str] | None = None, *, writer: bool = True) -> None:
+        self.dir = Path(directory).expanduser() if directory is not None else default_cache_dir()
+        self.writer = writer
+        self.once = OnceLogger()
+        self.counters = {"hits": 0, "misses": 0, "writes": 0, "corrupt": 0}
+
+    # -- paths ----------------------------------------------------------------------------------
+    def path(self, kind: str, key: str) -> Path:
+        if kind not in KINDS:
+            raise ValueError(f"unknown cache kind {kind!r}; one of {', '.join(KINDS)}")
+        return self.dir / kind / f"{key}.json"
+
+    @contextlib.contextmanager
+    def _lock(self) -> Iterator[None]:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(self.dir / ".lock", "a+") as f:
+            try:
+                import fcntl
+
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            except ImportError:  # pragma: no cover - non-POSIX
+                pass
+            try:
+                yield
+            finally:
+                try:
+                    import fcntl
+
+                    fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+                except ImportError:  # pragma: no cover
+                    pass
+
+    # -- read / write -----------------------------------------------------------------------------
+    def get(self, kind: str, key: str, parse: Callable[[str], T]) -> T | None:
+        """The parsed entry, or ``None`` on a miss. A corrupt entry is reported once, removed, and
+        is a miss."""
+        p = self.path(kind, key)
+        try:
+            text = p.read_text()
+        except FileNotFoundError:
+            self.counters["misses"] += 1
+            return None
+        except OSError as e:
+            self.once.warning(f"read{p}", "autodist: cannot read cache entry %s (%s); ignoring it", p, e)
+            self.counters["misses"] += 1
+            return None
+        try:
+            value = parse(text)
+        except Exception as e:  # any parse failure means the entry is unusable: never crash training
+            self.counters["corrupt"] += 1
+            self.counters["misses"] += 1
+            self.once.warning(
+                f"corrupt{p}",
+                "autodist: cache entry %s is corrupt or stale (%s: %s); it will be replaced",
+                p, type(e).__name__, str(e).splitlines()[0][:200],
+            )
+            if self.writer:
+                with contextlib.suppress(OSError):
+                    p.unlink()
+            return None
+        self.counters["hits"] += 1
+        return value
+
+    def put(self, kind: str, key: str, text: str) -> Path | None:
+        """Write atomically under the lock (rank 0 only; others return None)."""
+        if not self.writer:
+            return None
+        p = self.path(kind, key)
+        try:
+            with self._lock():
+                p.parent.mkdir(parents=True, exist_ok=True)
+                tmp = p.with_name(f".{p.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+                with open(tmp, "w") as f:
+                    f.write(text)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, p)
+        except OSError as e:
+            self.once.warning(f"write{p}", "autodist: cannot write cache entry %s (%s); continuing without it", p, e)
+            return None
+        self.counters["writes"] += 1
+        return p
+
+    # -- maintenance (the CLI) ----------------------------------------------------------------------
+    def entries(self) -> list[Entry]:
+        out = []
+        for kind in KINDS:
+            d = self.dir / kind
+            if not d.is_dir():
+                continue
+            for p in sorted(d.glob("*.json")):
+                st = p.stat()
+                out.append(Entry(kind, p.stem, p, st.st_size, st.st_mtime))
+        return out
+
+    def clear(self, kind: str | None = None) -> int:
+        removed = 0
+        with self._lock():
+            for e in self.entries():
+                if kind is None or e.kind == kind:
+                    with contextlib.suppress(OSError):
+                        e.path.unlink()
+                        removed += 1
+        logger.info("autodist: removed %d cache entries from %s", removed, self.dir)
+        return removed

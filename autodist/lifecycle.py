@@ -1,0 +1,466 @@
+"""``plan="auto"``: cache lookup, profiling, search and switching (DESIGN.md section 3).
+
+* **Cache hit** — the plan stored for this model, input signature, world size, device, backend,
+  torch version, optimizer kind, budget and mixed precision is used: no profiling, no search.
+* **Miss with example inputs** — profile now (a few forward/backward passes of the plain module,
+  no optimizer step, nothing left changed), get the comm model (cached per machine, else a sweep of
+  a few seconds), search on rank 0, broadcast, store.
+* **Miss without example inputs** — wrap with a safe plan (the placement stored for this model if
+  any; else replicate everything when parameters, gradients and optimizer state fit in half the
+  budget, shard everything otherwise). At the first forward, look the full plan up by the input
+  signature now known; on a miss, record the first training steps (``PROFILE_STEPS``) with profiling
+  hooks, then profile → comm model → search twice on rank 0 (placement fixed, as it now is; and
+  placement free, for the next launch) → switch every knob that can change between steps → store
+  the free-placement plan for the next launch and log what it adds and the predicted gain.
+
+Rank 0 searches and broadcasts; every rank checks the plan hash afterwards (``AutoDist``).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.optim.optimizer as optim_hooks
+from torch.utils._pytree import tree_flatten
+
+from ._log import logger
+from .cache import Cache, digest
+from .cost.budget import format_bytes
+from .cost.comm import CommModel, sweep
+from .cost.profile import OptimizerProfile, Profile, slowest
+from .cost.simulator import Simulator
+from .errors import BudgetError
+from .plan import SCHEMA_VERSION, Plan
+from .sched.search import SearchConfig, Searcher, SearchResult
+from .sched.space import PlanSpace
+from .trace import UnitTracer, _attribute, _Clock, _Pass, profile_model
+
+PROFILE_STEPS = 3  # transparent profiling: the first step warms up, the next ones are measured
+
+
+@dataclass
+class LifecycleStats:
+    source: str = ""  # "cache" | "search" | "safe start"
+    cache_hits: int = 0
+    profiles_measured: int = 0
+    sweeps: int = 0
+    searches: int = 0
+    plan_key: str = ""
+    plan_path: str | None = None
+    search_seconds: float = 0.0
+
+
+def input_signature(tree: Any) -> str:
+    leaves = tree_flatten(tree)[0]
+    parts = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            parts.append(f"{tuple(x.shape)}:{str(x.dtype).replace('torch.', '')}")
+        else:
+            parts.append(type(x).__name__)
+    return ";".join(parts)
+
+
+class _State(enum.Enum):
+    START = "start"
+    RECORDING = "recording"
+    DONE = "done"
+
+
+class AutoPlanner:
+    """Everything ``plan="auto"`` needs, bound to one wrapped model."""
+
+    def __init__(self, wrapper: Any, cache_dir: Any, *, explicit_budget: bool) -> None:
+        self.w = wrapper
+        self.comm = wrapper._comm
+        self.rank = self.comm.rank
+        self.world = self.comm.world_size
+        self.device = wrapper.device
+        self.structure = wrapper._structure
+        self.cache = Cache(cache_dir, writer=self.rank == 0)
+        self.stats = LifecycleStats()
+        self.state = _State.DONE
+        self.explicit_budget = explicit_budget
+        self.mp = wrapper._mixed_precision
+        self._recorded: list[dict] = []
+        self._tracer: UnitTracer | None = None
+        self._pass: _Pass | None = None
+        self._marks: dict[str, Any] = {}
+        self._opt_samples: list[tuple[str, float, int, int, int]] = []
+        self._opt_handles: list[Any] = []
+        self._sig = ""
+
+    # ---- keys ------------------------------------------------------------------------------
+    def _machine(self) -> dict[str, Any]:
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        return {
+            "world": self.world, "device": self.device.type, "device_name": name,
+            "backend": dist.get_backend(self.comm.group), "torch": torch.__version__,
+        }
+
+    def profile_key(self, sig: str) -> str:
+        m = self._machine()
+        return digest({"model": self.structure.fingerprint(), "input": sig, "device": m["device_name"], "torch": m["torch"]})
+
+    def comm_key(self) -> str:
+        return digest(self._machine())
+
+    def _budget_key(self) -> Any:
+        return self.w.budget_bytes if self.explicit_budget else "device default"
+
+    def plan_key(self, sig: str, optimizer_kind: str) -> str:
+        return digest(
+            {
+                "profile": self.profile_key(sig), **self._machine(), "budget": self._budget_key(),
+                "optimizer": optimizer_kind, "schema": SCHEMA_VERSION,
+                "mixed_precision": None if self.mp is None else [str(self.mp.param_dtype), str(self.mp.reduce_dtype)],
+            }
+        )
+
+    def placement_key(self) -> str:
+        return digest({"model": self.structure.fingerprint(), **self._machine(), "budget": self._budget_key()})
+
+    # ---- cache access ---------------------------------------------------------------------------
+    def _optimizer_kind(self, sig: str) -> str:
+        prof = self.cache.get("profiles", self.profile_key(sig), Profile.from_json)
+        return prof.optimizer.kind if prof is not None and prof.optimizer.measured else "Adam"
+
+    def lookup(self, sig: str) -> Plan | None:
+        from .plan import validate_plan
+
+        key = self.plan_key(sig, self._optimizer_kind(sig))
+
+        def parse(text: str) -> Plan:
+            plan = Plan.from_json(text)
+            validate_plan(plan, self.structure, world_size=self.world)
+            return plan
+
+        plan = self.cache.get("plans", key, parse)
+        # every rank must agree on hit or miss (their caches may differ): rank 0 decides
+        text = self.comm.broadcast_object(plan.to_json() if plan is not None else None)
+        if text is None:
+            return None
+        plan = Plan.from_json(text)
+        peak = plan.predicted.get("peak_bytes")
+        if peak is not None and peak > self.w.budget_bytes:
+            if self.rank == 0:
+                logger.info(
+                    "autodist: cached plan %s predicts %s, over this launch's budget %s; planning again",
+                    key, format_bytes(peak), format_bytes(self.w.budget_bytes),
+                )
+            return None
+        self.stats.cache_hits += 1
+        self.stats.plan_key = key
+        self.stats.plan_path = str(self.cache.path("plans", key))
+        self.stats.source = "cache"
+        return plan
+
+    def comm_model(self) -> CommModel:
+        key = self.comm_key()
+        model = self.cache.get("comm", key, CommModel.from_json)
+        text = self.comm.broadcast_object(model.to_json() if model is not None else None)
+        if text is not None:
+            return CommModel.from_json(text)
+        if self.rank == 0:
+            logger.info("autodist: measuring the communication cost model (a few seconds, once per machine)")
+        model = sweep(self.comm.group, self.device)
+        self.stats.sweeps += 1
+        self.cache.put("comm", key, model.to_json())
+        return model
+
+    # ---- planning ------------------------------------------------------------------------------
+    def safe_plan(self) -> Plan:
+        from .sched.seeds import ddp_plan
+
+        hint = self.cache.get("placements", self.placement_key(), json.loads)
+        hint = self.comm.broadcast_object(hint)
+        space = PlanSpace(self.structure, self.world, [u.name for u in self.structure.units], list(reversed(self.structure.trainable)))
+        if isinstance(hint, dict) and set(hint) == {u.name for u in self.structure.units}:
+            g = space.fsdp()
+            g = space.normalize(replace(g, shard=tuple(hint[u] == "shard" for u in space.units)))
+            plan = space.to_plan(g, provenance={"source": "auto:safe start (stored placement)"})
+            reason = "the placement stored by the previous launch"
+        else:
+            params = sum(p.nbytes for p in self.structure.params.values())
+            # replicated: parameters + gradients + Adam's two moments
+            if 4 * params <= self.w.budget_bytes // 2:
+                plan = ddp_plan(self.structure, self.world)
+                plan.provenance = {"source": "auto:safe start (replicated)"}
+                reason = f"parameters, gradients and optimizer state ({format_bytes(4 * params)}) fit in half the budget"
+            else:
+                plan = space.to_plan(space.fsdp(), provenance={"source": "auto:safe start (sharded)"})
+                reason = f"replicating would need {format_bytes(4 * params)} of a {format_bytes(self.w.budget_bytes)} budget"
+        plan.device = self.device.type
+        self.stats.source = "safe start"
+        if self.rank == 0:
+            logger.info("autodist: plan=auto: starting with a safe plan (%s) while the first steps are profiled", reason)
+        return plan
+
+    def search(self, profile: Profile, comm: CommModel, *, fixed: dict[str, str] | None) -> SearchResult:
+        sim = Simulator(
+            profile, self.structure, comm, world_size=self.world, budget_bytes=self.w.budget_bytes,
+            param_dtype=self.mp.param_dtype if self.mp else None, reduce_dtype=self.mp.reduce_dtype if self.mp else None,
+        )
+        space = PlanSpace(self.structure, self.world, [u.name for u in profile.units], profile.ready_order, fixed_placement=fixed)
+        result = Searcher(space, sim, SearchConfig()).run()
+        self.stats.searches += 1
+        self.stats.search_seconds += result.seconds
+        self._annotate(result)
+        return result
+
+    def _annotate(self, result: SearchResult) -> None:
+        r = result.result
+        result.plan.device = self.device.type
+        result.plan.budget_bytes = self.w.budget_bytes
+        result.plan.predicted = {
+            "step_seconds": r.step_s,
+            "peak_bytes": r.peak_bytes,
+            "vs": {name: s.step_s / r.step_s for name, s in result.seeds.items() if s.feasible and r.step_s > 0},
+        }
+        from . import __version__
+
+        result.plan.provenance = {
+            "source": "auto:search", "search": "backtracking", "alpha": SearchConfig().alpha,
+            "beta": SearchConfig().beta, "evaluated": result.evaluated, "search_seconds": round(result.seconds, 3),
+            "stopped_by": result.stopped_by, "autodist_version": __version__, "torch_version": torch.__version__,
+        }
+
+    def _budget_error(self, result: SearchResult) -> BudgetError:
+        peak, _ = result.smallest_peak or (result.result.peak_bytes, None)
+        params = sum(p.nbytes for p in self.structure.params.values())
+        return BudgetError(
+            f"no plan fits the budget of {format_bytes(self.w.budget_bytes)} per rank: the smallest peak found is "
+            f"{format_bytes(peak)} (model parameters alone: {format_bytes(params)}, optimizer state about twice that). "
+            "Raise memory_limit, launch more ranks (shards get smaller), use mixed precision, reduce the batch "
+            "(activations), or offload optimizer state."
+        )
+
+    def plan_now(self, profile: Profile, sig: str, *, fixed: dict[str, str] | None) -> tuple[Plan, Plan | None]:
+        """Search (rank 0) and broadcast. Returns (plan to use now, plan for the next launch)."""
+        comm = self.comm_model()
+        payload = None
+        if self.rank == 0:
+            t0 = time.perf_counter()
+            free = self.search(profile, comm, fixed=None)
+            now = free if fixed is None else self.search(profile, comm, fixed=fixed)
+            if not now.result.feasible:
+                payload = {"error": str(self._budget_error(now))}
+            else:
+                payload = {"now": now.plan.to_json(), "free": free.plan.to_json(), "seconds": time.perf_counter() - t0}
+        payload = self.comm.broadcast_object(payload)
+        if "error" in payload:
+            raise BudgetError(payload["error"])
+        now_plan = Plan.from_json(payload["now"])
+        free_plan = Plan.from_json(payload["free"])
+        key = self.plan_key(sig, profile.optimizer.kind if profile.optimizer.measured else "Adam")
+        path = self.cache.put("plans", key, free_plan.to_json())
+        self.cache.put("profiles", self.profile_key(sig), profile.to_json())
+        self.cache.put(
+            "placements", self.placement_key(), json.dumps({u.name: u.placement for u in free_plan.units}, sort_keys=True)
+        )
+        self.stats.plan_key = key
+        self.stats.plan_path = str(path) if path else str(self.cache.path("plans", key))
+        self.stats.source = "search"
+        return now_plan, free_plan
+
+    # ---- the two entry points ----------------------------------------------------------------
+    def resolve(self, example_inputs: Any) -> Plan:
+        if example_inputs is None:
+            self.state = _State.START
+            return self.safe_plan()
+        if not isinstance(example_inputs, tuple):
+            example_inputs = (example_inputs,)
+        sig = input_signature(example_inputs)
+        plan = self.lookup(sig)
+        if plan is not None:
+            self._log_chosen(plan)
+            return plan
+        self._sig = sig
+        if self.rank == 0:
+            logger.info("autodist: plan=auto: no cached plan for this model and input; profiling and searching")
+        prof = profile_model(self.w.module, self.structure, example_inputs, device=self.device)
+        self.stats.profiles_measured += 1
+        prof = self._merge(prof)
+        plan, _ = self.plan_now(prof, sig, fixed=None)
+        self._log_chosen(plan)
+        return plan
+
+    def _merge(self, prof: Profile) -> Profile:
+        texts = self.comm.all_gather_object(prof.to_json())
+        return slowest([Profile.from_json(t) for t in texts])
+
+    def _log_chosen(self, plan: Plan) -> None:
+        if self.rank != 0:
+            return
+        pred = plan.predicted
+        vs = pred.get("vs", {})
+        gains = ", ".join(f"{k} {v:.2f}x" for k, v in sorted(vs.items()) if k in ("ddp", "fsdp", "zero2"))
+        logger.info(
+            "autodist: plan chosen (source: %s%s): predicted step %.1f ms, peak %s; predicted speed-up over %s",
+            self.stats.source, f", {self.stats.plan_path}" if self.stats.plan_path else "",
+            1e3 * pred.get("step_seconds", float("nan")), format_bytes(pred.get("peak_bytes", 0)), gains or "seeds: n/a",
+        )
+
+    # ---- transparent profiling during the first steps --------------------------------------------
+    def before_forward(self, args: tuple, kwargs: dict) -> None:
+        if self.state is _State.DONE:
+            return
+        if self.state is _State.START:
+            self._sig = input_signature((args, kwargs))
+            plan = self.lookup(self._sig)
+            if plan is not None:
+                if self._placement_matches(plan):
+                    self._switch(plan)
+                    self._log_chosen(plan)
+                    self.state = _State.DONE
+                    return
+                if self.rank == 0:
+                    logger.info("autodist: the cached plan shards differently than this launch's placement; re-planning the other knobs")
+            self._start_recording()
+            return
+        # RECORDING: the previous step is complete
+        self._finish_pass()
+        if len(self._recorded) >= PROFILE_STEPS:
+            self._finalize()
+        else:
+            self._begin_pass()
+
+    def _placement_matches(self, plan: Plan) -> bool:
+        return all(self.w._engine.params[p].placement == pl for p, pl in plan.placement_of_param.items())
+
+    def _start_recording(self) -> None:
+        eng = self.w._engine
+        params = [(mp.name, mp.full) for mp in eng.params.values() if mp.requires_grad]
+        self._tracer = UnitTracer(self.w.module, self.structure, _Clock(self.device), params=params, free_grads=False)
+        self._opt_handles = [
+            optim_hooks.register_optimizer_step_pre_hook(self._opt_pre),
+            optim_hooks.register_optimizer_step_post_hook(self._opt_post),
+        ]
+        eng.observer = self
+        self.state = _State.RECORDING
+        self._begin_pass()
+
+    def _begin_pass(self) -> None:
+        self._pass = _Pass()
+        self._marks = {"t0": self._tracer.clock.mark()}
+        self._tracer.start(self._pass)
+
+    # called by the engine
+    def forward_context(self) -> Any:
+        return self._tracer.saving()
+
+    def forward_end(self) -> None:
+        if self._pass is not None:
+            self._marks["fwd"] = self._tracer.clock.mark()
+
+    def backward_end(self) -> None:
+        if self._pass is not None and "fwd" in self._marks:
+            self._marks["bwd"] = self._tracer.clock.mark()
+
+    def _finish_pass(self) -> None:
+        self._tracer.stop()
+        if self._pass is not None and "bwd" in self._marks:
+            units = [u.name for u in self.structure.units]
+            self._recorded.append(
+                {"attr": _attribute(self._pass, self._tracer.clock, self._marks["t0"], self._marks["fwd"], self._marks["bwd"], units),
+                 "pass": self._pass}
+            )
+        self._pass = None
+
+    def _opt_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self._opt_t0 = time.perf_counter()
+
+    def _opt_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        ours = {id(mp.visible) for mp in self.w._engine.params.values()}
+        params = [p for g in opt.param_groups for p in g["params"] if id(p) in ours]
+        if not params:
+            return
+        from .memory import storage_bytes
+
+        local = storage_bytes(p for p in params)
+        state = storage_bytes(t for p in params for t in opt.state.get(p, {}).values() if torch.is_tensor(t) and t.dim() > 0)
+        self._opt_samples.append((type(opt).__name__, time.perf_counter() - self._opt_t0, local, state, len(params)))
+
+    def _finalize(self) -> None:
+        eng = self.w._engine
+        self._tracer.close()
+        for h in self._opt_handles:
+            h.remove()
+        eng.observer = None
+        self.state = _State.DONE
+        prof = self._profile_from_recording()
+        self.stats.profiles_measured += 1
+        prof = self._merge(prof)
+        fixed = {u.name: u.placement for u in eng.plan.units}
+        try:
+            now, free = self.plan_now(prof, self._sig, fixed=fixed)
+        except BudgetError as e:
+            if self.rank == 0:
+                logger.warning("autodist: %s Keeping the safe plan, which is running.", e)
+            return
+        self._switch(now)
+        if self.rank == 0:
+            more = [u.name for u, v in zip(free.units, now.units) if u.placement != v.placement]
+            gain = now.predicted.get("step_seconds", 0) / max(free.predicted.get("step_seconds", 1e-12), 1e-12)
+            self._log_chosen(now)
+            if more:
+                logger.info(
+                    "autodist: the next launch will change the placement of %d unit(s) (e.g. %s) for a predicted "
+                    "%.2fx faster step (%.1f ms vs %.1f ms); the plan is stored at %s",
+                    len(more), more[0], gain, 1e3 * free.predicted.get("step_seconds", 0),
+                    1e3 * now.predicted.get("step_seconds", 0), self.stats.plan_path,
+                )
+
+    def _profile_from_recording(self) -> Profile:
+        import statistics
+
+        measured = self._recorded[1:] or self._recorded  # the first step warms up
+        units_order = list(dict.fromkeys(u for _, kind, u in measured[-1]["pass"].fwd if kind == "enter"))
+        units_order += [u.name for u in self.structure.units if u.name not in set(units_order)]
+        last = measured[-1]
+        from .cost.profile import UnitProfile
+
+        units = [
+            UnitProfile(
+                name=u,
+                fwd_s=statistics.median(r["attr"]["fwd"][u] for r in measured),
+                bwd_s=statistics.median(r["attr"]["bwd"][u] for r in measured),
+                act_bytes=last["pass"].saved.get(u, 0),
+                out_bytes=last["pass"].out.get(u, 0),
+                fwd_peak_bytes=last["pass"].out.get(u, 0),
+                bwd_peak_bytes=sum(self.structure.params[p].nbytes for p in last["attr"]["ready"].get(u, [])),
+                ready=last["attr"]["ready"].get(u, []),
+            )
+            for u in units_order
+        ]
+        opt = OptimizerProfile()
+        if self._opt_samples:
+            samples = self._opt_samples[1:] or self._opt_samples
+            kind, _, local, state, n = samples[-1]
+            step = statistics.median(s[1] for s in samples)
+            opt = OptimizerProfile(
+                kind=kind, state_factor=state / max(local, 1), transient_factor=1.0,
+                per_byte_s=step / max(local, 1), measured=True,
+            )
+        return Profile(
+            units=units,
+            ready_order=last["attr"]["order"],
+            pre_fwd_s=statistics.median(r["attr"]["pre_fwd"] for r in measured),
+            post_fwd_s=statistics.median(r["attr"]["post_fwd"] for r in measured),
+            pre_bwd_s=statistics.median(r["attr"]["pre_bwd"] for r in measured),
+            batch_signature=self._sig,
+            device=self.device.type,
+            optimizer=opt,
+            site_after=dict(self._tracer.site_after),
+            meta={"source": "first training steps", "steps": len(measured), "torch": torch.__version__},
+        )
+
+    def _switch(self, plan: Plan) -> None:
+        self.w._engine.switch_plan(plan)
+        self.w._check_rank_agreement(plan)

@@ -1,0 +1,200 @@
+"""The search for ``plan="auto"`` (DESIGN.md section 7).
+
+Seeds — the DDP, FSDP and ZeRO-2 conventions, and DeepCompile's greedy passes applied to them
+(memory-aware prefetch: widen windows while the budget allows; selective unsharding: keep sharded
+groups resident, cheapest communication per byte first) — then DisCo's backtracking search: a
+priority queue of plans ordered by simulated step time; from the best unexplored plan, generate
+children by applying each kind of move a random 0..beta times; keep the best; enqueue children
+within ``alpha`` of the best; stop when the best has not improved for ``stall`` evaluations, after
+``max_evals``, or when the time budget runs out. Plans over the memory budget never win. The random
+generator is seeded and the limits count evaluations, so the same inputs give the same plan (the
+time budget is a safety net and is logged when it is what stopped the search).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from dataclasses import dataclass, field, replace
+
+from ..cost.simulator import SimResult, Simulator
+from ..plan import Plan
+from .space import Genome, PlanSpace
+
+MOVE_KINDS = ("bucket_merge", "bucket_split", "group_merge", "group_split", "residency", "window", "inflight", "placement")
+
+
+@dataclass
+class SearchConfig:
+    """Knobs of the search itself (not of the plan). Defaults: DisCo uses alpha 1.05 and a small
+    beta; 300 evaluations without improvement and 4000 in all keep a 200-unit model under ~10 s."""
+
+    alpha: float = 1.05
+    beta: int = 3
+    children: int = 8
+    stall: int = 300
+    max_evals: int = 4000
+    time_budget_s: float = 10.0
+    seed: int = 0
+
+
+@dataclass
+class SearchResult:
+    plan: Plan
+    genome: Genome
+    result: SimResult
+    evaluated: int
+    seconds: float
+    seeds: dict[str, SimResult]
+    stopped_by: str
+    smallest_peak: tuple[int, Genome] | None = None
+    history: list[tuple[int, float]] = field(default_factory=list)  # (evaluation, best step time)
+
+
+class Searcher:
+    def __init__(self, space: PlanSpace, simulator: Simulator, config: SearchConfig = SearchConfig()) -> None:
+        self.space = space
+        self.sim = simulator
+        self.cfg = config
+        self._memo: dict[Genome, SimResult] = {}
+        self.evaluated = 0
+        self.smallest_peak: tuple[int, Genome] | None = None
+
+    def evaluate(self, g: Genome) -> SimResult:
+        g = self.space.normalize(g)
+        r = self._memo.get(g)
+        if r is None:
+            r = self.sim.run(self.space.to_plan(g))
+            self._memo[g] = r
+            self.evaluated += 1
+            if self.smallest_peak is None or r.peak_bytes < self.smallest_peak[0]:
+                self.smallest_peak = (r.peak_bytes, g)
+        return r
+
+    def cost(self, g: Genome) -> float:
+        r = self.evaluate(g)
+        return r.step_s if r.feasible else math.inf
+
+    # -- DeepCompile's greedy passes -------------------------------------------------------------
+    def widen_windows(self, g: Genome) -> Genome:
+        """Memory-aware prefetch: for each gather group in order, the widest window (forward, then
+        backward) that lowers the step time and stays within the budget."""
+        g = self.space.normalize(g)
+        best = self.cost(g)
+        for members in self.space.groups(g):
+            first = members[0]
+            for axis in (0, 1):
+                for w in sorted(self.space.window_choices):
+                    win = list(g.window)
+                    pair = list(win[first])
+                    if w <= pair[axis]:
+                        continue
+                    pair[axis] = w
+                    win[first] = tuple(pair)
+                    cand = self.space.normalize(replace(g, window=tuple(win)))
+                    c = self.cost(cand)
+                    if c < best:
+                        g, best = cand, c
+        return g
+
+    def unshard_selectively(self, g: Genome) -> Genome:
+        """Selective unsharding: make groups persistent (no re-gather, one refresh per step), the
+        ones with the most communication time per byte of memory first, while the budget allows
+        and the step gets faster."""
+        g = self.space.normalize(g)
+        comm = self.sim.comm
+        best = self.cost(g)
+        groups = self.space.groups(g)
+
+        def per_byte(members: list[int]) -> float:
+            nbytes = sum(self.sim.full_padded_bytes[p] for i in members for p in self.space.unit_params[self.space.units[i]])
+            return comm.time("all_gather", nbytes) / max(nbytes, 1)
+
+        for members in sorted(groups, key=per_byte, reverse=True):
+            res = list(g.residency)
+            for i in members:
+                res[i] = 2
+            cand = self.space.normalize(replace(g, residency=tuple(res)))
+            c = self.cost(cand)
+            if c < best:
+                g, best = cand, c
+        return g
+
+    # -- the search --------------------------------------------------------------------------------
+    def seeds(self) -> dict[str, Genome]:
+        sp = self.space
+        out: dict[str, Genome] = {}
+        if sp.fixed is None or all(v == "replicate" for v in sp.fixed.values()):
+            out["ddp"] = sp.ddp()
+        if sp.fixed is None or any(v == "shard" for v in sp.fixed.values()):
+            out["fsdp"] = sp.fsdp()
+            out["zero2"] = sp.zero2()
+        for name in [n for n in ("fsdp", "zero2") if n in out]:
+            out[f"{name}+prefetch"] = self.widen_windows(out[name])
+            out[f"{name}+unshard"] = self.unshard_selectively(out[f"{name}+prefetch"])
+        if sp.fixed is not None and not out:
+            out["fixed"] = sp.normalize(sp.ddp())
+        return out
+
+    def run(self) -> SearchResult:
+        cfg = self.cfg
+        rng = random.Random(cfg.seed)
+        t0 = time.perf_counter()
+        seeds = self.seeds()
+        seed_results = {name: self.evaluate(g) for name, g in seeds.items()}
+        heap: list[tuple[float, int, Genome]] = []
+        tie = 0
+        best_g, best_c = None, math.inf
+        for g in seeds.values():
+            c = self.cost(g)
+            heapq.heappush(heap, (c, tie, self.space.normalize(g)))
+            tie += 1
+            if c < best_c:
+                best_g, best_c = self.space.normalize(g), c
+        expanded: set[Genome] = set()
+        since_improved = 0
+        history = [(self.evaluated, best_c)]
+        stopped_by = "queue exhausted"
+        while heap:
+            if self.evaluated >= cfg.max_evals:
+                stopped_by = "evaluation limit"
+                break
+            if since_improved >= cfg.stall:
+                stopped_by = "stall"
+                break
+            if time.perf_counter() - t0 > cfg.time_budget_s:
+                stopped_by = "time budget"
+                break
+            c, _, g = heapq.heappop(heap)
+            if g in expanded:
+                continue
+            expanded.add(g)
+            for _ in range(cfg.children):
+                child = g
+                for kind in MOVE_KINDS:
+                    for _ in range(rng.randint(0, cfg.beta)):
+                        child = self.space._move_kind(child, kind, rng)
+                child = self.space.normalize(child)
+                if child in self._memo:
+                    continue
+                before = self.evaluated
+                cc = self.cost(child)
+                since_improved += self.evaluated - before
+                if cc < best_c:
+                    best_g, best_c = child, cc
+                    since_improved = 0
+                    history.append((self.evaluated, best_c))
+                if cc <= cfg.alpha * best_c and cc < math.inf:
+                    heapq.heappush(heap, (cc, tie, child))
+                    tie += 1
+        if best_g is None or best_c == math.inf:
+            best_g = self.smallest_peak[1] if self.smallest_peak else next(iter(seeds.values()))
+        result = self.evaluate(best_g)
+        plan = self.space.to_plan(best_g)
+        return SearchResult(
+            plan=plan, genome=best_g, result=result, evaluated=self.evaluated,
+            seconds=time.perf_counter() - t0, seeds=seed_results, stopped_by=stopped_by,
+            smallest_peak=self.smallest_peak, history=history,
+        )
