@@ -198,6 +198,7 @@ def run_case(case: Case) -> dict[str, float]:
     worst["stats"] = model.runtime.comm.stats.__dict__.copy()
     worst["stats"].pop("log", None)
     worst["runtime"] = model.runtime.stats.__dict__.copy()
+    worst["sharded_units"] = len(model.plan.sharded_units)
     model.close()
     return worst
 
