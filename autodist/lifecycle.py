@@ -464,3 +464,47 @@ class AutoPlanner:
     def _switch(self, plan: Plan) -> None:
         self.w._engine.switch_plan(plan)
         self.w._check_rank_agreement(plan)
+
+
+def plan_offline(
+    module: Any,
+    example_inputs: tuple,
+    *,
+    world_size: int,
+    budget_bytes: int,
+    comm: CommModel,
+    device: torch.device | None = None,
+    config: SearchConfig | None = None,
+) -> tuple[Plan, SearchResult, Profile]:
+    """Plan for ``world_size`` ranks from one process (``autodist plan``): profile ``module`` here,
+    search with ``comm`` (a cached sweep or an analytic model) under ``budget_bytes``."""
+    from .structure import discover
+
+    device = device or torch.device("cpu")
+    structure = discover(module)
+    prof = profile_model(module, structure, example_inputs, device=device)
+    sim = Simulator(prof, structure, comm, world_size=world_size, budget_bytes=budget_bytes)
+    space = PlanSpace(structure, world_size, [u.name for u in prof.units], prof.ready_order)
+    result = Searcher(space, sim, config or SearchConfig()).run()
+    if not result.result.feasible:
+        peak = (result.smallest_peak or (result.result.peak_bytes, None))[0]
+        raise BudgetError(
+            f"no plan fits the budget of {format_bytes(budget_bytes)} per rank: the smallest peak found is "
+            f"{format_bytes(peak)}. Raise --memory-limit or plan for more ranks."
+        )
+    plan = result.plan
+    plan.device = device.type
+    plan.budget_bytes = budget_bytes
+    plan.predicted = {
+        "step_seconds": result.result.step_s,
+        "peak_bytes": result.result.peak_bytes,
+        "vs": {n: r.step_s / result.result.step_s for n, r in result.seeds.items() if r.feasible and result.result.step_s},
+    }
+    from . import __version__
+
+    plan.provenance = {
+        "source": "autodist plan", "search": "backtracking", "evaluated": result.evaluated,
+        "search_seconds": round(result.seconds, 3), "stopped_by": result.stopped_by,
+        "autodist_version": __version__, "torch_version": torch.__version__,
+    }
+    return plan, result, prof

@@ -54,10 +54,12 @@ class GatherGroup:
 
 @dataclass
 class Bucket:
-    """Parameters whose gradients are reduced by one collective, in gradient-ready order."""
+    """Parameters whose gradients are reduced by one collective, in gradient-ready order.
+    ``nbytes``: their gradients' size, for people reading the plan (informational)."""
 
     params: list[str]
     op: str = "all_reduce"
+    nbytes: int | None = None
 
 
 @dataclass
@@ -316,13 +318,17 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
         raw_buckets = []
     for i, b in enumerate(raw_buckets):
         p = f"buckets[{i}]"
-        bo = r.obj(b, p, {"params"}, {"op"})
+        bo = r.obj(b, p, {"params"}, {"op", "nbytes"})
         if bo is None:
             continue
+        nb = bo.get("nbytes")
+        if nb is not None:
+            nb = r.typed(nb, f"{p}.nbytes", int, "an integer number of bytes or null")
         buckets.append(
             Bucket(
                 params=r.str_list(bo.get("params"), f"{p}.params"),
                 op=r.choice(bo.get("op", "all_reduce"), f"{p}.op", BUCKET_OPS) or "all_reduce",
+                nbytes=nb,
             )
         )
 

@@ -51,33 +51,45 @@ DEFAULT_MODELS = ["wide-mlp", "deep-mlp", "resnet18", "gpt"]
 @dataclass
 class Contender:
     name: str
-    wrap: Callable[[nn.Module, argparse.Namespace], nn.Module]
+    wrap: Callable[[nn.Module, argparse.Namespace, tuple], nn.Module]
     close: Callable[[nn.Module], None] = lambda m: None
     takes_budget: bool = False
 
 
-def _ddp(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+def _ddp(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model)
 
 
-def _fsdp2(reshard: bool | int = True, group: int = 1) -> Callable[[nn.Module, argparse.Namespace], nn.Module]:
-    def wrap(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+def _fsdp2(reshard: bool = True, group: int = 1, prefetch: int | None = None) -> Callable[..., nn.Module]:
+    """``fully_shard`` on every ``group`` consecutive blocks (0: the whole model as one group),
+    then the root; ``prefetch``: explicit forward and backward prefetch of that many groups."""
+
+    def wrap(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
         blocks = blocks_of(model)
-        for i in range(0, len(blocks), group):
-            chunk = blocks[i : i + group]
-            fully_shard(chunk if len(chunk) > 1 else chunk[0], reshard_after_forward=reshard)
+        wrapped = []
+        if group > 0:
+            for i in range(0, len(blocks), group):
+                chunk = blocks[i : i + group]
+                fully_shard(chunk if len(chunk) > 1 else chunk[0], reshard_after_forward=reshard)
+                wrapped.append(chunk[0])
         fully_shard(model, reshard_after_forward=reshard)
+        if prefetch and len(wrapped) > 1:
+            for i, m in enumerate(wrapped):
+                m.set_modules_to_forward_prefetch(wrapped[i + 1 : i + 1 + prefetch])
+                m.set_modules_to_backward_prefetch(list(reversed(wrapped[max(0, i - prefetch) : i])))
         return model
 
     return wrap
 
 
-def _autodist(plan: str) -> Callable[[nn.Module, argparse.Namespace], nn.Module]:
-    def wrap(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+def _autodist(plan: str) -> Callable[..., nn.Module]:
+    def wrap(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Module:
+        if plan == "auto":
+            return AutoDist(model, plan="auto", example_inputs=example, cache_dir=args.cache_dir, memory_limit=args.memory_limit)
         return AutoDist(model, plan=plan, memory_limit=args.memory_limit)
 
     return wrap
@@ -88,15 +100,26 @@ def _close_autodist(m: nn.Module) -> None:
 
 
 CONTENDERS: dict[str, Contender] = {
-    "compute": Contender("compute", lambda m, a: m),
+    "compute": Contender("compute", lambda m, a, e: m),
     "ddp": Contender("ddp", _ddp),
     "autodist:ddp": Contender("autodist:ddp", _autodist("ddp"), _close_autodist, takes_budget=True),
     "fsdp2": Contender("fsdp2", _fsdp2(True)),
     "autodist:fsdp": Contender("autodist:fsdp", _autodist("fsdp"), _close_autodist, takes_budget=True),
     "fsdp2:no-reshard": Contender("fsdp2:no-reshard", _fsdp2(False)),
     "autodist:zero2": Contender("autodist:zero2", _autodist("zero2"), _close_autodist, takes_budget=True),
+    "autodist:auto": Contender("autodist:auto", _autodist("auto"), _close_autodist, takes_budget=True),
 }
 DEFAULT_CONTENDERS = list(CONTENDERS)
+# FSDP2's own knobs, brute force: grouping (per block, per two blocks, whole model) x
+# reshard_after_forward x prefetch depth 1-3
+GRID = {
+    f"fsdp2[{'block' if g == 1 else 'model' if g == 0 else f'{g}blocks'},{'reshard' if r else 'keep'},pf{p}]": Contender(
+        "grid", _fsdp2(r, g, p)
+    )
+    for g in (1, 2, 0)
+    for r in (True, False)
+    for p in (1, 2, 3)
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -109,6 +132,7 @@ class Result:
     step_times: list[float] = field(default_factory=list)
     peak_bytes: int = 0
     error: str | None = None
+    extra: dict = field(default_factory=dict)
 
     @property
     def median(self) -> float:
@@ -120,8 +144,16 @@ def run_contender(workload: Any, contender: Contender, batches: list, args: argp
     gc.collect()
     base = meter.current()
     torch.manual_seed(0)
-    model = contender.wrap(workload.build(), args)
+    model = contender.wrap(workload.build(), args, (batches[0][0],))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if isinstance(model, AutoDist) and model.plan.predicted:
+        res.extra = {
+            "predicted_step_s": model.plan.predicted.get("step_seconds"),
+            "predicted_peak_bytes": model.plan.predicted.get("peak_bytes"),
+            "plan": model.plan.label,
+            "sharded_units": len(model.plan.sharded_units),
+            "search_seconds": model.plan.provenance.get("search_seconds"),
+        }
     try:
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
             workload.loss(model(x), y).backward()
@@ -145,6 +177,22 @@ def run_contender(workload: Any, contender: Contender, batches: list, args: argp
         gc.collect()
 
 
+def allreduce_seconds(nbytes: int) -> float:
+    """One step's least communication for data parallelism: all-reducing every gradient once, in
+    DDP-sized (25 MiB) messages, on this process group (the median of 3)."""
+    cap = 25 * 1024 * 1024 // 4
+    n = max(1, nbytes // 4)
+    bufs = [torch.zeros(min(cap, n - i)) for i in range(0, n, cap)]
+    times = []
+    for _ in range(4):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for b in bufs:
+            dist.all_reduce(b)
+        times.append(max_over_ranks(time.perf_counter() - t0))
+    return statistics.median(times[1:])
+
+
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -152,22 +200,30 @@ def worker(args: argparse.Namespace) -> None:
     workloads = zoo(args.size)
     names = [c for c in args.contenders]
     results: list[Result] = []
+    comm_only: dict[str, float] = {}
     for model_name in args.models:
         wl = workloads[model_name]
         per_rank = args.batch or wl.default_batch
         gen = torch.Generator().manual_seed(1000 + rank)
         batches = [wl.batch(per_rank, gen) for _ in range(args.warmup + args.steps)]
         by_name = {n: Result(model_name, n) for n in names}
-        for p in range(args.passes):
-            order = names if p % 2 == 0 else list(reversed(names))
+        schedule = [(p, names if p % 2 == 0 else list(reversed(names))) for p in range(args.passes)]
+        if args.fsdp_grid:
+            for n in GRID:
+                by_name[n] = Result(model_name, n)
+            schedule += [(p, list(GRID)) for p in range(args.grid_passes)]
+        for _, order in schedule:
             for n in order:
                 try:
-                    run_contender(wl, CONTENDERS[n], batches, args, by_name[n])
+                    run_contender(wl, CONTENDERS.get(n) or GRID[n], batches, args, by_name[n])
                 except Exception as e:  # a contender that cannot run is reported, not fatal
                     by_name[n].error = f"{type(e).__name__}: {e}"
                     if rank == 0:
                         print(f"[bench] {model_name} / {n} failed: {by_name[n].error}", file=sys.stderr)
         results.extend(by_name.values())
+        torch.manual_seed(0)
+        grad_bytes = sum(p.numel() * p.element_size() for p in wl.build().parameters() if p.requires_grad)
+        comm_only[model_name] = allreduce_seconds(grad_bytes)
         if rank == 0:
             print(f"[bench] {model_name}: done", file=sys.stderr, flush=True)
     if rank == 0:
@@ -177,6 +233,7 @@ def worker(args: argparse.Namespace) -> None:
             "steps": args.steps,
             "passes": args.passes,
             "memory_limit": args.memory_limit,
+            "allreduce_all_grads_s": comm_only,
             "results": [
                 {
                     "model": r.model,
@@ -185,6 +242,7 @@ def worker(args: argparse.Namespace) -> None:
                     "step_times_s": r.step_times,
                     "peak_bytes": r.peak_bytes,
                     "error": r.error,
+                    "extra": r.extra,
                 }
                 for r in results
             ],
@@ -205,17 +263,38 @@ def table(payload: dict) -> str:
         ddp = mine.get("ddp", {}).get("median_step_s")
         fsdp = mine.get("fsdp2", {}).get("median_step_s")
         compute = mine.get("compute", {}).get("median_step_s")
+        comm = payload.get("allreduce_all_grads_s", {}).get(model)
+        bound = max(compute, comm) if compute and comm else None
         lines.append(f"\n{model}")
-        lines.append(f"  {'contender':<22}{'step (ms)':>11}{'vs ddp':>9}{'vs fsdp2':>10}{'vs compute':>12}{'peak mem':>13}")
+        if bound:
+            lines.append(
+                f"  full-overlap bound max(compute {compute * 1e3:.1f} ms, all-reduce of all gradients "
+                f"{comm * 1e3:.1f} ms) = {bound * 1e3:.1f} ms"
+            )
+        lines.append(
+            f"  {'contender':<30}{'step (ms)':>10}{'vs ddp':>8}{'vs fsdp2':>9}{'vs bound':>9}{'peak mem':>12}"
+        )
         for name, r in mine.items():
             if r["error"]:
-                lines.append(f"  {name:<22}  failed: {r['error'][:70]}")
+                lines.append(f"  {name:<30}  failed: {r['error'][:70]}")
                 continue
             t = r["median_step_s"]
-            rd = f"{t / ddp:.3f}x" if ddp else "-"
-            rf = f"{t / fsdp:.3f}x" if fsdp else "-"
-            rc = f"{t / compute:.2f}x" if compute else "-"
-            lines.append(f"  {name:<22}{t * 1e3:>11.1f}{rd:>9}{rf:>10}{rc:>12}{format_bytes(r['peak_bytes']):>13}")
+            rd = f"{t / ddp:.3f}" if ddp else "-"
+            rf = f"{t / fsdp:.3f}" if fsdp else "-"
+            rb = f"{t / bound:.3f}" if bound else "-"
+            note = ""
+            if r.get("extra", {}).get("predicted_step_s"):
+                e = r["extra"]
+                note = f"  (predicted {e['predicted_step_s'] * 1e3:.1f} ms; {e['sharded_units']} units sharded)"
+            lines.append(f"  {name:<30}{t * 1e3:>10.1f}{rd:>8}{rf:>9}{rb:>9}{format_bytes(r['peak_bytes']):>12}{note}")
+        grid = {n: r for n, r in mine.items() if n.startswith("fsdp2[") and not r["error"]}
+        auto = mine.get("autodist:auto")
+        if grid and auto and not auto["error"]:
+            best = min(grid, key=lambda n: grid[n]["median_step_s"])
+            lines.append(
+                f"  best FSDP2 grid point: {best} {grid[best]['median_step_s'] * 1e3:.1f} ms; "
+                f"auto is {grid[best]['median_step_s'] / auto['median_step_s']:.3f}x its speed"
+            )
     return "\n".join(lines)
 
 
@@ -230,13 +309,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="per-rank batch (default: per model)")
     ap.add_argument("--size", default="default", choices=["default", "tiny"], help="model sizes (tiny: for tests)")
     ap.add_argument("--memory-limit", default=None, help="budget for contenders that take one, e.g. 300MB")
+    ap.add_argument("--fsdp-grid", action="store_true", help="also run FSDP2's knob grid (18 configurations)")
+    ap.add_argument("--grid-passes", type=int, default=1, help="passes over the grid (default: 1)")
+    ap.add_argument("--cache-dir", default=None, help="AutoDist cache for plan=auto (default: a fresh temporary one)")
     ap.add_argument("--json", default=None, help="also write the results as JSON here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     args.contenders = [c for c in args.contenders.split(",") if c]
-    unknown = [m for m in args.models if m not in zoo()] + [c for c in args.contenders if c not in CONTENDERS]
+    unknown = [m for m in args.models if m not in zoo()] + [c for c in args.contenders if c not in CONTENDERS and c not in GRID]
     if unknown:
         ap.error(f"unknown model or contender: {', '.join(unknown)} (models: {', '.join(zoo())}; contenders: {', '.join(CONTENDERS)})")
     if args.worker:
@@ -248,8 +330,10 @@ def main(argv: list[str] | None = None) -> int:
             "--worker", "--out", out,
             "--models", ",".join(args.models), "--contenders", ",".join(args.contenders),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--passes", str(args.passes),
-            "--size", args.size,
+            "--size", args.size, "--grid-passes", str(args.grid_passes), "--cache-dir", args.cache_dir or os.path.join(d, "cache"),
         ]
+        if args.fsdp_grid:
+            worker_args.append("--fsdp-grid")
         if args.batch is not None:
             worker_args += ["--batch", str(args.batch)]
         if args.memory_limit is not None:

@@ -50,7 +50,7 @@ def bucket_by_size(
     # Launch order: a bucket goes as soon as its earliest-ready gradient's bucket is due.
     position = {n: i for i, n in enumerate(order)}
     closed.sort(key=lambda ms: min(position[m] for m in ms))
-    return [Bucket(params=ms, op=op) for ms in closed]
+    return [Bucket(params=ms, op=op, nbytes=sum(structure.params[m].nbytes for m in ms)) for ms in closed]
 
 
 def _units(structure: ModelStructure, placement: str, residency: str) -> list[UnitPlan]:
@@ -128,7 +128,10 @@ def _sharded_plan(
         by_dtype: dict[object, list[str]] = {}
         for p in params:
             by_dtype.setdefault(structure.params[p].dtype, []).append(p)
-        buckets.extend(Bucket(params=ps, op="reduce_scatter") for ps in by_dtype.values())
+        buckets.extend(
+            Bucket(params=ps, op="reduce_scatter", nbytes=sum(structure.params[p].nbytes for p in ps))
+            for ps in by_dtype.values()
+        )
     replicated = [
         p for u in reversed(units) if u.placement == "replicate" for p in u.params if structure.params[p].requires_grad
     ]

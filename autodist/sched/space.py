@@ -151,7 +151,11 @@ class PlanSpace:
                 )
             )
         buckets = [
-            Bucket([self.ready[k] for k in ks], "reduce_scatter" if g.shard[self.unit_of_ready[ks[0]]] else "all_reduce")
+            Bucket(
+                [self.ready[k] for k in ks],
+                "reduce_scatter" if g.shard[self.unit_of_ready[ks[0]]] else "all_reduce",
+                nbytes=sum(self.structure.params[self.ready[k]].nbytes for k in ks),
+            )
             for ks in self.buckets(g)
         ]
         offload = [
