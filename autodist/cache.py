@@ -167,3 +167,13 @@ class Cache:
                         removed += 1
         logger.info("autodist: removed %d cache entries from %s", removed, self.dir)
         return removed
+
+
+def comm_cache_key(world: int, device_type: str, device_name: str, backend: str) -> str:
+    """The key under which ``plan="auto"`` stores the comm model it measured on a machine: world size,
+    device type and name (``"cpu"`` on the CPU), backend and torch version."""
+    import torch
+
+    return digest(
+        {"world": world, "device": device_type, "device_name": device_name, "backend": backend, "torch": torch.__version__}
+    )

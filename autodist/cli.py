@@ -1,36 +1,677 @@
-"""The ``autodist`` command."""
+"""The ``autodist`` command: read plans, plan offline, draw a plan's simulated step, manage the cache,
+report the environment.
+
+    autodist show PLAN.json
+    autodist plan --model MODULE:FACTORY --input-shape 8,128 --world-size N --out PLAN.json
+                  [--input-dtype DTYPE] [--input-high N] [--memory-limit 2GiB]
+                  [--bandwidth GBPS --latency US] [--cache-dir DIR]
+    autodist timeline PLAN.json -o OUT.json|OUT.png --model MODULE:FACTORY --input-shape 8,128
+                  [--input-dtype DTYPE] [--input-high N] [--bandwidth GBPS --latency US]
+                  [--cache-dir DIR] [--width PX] [--height PX]
+    autodist cache list|show KEY|clear [--kind KIND]|path [--cache-dir DIR]
+    autodist env
+    autodist --version
+
+A wrong argument exits with status 2 and one line on stderr (``autodist <command>: <reason>``); so do
+failures the user can fix (a missing or corrupt plan file, a model that cannot be imported, no comm
+model for this machine, no plan within the budget). Output goes to stdout through :func:`_say`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.metadata
+import json
+import os
+import platform
 import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+INPUT_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32")
+TIMELINE_SUFFIXES = (".json", ".png")
+TORCHRUN_VARS = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+    "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+)
+OPTIONAL_PACKAGES = ("torchvision", "matplotlib", "torch_geometric")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="autodist", description="AutoDist: plans, cache and environment.")
-    parser.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = parser.add_subparsers(dest="command")
-    show = sub.add_parser("show", help="print a plan file as tables")
-    show.add_argument("plan", help="path of a plan JSON file")
-    args = parser.parse_args(argv)
-    if args.version:
-        from . import __version__
+class CommandError(Exception):
+    """A failure the user can fix; ``main`` prints it as one line and exits with status 2."""
 
-        print(__version__)
-        return 0
-    if args.command == "show":
-        from .errors import PlanError
-        from .plan import load_plan
 
-        try:
-            plan = load_plan(args.plan)
-        except PlanError as e:
-            print(f"autodist show: {e}", file=sys.stderr)
-            return 2
-        print(plan.to_json())
-        return 0
-    parser.print_help()
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad argument as one line, ``<prog>: <reason>``, and exits with status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        _complain(self.prog, message)
+        raise SystemExit(2)
+
+
+# ------------------------------------------------------------------------------------------------
+# Output: the only places the command writes.
+# ------------------------------------------------------------------------------------------------
+
+
+def _say(text: str = "") -> None:
+    print(text, file=sys.stdout)
+
+
+def _complain(prog: str, message: str) -> None:
+    print(f"{prog}: {' '.join(str(message).split())}", file=sys.stderr)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, indent: str = "  ") -> str:
+    """Rows as aligned plain-text columns under a ruled header; numeric columns are right-aligned."""
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    right = [bool(rows) and all(isinstance(r[i], (int, float)) for r in rows) for i in range(len(headers))]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [v.rjust(w) if r else v.ljust(w) for v, w, r in zip(values, widths, right)]
+        return (indent + "  ".join(parts)).rstrip()
+
+    out = [line(headers), line(["-" * w for w in widths])]
+    out.extend(line(r) for r in cells)
+    return "\n".join(out)
+
+
+def format_fields(pairs: Sequence[tuple[str, Any]], *, indent: str = "  ") -> str:
+    """``key  value`` lines with the values aligned."""
+    width = max((len(k) for k, _ in pairs), default=0)
+    return "\n".join(f"{indent}{k.ljust(width)}  {v}" for k, v in pairs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Argument types: each rejects a bad value with a message that says what was expected.
+# ------------------------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}")
+    return value
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(d) for d in text.split(","))
+    except ValueError:
+        dims = ()
+    if not dims or any(d < 1 for d in dims):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 8,128; got {text!r}")
+    return dims
+
+
+def _factory_spec(text: str) -> str:
+    module, sep, attr = text.partition(":")
+    if not sep or not module or not attr:
+        raise argparse.ArgumentTypeError(
+            f"expected MODULE:FACTORY (a module and a function in it that returns an nn.Module, such as "
+            f"autodist.zoo:gpt); got {text!r}"
+        )
+    return text
+
+
+def _memory_limit(text: str) -> str:
+    import torch
+
+    from .cost.budget import parse_memory_limit
+
+    try:
+        parse_memory_limit(text, torch.device("cpu"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _timeline_output(text: str) -> str:
+    if Path(text).suffix.lower() not in TIMELINE_SUFFIXES:
+        raise argparse.ArgumentTypeError(
+            f"expected a file name ending in .json (a Chrome trace) or .png (a plot); got {text!r}"
+        )
+    return text
+
+
+# ------------------------------------------------------------------------------------------------
+# The parser.
+# ------------------------------------------------------------------------------------------------
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and example input")
+    g.add_argument(
+        "--model", required=True, type=_factory_spec, metavar="MODULE:FACTORY",
+        help="a function that returns the model, e.g. autodist.zoo:gpt (the current directory is importable)",
+    )
+    g.add_argument(
+        "--input-shape", required=True, type=_shape, metavar="D0,D1,...",
+        help="shape of one example batch, e.g. 8,128",
+    )
+    g.add_argument("--input-dtype", choices=INPUT_DTYPES, default="float32", help="dtype of the example batch (default float32)")
+    g.add_argument(
+        "--input-high", type=_positive_int, default=1000, metavar="N",
+        help="integer inputs are drawn from [0, N), e.g. token ids below the vocabulary size (default 1000)",
+    )
+
+
+def _add_comm_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "comm model",
+        "an analytic model from --bandwidth and --latency, or else the one measured and cached on this "
+        "machine by a job with plan=\"auto\"",
+    )
+    g.add_argument("--bandwidth", type=_positive_float, metavar="GBPS", help="link bandwidth in GB/s")
+    g.add_argument("--latency", type=_non_negative_float, metavar="US", help="per-collective latency in microseconds")
+    _add_cache_dir(g)
+
+
+def _add_cache_dir(p: argparse.ArgumentParser | Any) -> None:
+    p.add_argument(
+        "--cache-dir", metavar="DIR",
+        help="cache directory (default $AUTODIST_CACHE_DIR, else $XDG_CACHE_HOME/autodist, else ~/.cache/autodist)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = _Parser(prog="autodist", description="AutoDist: plans, timelines, cache and environment.")
+    parser.add_argument("--version", action="version", version=f"autodist {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    show = sub.add_parser("show", help="print a plan file as tables", description="Print a plan file as tables.")
+    show.add_argument("plan", metavar="PLAN.json", help="a plan file")
+
+    plan = sub.add_parser(
+        "plan", help="profile a model here and search a plan for N ranks",
+        description="Profile a model in this process and search the best plan for --world-size ranks under "
+        "the memory budget; write it as JSON.",
+    )
+    _add_model_options(plan)
+    plan.add_argument("--world-size", required=True, type=_positive_int, metavar="N", help="ranks the plan is for")
+    plan.add_argument(
+        "--memory-limit", type=_memory_limit, metavar="SIZE",
+        help="budget per rank: bytes, a size such as 2GiB or 512MB, or a percentage such as 80%% "
+        "(default: what this machine has available)",
+    )
+    _add_comm_options(plan)
+    plan.add_argument("--out", required=True, metavar="PLAN.json", help="where to write the plan")
+
+    tl = sub.add_parser(
+        "timeline", help="simulate one step of a plan and write it as a Chrome trace or PNG",
+        description="Simulate one training step of a plan on a model profiled here, and write the timeline "
+        "as a Chrome trace (.json: chrome://tracing, Perfetto) or a plot (.png, needs matplotlib).",
+    )
+    tl.add_argument("plan", metavar="PLAN.json", help="a plan file")
+    tl.add_argument("-o", "--out", required=True, type=_timeline_output, metavar="OUT", help="OUT.json or OUT.png")
+    _add_model_options(tl)
+    _add_comm_options(tl)
+    tl.add_argument("--width", type=_positive_int, default=1400, metavar="PX", help="PNG width in pixels (default 1400)")
+    tl.add_argument("--height", type=_positive_int, default=700, metavar="PX", help="PNG height in pixels (default 700)")
+
+    cache = sub.add_parser(
+        "cache", help="list, show or clear cached profiles, comm models and plans",
+        description="List, show or clear the entries of the on-disk cache.",
+    )
+    actions = cache.add_subparsers(dest="action", metavar="ACTION", required=True)
+    common = _Parser(add_help=False)
+    _add_cache_dir(common)
+    actions.add_parser("list", parents=[common], help="a table of the entries", description="List the cache entries.")
+    show_entry = actions.add_parser(
+        "show", parents=[common], help="print one entry", description="Print the entry with this key (or key prefix)."
+    )
+    show_entry.add_argument("key", metavar="KEY", help="the entry's key, as `autodist cache list` shows it, or a unique prefix")
+    clear = actions.add_parser("clear", parents=[common], help="remove entries", description="Remove cache entries.")
+    from .cache import KINDS
+
+    clear.add_argument("--kind", choices=KINDS, help="remove only this kind (default: all)")
+    actions.add_parser("path", parents=[common], help="print the cache directory", description="Print the cache directory.")
+
+    sub.add_parser(
+        "env", help="versions, devices, default budget and cache location",
+        description="Print the versions, devices, default backend and budget, cache location and torchrun variables.",
+    )
+    return parser
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared steps.
+# ------------------------------------------------------------------------------------------------
+
+
+def _load_plan(path: str) -> Any:
+    from .errors import PlanError
+    from .plan import load_plan
+
+    try:
+        return load_plan(path)
+    except PlanError as e:
+        raise CommandError(_plan_error_line(e, path, "check the path, or write a plan with `autodist plan`")) from None
+
+
+def _plan_error_line(e: Any, path: str, hint: str) -> str:
+    """A :class:`PlanError` as one line: where, the first problem, how many more, what to do."""
+    first = e.problems[0] if e.problems else str(e).splitlines()[0]
+    where = "" if path in first else f"{path}: "
+    more = f" (and {len(e.problems) - 1} more problems)" if len(e.problems) > 1 else ""
+    return f"{where}{first}{more}; {hint}"
+
+
+def _build_model(spec: str) -> Any:
+    import torch
+
+    module_name, _, attr = spec.partition(":")
+    # a console script does not put the working directory on the path; `python -m` does
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise CommandError(f"--model {spec}: cannot import {module_name!r} ({e}); is it on PYTHONPATH?") from None
+    factory: Any = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+    if not callable(factory):
+        raise CommandError(f"--model {spec}: module {module_name!r} has no function {attr!r}")
+    torch.manual_seed(0)
+    try:
+        model = factory()
+    except Exception as e:  # the user's code: report it, do not crash
+        raise CommandError(f"--model {spec}: {attr}() raised {type(e).__name__}: {_first_line(e)}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise CommandError(f"--model {spec}: {attr}() returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _example_input(model: Any, args: argparse.Namespace) -> Any:
+    """One batch of the requested shape and dtype, checked by running a forward pass."""
+    import torch
+
+    dtype = getattr(torch, args.input_dtype)
+    gen = torch.Generator().manual_seed(0)
+    if dtype.is_floating_point:
+        x = torch.randn(args.input_shape, generator=gen).to(dtype)
+    else:
+        x = torch.randint(0, args.input_high, args.input_shape, generator=gen, dtype=dtype)
+    try:
+        with torch.no_grad():
+            model(x)
+    except Exception as e:  # the user's model on the user's input shape
+        raise CommandError(
+            f"the model's forward failed on an input of shape {','.join(map(str, args.input_shape))} "
+            f"({args.input_dtype}): {type(e).__name__}: {_first_line(e)}; check --input-shape, --input-dtype "
+            "and --input-high"
+        ) from None
+    return x
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _comm_model(args: argparse.Namespace, world: int) -> tuple[Any, str]:
+    """The comm model and a phrase saying where it came from."""
+    import torch
+
+    from .cache import Cache, comm_cache_key
+    from .cost.comm import CommModel
+
+    if args.bandwidth is not None:
+        model = CommModel.analytic(world, bandwidth_bytes_s=args.bandwidth * 1e9, latency_s=args.latency * 1e-6)
+        return model, f"an analytic comm model ({args.bandwidth:g} GB/s, {args.latency:g} us)"
+    cache = Cache(args.cache_dir, writer=False)
+    path = cache.path("comm", comm_cache_key(world, "cpu", "cpu", "gloo"))
+    if not path.is_file():
+        raise CommandError(
+            f"no comm model is cached for {world} CPU ranks (gloo, torch {torch.__version__}) in {cache.dir}; pass "
+            "--bandwidth GBPS --latency US for an analytic model, or run a job with plan=\"auto\" on this machine "
+            "first (it measures one and caches it)"
+        )
+    try:
+        return CommModel.from_json(path.read_text()), f"the comm model measured on this machine ({path})"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CommandError(
+            f"the cached comm model {path} cannot be read ({type(e).__name__}: {_first_line(e)}); remove it with "
+            "`autodist cache clear --kind comm` or pass --bandwidth and --latency"
+        ) from None
+
+
+def _check_comm_options(args: argparse.Namespace) -> None:
+    if (args.bandwidth is None) != (args.latency is None):
+        given, missing = ("--bandwidth", "--latency") if args.latency is None else ("--latency", "--bandwidth")
+        raise CommandError(f"{given} needs {missing} too (an analytic comm model takes both)")
+
+
+def _budget_line(e: Exception) -> str:
+    text = str(e)
+    return text.split(". ", 1)[0].rstrip(".")
+
+
+# ------------------------------------------------------------------------------------------------
+# show
+# ------------------------------------------------------------------------------------------------
+
+
+def render_plan(plan: Any, path: str) -> str:
+    """A plan as a header and tables (what ``autodist show`` prints)."""
+    from .cost.budget import format_bytes
+
+    pred = plan.predicted
+    header: list[tuple[str, Any]] = [
+        ("world size", plan.world_size),
+        ("device", plan.device),
+        ("budget", "-" if plan.budget_bytes is None else f"{format_bytes(plan.budget_bytes)} per rank"),
+        ("schema version", plan.schema_version),
+        ("fingerprint", plan.fingerprint or "-"),
+        ("source", plan.provenance.get("source", "-")),
+    ]
+    if "step_seconds" in pred:
+        header.append(("predicted step", f"{pred['step_seconds'] * 1e3:.2f} ms"))
+    if "peak_bytes" in pred:
+        header.append(("predicted peak", f"{pred['peak_bytes'] / 2**20:.2f} MiB"))
+    out = [f"plan {path}", format_fields(header)]
+
+    vs = pred.get("vs") or {}
+    if vs:
+        rows = [(name, f"{ratio:.2f}x") for name, ratio in sorted(vs.items())]
+        out += ["", "predicted speed-up over the seeds", format_table(("seed", "speed-up"), rows)]
+
+    out += ["", f"units ({len(plan.units)})"]
+    out.append(
+        format_table(
+            ("unit", "placement", "residency", "params"),
+            [(u.name, u.placement, u.residency if u.placement == "shard" else "-", len(u.params)) for u in plan.units],
+        )
+    )
+
+    out += ["", f"gather groups ({len(plan.gather_groups)})"]
+    if plan.gather_groups:
+        rows = [
+            (i, _span(g.units), g.prefetch.forward, g.prefetch.backward) for i, g in enumerate(plan.gather_groups)
+        ]
+        out.append(format_table(("group", "units", "fwd prefetch", "bwd prefetch"), rows))
+    else:
+        out.append("  none")
+
+    out += ["", f"buckets ({len(plan.buckets)})"]
+    if plan.buckets:
+        rows = [
+            (i, b.op, len(b.params), "?" if b.nbytes is None else format_bytes(b.nbytes))
+            for i, b in enumerate(plan.buckets)
+        ]
+        out.append(format_table(("bucket", "op", "params", "size"), rows))
+    else:
+        out.append("  none")
+    if plan.rebuild_buckets is not None:
+        rb = plan.rebuild_buckets
+        out.append(
+            f"  rebuilt once from the observed gradient-ready order: {format_bytes(rb.cap_bytes)} buckets, "
+            f"first {format_bytes(rb.first_cap_bytes)}"
+        )
+    inflight = "no limit" if plan.max_inflight_buckets is None else plan.max_inflight_buckets
+    out.append(f"  max_inflight_buckets: {inflight}")
+
+    out += ["", f"offload fragments ({len(plan.offload)})"]
+    if plan.offload:
+        rows = [(o.param, o.state, f"[{o.fragment[0]}, {o.fragment[1]})", o.out_after, o.back_from) for o in plan.offload]
+        out.append(format_table(("param", "state", "fragment", "out_after", "back_from"), rows))
+    else:
+        out.append("  none")
+    return "\n".join(out)
+
+
+def _span(units: Sequence[str]) -> str:
+    if len(units) == 1:
+        return f"{units[0]} (1)"
+    return f"{units[0]}..{units[-1]} ({len(units)})"
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    _say(render_plan(_load_plan(args.plan), args.plan))
     return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# plan
+# ------------------------------------------------------------------------------------------------
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from .cost.budget import format_bytes, parse_memory_limit
+    from .errors import BudgetError
+    from .lifecycle import plan_offline
+    from .plan import save_plan
+
+    _check_comm_options(args)
+    budget = parse_memory_limit(args.memory_limit, torch.device("cpu"))
+    comm, comm_source = _comm_model(args, args.world_size)
+    model = _build_model(args.model)
+    x = _example_input(model, args)
+    try:
+        plan, result, _ = plan_offline(model, (x,), world_size=args.world_size, budget_bytes=budget, comm=comm)
+    except BudgetError as e:
+        raise CommandError(f"{_budget_line(e)}; raise --memory-limit or plan for more ranks") from None
+    try:
+        save_plan(plan, args.out)
+    except OSError as e:
+        raise CommandError(f"cannot write {args.out}: {e.strerror or e}") from None
+    pred = plan.predicted
+    vs = pred.get("vs", {})
+    gains = ", ".join(f"{vs[k]:.2f}x {k}" for k in ("ddp", "fsdp", "zero2") if k in vs)
+    _say(
+        f"Planned {args.model} for {args.world_size} ranks within {format_bytes(budget)} per rank, using "
+        f"{comm_source}: predicted step {pred['step_seconds'] * 1e3:.2f} ms, peak "
+        f"{pred['peak_bytes'] / 2**20:.2f} MiB{f' (speed-up: {gains})' if gains else ''}. "
+        f"{result.evaluated} plans evaluated in {result.seconds:.2f} s (stopped by: {result.stopped_by}). "
+        f"Wrote {args.out}; read it with `autodist show {args.out}` and use it with "
+        f"AutoDist(model, plan={str(args.out)!r})."
+    )
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# timeline
+# ------------------------------------------------------------------------------------------------
+
+
+def cmd_timeline(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import timeline
+    from .cost.simulator import Simulator
+    from .errors import PlanError
+    from .plan import validate_plan
+    from .structure import discover
+    from .trace import profile_model
+
+    _check_comm_options(args)
+    plan = _load_plan(args.plan)
+    comm, _ = _comm_model(args, plan.world_size)
+    model = _build_model(args.model)
+    structure = discover(model)
+    try:
+        validate_plan(plan, structure, world_size=plan.world_size, source=args.plan)
+    except PlanError as e:
+        raise CommandError(
+            _plan_error_line(e, args.plan, f"the plan does not fit {args.model}; was it made for another model?")
+        ) from None
+    x = _example_input(model, args)
+    profile = profile_model(model, structure, (x,), device=torch.device("cpu"))
+    sim = Simulator(profile, structure, comm, world_size=plan.world_size, budget_bytes=plan.budget_bytes)
+    result = sim.run(plan, record=True)
+    tl = timeline.from_simulation(result, f"{plan.label}: simulated step ({Path(args.plan).name})")
+    try:
+        if Path(args.out).suffix.lower() == ".png":
+            timeline.to_png(tl, args.out, width_px=args.width, height_px=args.height)
+        else:
+            timeline.to_chrome_trace(tl, args.out)
+    except ImportError as e:
+        raise CommandError(f"{e}; or write a Chrome trace (-o OUT.json)") from None
+    except OSError as e:
+        raise CommandError(f"cannot write {args.out}: {e.strerror or e}") from None
+    _say(f"Wrote {args.out}: {result.summary()}, {len(tl.intervals)} intervals.")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# cache
+# ------------------------------------------------------------------------------------------------
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from .cache import Cache
+    from .cost.budget import format_bytes
+
+    cache = Cache(args.cache_dir)
+    if args.action == "path":
+        _say(str(cache.dir))
+        return 0
+    entries = cache.entries()
+    if args.action == "list":
+        if not entries:
+            _say(f"the cache at {cache.dir} is empty")
+            return 0
+        rows = [
+            (e.kind, e.key, format_bytes(e.bytes), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.modified)))
+            for e in entries
+        ]
+        _say(format_table(("kind", "key", "size", "modified"), rows, indent=""))
+        _say(f"{len(entries)} entries, {format_bytes(sum(e.bytes for e in entries))}, in {cache.dir}")
+        return 0
+    if args.action == "show":
+        matches = [e for e in entries if e.key == args.key] or [e for e in entries if e.key.startswith(args.key)]
+        if not matches:
+            raise CommandError(f"no cache entry has key {args.key!r} in {cache.dir}; `autodist cache list` shows the keys")
+        if len(matches) > 1:
+            names = ", ".join(f"{e.kind}/{e.key}" for e in matches[:4])
+            raise CommandError(f"{args.key!r} matches {len(matches)} entries ({names}); give more of the key")
+        entry = matches[0]
+        try:
+            data = json.loads(entry.path.read_text())
+        except (OSError, ValueError) as e:
+            raise CommandError(
+                f"cache entry {entry.path} cannot be read as JSON ({_first_line(e)}); `autodist cache clear "
+                f"--kind {entry.kind}` removes it"
+            ) from None
+        _say(json.dumps(data, indent=1, sort_keys=True))
+        return 0
+    # clear
+    doomed = [e for e in entries if args.kind is None or e.kind == args.kind]
+    removed = cache.clear(args.kind) if doomed else 0
+    what = f"{args.kind} " if args.kind else ""
+    _say(f"removed {removed} {what}cache entries from {cache.dir}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# env
+# ------------------------------------------------------------------------------------------------
+
+
+def _version_of(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment_report() -> str:
+    import torch
+
+    from . import __version__
+    from .cache import Cache
+    from .cost.budget import default_budget, format_bytes
+    from .runtime.comm import default_device
+
+    versions = [
+        ("python", f"{platform.python_version()} ({sys.executable})"),
+        ("torch", torch.__version__),
+        ("autodist", __version__),
+        ("numpy", _version_of("numpy")),
+        ("psutil", _version_of("psutil")),
+    ] + [(name, _version_of(name)) for name in OPTIONAL_PACKAGES]
+
+    device = default_device()
+    if device.type == "cpu":
+        backend = "gloo"
+    else:
+        import torch.distributed as dist
+
+        backend = dist.get_default_backend_for_device(device)
+    has_accelerator = hasattr(torch, "accelerator") and torch.accelerator.is_available()
+    if has_accelerator:
+        acc = torch.accelerator.current_accelerator()
+        accel = f"{acc.type} x {torch.accelerator.device_count()}"
+        if acc.type == "cuda":
+            accel += f" ({torch.cuda.get_device_name(device)})"
+    else:
+        accel = "none"
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cache = Cache()
+    torchrun = [f"{k}={os.environ[k]}" for k in TORCHRUN_VARS if k in os.environ]
+    machine = [
+        ("device", str(device)),
+        ("backend", backend),
+        ("accelerator", accel),
+        ("cpu count", f"{os.cpu_count()} ({usable} usable by this process)"),
+        ("default budget", f"{format_bytes(default_budget(device))} per rank on {device}"),
+        ("cache", f"{cache.dir} ({len(cache.entries())} entries)"),
+        ("torchrun", " ".join(torchrun) if torchrun else "not set (not launched by torchrun)"),
+    ]
+    return "\n".join(["versions", format_fields(versions), "", "machine", format_fields(machine)])
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    _say(environment_report())
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+COMMANDS = {"show": cmd_show, "plan": cmd_plan, "timeline": cmd_timeline, "cache": cmd_cache, "env": cmd_env}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; returns the exit status (argparse exits with 2 itself on a bad argument)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except CommandError as e:
+        _complain(f"autodist {args.command}", str(e))
+        return 2
 
 
 if __name__ == "__main__":

@@ -41,11 +41,13 @@ _C, _ISSUE, _WAIT, _MEM = 0, 1, 2, 3
 
 @dataclass(slots=True)
 class CommOp:
-    kind: str  # "all_gather" | "all_reduce" | "reduce_scatter"
+    kind: str  # "all_gather" | "all_reduce" | "reduce_scatter" | "copy_out" | "copy_back"
     label: str
     nbytes: int
     seconds: float
     staging_bytes: int  # allocated by the backend while the op runs
+    end_bytes: int = 0  # memory released (negative) or taken when the op completes
+    stream: int = 0  # 0: the communication queue, 1: the copy queue (offload)
     start: float = -1.0
     end: float = -1.0
 
@@ -69,9 +71,11 @@ class SimResult:
     comm_s: float
     exposed_comm_s: float
     events: list[Event] = field(default_factory=list)
-    memory: list[tuple[float, int]] = field(default_factory=list)  # (time, bytes) over the second step
+    memory: list[tuple[float, int]] = field(default_factory=list)  # (time, bytes) over the step
     gathers: int = 0
     reductions: int = 0
+    copy_s: float = 0.0
+    offload_log: list[tuple[str, int]] = field(default_factory=list)  # (sync point, managed state bytes)
 
     def summary(self) -> str:
         return (
@@ -266,8 +270,7 @@ class Simulator:
                 if p in trainable:
                     local_master += local
                     local_tensors += 1
-        offloaded = sum((o.fragment[1] - o.fragment[0]) * self.itemsize.get(o.param, 4) for o in plan.offload)
-        static += int(opt.state_factor * local_master) - min(offloaded, int(opt.state_factor * local_master))
+        static += int(opt.state_factor * local_master)
 
         # ---- compile the program -------------------------------------------------------------
         ops: list[CommOp] = []
@@ -403,6 +406,85 @@ class Simulator:
         opt_transient = int(opt.transient_factor * local_master)
         grads_persist = sum(bk.out_bytes for bk in buckets if bk.op == "reduce_scatter")
         persistent_full = 0
+        # ---- offload fragments (autodist/runtime/offload.py) -------------------------------------
+        entries = self._offload_entries(plan, placement)
+        managed = [0]
+        offload_log: list[tuple[str, int]] = []
+        state = {k: "resident" for k in entries}
+        copy_ops: dict[tuple[str, str], int] = {}
+
+        def copy_out(keys: list[tuple[str, str]]) -> None:
+            started = False
+            for k in keys:
+                if state.get(k) != "resident":
+                    continue
+                n, r = entries[k]
+                kept = n - r
+                emit((_MEM, kept))
+                managed[0] += kept
+                secs = comm.time("d2h", r) + comm.memcpy(kept)
+                ops.append(CommOp("copy_out", f"{k[0]}/{k[1]}", r, secs, 0, end_bytes=-n, stream=1))
+                copy_ops[k] = len(ops) - 1
+                emit((_ISSUE, len(ops) - 1))
+                state[k] = "out"
+                started = True
+            if started:
+                offload_log.append(("copy-out start", managed[0]))
+
+        def finish_out() -> None:
+            released = False
+            for k, st in state.items():
+                if st == "out":
+                    emit((_WAIT, copy_ops[k]))
+                    managed[0] -= entries[k][0]
+                    state[k] = "offloaded"
+                    released = True
+            if released:
+                offload_log.append(("copy-out done", managed[0]))
+
+        def copy_back(keys: list[tuple[str, str]]) -> None:
+            finish_out()
+            started = False
+            for k in keys:
+                if state.get(k) != "offloaded":
+                    continue
+                n, r = entries[k]
+                emit((_MEM, n))
+                managed[0] += n
+                secs = comm.time("h2d", r) + comm.memcpy(n - r)
+                ops.append(CommOp("copy_back", f"{k[0]}/{k[1]}", r, secs, 0, end_bytes=0, stream=1))
+                copy_ops[k] = len(ops) - 1
+                emit((_ISSUE, len(ops) - 1))
+                state[k] = "back"
+                started = True
+            if started:
+                offload_log.append(("copy-back start", managed[0]))
+
+        def finish_back() -> None:
+            late = [k for k, st in state.items() if st in ("out", "offloaded")]
+            if late:
+                copy_back(late)
+            done = False
+            for k, st in state.items():
+                if st == "back":
+                    emit((_WAIT, copy_ops[k]))
+                    kept = entries[k][0] - entries[k][1]
+                    emit((_MEM, -kept))
+                    managed[0] -= kept
+                    state[k] = "resident"
+                    done = True
+            if done:
+                offload_log.append(("copy-back done", managed[0]))
+
+        out_at: dict[str, list[tuple[str, str]]] = {}
+        back_at: dict[str, list[tuple[str, str]]] = {}
+        for o in plan.offload:
+            key = (o.param, o.state)
+            if key in entries:
+                out_at.setdefault(o.out_after, []).append(key) if key not in out_at.get(o.out_after, []) else None
+                back_at.setdefault(o.back_from, []).append(key) if key not in back_at.get(o.back_from, []) else None
+        managed[0] = sum(n for n, _ in entries.values())
+
         # The steady-state step. What the previous step leaves behind: persistent groups resident,
         # their refresh (issued by the previous optimizer step) in flight; everything else idle.
         for grp in sorted((g for g in groups if g.residency == "persistent"), key=lambda g: pos.get(g.units[0], 0)):
@@ -415,6 +497,8 @@ class Simulator:
             if grp.recv_bytes:
                 emit((_MEM, grp.recv_bytes))
             emit((_ISSUE, grp.op))
+        # ... and the copy-out of offloaded state the previous optimizer step started
+        copy_out(out_at.get("step", []))
         for bk in buckets:
             bk.pending = sum(p in trainable for p in bk.params)
         # forward
@@ -423,6 +507,8 @@ class Simulator:
         fire(fwd_sched, cursor, -1)
         for u in self.order:
             up = self.uprof.get(u)
+            if f"forward:{u}" in out_at:
+                copy_out(out_at[f"forward:{u}"])
             for owner in self.uses[u]:
                 grp = group_of_unit.get(owner)
                 if grp is not None:
@@ -450,6 +536,8 @@ class Simulator:
         fire(bwd_sched, bcursor, -1)
         for u in rev:
             up = self.uprof.get(u)
+            if f"backward:{u}" in back_at:
+                copy_back(back_at[f"backward:{u}"])
             for owner in self.site_uses.get(u, ()):
                 og = group_of_unit.get(owner)
                 if og is not None:
@@ -476,50 +564,96 @@ class Simulator:
         for grp in groups:
             if grp.residency != "persistent":
                 free(grp)
-        # optimizer step (the next step's refresh is issued after it), then zero_grad
+        # the sync point: every offloaded fragment is back before the step
+        finish_back()
+        # optimizer step (the next step's refresh and copy-out are issued after it), then zero_grad
         emit((_MEM, opt_transient))
         emit((_C, opt_s, "optimizer", 0))
         emit((_MEM, -opt_transient))
         emit((_MEM, -grads_persist))
-        return self._execute(prog, ops, static + persistent_full, record)
+        result = self._execute(prog, ops, static + persistent_full, record)
+        result.offload_log = offload_log
+        return result
+
+    def _offload_entries(self, plan: Plan, placement: dict[str, str]) -> dict[tuple[str, str], tuple[int, int]]:
+        """(param, state) -> (bytes of the local state tensor on rank 0, bytes offloaded)."""
+        out: dict[tuple[str, str], list] = {}
+        for o in plan.offload:
+            p = o.param
+            if p not in self.numel:
+                continue
+            numel = self._local_numel(p) if placement.get(p) == "shard" else self.numel[p]
+            entry = out.setdefault((p, o.state), [numel, []])
+            a, b = max(0, o.fragment[0]), min(o.fragment[1], numel)
+            if a < b:
+                entry[1].append((a, b))
+        result = {}
+        for key, (numel, ranges) in out.items():
+            merged: list[list[int]] = []
+            for a, b in sorted(ranges):
+                if merged and a <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], b)
+                else:
+                    merged.append([a, b])
+            item = self.itemsize[key[0]]
+            result[key] = (numel * item, sum(b - a for a, b in merged) * item)
+        return result
 
     # ------------------------------------------------------------------------------------------
     def _execute(self, prog: list[tuple], ops: list[CommOp], start_bytes: int, record: bool) -> SimResult:
         rc = self.comm.compute_slowdown
         rm = self.comm.comm_slowdown
         t = 0.0
-        queue: list[int] = []  # ops issued, in order
-        qpos = 0
-        cur = -1  # op running on the comm stream
-        cur_rem = 0.0  # its remaining work (seconds at full speed)
+        # two background queues: 0 communication, 1 offload copies; each runs one op at a time
+        queue: list[list[int]] = [[], []]
+        qpos = [0, 0]
+        cur = [-1, -1]
+        rem = [0.0, 0.0]
         live = start_bytes
         peak = live
         curve: list[tuple[float, int]] = [(0.0, live)] if record else []
-        staging: list[tuple[float, int]] = []  # backend buffers: (time, delta), merged in at the end
+        timed: list[tuple[float, int]] = []  # memory changed by background ops: (time, delta)
         events: list[Event] = []
         compute_total = 0.0
+        names = ("comm", "copy")
 
-        def start_next(now: float) -> None:
-            nonlocal cur, cur_rem, qpos
-            if qpos < len(queue):
-                cur = queue[qpos]
-                qpos += 1
-                op = ops[cur]
+        def start_next(s: int, now: float) -> None:
+            if qpos[s] < len(queue[s]):
+                i = queue[s][qpos[s]]
+                qpos[s] += 1
+                cur[s] = i
+                op = ops[i]
                 op.start = now
-                cur_rem = op.seconds
+                rem[s] = op.seconds
                 if op.staging_bytes:
-                    staging.append((now, op.staging_bytes))
+                    timed.append((now, op.staging_bytes))
             else:
-                cur = -1
+                cur[s] = -1
 
-        def end_current(now: float) -> None:
-            op = ops[cur]
+        def end_current(s: int, now: float) -> None:
+            op = ops[cur[s]]
             op.end = now
             if op.staging_bytes:
-                staging.append((now, -op.staging_bytes))
+                timed.append((now, -op.staging_bytes))
+            if op.end_bytes:
+                timed.append((now, op.end_bytes))
             if record:
-                events.append(Event("comm", f"{op.kind} {op.label}", op.start, now))
-            start_next(now)
+                events.append(Event(names[s], f"{op.kind} {op.label}", op.start, now))
+            start_next(s, now)
+
+        def advance_idle(until_op: CommOp) -> None:
+            """Compute waits: background queues run at full speed until ``until_op`` is done."""
+            nonlocal t
+            while until_op.end < 0:
+                active = [s for s in (0, 1) if cur[s] >= 0]
+                if not active:
+                    break
+                s = min(active, key=lambda k: rem[k])
+                dt = rem[s]
+                for k in active:
+                    rem[k] -= dt
+                t += dt
+                end_current(s, t)
 
         mem_log: list[tuple[float, int]] = []  # compute-thread allocations, in program order
         for ins in prog:
@@ -537,46 +671,49 @@ class Simulator:
                     mem_log.append((t, spike))
                 remaining = dur
                 while remaining > 0:
-                    if cur < 0:
+                    active = [s for s in (0, 1) if cur[s] >= 0]
+                    if not active:
                         t += remaining
                         break
                     t_c = t + remaining * rc
-                    t_m = t + cur_rem * rm
+                    s = min(active, key=lambda k: rem[k])
+                    t_m = t + rem[s] * rm
                     if t_c <= t_m:
-                        cur_rem -= (t_c - t) / rm
+                        dt = t_c - t
+                        for k in active:
+                            rem[k] -= dt / rm
                         t = t_c
                         break
-                    remaining -= (t_m - t) / rc
+                    dt = t_m - t
+                    remaining -= dt / rc
+                    for k in active:
+                        rem[k] -= dt / rm
                     t = t_m
-                    cur_rem = 0.0
-                    end_current(t)
+                    rem[s] = 0.0
+                    end_current(s, t)
                 if spike:
                     mem_log.append((t, -spike))
                 if record:
                     events.append(Event("compute", ins[2], seg_start, t))
             elif code == _ISSUE:
-                queue.append(ins[1])
-                if cur < 0:
-                    start_next(t)
+                s = ops[ins[1]].stream
+                queue[s].append(ins[1])
+                if cur[s] < 0:
+                    start_next(s, t)
             else:  # _WAIT
-                target = ops[ins[1]]
-                while target.end < 0 and cur >= 0:
-                    t += cur_rem
-                    cur_rem = 0.0
-                    end_current(t)
+                advance_idle(ops[ins[1]])
         step_s = t
-        # the comm queue can only hold work issued after the optimizer: none in a step
-        # memory: compute-thread changes in program order, backend staging merged by time
-        if staging:
-            staging.sort(key=lambda e: e[0])
+        # memory: compute-thread changes in program order, background changes merged by time
+        if timed:
+            timed.sort(key=lambda e: e[0])
             merged: list[tuple[float, int]] = []
             i = 0
             for tt, d in mem_log:
-                while i < len(staging) and staging[i][0] < tt:
-                    merged.append(staging[i])
+                while i < len(timed) and timed[i][0] < tt:
+                    merged.append(timed[i])
                     i += 1
                 merged.append((tt, d))
-            merged.extend(staging[i:])
+            merged.extend(timed[i:])
             mem_log = merged
         for tt, d in mem_log:
             live += d
@@ -584,7 +721,7 @@ class Simulator:
                 peak = live
             if record:
                 curve.append((tt, live))
-        comm_s = sum(op.seconds for op in ops)
+        comm_s = sum(op.seconds for op in ops if op.stream == 0)
         return SimResult(
             step_s=step_s,
             peak_bytes=int(peak),
@@ -597,5 +734,6 @@ class Simulator:
             events=events,
             memory=curve,
             gathers=sum(1 for op in ops if op.kind == "all_gather"),
-            reductions=sum(1 for op in ops if op.kind != "all_gather"),
+            reductions=sum(1 for op in ops if op.kind in ("all_reduce", "reduce_scatter")),
+            copy_s=sum(op.seconds for op in ops if op.stream == 1),
         )

@@ -42,6 +42,7 @@ from ..structure import ModelStructure
 from .comm import Comm
 from .gather import GatherGroupRuntime, GroupState
 from .params import ManagedParam
+from .offload import OffloadManager
 from .reducer import BucketRuntime, Reducer
 
 
@@ -160,6 +161,7 @@ class Engine:
         self._step = _Step()
         self._order_learned = False
         self.observer = None  # plan="auto"'s step recorder while it profiles (autodist/lifecycle.py)
+        self._our_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
         world, rank = comm.world_size, comm.rank
         placement = plan.placement_of_param
@@ -215,6 +217,13 @@ class Engine:
         self._resolve_memory_windows(plan, windows)
         self.group_of_param = {id(mp): grt for grt in self.groups for mp in grt.params}
         self.has_persistent = any(g.residency == "persistent" for g in self.groups)
+        previous = getattr(self, "offload", None)
+        self.offload = OffloadManager(plan.offload, self.params, self.device)
+        if previous is not None:
+            previous.close()
+            for opt in list(self._our_optimizers.keys()):
+                if self._our_optimizers.get(opt):
+                    self._adopt_optimizer(opt)
         self._install_reducer(plan)
         self._compute_forward_triggers()
         self._install_hooks()
@@ -359,7 +368,8 @@ class Engine:
                     units.append(u)
             # Unit modules also carry prefetch triggers (and record the order units run in) as soon
             # as anything is gathered, even when their own parameters are replicated.
-            if not swaps and not groups and not (own is not None and self.groups):
+            anchor = own is not None and (f"forward:{own}" in self.offload.out_at or f"backward:{own}" in self.offload.back_at)
+            if not swaps and not groups and not (own is not None and self.groups) and not anchor:
                 continue
             site = _ModuleSite(module=module, unit=own, swaps=swaps, groups=groups, units=units)
             self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(site)))
@@ -368,13 +378,10 @@ class Engine:
         for mp in self.params.values():
             if mp.requires_grad:
                 self._handles.append(mp.full.register_post_accumulate_grad_hook(self._make_grad_hook(mp)))
-        # Optimizer hook for persistent refresh.
-        if self.has_persistent:
-            self._handles.append(
-                optim_hooks.register_optimizer_step_post_hook(_weak_optimizer_hook(self))
-            )
-            self._visible_ids = {id(mp.visible) for mp in self.params.values()}
-            self._our_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Optimizer hooks: persistent refresh after the step; offload sync before it, copy-out after.
+        if self.has_persistent or self.offload.active:
+            self._handles.append(optim_hooks.register_optimizer_step_pre_hook(_weak_optimizer_hook(self, "pre")))
+            self._handles.append(optim_hooks.register_optimizer_step_post_hook(_weak_optimizer_hook(self, "post")))
 
     def _mp_by_visible(self, p: torch.Tensor) -> ManagedParam | None:
         if not hasattr(self, "_visible_map"):
@@ -382,7 +389,8 @@ class Engine:
         return self._visible_map.get(id(p))
 
     def close(self) -> None:
-        """Remove all hooks; wait for anything in flight."""
+        """Remove all hooks; wait for anything in flight; bring offloaded state back."""
+        self.offload.close()
         self.reducer.reset()
         for g in self.groups:
             if g.state is GroupState.GATHERING:
@@ -467,6 +475,11 @@ class Engine:
     def _make_pre_forward(self, site: _ModuleSite):
         def pre_forward(module: nn.Module, args: tuple) -> None:
             step = self._step
+            if self.offload.active and site.unit is not None:
+                self.offload.poll()
+                keys = self.offload.out_at.get(f"forward:{site.unit}")
+                if keys:
+                    self.offload.copy_out(keys)
             for u in site.units:
                 if u not in step.seen_units:
                     step.seen_units.add(u)
@@ -514,6 +527,10 @@ class Engine:
         def pre_backward(grads: object) -> None:
             self._on_backward_start()
             step = self._step
+            if self.offload.active and site.unit is not None:
+                keys = self.offload.back_at.get(f"backward:{site.unit}")
+                if keys:
+                    self.offload.copy_back(keys)
             for g in site.groups:
                 g.ensure()
             if site.unit is not None:
@@ -633,12 +650,20 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     # optimizer hook
     # ------------------------------------------------------------------------------------------
-    def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def _is_ours(self, optimizer: torch.optim.Optimizer) -> bool:
         ours = self._our_optimizers.get(optimizer)
         if ours is None:
-            ours = any(id(p) in self._visible_ids for grp in optimizer.param_groups for p in grp["params"])
+            visible = {id(mp.visible) for mp in self.params.values()}
+            ours = any(id(p) in visible for grp in optimizer.param_groups for p in grp["params"])
             self._our_optimizers[optimizer] = ours
-        if not ours:
+        return ours
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.offload.active and self._is_ours(optimizer):
+            self.offload.finish_back()  # the sync point: every offloaded fragment is back
+
+    def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._is_ours(optimizer):
             return
         for g in sorted(
             (g for g in self.groups if g.residency == "persistent" and g.state is not GroupState.SHARDED),
@@ -646,6 +671,70 @@ class Engine:
         ):
             if g.issue():
                 self.stats.persistent_refreshes += 1
+        if self.offload.active:
+            if not self.offload.entries:
+                self._adopt_optimizer(optimizer)
+            self.offload.copy_out(self.offload.out_at.get("step", []))
+
+    def _adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bind offload to the optimizer's state and keep its state dicts complete."""
+        self.offload.bind(optimizer)
+        if getattr(optimizer, "_autodist_offload_hooks", None) is None:
+            ref = weakref.ref(self)
+
+            def sd_post(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+                eng = ref()
+                return state_dict if eng is None else eng._complete_state_dict(opt, state_dict)
+
+            def load_pre(opt: torch.optim.Optimizer, state_dict: dict) -> None:
+                eng = ref()
+                if eng is not None:
+                    eng.offload.materialize_all()
+
+            def load_post(opt: torch.optim.Optimizer) -> None:
+                eng = ref()
+                if eng is not None and eng.offload.active:
+                    eng.offload.entries.clear()
+                    eng.offload.bind(opt)
+                    eng.offload.copy_out([k for keys in eng.offload.out_at.values() for k in keys])
+                    eng.offload.finish_out()
+
+            optimizer._autodist_offload_hooks = [
+                optimizer.register_state_dict_post_hook(sd_post),
+                optimizer.register_load_state_dict_pre_hook(load_pre),
+                optimizer.register_load_state_dict_post_hook(load_post),
+            ]
+
+    def _complete_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+        """Offloaded state tensors appear in ``optimizer.state_dict()`` with their full values."""
+        if not self.offload.entries:
+            return state_dict
+        index = {}
+        i = 0
+        for grp in optimizer.param_groups:
+            for p in grp["params"]:
+                index[i] = p
+                i += 1
+        by_visible = {id(mp.visible): mp for mp in self.params.values()}
+        from torch.distributed.tensor import DTensor
+
+        for idx, st in state_dict.get("state", {}).items():
+            p = index.get(idx)
+            mp = by_visible.get(id(p)) if p is not None else None
+            if mp is None:
+                continue
+            for name, value in list(st.items()):
+                full = self.offload.assembled((mp.name, name))
+                if full is None:
+                    continue
+                local_shape = value.to_local().shape if isinstance(value, DTensor) else value.shape
+                full = full.view(local_shape)
+                if isinstance(value, DTensor):
+                    full = DTensor.from_local(
+                        full, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+                    )
+                st[name] = full
+        return state_dict
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor the runtime holds between steps (for memory accounting)."""
@@ -670,12 +759,16 @@ class Engine:
         return sum(g.full_bytes for g in self.groups if g.state is not GroupState.SHARDED)
 
 
-def _weak_optimizer_hook(engine: Engine):
+def _weak_optimizer_hook(engine: Engine, phase: str):
     ref = weakref.ref(engine)
 
     def hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         eng = ref()
-        if eng is not None:
+        if eng is None:
+            return
+        if phase == "pre":
+            eng.before_optimizer_step(optimizer)
+        else:
             eng.on_optimizer_step(optimizer)
 
     return hook

@@ -1,0 +1,364 @@
+"""Offload fragments of optimizer state to host memory between optimizer steps (DESIGN.md section 2,
+DeepCompile's adaptive offloading).
+
+For every optimizer-state tensor ``T`` (this rank's local part, flattened) with offloaded ranges
+``R`` and kept ranges ``K``, between steps the device holds only ``D`` (the kept elements, packed)
+and the host holds ``H`` (the offloaded ones); ``T``'s own storage is released (resized to zero
+bytes — the tensor object, which the optimizer's state refers to, stays). Around every step:
+
+* **copy-back** — at the backward unit the plan names (or just before the step): ``T``'s storage is
+  re-allocated and refilled from ``H`` and ``D`` on the copy engine, and ``D`` is dropped;
+* **sync** — the optimizer's step pre-hook waits for every copy-back: the step runs on the device
+  with complete state;
+* **copy-out** — after the step (or when the named forward unit starts): ``R`` is copied to ``H``
+  and ``K`` to a fresh ``D``; when both copies are done ``T``'s storage is released.
+
+The source of a copy is never released before its destination is complete, so an exception or an
+interruption mid-copy leaves every value either in ``T`` or in ``H``/``D``: ``state_dict()`` of the
+optimizer (and so DCP) always sees complete, correct state (a state-dict hook assembles offloaded
+tensors), and ``load_state_dict`` re-applies the offload to the newly loaded state.
+
+[Note: copy engines] On CUDA the copies run on a dedicated stream into pinned host memory, ordered
+with events (written for CUDA, not exercised on this CPU-only machine). On the CPU there is no
+"device" memory apart from the host's; the copies run on one background worker thread so they
+overlap compute (the GIL is released during tensor copies), and the runtime keeps two accounts —
+device pool and host pool — so that the mechanism and the memory accounting can be exercised and
+checked against the simulator. The real gain is on GPUs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .._log import logger
+from ..plan import OffloadFragment
+from .params import ManagedParam
+
+
+class FragState(enum.Enum):
+    RESIDENT = "resident"  # T holds everything
+    OUT = "copying out"
+    OFFLOADED = "offloaded"  # D + H hold everything, T released
+    BACK = "copying back"
+
+
+@dataclass
+class _Entry:
+    """One optimizer-state tensor with offloaded ranges."""
+
+    param: str
+    state: str
+    ranges: list[tuple[int, int]]  # offloaded, sorted, disjoint, within the local numel
+    numel: int
+    t: torch.Tensor | None = None  # the local state tensor (flattened view of the optimizer's own)
+    h: torch.Tensor | None = None  # host buffer of the offloaded elements
+    d: torch.Tensor | None = None  # device buffer of the kept elements (only while offloaded)
+    status: FragState = FragState.RESIDENT
+    pending: concurrent.futures.Future | None = None
+    event: object | None = None  # CUDA event of the last copy
+    kept: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def off_numel(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+    @property
+    def kept_numel(self) -> int:
+        return self.numel - self.off_numel
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class PoolAccount:
+    """Bytes of offload-managed optimizer state on each side, and a log of them at sync points."""
+
+    device_bytes: int = 0
+    host_bytes: int = 0
+    log: list[tuple[str, int, int]] = field(default_factory=list)  # (event, device, host)
+
+    def mark(self, event: str) -> None:
+        self.log.append((event, self.device_bytes, self.host_bytes))
+
+
+class OffloadManager:
+    """Carries out a plan's offload fragments for the optimizers that own the managed parameters."""
+
+    def __init__(self, fragments: list[OffloadFragment], params: dict[str, ManagedParam], device: torch.device) -> None:
+        self.device = device
+        self.params = params
+        self.fragments = fragments
+        self.account = PoolAccount()
+        self.entries: dict[tuple[str, str], _Entry] = {}
+        self._spec: dict[tuple[str, str], list[tuple[int, int]]] = {}
+        self.out_at: dict[str, list[tuple[str, str]]] = {}  # anchor ("step" | "forward:u") -> keys
+        self.back_at: dict[str, list[tuple[str, str]]] = {}  # anchor ("step" | "backward:u") -> keys
+        for f in fragments:
+            key = (f.param, f.state)
+            self._spec.setdefault(key, []).append((f.fragment[0], f.fragment[1]))
+            self.out_at.setdefault(f.out_after, [])
+            if key not in self.out_at[f.out_after]:
+                self.out_at[f.out_after].append(key)
+            self.back_at.setdefault(f.back_from, [])
+            if key not in self.back_at[f.back_from]:
+                self.back_at[f.back_from].append(key)
+        self._lock = threading.Lock()
+        if device.type == "cuda":  # pragma: no cover - CUDA only, not exercised here
+            self._stream = torch.cuda.Stream(device)
+            self._worker = None
+        else:
+            self._stream = None
+            self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="autodist-offload")
+        self.errors: list[BaseException] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self.fragments)
+
+    # ---- binding to the optimizer's state ---------------------------------------------------------
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        """(Re)find the state tensors the fragments refer to (after the first step creates them, or
+        after ``load_state_dict`` replaces them)."""
+        by_visible = {id(mp.visible): mp for mp in self.params.values()}
+        found = 0
+        for p, st in optimizer.state.items():
+            mp = by_visible.get(id(p))
+            if mp is None:
+                continue
+            for name, value in st.items():
+                key = (mp.name, name)
+                if key not in self._spec or not torch.is_tensor(value):
+                    continue
+                local = _local(value)
+                if local.dim() == 0:
+                    continue
+                if not local.is_contiguous() or not local.untyped_storage().resizable():
+                    # e.g. state loaded from a checkpoint file: give the optimizer its own copy
+                    fresh = torch.empty(local.shape, dtype=local.dtype, device=local.device)
+                    fresh.copy_(local)
+                    if isinstance(value, DTensor):
+                        value = DTensor.from_local(
+                            fresh, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                            stride=value.stride(),
+                        )
+                    else:
+                        value = fresh
+                    st[name] = value
+                    local = fresh
+                numel = local.numel()
+                ranges = _normalize(self._spec[key], numel)
+                old = self.entries.get(key)
+                if old is not None and old.t is not None and old.t.data_ptr() == local.data_ptr() and old.status is not FragState.RESIDENT:
+                    continue  # already managed
+                e = _Entry(mp.name, name, ranges, numel, t=local.view(-1))
+                e.kept = _complement(ranges, numel)
+                pin = self.device.type == "cuda"
+                e.h = torch.empty(e.off_numel, dtype=local.dtype, pin_memory=pin)
+                self.entries[key] = e
+                self.account.device_bytes += numel * local.element_size()
+                found += 1
+        missing = [k for k in self._spec if k not in self.entries]
+        if missing:
+            logger.warning(
+                "autodist: %d offload fragment(s) name optimizer state that does not exist (e.g. %s/%s); "
+                "they stay on the device", len(missing), *missing[0],
+            )
+
+    # ---- copies ---------------------------------------------------------------------------------
+    def _run(self, fn) -> concurrent.futures.Future:
+        if self._worker is not None:
+            return self._worker.submit(fn)
+        fut: concurrent.futures.Future = concurrent.futures.Future()  # pragma: no cover - CUDA
+        with torch.cuda.stream(self._stream):
+            fn()
+        fut.set_result(None)
+        return fut
+
+    def copy_out(self, keys: Iterable[tuple[str, str]]) -> None:
+        started = False
+        for key in keys:
+            e = self.entries.get(key)
+            if e is None or e.status is not FragState.RESIDENT:
+                continue
+            e.status = FragState.OUT
+            started = True
+            itemsize = e.t.element_size()
+            e.d = torch.empty(e.kept_numel, dtype=e.t.dtype, device=e.t.device)
+            self.account.device_bytes += e.kept_numel * itemsize
+
+            def work(e: _Entry = e) -> None:
+                off = 0
+                for a, b in e.ranges:
+                    e.h[off : off + b - a].copy_(e.t[a:b], non_blocking=True)
+                    off += b - a
+                off = 0
+                for a, b in e.kept:
+                    e.d[off : off + b - a].copy_(e.t[a:b])
+                    off += b - a
+                if self._stream is not None:  # pragma: no cover - CUDA
+                    ev = torch.cuda.Event()
+                    ev.record(self._stream)
+                    e.event = ev
+
+            e.pending = self._run(work)
+        if started:
+            self.account.mark("copy-out start")
+
+    def poll(self) -> None:
+        """Release the device storage of copy-outs that already completed (never blocks)."""
+        if any(e.status is FragState.OUT and e.pending is not None and e.pending.done() for e in self.entries.values()):
+            self.finish_out(only_done=True)
+
+    def finish_out(self, *, only_done: bool = False) -> None:
+        """Release the device storage of every state whose copy-out completed (waiting for the
+        rest unless ``only_done``)."""
+        changed = False
+        for e in self.entries.values():
+            if e.status is not FragState.OUT:
+                continue
+            if only_done and e.pending is not None and not e.pending.done():
+                continue
+            changed = True
+            self._wait(e)
+            if e.status is not FragState.OUT:
+                continue
+            storage = e.t.untyped_storage()
+            freed = storage.nbytes()
+            storage.resize_(0)
+            self.account.device_bytes -= freed
+            self.account.host_bytes += e.off_numel * e.t.element_size()
+            e.status = FragState.OFFLOADED
+        if changed:
+            self.account.mark("copy-out done")
+
+    def copy_back(self, keys: Iterable[tuple[str, str]]) -> None:
+        self.finish_out()
+        started = False
+        for key in keys:
+            e = self.entries.get(key)
+            if e is None or e.status is not FragState.OFFLOADED:
+                continue
+            e.status = FragState.BACK
+            started = True
+            itemsize = e.t.element_size()
+            e.t.untyped_storage().resize_(e.numel * itemsize)
+            self.account.device_bytes += e.numel * itemsize
+
+            def work(e: _Entry = e) -> None:
+                off = 0
+                for a, b in e.ranges:
+                    e.t[a:b].copy_(e.h[off : off + b - a], non_blocking=True)
+                    off += b - a
+                off = 0
+                for a, b in e.kept:
+                    e.t[a:b].copy_(e.d[off : off + b - a])
+                    off += b - a
+
+            e.pending = self._run(work)
+        if started:
+            self.account.mark("copy-back start")
+
+    def finish_back(self) -> None:
+        """The sync point before the optimizer step: every state is complete on the device."""
+        late = [(e.param, e.state) for e in self.entries.values() if e.status in (FragState.OFFLOADED, FragState.OUT)]
+        if late:
+            self.copy_back(late)
+        changed = False
+        for e in self.entries.values():
+            if e.status is not FragState.BACK:
+                continue
+            changed = True
+            self._wait(e)
+            if e.status is not FragState.BACK:
+                continue
+            self.account.device_bytes -= e.kept_numel * e.t.element_size()
+            self.account.host_bytes -= e.off_numel * e.t.element_size()
+            e.d = None
+            e.status = FragState.RESIDENT
+        if changed:
+            self.account.mark("copy-back done")
+
+    def _wait(self, e: _Entry) -> None:
+        if e.pending is None:
+            return
+        try:
+            e.pending.result()
+            if e.event is not None:  # pragma: no cover - CUDA
+                torch.cuda.current_stream().wait_event(e.event)
+        except BaseException as exc:  # the source is intact: undo and keep training correct
+            self.errors.append(exc)
+            logger.warning("autodist: an offload copy of %s/%s failed (%s); the state stays on the device", e.param, e.state, exc)
+            if e.status is FragState.OUT:
+                self.account.device_bytes -= e.kept_numel * e.t.element_size()
+                e.d = None
+                e.status = FragState.RESIDENT
+            elif e.status is FragState.BACK:
+                raise
+        finally:
+            e.pending = None
+
+    def materialize_all(self) -> None:
+        """Everything back on the device (before a state dict is loaded, or when closing)."""
+        self.finish_out()
+        self.finish_back()
+
+    def assembled(self, key: tuple[str, str]) -> torch.Tensor | None:
+        """A complete copy of an offloaded state's local values, or None if ``T`` holds them."""
+        e = self.entries.get(key)
+        if e is None:
+            return None
+        if e.status in (FragState.OUT, FragState.BACK):
+            self._wait(e)
+            if e.status is FragState.OUT:
+                self.finish_out()
+            else:
+                self.finish_back()
+        if e.status is not FragState.OFFLOADED:
+            return None
+        out = torch.empty(e.numel, dtype=e.h.dtype, device=e.d.device if e.d is not None else self.device)
+        off = 0
+        for a, b in e.ranges:
+            out[a:b].copy_(e.h[off : off + b - a])
+            off += b - a
+        off = 0
+        for a, b in e.kept:
+            out[a:b].copy_(e.d[off : off + b - a])
+            off += b - a
+        return out
+
+    def close(self) -> None:
+        self.materialize_all()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+
+
+def _normalize(ranges: list[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted((max(0, a), min(b, numel)) for a, b in ranges):
+        if a >= b:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _complement(ranges: list[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
+    out, pos = [], 0
+    for a, b in ranges:
+        if a > pos:
+            out.append((pos, a))
+        pos = b
+    if pos < numel:
+        out.append((pos, numel))
+    return out
