@@ -272,18 +272,22 @@ def _load_plan(path: str) -> Any:
     from .errors import PlanError
     from .plan import load_plan
 
+    if not Path(path).is_file():
+        raise CommandError(f"{path}: no such plan file; check the path, or write a plan with `autodist plan`")
     try:
         return load_plan(path)
     except PlanError as e:
-        raise CommandError(_plan_error_line(e, path, "check the path, or write a plan with `autodist plan`")) from None
+        raise CommandError(_plan_error_line(e, path, "it is not a valid plan; `autodist plan` writes one")) from None
 
 
 def _plan_error_line(e: Any, path: str, hint: str) -> str:
-    """A :class:`PlanError` as one line: where, the first problem, how many more, what to do."""
+    """A :class:`PlanError` as one line: where, the first problem, how many more, and ``hint`` unless
+    the problem already ends with its own advice (a full sentence)."""
     first = e.problems[0] if e.problems else str(e).splitlines()[0]
     where = "" if path in first else f"{path}: "
     more = f" (and {len(e.problems) - 1} more problems)" if len(e.problems) > 1 else ""
-    return f"{where}{first}{more}; {hint}"
+    advice = "" if first.endswith(".") and not more else f"; {hint}"
+    return f"{where}{first}{more}{advice}"
 
 
 def _build_model(spec: str) -> Any:
@@ -493,7 +497,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _say(
         f"Planned {args.model} for {args.world_size} ranks within {format_bytes(budget)} per rank, using "
         f"{comm_source}: predicted step {pred['step_seconds'] * 1e3:.2f} ms, peak "
-        f"{pred['peak_bytes'] / 2**20:.2f} MiB{f' (speed-up: {gains})' if gains else ''}. "
+        f"{format_bytes(pred['peak_bytes'])}{f' (speed-up: {gains})' if gains else ''}. "
         f"{result.evaluated} plans evaluated in {result.seconds:.2f} s (stopped by: {result.stopped_by}). "
         f"Wrote {args.out}; read it with `autodist show {args.out}` and use it with "
         f"AutoDist(model, plan={str(args.out)!r})."
@@ -590,8 +594,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
     # clear
     doomed = [e for e in entries if args.kind is None or e.kind == args.kind]
     removed = cache.clear(args.kind) if doomed else 0
-    what = f"{args.kind} " if args.kind else ""
-    _say(f"removed {removed} {what}cache entries from {cache.dir}")
+    what = f" of kind {args.kind}" if args.kind else ""
+    _say(f"removed {removed} cache {'entry' if removed == 1 else 'entries'}{what} from {cache.dir}")
     return 0
 
 

@@ -207,7 +207,10 @@ class AutoPlanner:
             profile, self.structure, comm, world_size=self.world, budget_bytes=self.w.budget_bytes,
             param_dtype=self.mp.param_dtype if self.mp else None, reduce_dtype=self.mp.reduce_dtype if self.mp else None,
         )
-        space = PlanSpace(self.structure, self.world, [u.name for u in profile.units], profile.ready_order, fixed_placement=fixed)
+        space = PlanSpace(
+            self.structure, self.world, [u.name for u in profile.units], profile.ready_order, fixed_placement=fixed,
+            state_names=profile.optimizer.state_names,
+        )
         result = Searcher(space, sim, SearchConfig()).run()
         self.stats.searches += 1
         self.stats.search_seconds += result.seconds
@@ -384,7 +387,9 @@ class AutoPlanner:
         from .memory import storage_bytes
 
         local = storage_bytes(p for p in params)
-        state = storage_bytes(t for p in params for t in opt.state.get(p, {}).values() if torch.is_tensor(t) and t.dim() > 0)
+        tensors = [(k, t) for p in params for k, t in opt.state.get(p, {}).items() if torch.is_tensor(t) and t.dim() > 0]
+        state = storage_bytes(t for _, t in tensors)
+        self._state_names = sorted({k for k, _ in tensors})
         self._opt_samples.append((type(opt).__name__, time.perf_counter() - self._opt_t0, local, state, len(params)))
 
     def _finalize(self) -> None:
@@ -445,8 +450,8 @@ class AutoPlanner:
             kind, _, local, state, n = samples[-1]
             step = statistics.median(s[1] for s in samples)
             opt = OptimizerProfile(
-                kind=kind, state_factor=state / max(local, 1), transient_factor=1.0,
-                per_byte_s=step / max(local, 1), measured=True,
+                kind=kind, state_factor=state / max(local, 1), state_names=list(getattr(self, "_state_names", [])),
+                transient_factor=1.0, per_byte_s=step / max(local, 1), measured=True,
             )
         return Profile(
             units=units,
@@ -484,7 +489,9 @@ def plan_offline(
     structure = discover(module)
     prof = profile_model(module, structure, example_inputs, device=device)
     sim = Simulator(prof, structure, comm, world_size=world_size, budget_bytes=budget_bytes)
-    space = PlanSpace(structure, world_size, [u.name for u in prof.units], prof.ready_order)
+    space = PlanSpace(
+        structure, world_size, [u.name for u in prof.units], prof.ready_order, state_names=prof.optimizer.state_names
+    )
     result = Searcher(space, sim, config or SearchConfig()).run()
     if not result.result.feasible:
         peak = (result.smallest_peak or (result.result.peak_bytes, None))[0]

@@ -124,3 +124,21 @@ def test_random_plans_are_valid():
     rng = random.Random(0)
     for _ in range(200):
         validate_plan(space.to_plan(space.mutate(space.random(rng), rng, moves=5)), STRUCTURE, world_size=2)
+
+
+def _space_with_offload():
+    space = _space()
+    space.state_names = ("exp_avg", "exp_avg_sq")
+    return space
+
+
+def test_offload_is_chosen_only_when_the_budget_requires_it():
+    free = Searcher(_space_with_offload(), Simulator(PROFILE, STRUCTURE, COMM, world_size=2)).run()
+    assert free.result.feasible and not free.plan.offload
+    # the smallest peak any plan without offload reaches (enumerated), then a budget just below it
+    space = _space()
+    sim = Simulator(PROFILE, STRUCTURE, COMM, world_size=2)
+    floor = min(sim.run(space.to_plan(g)).peak_bytes for g in _all_genomes(space))
+    tight = Searcher(_space_with_offload(), Simulator(PROFILE, STRUCTURE, COMM, world_size=2, budget_bytes=floor - 1)).run()
+    assert tight.result.feasible and tight.result.peak_bytes < floor
+    assert tight.plan.offload

@@ -42,6 +42,7 @@ class OptimizerProfile:
 
     kind: str = "Adam"
     state_factor: float = 2.0
+    state_names: list[str] = field(default_factory=lambda: ["exp_avg", "exp_avg_sq"])
     transient_factor: float = 1.0  # temporary bytes during the step per parameter byte
     fixed_s: float = 0.0
     per_tensor_s: float = 0.0

@@ -4,7 +4,8 @@ Seeds — the DDP, FSDP and ZeRO-2 conventions, and DeepCompile's greedy passes 
 (memory-aware prefetch: widen windows while the budget allows; selective unsharding: keep sharded
 groups resident, cheapest communication per byte first) — then DisCo's backtracking search: a
 priority queue of plans ordered by simulated step time; from the best unexplored plan, generate
-children by applying each kind of move a random 0..beta times; keep the best; enqueue children
+children by applying 1..beta random moves (DisCo applies each move kind 0..beta times; with eleven
+kinds that makes every child a large jump, and small refinements rare); keep the best; enqueue children
 within ``alpha`` of the best; stop when the best has not improved for ``stall`` evaluations, after
 ``max_evals``, or when the time budget runs out. Plans over the memory budget never win. The random
 generator is seeded and the limits count evaluations, so the same inputs give the same plan (the
@@ -23,7 +24,10 @@ from ..cost.simulator import SimResult, Simulator
 from ..plan import Plan
 from .space import Genome, PlanSpace
 
-MOVE_KINDS = ("bucket_merge", "bucket_split", "group_merge", "group_split", "residency", "window", "inflight", "placement")
+MOVE_KINDS = (
+    "bucket_merge", "bucket_split", "group_merge", "group_split", "residency", "window", "inflight", "placement",
+    "offload_add", "offload_remove", "offload_shift",
+)
 
 
 @dataclass
@@ -74,8 +78,11 @@ class Searcher:
         return r
 
     def cost(self, g: Genome) -> float:
+        """Simulated step time; infinite over budget. Offloading costs copies and buys only memory,
+        so between equally fast plans the one that offloads less wins (a tie-breaker of 1e-12 s per
+        fragment, far below any timing the simulator resolves)."""
         r = self.evaluate(g)
-        return r.step_s if r.feasible else math.inf
+        return r.step_s + 1e-12 * len(g.offload) if r.feasible else math.inf
 
     # -- DeepCompile's greedy passes -------------------------------------------------------------
     def widen_windows(self, g: Genome) -> Genome:
@@ -122,6 +129,29 @@ class Searcher:
                 g, best = cand, c
         return g
 
+    def offload_adaptively(self, g: Genome) -> Genome:
+        """DeepCompile's adaptive offload (its Algorithm 2, in plan terms): if the plan is over the
+        budget, offload optimizer-state tensors — largest first, each copied back when its unit's
+        backward starts — until it fits; then move each copy-back as late as the budget allows
+        (hiding less of the copy, but holding the state on the device for less time)."""
+        g = self.space.normalize(g)
+        if self.evaluate(g).feasible:
+            return g
+        candidates = sorted(self.space.offload_candidates(g), key=lambda c: -c[2])
+        for p, state, nbytes in candidates:
+            g = self.space.with_offload(g, p, state)
+            if self.evaluate(g).feasible:
+                break
+        if not self.evaluate(g).feasible:
+            return g
+        best = self.cost(g)
+        for frag in list(g.offload):
+            cand = self.space.shift_offload(g, frag, later=True)
+            c = self.cost(cand)
+            if c <= best:
+                g, best = cand, c
+        return g
+
     # -- the search --------------------------------------------------------------------------------
     def seeds(self) -> dict[str, Genome]:
         sp = self.space
@@ -136,6 +166,10 @@ class Searcher:
             out[f"{name}+unshard"] = self.unshard_selectively(out[f"{name}+prefetch"])
         if sp.fixed is not None and not out:
             out["fixed"] = sp.normalize(sp.ddp())
+        if sp.state_names:
+            for name in list(out):
+                if not self.evaluate(out[name]).feasible:
+                    out[f"{name}+offload"] = self.offload_adaptively(out[name])
         return out
 
     def run(self) -> SearchResult:
@@ -172,10 +206,10 @@ class Searcher:
                 continue
             expanded.add(g)
             for _ in range(cfg.children):
+                # 1..beta random moves: small steps refine, larger ones escape plateaus
                 child = g
-                for kind in MOVE_KINDS:
-                    for _ in range(rng.randint(0, cfg.beta)):
-                        child = self.space._move_kind(child, kind, rng)
+                for _ in range(rng.randint(1, cfg.beta)):
+                    child = self.space._move_kind(child, rng.choice(MOVE_KINDS), rng)
                 child = self.space.normalize(child)
                 if child in self._memo:
                     continue

@@ -53,8 +53,12 @@ class PlanSpace:
         ready_order: Sequence[str],
         *,
         fixed_placement: dict[str, str] | None = None,
+        state_names: Sequence[str] = (),
     ) -> None:
+        """``state_names``: the optimizer's per-parameter state tensors (offload candidates; none:
+        no offload moves)."""
         self.structure = structure
+        self.state_names = tuple(state_names)
         self.world = world_size
         known = set(unit_order)
         self.units = list(unit_order) + [u.name for u in structure.units if u.name not in known]
@@ -221,6 +225,41 @@ class PlanSpace:
     def zero2(self) -> Genome:
         return self._per_block(1)
 
+    # ---- offload -----------------------------------------------------------------------------
+    def _state_numel(self, g: Genome, p: str) -> int:
+        info = self.structure.params[p]
+        if g.shard[self.index[self.structure.unit_of_param[p]]] and info.shape:
+            rows = info.shape[0]
+            return -(-rows // self.world) * (info.numel // rows if rows else 1)
+        return info.numel
+
+    def offload_candidates(self, g: Genome) -> list[tuple[str, str, int]]:
+        """(param, state, bytes) of whole state tensors not offloaded yet."""
+        have = {(o[0], o[1]) for o in g.offload}
+        out = []
+        for p in self.ready:
+            for state in self.state_names:
+                if (p, state) not in have:
+                    out.append((p, state, self._state_numel(g, p) * self.structure.params[p].dtype.itemsize))
+        return out
+
+    def with_offload(self, g: Genome, p: str, state: str) -> Genome:
+        """Offload a whole state tensor, copied back when its unit's backward starts."""
+        unit = self.index[self.structure.unit_of_param[p]]
+        frag = (p, state, 0, self._state_numel(g, p), unit)
+        return replace(g, offload=tuple(sorted(g.offload + (frag,))))
+
+    def shift_offload(self, g: Genome, frag: tuple, *, later: bool) -> Genome:
+        """Move a fragment's copy-back one unit later (nearer the step) or earlier in backward order
+        (units run in reverse in backward, so later = a smaller unit index; -1 = at the step)."""
+        p, state, a, b, unit = frag
+        if later:
+            unit = unit - 1 if unit > 0 else -1
+        else:
+            unit = len(self.units) - 1 if unit < 0 else min(unit + 1, len(self.units) - 1)
+        new = (p, state, a, b, unit)
+        return replace(g, offload=tuple(sorted(o if o != frag else new for o in g.offload)))
+
     # ---- random plans and moves ------------------------------------------------------------
     def random(self, rng: random.Random) -> Genome:
         n = len(self.units)
@@ -279,6 +318,16 @@ class PlanSpace:
             return replace(g, window=tuple(w))
         if kind == "inflight":
             return replace(g, inflight=rng.choice(self.inflight_choices))
+        if kind == "offload_add" and self.state_names:
+            cands = self.offload_candidates(g)
+            if cands:
+                p, state, _ = rng.choice(cands)
+                return self.with_offload(g, p, state)
+        if kind == "offload_remove" and g.offload:
+            drop = rng.choice(g.offload)
+            return replace(g, offload=tuple(o for o in g.offload if o != drop))
+        if kind == "offload_shift" and g.offload:
+            return self.shift_offload(g, rng.choice(g.offload), later=rng.random() < 0.5)
         if kind == "placement" and self.fixed is None:
             i = rng.randrange(n)
             shard = list(g.shard)
