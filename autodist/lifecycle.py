@@ -30,6 +30,7 @@ import torch.optim.optimizer as optim_hooks
 from torch.utils._pytree import tree_flatten
 
 from ._log import logger
+from ._progress import progress
 from .cache import Cache, digest
 from .cost.budget import format_bytes
 from .cost.comm import CommModel, sweep
@@ -169,7 +170,8 @@ class AutoPlanner:
             return CommModel.from_json(text)
         if self.rank == 0:
             logger.info("autodist: measuring the communication cost model (a few seconds, once per machine)")
-        model = sweep(self.comm.group, self.device)
+        with progress("measuring the comm model", enabled=self.rank == 0):
+            model = sweep(self.comm.group, self.device)
         self.stats.sweeps += 1
         self.cache.put("comm", key, model.to_json())
         return model
@@ -235,14 +237,7 @@ class AutoPlanner:
         }
 
     def _budget_error(self, result: SearchResult) -> BudgetError:
-        peak, _ = result.smallest_peak or (result.result.peak_bytes, None)
-        params = sum(p.nbytes for p in self.structure.params.values())
-        return BudgetError(
-            f"no plan fits the budget of {format_bytes(self.w.budget_bytes)} per rank: the smallest peak found is "
-            f"{format_bytes(peak)} (model parameters alone: {format_bytes(params)}, optimizer state about twice that). "
-            "Raise memory_limit, launch more ranks (shards get smaller), use mixed precision, reduce the batch "
-            "(activations), or offload optimizer state."
-        )
+        return budget_error(self.w.budget_bytes, result, self.structure)
 
     def plan_now(self, profile: Profile, sig: str, *, fixed: dict[str, str] | None) -> tuple[Plan, Plan | None]:
         """Search (rank 0) and broadcast. Returns (plan to use now, plan for the next launch)."""
@@ -250,8 +245,9 @@ class AutoPlanner:
         payload = None
         if self.rank == 0:
             t0 = time.perf_counter()
-            free = self.search(profile, comm, fixed=None)
-            now = free if fixed is None else self.search(profile, comm, fixed=fixed)
+            with progress("searching for a plan"):
+                free = self.search(profile, comm, fixed=None)
+                now = free if fixed is None else self.search(profile, comm, fixed=fixed)
             if not now.result.feasible:
                 payload = {"error": str(self._budget_error(now))}
             else:
@@ -287,7 +283,8 @@ class AutoPlanner:
         self._sig = sig
         if self.rank == 0:
             logger.info("autodist: plan=auto: no cached plan for this model and input; profiling and searching")
-        prof = profile_model(self.w.module, self.structure, example_inputs, device=self.device)
+        with progress("profiling the model", enabled=self.rank == 0):
+            prof = profile_model(self.w.module, self.structure, example_inputs, device=self.device)
         self.stats.profiles_measured += 1
         prof = self._merge(prof)
         plan, _ = self.plan_now(prof, sig, fixed=None)
@@ -471,6 +468,19 @@ class AutoPlanner:
         self.w._check_rank_agreement(plan)
 
 
+def budget_error(budget: int, result: SearchResult, structure: Any) -> BudgetError:
+    """The error when no plan fits: the smallest peak found, and the knobs that would help."""
+    peak, genome = result.smallest_peak or (result.result.peak_bytes, None)
+    params = sum(p.nbytes for p in structure.params.values())
+    offloaded = f" even with {len(genome.offload)} optimizer-state tensor(s) offloaded to host memory" if genome is not None and genome.offload else ""
+    return BudgetError(
+        f"no plan fits the budget of {format_bytes(budget)} per rank: the smallest peak found is "
+        f"{format_bytes(peak)}{offloaded} (model parameters alone: {format_bytes(params)}, optimizer state about "
+        "twice that). Raise memory_limit, launch more ranks (shards get smaller), use mixed precision, or reduce "
+        "the batch (activations)" + ("" if offloaded else ", or offload optimizer state") + "."
+    )
+
+
 def plan_offline(
     module: Any,
     example_inputs: tuple,
@@ -494,11 +504,7 @@ def plan_offline(
     )
     result = Searcher(space, sim, config or SearchConfig()).run()
     if not result.result.feasible:
-        peak = (result.smallest_peak or (result.result.peak_bytes, None))[0]
-        raise BudgetError(
-            f"no plan fits the budget of {format_bytes(budget_bytes)} per rank: the smallest peak found is "
-            f"{format_bytes(peak)}. Raise --memory-limit or plan for more ranks."
-        )
+        raise budget_error(budget_bytes, result, structure)
     plan = result.plan
     plan.device = device.type
     plan.budget_bytes = budget_bytes

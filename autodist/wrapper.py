@@ -42,6 +42,8 @@ class AutoDist(nn.Module):
         mixed_precision: :class:`MixedPrecision` (or torch's ``MixedPrecisionPolicy``).
         broadcast_buffers: broadcast buffers (BatchNorm statistics) from rank 0 at the start of
             every forward that will synchronise gradients, as DDP does (default ``True``).
+        log_every: log step time, throughput, peak memory and exposed communication on rank 0
+            every this many steps (default ``None``: never; ``metrics()`` works regardless).
 
     The wrapper behaves like the wrapped module: ``named_parameters()`` and ``state_dict()`` use the
     wrapped module's names (no ``module.`` prefix). ``state_dict()`` returns full tensors;
@@ -60,6 +62,7 @@ class AutoDist(nn.Module):
         cache_dir: str | os.PathLike[str] | None = None,
         mixed_precision: MixedPrecision | Any | None = None,
         broadcast_buffers: bool = True,
+        log_every: int | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -102,6 +105,8 @@ class AutoDist(nn.Module):
                 lambda: self._resolve_plan(plan, example_inputs=example_inputs, cache_dir=cache_dir)
             )
         self._check_rank_agreement(resolved)
+        if log_every is not None and log_every < 1:
+            raise ValueError(f"log_every must be a positive number of steps or None, got {log_every}")
         self._engine = Engine(
             module,
             resolved,
@@ -113,12 +118,20 @@ class AutoDist(nn.Module):
             broadcast_buffers=broadcast_buffers,
             budget_bytes=self.budget_bytes,
         )
+        from .metrics import StepMeter
+
+        self._meter = StepMeter(
+            self._comm.stats, device, self.budget_bytes, self._comm.world_size, self._comm.rank, log_every
+        )
         if self._comm.rank == 0:
+            source = "file" if isinstance(plan, (str, os.PathLike)) and plan not in PLAN_CHOICES else (
+                "built-in" if plan in BUILTIN_PLANS else "object" if isinstance(plan, Plan) else "auto"
+            )
             logger.info(
-                "autodist: plan %s in force (%d units, %d sharded, %d gather groups, %d buckets; "
-                "world size %d, budget %s)",
-                resolved.label, len(resolved.units), len(resolved.sharded_units),
-                len(resolved.gather_groups), len(resolved.buckets), self._comm.world_size,
+                "autodist: plan %s in force (source: %s; %d units, %d sharded, %d gather groups, %d buckets, "
+                "%d offload fragments; world size %d, budget %s)",
+                resolved.label, source, len(resolved.units), len(resolved.sharded_units),
+                len(resolved.gather_groups), len(resolved.buckets), len(resolved.offload), self._comm.world_size,
                 format_bytes(self.budget_bytes),
             )
 
@@ -177,9 +190,15 @@ class AutoDist(nn.Module):
     # nn.Module interface
     # ---------------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._auto is not None and torch.is_grad_enabled():
-            self._auto.before_forward(args, kwargs)
+        if torch.is_grad_enabled():
+            self._meter.on_forward(args, kwargs)
+            if self._auto is not None:
+                self._auto.before_forward(args, kwargs)
         return self._engine.forward(args, kwargs)
+
+    def metrics(self) -> dict[str, Any]:
+        """The last complete step's metrics (see ``autodist.metrics``), for your own logger."""
+        return self._meter.as_dict()
 
     @property
     def plan(self) -> Plan:

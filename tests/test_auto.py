@@ -126,4 +126,4 @@ def test_impossible_budget_says_smallest_peak_and_what_helps(world2):
         for msg in world2.run(_impossible_budget, d):
             assert msg is not None
             assert "no plan fits the budget of 1.95 KiB per rank: the smallest peak found is" in msg
-            assert "launch more ranks" in msg and "offload optimizer state" in msg
+            assert "launch more ranks" in msg and ("offload optimizer state" in msg or "offloaded to host memory" in msg)

@@ -54,6 +54,7 @@ class Contender:
     wrap: Callable[[nn.Module, argparse.Namespace, tuple], nn.Module]
     close: Callable[[nn.Module], None] = lambda m: None
     takes_budget: bool = False
+    after_step: Callable[[nn.Module], None] = lambda m: None
 
 
 def _ddp(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Module:
@@ -62,21 +63,24 @@ def _ddp(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Modul
     return DistributedDataParallel(model)
 
 
-def _fsdp2(reshard: bool = True, group: int = 1, prefetch: int | None = None) -> Callable[..., nn.Module]:
+def _fsdp2(
+    reshard: bool = True, group: int = 1, prefetch: int | None = None, cpu_offload: bool = False
+) -> Callable[..., nn.Module]:
     """``fully_shard`` on every ``group`` consecutive blocks (0: the whole model as one group),
     then the root; ``prefetch``: explicit forward and backward prefetch of that many groups."""
 
     def wrap(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Module:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+        policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
         blocks = blocks_of(model)
         wrapped = []
         if group > 0:
             for i in range(0, len(blocks), group):
                 chunk = blocks[i : i + group]
-                fully_shard(chunk if len(chunk) > 1 else chunk[0], reshard_after_forward=reshard)
+                fully_shard(chunk if len(chunk) > 1 else chunk[0], reshard_after_forward=reshard, offload_policy=policy)
                 wrapped.append(chunk[0])
-        fully_shard(model, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard, offload_policy=policy)
         if prefetch and len(wrapped) > 1:
             for i, m in enumerate(wrapped):
                 m.set_modules_to_forward_prefetch(wrapped[i + 1 : i + 1 + prefetch])
@@ -99,6 +103,29 @@ def _close_autodist(m: nn.Module) -> None:
     m.close()
 
 
+def _offload_all_sync(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Module:
+    """The FSDP plan with every optimizer-state tensor (AdamW's two moments) on the host, copied
+    back at the step and out again right after it, waiting for both (ZeRO-Offload's schedule)."""
+    import dataclasses
+
+    from autodist import OffloadFragment
+    from autodist.sched.seeds import fsdp_plan
+    from autodist.structure import discover
+
+    structure = discover(model)
+    plan = fsdp_plan(structure, dist.get_world_size())
+    frags = [
+        OffloadFragment(p, state, (0, structure.params[p].numel), "step", "step")
+        for p in structure.trainable for state in ("exp_avg", "exp_avg_sq")
+    ]
+    plan = dataclasses.replace(plan, offload=frags, provenance={"source": "bench:offload-all-sync"})
+    return AutoDist(model, plan=plan, memory_limit=args.memory_limit)
+
+
+def _wait_offload(m: nn.Module) -> None:
+    m.runtime.offload.finish_out()
+
+
 CONTENDERS: dict[str, Contender] = {
     "compute": Contender("compute", lambda m, a, e: m),
     "ddp": Contender("ddp", _ddp),
@@ -108,8 +135,13 @@ CONTENDERS: dict[str, Contender] = {
     "fsdp2:no-reshard": Contender("fsdp2:no-reshard", _fsdp2(False)),
     "autodist:zero2": Contender("autodist:zero2", _autodist("zero2"), _close_autodist, takes_budget=True),
     "autodist:auto": Contender("autodist:auto", _autodist("auto"), _close_autodist, takes_budget=True),
+    # the offload scenario (run with a --memory-limit below what sharding alone needs)
+    "autodist:offload-all-sync": Contender(
+        "autodist:offload-all-sync", _offload_all_sync, _close_autodist, takes_budget=True, after_step=_wait_offload
+    ),
+    "fsdp2:cpu-offload": Contender("fsdp2:cpu-offload", _fsdp2(True, cpu_offload=True)),
 }
-DEFAULT_CONTENDERS = list(CONTENDERS)
+DEFAULT_CONTENDERS = [n for n in CONTENDERS if n not in ("autodist:offload-all-sync", "fsdp2:cpu-offload")]
 # FSDP2's own knobs, brute force: grouping (per block, per two blocks, whole model) x
 # reshard_after_forward x prefetch depth 1-3
 GRID = {
@@ -158,6 +190,7 @@ def run_contender(workload: Any, contender: Contender, batches: list, args: argp
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
             workload.loss(model(x), y).backward()
             opt.step()
+            contender.after_step(model)
             opt.zero_grad(set_to_none=True)
 
         for x, y in batches[: args.warmup]:
@@ -171,6 +204,10 @@ def run_contender(workload: Any, contender: Contender, batches: list, args: argp
         peak = int(max_over_ranks(meter.peak() - base))
         # the smallest over passes: a first run also pays one-time allocations (thread pools, caches)
         res.peak_bytes = peak if res.peak_bytes == 0 else min(res.peak_bytes, peak)
+        if isinstance(model, AutoDist) and model.runtime.offload.active:
+            # on the CPU the host pool is the same memory: what the device pool would hold is the
+            # measured peak minus the state kept on the host
+            res.extra["host_bytes"] = max(h for _, _, h in model.runtime.offload.account.log) if model.runtime.offload.account.log else 0
     finally:
         contender.close(model)
         del model, opt

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,7 @@ class CommStats:
     reduce_scatters: int = 0
     all_reduces: int = 0
     broadcasts: int = 0
+    wait_seconds: float = 0.0  # time the compute thread spent blocked on collectives
     gathered_bytes: int = 0
     reduced_bytes: int = 0
     log: list[tuple[str, str]] | None = field(default=None, repr=False)
@@ -51,18 +53,24 @@ class CommStats:
 class InFlight:
     """An issued collective and the buffers it owns until someone waits on it."""
 
-    __slots__ = ("work", "buffers", "label", "waited")
+    __slots__ = ("work", "buffers", "label", "waited", "stats")
 
-    def __init__(self, work: dist.Work | None, buffers: tuple[torch.Tensor, ...], label: str) -> None:
+    def __init__(
+        self, work: dist.Work | None, buffers: tuple[torch.Tensor, ...], label: str, stats: CommStats | None = None
+    ) -> None:
         self.work = work
         self.buffers = buffers
         self.label = label
         self.waited = work is None
+        self.stats = stats
 
     def wait(self) -> None:
         if not self.waited:
+            t0 = time.perf_counter()
             with record_function(f"autodist::wait({self.label})"):
                 self.work.wait()
+            if self.stats is not None:
+                self.stats.wait_seconds += time.perf_counter() - t0
             self.waited = True
 
 
@@ -127,7 +135,7 @@ class Comm:
                 out.copy_(inp)
                 return InFlight(None, (out, inp), label)
             work = _all_gather_flat(out, inp, group=self.gather_pg, async_op=True)
-        return InFlight(work, (out, inp), label)
+        return InFlight(work, (out, inp), label, self.stats)
 
     # -- gradient reductions ------------------------------------------------------------------
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, label: str) -> InFlight:
@@ -146,7 +154,7 @@ class Comm:
                 work = dist.reduce_scatter(out, chunks, group=self.reduce_pg, async_op=True)
             else:
                 work = _reduce_scatter_flat(out, inp, group=self.reduce_pg, async_op=True)
-        return InFlight(work, (out, inp), label)
+        return InFlight(work, (out, inp), label, self.stats)
 
     def all_reduce(self, buf: torch.Tensor, label: str) -> InFlight:
         self.stats.all_reduces += 1
@@ -156,7 +164,7 @@ class Comm:
             if self.world_size == 1:
                 return InFlight(None, (buf,), label)
             work = dist.all_reduce(buf, group=self.reduce_pg, async_op=True)
-        return InFlight(work, (buf,), label)
+        return InFlight(work, (buf,), label, self.stats)
 
     # -- synchronous helpers ------------------------------------------------------------------
     def broadcast_tensors(self, tensors: list[torch.Tensor], label: str, src: int = 0) -> None:
