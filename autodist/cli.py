@@ -29,9 +29,18 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from .errors import PlanError
+    from .plan import Plan
 
 INPUT_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32")
+DEFAULT_INPUT_HIGH = 1000
+PNG_SIZE = (1400, 700)  # pixels: a step's streams and memory curve stay readable on one screen
 TIMELINE_SUFFIXES = (".json", ".png")
 TORCHRUN_VARS = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
@@ -178,8 +187,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--input-dtype", choices=INPUT_DTYPES, default="float32", help="dtype of the example batch (default float32)")
     g.add_argument(
-        "--input-high", type=_positive_int, default=1000, metavar="N",
-        help="integer inputs are drawn from [0, N), e.g. token ids below the vocabulary size (default 1000)",
+        "--input-high", type=_positive_int, metavar="N",
+        help=f"integer inputs are drawn from [0, N), e.g. token ids below the vocabulary size (default {DEFAULT_INPUT_HIGH})",
     )
 
 
@@ -235,8 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("-o", "--out", required=True, type=_timeline_output, metavar="OUT", help="OUT.json or OUT.png")
     _add_model_options(tl)
     _add_comm_options(tl)
-    tl.add_argument("--width", type=_positive_int, default=1400, metavar="PX", help="PNG width in pixels (default 1400)")
-    tl.add_argument("--height", type=_positive_int, default=700, metavar="PX", help="PNG height in pixels (default 700)")
+    tl.add_argument("--width", type=_positive_int, metavar="PX", help=f"PNG width in pixels (default {PNG_SIZE[0]})")
+    tl.add_argument("--height", type=_positive_int, metavar="PX", help=f"PNG height in pixels (default {PNG_SIZE[1]})")
 
     cache = sub.add_parser(
         "cache", help="list, show or clear cached profiles, comm models and plans",
@@ -268,19 +277,19 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------------------------
 
 
-def _load_plan(path: str) -> Any:
+def _load_plan(path: str) -> Plan:
     from .errors import PlanError
     from .plan import load_plan
 
-    if not Path(path).is_file():
-        raise CommandError(f"{path}: no such plan file; check the path, or write a plan with `autodist plan`")
+    if not Path(path).exists():
+        raise CommandError(f"{path}: no such file; check the path, or write a plan with `autodist plan`")
     try:
         return load_plan(path)
     except PlanError as e:
         raise CommandError(_plan_error_line(e, path, "it is not a valid plan; `autodist plan` writes one")) from None
 
 
-def _plan_error_line(e: Any, path: str, hint: str) -> str:
+def _plan_error_line(e: PlanError, path: str, hint: str) -> str:
     """A :class:`PlanError` as one line: where, the first problem, how many more, and ``hint`` unless
     the problem already ends with its own advice (a full sentence)."""
     first = e.problems[0] if e.problems else str(e).splitlines()[0]
@@ -290,7 +299,7 @@ def _plan_error_line(e: Any, path: str, hint: str) -> str:
     return f"{where}{first}{more}{advice}"
 
 
-def _build_model(spec: str) -> Any:
+def _build_model(spec: str) -> nn.Module:
     import torch
 
     module_name, _, attr = spec.partition(":")
@@ -301,6 +310,8 @@ def _build_model(spec: str) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise CommandError(f"--model {spec}: cannot import {module_name!r} ({e}); is it on PYTHONPATH?") from None
+    except Exception as e:  # the user's module failed while being imported
+        raise CommandError(f"--model {spec}: importing {module_name!r} raised {type(e).__name__}: {_first_line(e)}") from None
     factory: Any = module
     for part in attr.split("."):
         factory = getattr(factory, part, None)
@@ -316,16 +327,19 @@ def _build_model(spec: str) -> Any:
     return model
 
 
-def _example_input(model: Any, args: argparse.Namespace) -> Any:
+def _example_input(model: nn.Module, args: argparse.Namespace) -> torch.Tensor:
     """One batch of the requested shape and dtype, checked by running a forward pass."""
     import torch
 
     dtype = getattr(torch, args.input_dtype)
     gen = torch.Generator().manual_seed(0)
     if dtype.is_floating_point:
+        if args.input_high is not None:
+            raise CommandError(f"--input-high applies to integer inputs; --input-dtype is {args.input_dtype}")
         x = torch.randn(args.input_shape, generator=gen).to(dtype)
     else:
-        x = torch.randint(0, args.input_high, args.input_shape, generator=gen, dtype=dtype)
+        high = DEFAULT_INPUT_HIGH if args.input_high is None else args.input_high
+        x = torch.randint(0, high, args.input_shape, generator=gen, dtype=dtype)
     try:
         with torch.no_grad():
             model(x)
@@ -386,7 +400,7 @@ def _budget_line(e: Exception) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
-def render_plan(plan: Any, path: str) -> str:
+def render_plan(plan: Plan, path: str) -> str:
     """A plan as a header and tables (what ``autodist show`` prints)."""
     from .cost.budget import format_bytes
 
@@ -521,6 +535,9 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     from .trace import profile_model
 
     _check_comm_options(args)
+    png = Path(args.out).suffix.lower() == ".png"
+    if not png and (args.width is not None or args.height is not None):
+        raise CommandError(f"--width and --height apply to PNG output; {args.out} is a Chrome trace")
     plan = _load_plan(args.plan)
     comm, _ = _comm_model(args, plan.world_size)
     model = _build_model(args.model)
@@ -537,8 +554,9 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     result = sim.run(plan, record=True)
     tl = timeline.from_simulation(result, f"{plan.label}: simulated step ({Path(args.plan).name})")
     try:
-        if Path(args.out).suffix.lower() == ".png":
-            timeline.to_png(tl, args.out, width_px=args.width, height_px=args.height)
+        if png:
+            width, height = args.width or PNG_SIZE[0], args.height or PNG_SIZE[1]
+            timeline.to_png(tl, args.out, width_px=width, height_px=height)
         else:
             timeline.to_chrome_trace(tl, args.out)
     except ImportError as e:
@@ -676,6 +694,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as e:
         _complain(f"autodist {args.command}", str(e))
         return 2
+    except BrokenPipeError:
+        # the reader went away (`autodist show plan.json | head`): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,219 @@
+"""The ``autodist`` command, run as ``python -m autodist.cli`` in subprocesses.
+
+Every run gets its own cache directory (``AUTODIST_CACHE_DIR``) and a directory on ``PYTHONPATH`` that
+holds a tiny model module. Independent runs of one test are started together: each spends most of
+its time importing torch, and two of them keep two cores busy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from autodist.cache import Cache
+from autodist.plan import load_plan, save_plan, validate_plan
+from autodist.sched.seeds import fsdp_plan
+from autodist.structure import discover
+from autodist.zoo import gpt
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_MODEL = '''\
+import torch
+
+
+def build():
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+'''
+TINY_ARGS = ["--model", "tinymodel:build", "--input-shape", "4,16", "--bandwidth", "1", "--latency", "50"]
+
+
+@dataclass
+class Run:
+    argv: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class Cli:
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+
+    def run_all(self, *argvs: list[object]) -> list[Run]:
+        """Start every command at once; wait for all."""
+        procs = [
+            (
+                [str(a) for a in argv],
+                subprocess.Popen(
+                    [sys.executable, "-m", "autodist.cli", *map(str, argv)], cwd=REPO, env=self.env,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                ),
+            )
+            for argv in argvs
+        ]
+        runs = []
+        for argv, p in procs:
+            out, err = p.communicate(timeout=120)
+            runs.append(Run(argv, p.returncode, out, err))
+        return runs
+
+    def run(self, *argv: object) -> Run:
+        return self.run_all(list(argv))[0]
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path) -> Path:
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def cli(tmp_path: Path, cache_dir: Path) -> Cli:
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "tinymodel.py").write_text(TINY_MODEL)
+    path = os.pathsep.join(p for p in (str(models), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "AUTODIST_CACHE_DIR": str(cache_dir), "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    return Cli(env)
+
+
+@pytest.fixture
+def tiny_model(tmp_path: Path, cli: Cli):
+    return runpy.run_path(str(tmp_path / "models" / "tinymodel.py"))["build"]()
+
+
+def assert_one_line_error(run: Run, prog: str = "autodist") -> None:
+    assert run.returncode == 2, run
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1, run
+    assert lines[0].startswith(f"{prog}"), run
+    assert "Traceback" not in run.stderr
+
+
+# ---- arguments --------------------------------------------------------------------------------
+
+
+def test_every_subcommand_has_help_and_the_command_has_a_version(cli: Cli) -> None:
+    from autodist import __version__
+
+    commands = [["show"], ["plan"], ["timeline"], ["cache"], ["env"]]
+    *helps, version = cli.run_all(*[[*c, "--help"] for c in commands], ["--version"])
+    for command, run in zip(commands, helps):
+        assert run.returncode == 0, run
+        assert run.stdout.startswith(f"usage: autodist {command[0]}"), run
+    assert version.returncode == 0
+    assert version.stdout.strip() == f"autodist {__version__}"
+
+
+def test_bad_arguments_exit_2_with_one_line_saying_what_was_wrong(cli: Cli, tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    unknown, no_out, bad_shape = cli.run_all(
+        ["frobnicate"],
+        ["plan", "--model", "tinymodel:build", "--input-shape", "4,16", "--world-size", "2"],
+        ["plan", "--model", "tinymodel:build", "--input-shape", "abc", "--world-size", "2", "--out", out],
+    )
+    assert_one_line_error(unknown, "autodist:")
+    assert "frobnicate" in unknown.stderr
+    assert_one_line_error(no_out, "autodist plan:")
+    assert "--out" in no_out.stderr
+    assert_one_line_error(bad_shape, "autodist plan:")
+    assert "--input-shape" in bad_shape.stderr and "'abc'" in bad_shape.stderr
+
+
+# ---- show -------------------------------------------------------------------------------------
+
+
+def test_show_prints_the_plan_as_tables_and_refuses_missing_or_corrupt_files(cli: Cli, tmp_path: Path) -> None:
+    plan_path = tmp_path / "fsdp.json"
+    save_plan(fsdp_plan(discover(gpt(vocab=64, d=16, layers=2, heads=2, seq=8)), 2), plan_path)
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text(plan_path.read_text()[:200])
+
+    shown, missing, truncated = cli.run_all(["show", plan_path], ["show", tmp_path / "nope.json"], ["show", corrupt])
+
+    assert shown.returncode == 0, shown
+    for expected in ("world size", "blocks.0.attn.qkv", "reduce_scatter", "blocks.0.ln1..blocks.0.out (6)", "max_inflight_buckets: 1"):
+        assert expected in shown.stdout
+    assert_one_line_error(missing, "autodist show:")
+    assert "nope.json" in missing.stderr
+    assert_one_line_error(truncated, "autodist show:")
+    assert "corrupt.json" in truncated.stderr
+
+
+# ---- plan and timeline --------------------------------------------------------------------------
+
+
+def test_plan_writes_a_plan_that_validates_against_the_model(cli: Cli, tmp_path: Path, tiny_model) -> None:
+    out = tmp_path / "p.json"
+    run = cli.run("plan", *TINY_ARGS, "--world-size", "2", "--out", out)
+    assert run.returncode == 0, run
+    assert "predicted step" in run.stdout and "plans evaluated" in run.stdout
+    plan = load_plan(out)
+    validate_plan(plan, discover(tiny_model), world_size=2)
+    assert plan.provenance["source"] == "autodist plan"
+
+
+def test_plan_without_a_comm_model_says_how_to_get_one(cli: Cli, tmp_path: Path) -> None:
+    run = cli.run(
+        "plan", "--model", "tinymodel:build", "--input-shape", "4,16", "--world-size", "2", "--out", tmp_path / "p.json"
+    )
+    assert_one_line_error(run, "autodist plan:")
+    assert "--bandwidth" in run.stderr and 'plan="auto"' in run.stderr
+
+
+def test_timeline_writes_a_chrome_trace_and_a_png_of_the_requested_size(cli: Cli, tmp_path: Path, tiny_model) -> None:
+    plan_path = tmp_path / "fsdp.json"
+    save_plan(fsdp_plan(discover(tiny_model), 2), plan_path)
+    trace, png = tmp_path / "step.json", tmp_path / "step.png"
+
+    runs = cli.run_all(
+        ["timeline", plan_path, "-o", trace, *TINY_ARGS],
+        ["timeline", plan_path, "-o", png, *TINY_ARGS, "--width", "640", "--height", "360"],
+    )
+
+    for run in runs:
+        assert run.returncode == 0, run
+    events = json.loads(trace.read_text())["traceEvents"]
+    threads = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert any(e["ph"] == "X" and threads[e["tid"]] == "compute" for e in events)
+    assert any(e["ph"] == "C" and e["name"] == "memory" for e in events)
+    header = png.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", header[16:24]) == (640, 360)
+
+
+# ---- cache and env ------------------------------------------------------------------------------
+
+
+def test_cache_commands_on_an_empty_cache(cli: Cli, cache_dir: Path) -> None:
+    path, listed, cleared = cli.run_all(["cache", "path"], ["cache", "list"], ["cache", "clear"])
+    assert path.returncode == 0 and path.stdout.strip() == str(cache_dir)
+    assert listed.returncode == 0 and "empty" in listed.stdout
+    assert cleared.returncode == 0 and "removed 0" in cleared.stdout
+
+
+def test_cache_commands_on_a_populated_cache(cli: Cli, cache_dir: Path) -> None:
+    Cache(cache_dir).put("plans", "k1", '{"units": []}')
+    Cache(cache_dir).put("comm", "k2", "{}")
+
+    listed, shown = cli.run_all(["cache", "list"], ["cache", "show", "k1"])
+    cleared = cli.run("cache", "clear", "--kind", "plans")
+
+    assert listed.returncode == 0
+    assert "plans" in listed.stdout and "k1" in listed.stdout and "k2" in listed.stdout
+    assert shown.returncode == 0 and json.loads(shown.stdout) == {"units": []}
+    assert cleared.returncode == 0 and "removed 1" in cleared.stdout
+    assert [(e.kind, e.key) for e in Cache(cache_dir).entries()] == [("comm", "k2")]
+
+
+def test_env_reports_versions_and_the_cache(cli: Cli, cache_dir: Path) -> None:
+    run = cli.run("env")
+    assert run.returncode == 0, run
+    assert "torch" in run.stdout and str(cache_dir) in run.stdout and "default budget" in run.stdout
