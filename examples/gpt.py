@@ -37,7 +37,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     torch.manual_seed(0)
     model = GPT(args.vocab, args.d_model, args.layers, args.heads, args.seq)
-    model = AutoDist(model, plan=args.plan, memory_limit=args.memory_limit)  # the one AutoDist line
+    model = AutoDist(model, plan=args.plan, memory_limit=args.memory_limit, log_every=args.log_every)  # the one AutoDist line
     rank = dist.get_rank()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     data = torch.Generator().manual_seed(1000 + rank)
@@ -55,10 +55,11 @@ def main() -> None:
         optimizer.zero_grad()
         dt = time.perf_counter() - t0
         if rank == 0 and (step % args.log_every == 0 or step == 1):
-            tok = args.batch_size * args.seq * dist.get_world_size() / dt
-            print(f"step {step:4d}  loss {loss.item():.4f}  {dt * 1e3:7.1f} ms  {tok:,.0f} tokens/s", flush=True)
+            print(f"step {step:4d}  loss {loss.item():.4f}  {dt * 1e3:7.1f} ms", flush=True)
     if rank == 0:
-        print(f"plan in force: {model.plan.label} ({len(model.plan.sharded_units)} of {len(model.plan.units)} units sharded)")
+        p = model.plan
+        print(f"plan in force: {p.label} ({len(p.sharded_units)} of {len(p.units)} units sharded, "
+              f"{len(p.buckets)} buckets, {len(p.offload)} offload fragments); last step: {model.metrics()}")
     dist.destroy_process_group()
 
 

@@ -66,6 +66,9 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def worker(args: argparse.Namespace) -> None:
+    import faulthandler
+
+    faulthandler.enable()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
