@@ -112,7 +112,7 @@ class _Bucket:
     params: list[str]
     msg_bytes: int
     in_bytes: int  # reduce-scatter input allocated per step
-    out_bytes: int  # reduce-scatter output (the local gradients): a persistent buffer
+    out_bytes: int  # reduce-scatter output (the local gradients): from launch until zero_grad
     pending: int = 0
     deferred: int = 0  # bytes of gradients held before the input buffer exists
     allocated: bool = False
@@ -248,7 +248,6 @@ class Simulator:
             else:
                 s = sum(self._shard_numel(p) * self._reduce_itemsize(p) for p in b.params) + 4 * n
                 bk = _Bucket(bi, b.op, list(b.params), world * s, world * s, s)
-                static += s  # persistent output buffer; the local gradients are views of it
             buckets.append(bk)
             for p in b.params:
                 bucket_of[p] = bk
@@ -330,6 +329,7 @@ class Simulator:
                     emit((_MEM, bk.in_bytes - bk.deferred))
                     bk.allocated = True
                     bk.deferred = 0
+                emit((_MEM, bk.out_bytes))
                 secs = self._time("reduce_scatter", bk.msg_bytes)
                 ops.append(CommOp("reduce_scatter", f"bucket{bk.index}", bk.msg_bytes, secs, int(t_rs * bk.msg_bytes)))
             else:
@@ -569,6 +569,7 @@ class Simulator:
         emit((_MEM, opt_transient))
         emit((_C, opt_s, "optimizer", 0))
         emit((_MEM, -opt_transient))
+        emit((_MEM, -sum(bk.out_bytes for bk in buckets if bk.op == "reduce_scatter")))
         result = self._execute(prog, ops, static + persistent_full, record)
         result.offload_log = offload_log
         return result

@@ -423,6 +423,8 @@ class Engine:
             self._release_after_step(drop_reductions=True)
         grad = torch.is_grad_enabled()
         self._step = _Step(sync=self.sync_enabled and grad, fwd_schedule=PrefetchSchedule(self._fwd_entries))
+        for b in self.reducer.buckets:
+            b.release_if_unused()
         for g in self.groups:
             g.reset_step()
         if self.broadcast_buffers and grad and self.sync_enabled and self.comm.world_size > 1:

@@ -77,6 +77,24 @@ class BucketRuntime:
         self._saved: dict[int, torch.Tensor] = {}
         self.reset()
 
+    def release_if_unused(self) -> None:
+        """A reduce-scatter output holds gradients only until the user drops them
+        (``zero_grad(set_to_none=True)``): then its storage goes until the next launch (the views
+        and cached gradient objects stay valid; see [Note: why storage is resized instead of
+        reallocated] in params.py). All-reduce buffers stay, as DDP's buckets do: they are also
+        where gradients are copied during backward."""
+        if self.op != "reduce_scatter" or self.inflight is not None:
+            return
+        storage = self.buffer.untyped_storage()
+        if storage.nbytes() and all(mp.visible.grad is None for mp in self.params) and not self._saved:
+            storage.resize_(0)
+
+    def _ensure_buffer(self) -> None:
+        storage = self.buffer.untyped_storage()
+        need = self.buffer.numel() * self.buffer.element_size()
+        if storage.nbytes() != need:
+            storage.resize_(need)
+
     def grad_obj(self, slot: int) -> torch.Tensor | None:
         """What ``visible.grad`` is set to: the slot view (wrapped once as a DTensor when the
         parameter is one), or ``None`` when dtypes differ and a cast copy is needed."""
@@ -226,6 +244,7 @@ class BucketRuntime:
                 if not self.ready[slot] and self._is_slot_view(mp.local_grad(), slot):
                     self._saved[slot] = self.views[slot].clone()  # a kept gradient of an unused parameter
                     self.action[slot] = _RESTORE
+            self._ensure_buffer()
             self.inflight = self.comm.reduce_scatter(self.buffer, inp.view(-1), self.label)
             self._input = None  # the InFlight owns it now
         self.launched = True
