@@ -36,13 +36,17 @@ from .cost.budget import format_bytes
 from .cost.comm import CommModel, sweep
 from .cost.profile import OptimizerProfile, Profile, slowest
 from .cost.simulator import Simulator
-from .errors import BudgetError
+from .errors import AutoDistError, BudgetError
 from .plan import SCHEMA_VERSION, Plan
 from .sched.search import SearchConfig, Searcher, SearchResult
 from .sched.space import PlanSpace
 from .trace import UnitTracer, _attribute, _Clock, _Pass, profile_model
 
 PROFILE_STEPS = 3  # transparent profiling: the first step warms up, the next ones are measured
+
+
+class SearchFailed(AutoDistError):
+    """Rank 0 could not finish the search (every rank raises this instead of waiting)."""
 
 
 @dataclass
@@ -245,14 +249,19 @@ class AutoPlanner:
         payload = None
         if self.rank == 0:
             t0 = time.perf_counter()
-            with progress("searching for a plan"):
-                free = self.search(profile, comm, fixed=None)
-                now = free if fixed is None else self.search(profile, comm, fixed=fixed)
-            if not now.result.feasible:
-                payload = {"error": str(self._budget_error(now))}
-            else:
-                payload = {"now": now.plan.to_json(), "free": free.plan.to_json(), "seconds": time.perf_counter() - t0}
+            try:
+                with progress("searching for a plan"):
+                    free = self.search(profile, comm, fixed=None)
+                    now = free if fixed is None else self.search(profile, comm, fixed=fixed)
+                if not now.result.feasible:
+                    payload = {"error": str(self._budget_error(now))}
+                else:
+                    payload = {"now": now.plan.to_json(), "free": free.plan.to_json(), "seconds": time.perf_counter() - t0}
+            except Exception as e:  # never leave the other ranks waiting for a broadcast
+                payload = {"failure": f"{type(e).__name__}: {e}"}
         payload = self.comm.broadcast_object(payload)
+        if "failure" in payload:
+            raise SearchFailed(f"the search on rank 0 failed: {payload['failure']}")
         if "error" in payload:
             raise BudgetError(payload["error"])
         now_plan = Plan.from_json(payload["now"])
@@ -402,7 +411,7 @@ class AutoPlanner:
         fixed = {u.name: u.placement for u in eng.plan.units}
         try:
             now, free = self.plan_now(prof, self._sig, fixed=fixed)
-        except BudgetError as e:
+        except (BudgetError, SearchFailed) as e:
             if self.rank == 0:
                 logger.warning("autodist: %s Keeping the safe plan, which is running.", e)
             return
