@@ -67,9 +67,9 @@ class MemoryMeter:
 def trace_cpu_memory(fn: Callable[[], None], mark_prefix: str = "autodist::mark(") -> tuple[list[tuple[float, int]], dict[str, float]]:
     """Run ``fn`` under the torch profiler's memory tracking (host tensors, every thread).
 
-    Returns the allocator's running total after every allocation or free, as ``(time_us, bytes)``
-    relative to the start of ``fn``, and the time of every ``record_function`` whose name starts
-    with ``mark_prefix``. The CPU allocator keeps no statistics of its own; this is how transient
+    Returns the bytes allocated since ``fn`` started after every allocation or free, as
+    ``(time_us, bytes)``, and the time of every ``record_function`` whose name starts with
+    ``mark_prefix``. The CPU allocator keeps no statistics of its own; this is how transient
     peaks are measured there (the profile pass and the comm sweep use it once, not per step).
     """
     import json
@@ -84,7 +84,17 @@ def trace_cpu_memory(fn: Callable[[], None], mark_prefix: str = "autodist::mark(
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
-    mem = sorted((e["ts"], int(e["args"].get("Total Allocated", 0))) for e in events if e.get("name") == "[memory]")
+    raw = sorted(
+        (e["ts"], int(e["args"].get("Total Allocated", 0)), int(e["args"].get("Bytes", 0)))
+        for e in events
+        if e.get("name") == "[memory]"
+    )
+    # [Note: profiler totals] "Total Allocated" counts from the first profiling session of the
+    # process and misses frees made while no profiler ran, so it drifts upwards from session to
+    # session. Only differences within one session are meaningful: report totals relative to the
+    # value just before this session's first event.
+    base = raw[0][1] - raw[0][2] if raw else 0
+    mem = [(ts, total - base) for ts, total, _ in raw]
     marks = {e["name"]: e["ts"] for e in events if e.get("ph") == "X" and e.get("name", "").startswith(mark_prefix)}
     return mem, marks
 

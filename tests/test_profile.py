@@ -64,3 +64,13 @@ def test_tied_output_layer_is_recorded_as_a_site():
     model = GPT(vocab=32, d=16, layers=1, heads=2, seq=4)
     prof = profile_model(model, discover(model), (torch.randint(0, 32, (2, 4)),), device=CPU, repeats=1)
     assert prof.site_after == {"head": "ln_f"}
+
+
+def test_memory_trace_is_relative_to_its_own_session():
+    from autodist.memory import trace_cpu_memory
+
+    kept = []
+    trace_cpu_memory(lambda: kept.append(torch.ones(1 << 20)))  # 4 MiB allocated inside ...
+    kept.clear()  # ... and freed outside any session
+    mem, _ = trace_cpu_memory(lambda: torch.ones(1 << 18).sum())  # 1 MiB (and a few bytes for the sum)
+    assert (1 << 20) <= max(m for _, m in mem) < (1 << 20) + 1024

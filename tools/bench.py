@@ -320,9 +320,14 @@ def table(payload: dict) -> str:
             rf = f"{t / fsdp:.3f}" if fsdp else "-"
             rb = f"{t / bound:.3f}" if bound else "-"
             note = ""
-            if r.get("extra", {}).get("predicted_step_s"):
-                e = r["extra"]
+            e = r.get("extra", {})
+            if e.get("predicted_step_s"):
                 note = f"  (predicted {e['predicted_step_s'] * 1e3:.1f} ms; {e['sharded_units']} units sharded)"
+            if e.get("host_bytes"):
+                note += (
+                    f"  [device pool {format_bytes(r['peak_bytes'] - e['host_bytes'])}: the peak minus "
+                    f"{format_bytes(e['host_bytes'])} of optimizer state on the host]"
+                )
             lines.append(f"  {name:<30}{t * 1e3:>10.1f}{rd:>8}{rf:>9}{rb:>9}{format_bytes(r['peak_bytes']):>12}{note}")
         grid = {n: r for n, r in mine.items() if n.startswith("fsdp2[") and not r["error"]}
         auto = mine.get("autodist:auto")

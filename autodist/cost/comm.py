@@ -408,6 +408,6 @@ def _transient_bytes(comm: Any, device: torch.device) -> dict[str, float]:
             from ..memory import trace_cpu_memory
 
             mem, _ = trace_cpu_memory(fn)
-            extra = max((m for _, m in mem), default=0) - (mem[0][1] if mem and mem[0][1] < 0 else 0)
+            extra = max((m for _, m in mem), default=0)
         result[op] = extra / (n * 4)
     return result

@@ -425,6 +425,8 @@ class Engine:
         self._step = _Step(sync=self.sync_enabled and grad, fwd_schedule=PrefetchSchedule(self._fwd_entries))
         for b in self.reducer.buckets:
             b.release_if_unused()
+        if self.offload.active:
+            self.offload.poll()  # copy-outs started after the last optimizer step release memory now
         for g in self.groups:
             g.reset_step()
         if self.broadcast_buffers and grad and self.sync_enabled and self.comm.world_size > 1:

@@ -130,26 +130,34 @@ class Searcher:
         return g
 
     def offload_adaptively(self, g: Genome) -> Genome:
-        """DeepCompile's adaptive offload (its Algorithm 2, in plan terms): if the plan is over the
-        budget, offload optimizer-state tensors — largest first, each copied back when its unit's
-        backward starts — until it fits; then move each copy-back as late as the budget allows
-        (hiding less of the copy, but holding the state on the device for less time)."""
+        """DeepCompile's adaptive offload (its Algorithm 2, in plan terms), for a plan over the
+        budget: start from the least device memory offload can give — every optimizer-state tensor
+        on the host, copied back only at the step — and if that fits, give back what is not needed:
+        drop fragments (smallest first: they save least) while the plan still fits, then start each
+        remaining copy-back earlier in the backward (hiding the copy behind compute) while the plan
+        fits and gets no slower."""
         g = self.space.normalize(g)
         if self.evaluate(g).feasible:
             return g
-        candidates = sorted(self.space.offload_candidates(g), key=lambda c: -c[2])
-        for p, state, nbytes in candidates:
-            g = self.space.with_offload(g, p, state)
-            if self.evaluate(g).feasible:
-                break
+        candidates = sorted(self.space.offload_candidates(g), key=lambda c: c[2])
+        for p, state, _ in candidates:
+            g = self.space.with_offload(g, p, state, back_unit=-1)
         if not self.evaluate(g).feasible:
-            return g
+            return g  # the smallest footprint offload can reach; still over the budget
+        for frag in sorted(g.offload, key=lambda f: f[3] - f[2]):
+            cand = replace(g, offload=tuple(o for o in g.offload if o != frag))
+            if self.evaluate(cand).feasible:
+                g = cand
         best = self.cost(g)
         for frag in list(g.offload):
-            cand = self.space.shift_offload(g, frag, later=True)
-            c = self.cost(cand)
-            if c <= best:
-                g, best = cand, c
+            current = frag
+            for _ in range(len(self.space.units)):
+                cand = self.space.shift_offload(g, current, later=False)
+                moved = next(o for o in cand.offload if o[:4] == current[:4])
+                c = self.cost(cand)
+                if c > best or moved == current:
+                    break
+                g, best, current = cand, c, moved
         return g
 
     # -- the search --------------------------------------------------------------------------------

@@ -243,9 +243,10 @@ class PlanSpace:
                     out.append((p, state, self._state_numel(g, p) * self.structure.params[p].dtype.itemsize))
         return out
 
-    def with_offload(self, g: Genome, p: str, state: str) -> Genome:
-        """Offload a whole state tensor, copied back when its unit's backward starts."""
-        unit = self.index[self.structure.unit_of_param[p]]
+    def with_offload(self, g: Genome, p: str, state: str, *, back_unit: int | None = None) -> Genome:
+        """Offload a whole state tensor, copied back when its unit's backward starts (or at
+        ``back_unit``; -1: at the step)."""
+        unit = self.index[self.structure.unit_of_param[p]] if back_unit is None else back_unit
         frag = (p, state, 0, self._state_numel(g, p), unit)
         return replace(g, offload=tuple(sorted(g.offload + (frag,))))
 
@@ -256,7 +257,7 @@ class PlanSpace:
         if later:
             unit = unit - 1 if unit > 0 else -1
         else:
-            unit = len(self.units) - 1 if unit < 0 else min(unit + 1, len(self.units) - 1)
+            unit = min(unit + 1, len(self.units) - 1)  # from "at the step" (-1) to the last backward unit (0)
         new = (p, state, a, b, unit)
         return replace(g, offload=tuple(sorted(o if o != frag else new for o in g.offload)))
 
