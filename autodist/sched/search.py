@@ -65,6 +65,16 @@ class Searcher:
         self._memo: dict[Genome, SimResult] = {}
         self.evaluated = 0
         self.smallest_peak: tuple[int, Genome] | None = None
+        self._t0 = time.perf_counter()
+        self.time_limited = False  # a time limit cut some work: the result may vary with machine load
+
+    def _time_left(self, fraction: float) -> bool:
+        """Whether less than ``fraction`` of the time budget has gone (the greedy passes stop
+        refining at their share so the backtracking search keeps its own)."""
+        left = time.perf_counter() - self._t0 < fraction * self.cfg.time_budget_s
+        if not left:
+            self.time_limited = True
+        return left
 
     def evaluate(self, g: Genome) -> SimResult:
         g = self.space.normalize(g)
@@ -90,7 +100,19 @@ class Searcher:
         backward) that lowers the step time and stays within the budget."""
         g = self.space.normalize(g)
         best = self.cost(g)
-        for members in self.space.groups(g):
+        groups = self.space.groups(g)
+        # every group at once first (cheap), then group by group while time allows
+        for w in sorted(self.space.window_choices):
+            win = list(g.window)
+            for members in groups:
+                win[members[0]] = (w, w)
+            cand = self.space.normalize(replace(g, window=tuple(win)))
+            c = self.cost(cand)
+            if c < best:
+                g, best = cand, c
+        for members in groups:
+            if not self._time_left(0.3):
+                break
             first = members[0]
             for axis in (0, 1):
                 for w in sorted(self.space.window_choices):
@@ -120,6 +142,8 @@ class Searcher:
             return comm.time("all_gather", nbytes) / max(nbytes, 1)
 
         for members in sorted(groups, key=per_byte, reverse=True):
+            if not self._time_left(0.45):
+                break
             res = list(g.residency)
             for i in members:
                 res[i] = 2
@@ -145,12 +169,16 @@ class Searcher:
         if not self.evaluate(g).feasible:
             return g  # the smallest footprint offload can reach; still over the budget
         for frag in sorted(g.offload, key=lambda f: f[3] - f[2]):
+            if not self._time_left(0.5):
+                break
             cand = replace(g, offload=tuple(o for o in g.offload if o != frag))
             if self.evaluate(cand).feasible:
                 g = cand
         best = self.cost(g)
         for frag in list(g.offload):
             current = frag
+            if not self._time_left(0.5):
+                break
             for _ in range(len(self.space.units)):
                 cand = self.space.shift_offload(g, current, later=False)
                 moved = next(o for o in cand.offload if o[:4] == current[:4])
@@ -183,7 +211,7 @@ class Searcher:
     def run(self) -> SearchResult:
         cfg = self.cfg
         rng = random.Random(cfg.seed)
-        t0 = time.perf_counter()
+        t0 = self._t0 = time.perf_counter()
         seeds = self.seeds()
         seed_results = {name: self.evaluate(g) for name, g in seeds.items()}
         heap: list[tuple[float, int, Genome]] = []
@@ -208,6 +236,7 @@ class Searcher:
                 break
             if time.perf_counter() - t0 > cfg.time_budget_s:
                 stopped_by = "time budget"
+                self.time_limited = True
                 break
             c, _, g = heapq.heappop(heap)
             if g in expanded:
@@ -237,6 +266,7 @@ class Searcher:
         plan = self.space.to_plan(best_g)
         return SearchResult(
             plan=plan, genome=best_g, result=result, evaluated=self.evaluated,
-            seconds=time.perf_counter() - t0, seeds=seed_results, stopped_by=stopped_by,
+            seconds=time.perf_counter() - t0, seeds=seed_results,
+            stopped_by=stopped_by + (" (greedy passes cut by the time budget)" if self.time_limited and stopped_by != "time budget" else ""),
             smallest_peak=self.smallest_peak, history=history,
         )
