@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -61,10 +62,17 @@ class CommModel:
     ops: dict[str, OpModel]
     compute_slowdown: float = 1.0  # compute runs this many times longer while a collective runs
     comm_slowdown: float = 1.0  # a collective runs this many times longer while compute runs
+    # per collective kind: [compute slowdown while it runs, its slowdown while compute runs]
+    contention: dict[str, list[float]] = field(default_factory=dict)
     transient: dict[str, float] = field(default_factory=dict)  # extra bytes per message byte
     overhead: dict[str, float] = field(default_factory=dict)  # the runtime's own costs (cost/overhead.py)
     meta: dict[str, Any] = field(default_factory=dict)
     schema_version: int = COMM_SCHEMA_VERSION
+
+    def slowdowns(self, op: str) -> tuple[float, float]:
+        """(compute slowdown while ``op`` runs, ``op``'s slowdown while compute runs)."""
+        c = self.contention.get(op)
+        return (c[0], c[1]) if c else (self.compute_slowdown, self.comm_slowdown)
 
     def memcpy(self, nbytes: float) -> float:
         """A copy of ``nbytes`` within device memory (on the CPU: host memory bandwidth)."""
@@ -320,7 +328,8 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig = Swe
         zero = OpModel(Piece(0.0, 0.0), Piece(0.0, 0.0), float("inf"))
         for op in ("all_reduce", "all_gather", "reduce_scatter"):
             ops[op] = zero
-    slow_compute, slow_comm = _contention(comm, group, device) if world > 1 else (1.0, 1.0)
+    contention = _contention(comm, group, device) if world > 1 else {}
+    slow_compute, slow_comm = contention.get("all_reduce", (1.0, 1.0))
     transient = _transient_bytes(comm, device) if world > 1 else {}
     from .overhead import measure_runtime_overhead
 
@@ -332,6 +341,7 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig = Swe
         ops=ops,
         compute_slowdown=slow_compute,
         comm_slowdown=slow_comm,
+        contention={k: list(v) for k, v in contention.items()},
         transient=transient,
         overhead=overhead,
         meta={"sweep_seconds": time.perf_counter() - t_start, "torch": torch.__version__},
@@ -342,44 +352,68 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig = Swe
     return box[0]
 
 
-def _contention(comm: Any, group: dist.ProcessGroup, device: torch.device) -> tuple[float, float]:
-    """(compute slowdown while communicating, communication slowdown while computing)."""
-    a = torch.randn(192, 192, device=device)
+def _contention(comm: Any, group: dist.ProcessGroup, device: torch.device) -> dict[str, tuple[float, float]]:
+    """Per collective kind: (compute slowdown while it runs, its slowdown while compute runs).
 
-    def compute(iters: int) -> float:
-        t0 = time.perf_counter()
-        x = a
-        for _ in range(iters):
-            x = torch.tanh(x @ a)
+    Each is measured under full overlap: a train of 16 MiB collectives runs while the compute
+    thread keeps computing until every one of them has completed; compared with each alone. Kinds
+    differ: gloo runs a reduce-scatter as several concurrent all-reduces on its worker threads, which
+    contend harder with compute on a small host.
+    """
+    a = torch.randn(384, 384, device=device)
+    b = torch.randn(384, 384, device=device)
+
+    def one() -> None:
+        torch.tanh(a @ b, out=b)
+
+    def rate(seconds: float) -> float:
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            one()
+            n += 1
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return time.perf_counter() - t0
+        return n / (time.perf_counter() - t0)
 
-    iters = 1
-    while compute(iters) < 0.02 and iters < 1 << 16:  # about 20 ms of compute
-        iters *= 2
-    buf = torch.zeros(4 << 20, device=device)  # 16 MiB all-reduces
+    world = comm.world_size
+    n_el = (4 << 20) // world * world  # 16 MiB messages
+    buf = torch.zeros(n_el, device=device)
+    shard = torch.zeros(n_el // world, device=device)
+    out = torch.empty(n_el, device=device)
+    kinds = {
+        "all_reduce": lambda: comm.all_reduce(buf, "sweep"),
+        "all_gather": lambda: comm.all_gather(out, shard, "sweep"),
+        "reduce_scatter": lambda: comm.reduce_scatter(shard, buf, "sweep"),
+    }
     dist.barrier(group=group)
-    t_compute = statistics.median(compute(iters) for _ in range(3))
-    dist.barrier(group=group)
-    t0 = time.perf_counter()
-    comm.all_reduce(buf, "sweep").wait()
-    t_comm = time.perf_counter() - t0
-    # every rank must issue the same number of collectives: agree on the largest
-    kk = torch.tensor([max(1, math.ceil(t_compute / max(t_comm, 1e-6)))], dtype=torch.int64)
-    dist.all_reduce(kk, op=dist.ReduceOp.MAX, group=group)
-    k = int(kk.item())
-    dist.barrier(group=group)
-    t0 = time.perf_counter()
-    works = [comm.all_reduce(buf, "sweep") for _ in range(k)]
-    t_compute_busy = compute(iters)
-    for w in works:
-        w.wait()
-    t_comm_busy = time.perf_counter() - t0
-    slow_compute = max(1.0, t_compute_busy / t_compute)
-    slow_comm = max(1.0, t_comm_busy / (k * t_comm))
-    vals = _max_over_ranks([slow_compute, slow_comm], group, device)
-    return vals[0], vals[1]
+    alone = rate(0.05)
+    values = []
+    for issue in kinds.values():
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(2):
+            issue().wait()
+        t_op = (time.perf_counter() - t0) / 2
+        k = 6
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        n = 0
+        pending = []
+        # one at a time, as the runtime's queue runs them; compute never stops meanwhile
+        for _ in range(k):
+            w = issue()
+            done = threading.Event()  # gloo's reduce-scatter reports completion only to wait()
+            waiter = threading.Thread(target=lambda w=w: (w.wait(), done.set()), daemon=True)
+            waiter.start()
+            while not done.is_set():
+                one()
+                n += 1
+            waiter.join()
+            pending.append(w)
+        t_busy = time.perf_counter() - t0
+        values += [max(1.0, alone / max(n / t_busy, 1e-9)) if n else 1.0, max(1.0, t_busy / (k * t_op))]
+    values = _max_over_ranks(values, group, device)
+    return {kind: (values[2 * i], values[2 * i + 1]) for i, kind in enumerate(kinds)}
 
 
 def _transient_bytes(comm: Any, device: torch.device) -> dict[str, float]:

@@ -600,8 +600,10 @@ class Simulator:
 
     # ------------------------------------------------------------------------------------------
     def _execute(self, prog: list[tuple], ops: list[CommOp], start_bytes: int, record: bool) -> SimResult:
-        rc = self.comm.compute_slowdown
-        rm = self.comm.comm_slowdown
+        slow = {k: self.comm.slowdowns(k) for k in ("all_gather", "all_reduce", "reduce_scatter")}
+        copy_slow = (self.comm.compute_slowdown, self.comm.comm_slowdown)
+        op_rc = [slow.get(op.kind, copy_slow)[0] for op in ops]
+        op_rm = [slow.get(op.kind, copy_slow)[1] for op in ops]
         t = 0.0
         # two background queues: 0 communication, 1 offload copies; each runs one op at a time
         queue: list[list[int]] = [[], []]
@@ -674,19 +676,21 @@ class Simulator:
                     if not active:
                         t += remaining
                         break
+                    # compute runs at the rate the most demanding running op leaves it; each op at its own
+                    rc = max(op_rc[cur[k]] for k in active)
                     t_c = t + remaining * rc
-                    s = min(active, key=lambda k: rem[k])
-                    t_m = t + rem[s] * rm
+                    s = min(active, key=lambda k: rem[k] * op_rm[cur[k]])
+                    t_m = t + rem[s] * op_rm[cur[s]]
                     if t_c <= t_m:
                         dt = t_c - t
                         for k in active:
-                            rem[k] -= dt / rm
+                            rem[k] -= dt / op_rm[cur[k]]
                         t = t_c
                         break
                     dt = t_m - t
                     remaining -= dt / rc
                     for k in active:
-                        rem[k] -= dt / rm
+                        rem[k] -= dt / op_rm[cur[k]]
                     t = t_m
                     rem[s] = 0.0
                     end_current(s, t)
