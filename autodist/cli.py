@@ -27,7 +27,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -100,34 +100,24 @@ def format_fields(pairs: Sequence[tuple[str, Any]], *, indent: str = "  ") -> st
 # ------------------------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _number(kind: type, what: str, ok: Callable[[Any], bool]) -> Callable[[str], Any]:
+    """An argparse ``type=`` that parses ``kind`` and accepts it when ``ok`` says so."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}")
-    return value
+_positive_int = _number(int, "a positive integer", lambda v: v >= 1)
+_positive_float = _number(float, "a positive number", lambda v: 0 < v < float("inf"))
+_non_negative_float = _number(float, "a non-negative number", lambda v: 0 <= v < float("inf"))
 
 
 def _shape(text: str) -> tuple[int, ...]:

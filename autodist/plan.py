@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -231,6 +232,18 @@ class _Reader:
             return None
         return value
 
+    def objects(self, d: dict, key: str, required: set[str], optional: set[str], default: Any = ()) -> Iterator[tuple[str, dict]]:
+        """The objects of list field ``key`` of ``d``, each with its path; problems are recorded."""
+        raw = d.get(key, default)
+        if not isinstance(raw, list):
+            self.fail(key, "expected a list of objects")
+            return
+        for i, item in enumerate(raw):
+            path = f"{key}[{i}]"
+            obj = self.obj(item, path, required, optional)
+            if obj is not None:
+                yield path, obj
+
     def str_list(self, value: Any, path: str) -> list[str]:
         if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
             self.fail(path, "expected a list of strings")
@@ -269,15 +282,7 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
         r.fail("world_size", f"expected a positive integer, got {world_size}")
 
     units: list[UnitPlan] = []
-    raw_units = d.get("units")
-    if not isinstance(raw_units, list):
-        r.fail("units", "expected a list of unit objects")
-        raw_units = []
-    for i, u in enumerate(raw_units):
-        p = f"units[{i}]"
-        uo = r.obj(u, p, {"name", "params"}, {"placement", "residency"})
-        if uo is None:
-            continue
+    for p, uo in r.objects(d, "units", {"name", "params"}, {"placement", "residency"}, default=None):
         units.append(
             UnitPlan(
                 name=r.typed(uo.get("name"), f"{p}.name", str, "a string") or "",
@@ -290,15 +295,7 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
         )
 
     groups: list[GatherGroup] = []
-    raw_groups = d.get("gather_groups", [])
-    if not isinstance(raw_groups, list):
-        r.fail("gather_groups", "expected a list")
-        raw_groups = []
-    for i, g in enumerate(raw_groups):
-        p = f"gather_groups[{i}]"
-        go = r.obj(g, p, {"units"}, {"prefetch"})
-        if go is None:
-            continue
+    for p, go in r.objects(d, "gather_groups", {"units"}, {"prefetch"}):
         pf = go.get("prefetch", {"forward": 1, "backward": 1})
         pfo = r.obj(pf, f"{p}.prefetch", set(), {"forward", "backward"}) or {}
         groups.append(
@@ -312,15 +309,7 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
         )
 
     buckets: list[Bucket] = []
-    raw_buckets = d.get("buckets", [])
-    if not isinstance(raw_buckets, list):
-        r.fail("buckets", "expected a list")
-        raw_buckets = []
-    for i, b in enumerate(raw_buckets):
-        p = f"buckets[{i}]"
-        bo = r.obj(b, p, {"params"}, {"op", "nbytes"})
-        if bo is None:
-            continue
+    for p, bo in r.objects(d, "buckets", {"params"}, {"op", "nbytes"}):
         nb = bo.get("nbytes")
         if nb is not None:
             nb = r.typed(nb, f"{p}.nbytes", int, "an integer number of bytes or null")
@@ -333,15 +322,7 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
         )
 
     offload: list[OffloadFragment] = []
-    raw_off = d.get("offload", [])
-    if not isinstance(raw_off, list):
-        r.fail("offload", "expected a list")
-        raw_off = []
-    for i, o in enumerate(raw_off):
-        p = f"offload[{i}]"
-        oo = r.obj(o, p, {"param", "state", "fragment"}, {"out_after", "back_from"})
-        if oo is None:
-            continue
+    for p, oo in r.objects(d, "offload", {"param", "state", "fragment"}, {"out_after", "back_from"}):
         frag = oo.get("fragment")
         if not (
             isinstance(frag, list)

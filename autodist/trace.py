@@ -16,7 +16,6 @@ In backward, time from one unit's backward start to the next belongs to the firs
 from __future__ import annotations
 
 import contextlib
-import copy
 import statistics
 import time
 from collections.abc import Callable, Iterator

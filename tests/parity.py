@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 import models
 from autodist import AutoDist, MixedPrecision
 from autodist.plan import Bucket, GatherGroup, Plan, Prefetch, UnitPlan
-from autodist.sched.seeds import block_groups, builtin_plan
+from autodist.sched.seeds import block_groups
 from autodist.structure import discover
 
 

@@ -8,7 +8,6 @@ import textwrap
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import models
 from autodist import AutoDist

@@ -11,7 +11,7 @@ from torch import nn
 from autodist.cost.comm import CommModel, OpModel, Piece
 from autodist.cost.profile import OptimizerProfile, Profile, UnitProfile
 from autodist.cost.simulator import Simulator
-from autodist.sched.search import SearchConfig, Searcher
+from autodist.sched.search import Searcher
 from autodist.sched.space import Genome, PlanSpace
 from autodist.structure import discover
 

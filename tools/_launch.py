@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -16,6 +20,29 @@ def relaunch(script: str, nproc: int, args: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", **MALLOC_ENV)
     return subprocess.run(cmd, env=env).returncode
+
+
+def run_tool(script: str, nproc: int, worker_args: list[str], table: Callable[[dict], str], json_path: str | None,
+             extra: Callable[[dict, str], None] | None = None) -> int:
+    """The parent side of a tool: run ``script --worker --out F worker_args`` on ``nproc`` ranks
+    (``worker_args`` may name ``{tmp}``, a scratch folder), read the JSON the workers wrote to F,
+    let ``extra`` add to it, print ``table`` of it and save it to ``json_path`` when given."""
+    name = os.path.basename(script).removesuffix(".py")
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "result.json")
+        rc = relaunch(os.path.abspath(script), nproc, ["--worker", "--out", out, *(a.replace("{tmp}", d) for a in worker_args)])
+        if rc != 0:
+            print(f"{name}: the ranks failed (exit code {rc})", file=sys.stderr)
+            return rc
+        with open(out) as f:
+            payload: dict[str, Any] = json.load(f)
+    if extra is not None:
+        extra(payload, name)
+    print(table(payload))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(payload, f, indent=1)
+    return 0
 
 
 def max_over_ranks(x: float) -> float:

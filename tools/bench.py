@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _launch import max_over_ranks, relaunch  # noqa: E402
+from _launch import max_over_ranks, run_tool  # noqa: E402
 
 from autodist import AutoDist  # noqa: E402
 from autodist.cost.budget import format_bytes  # noqa: E402
@@ -366,34 +365,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "result.json")
-        worker_args = [
-            "--worker", "--out", out,
-            "--models", ",".join(args.models), "--contenders", ",".join(args.contenders),
-            "--steps", str(args.steps), "--warmup", str(args.warmup), "--passes", str(args.passes),
-            "--size", args.size, "--grid-passes", str(args.grid_passes), "--cache-dir", args.cache_dir or os.path.join(d, "cache"),
-        ]
-        if args.fsdp_grid:
-            worker_args.append("--fsdp-grid")
-        if args.batch is not None:
-            worker_args += ["--batch", str(args.batch)]
-        if args.memory_limit is not None:
-            worker_args += ["--memory-limit", args.memory_limit]
-        t0 = time.time()
-        returncode = relaunch(os.path.abspath(__file__), args.nproc, worker_args)
-        if returncode != 0:
-            print(f"bench: the ranks failed (exit code {returncode})", file=sys.stderr)
-            return returncode
-        with open(out) as f:
-            payload = json.load(f)
-    payload["wall_seconds"] = time.time() - t0
-    payload["command"] = "python tools/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(table(payload))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=1)
-    return 0
+    worker_args = [
+        "--models", ",".join(args.models), "--contenders", ",".join(args.contenders),
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--passes", str(args.passes),
+        "--size", args.size, "--grid-passes", str(args.grid_passes), "--cache-dir", args.cache_dir or os.path.join("{tmp}", "cache"),
+    ]
+    if args.fsdp_grid:
+        worker_args.append("--fsdp-grid")
+    if args.batch is not None:
+        worker_args += ["--batch", str(args.batch)]
+    if args.memory_limit is not None:
+        worker_args += ["--memory-limit", args.memory_limit]
+    t0 = time.time()
+
+    def stamp(payload: dict, _name: str) -> None:
+        payload["wall_seconds"] = time.time() - t0
+        payload["command"] = "python tools/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+
+    return run_tool(__file__, args.nproc, worker_args, table, args.json, extra=stamp)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -30,7 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _launch import max_over_ranks, relaunch  # noqa: E402
+from _launch import max_over_ranks, run_tool  # noqa: E402
 
 from autodist import AutoDist  # noqa: E402
 from autodist.cost.comm import sweep  # noqa: E402
@@ -215,25 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "simcheck.json")
-        wargs = ["--worker", "--out", out, "--model", args.model, "--plans", str(args.plans), "--steps", str(args.steps),
-                 "--warmup", str(args.warmup), "--size", args.size, "--seed", str(args.seed)]
-        if args.batch is not None:
-            wargs += ["--batch", str(args.batch)]
-        if args.trace_dir:
-            wargs += ["--trace-dir", os.path.abspath(args.trace_dir)]
-        rc = relaunch(os.path.abspath(__file__), args.nproc, wargs)
-        if rc != 0:
-            print(f"simcheck: the ranks failed (exit code {rc})", file=sys.stderr)
-            return rc
-        with open(out) as f:
-            payload = json.load(f)
-    print(table(payload))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=1)
-    return 0
+    wargs = ["--model", args.model, "--plans", str(args.plans), "--steps", str(args.steps),
+             "--warmup", str(args.warmup), "--size", args.size, "--seed", str(args.seed)]
+    if args.batch is not None:
+        wargs += ["--batch", str(args.batch)]
+    if args.trace_dir:
+        wargs += ["--trace-dir", os.path.abspath(args.trace_dir)]
+    return run_tool(__file__, args.nproc, wargs, table, args.json)
 
 
 if __name__ == "__main__":

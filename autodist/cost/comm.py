@@ -18,8 +18,6 @@ reduce-scatter, the buffer for all-reduce, the copied bytes for copies.
 from __future__ import annotations
 
 import json
-import math
-import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field

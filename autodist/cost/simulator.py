@@ -25,7 +25,6 @@ waiting for their bucket, reduction inputs (launch to wait), and each segment's 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -312,7 +311,6 @@ class Simulator:
                 emit((_MEM, -grp.full_bytes))
                 grp.state = "sharded"
 
-        inflight: list[_Bucket] = []
         launched = [0]
         finished = [0]
 

@@ -512,7 +512,6 @@ class Engine:
         def post_forward(module: nn.Module, args: tuple, output: object) -> None:
             for attr, mp in site.swaps:
                 module._parameters[attr] = mp.visible
-            step = self._step
             for g in site.groups:
                 g.active -= 1
                 if site.unit is not None and self.group_last_unit.get(g.index) == site.unit:
