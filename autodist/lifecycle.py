@@ -40,7 +40,7 @@ from .errors import AutoDistError, BudgetError
 from .plan import SCHEMA_VERSION, Plan
 from .sched.search import SearchConfig, Searcher, SearchResult
 from .sched.space import PlanSpace
-from .trace import UnitTracer, _attribute, _Clock, _Pass, profile_model
+from .trace import UnitTracer, _attribute, _Clock, _Pass, float_output_bytes, loss_fields, profile_model
 
 PROFILE_STEPS = 3  # transparent profiling: the first step warms up, the next ones are measured
 
@@ -100,6 +100,7 @@ class AutoPlanner:
         self._opt_samples: list[tuple[str, float, int, int, int]] = []
         self._opt_handles: list[Any] = []
         self._sig = ""
+        self._out_fp32 = 0  # float32 bytes of the outputs of the last recorded forward
 
     # ---- keys ------------------------------------------------------------------------------
     def _machine(self) -> dict[str, Any]:
@@ -364,9 +365,11 @@ class AutoPlanner:
     def forward_context(self) -> Any:
         return self._tracer.saving()
 
-    def forward_end(self) -> None:
+    def forward_end(self, out: Any) -> None:
         if self._pass is not None:
             self._marks["fwd"] = self._tracer.clock.mark()
+            # the loss runs in the user's code, outside what is recorded: it is sized from the outputs
+            self._out_fp32 = float_output_bytes(out)
 
     def backward_end(self) -> None:
         if self._pass is not None and "fwd" in self._marks:
@@ -470,6 +473,7 @@ class AutoPlanner:
             optimizer=opt,
             site_after=dict(self._tracer.site_after),
             meta={"source": "first training steps", "steps": len(measured), "torch": torch.__version__},
+            **loss_fields(0, (0, 0), self._out_fp32, "estimated"),
         )
 
     def _switch(self, plan: Plan) -> None:

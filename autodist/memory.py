@@ -119,16 +119,31 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def measure_step_peak(step: Callable[[], None], device: torch.device, live: Iterable[torch.Tensor] = ()) -> int:
-    """Peak tensor bytes during ``step()``: on CUDA the allocator's peak; on CPU the bytes of the
-    ``live`` tensors held when the step starts plus the profiler's running total of what the step
-    allocates and frees (the CPU allocator keeps no statistics)."""
+def measure_step_peak(step: Callable[[], None], device: torch.device, live: Callable[[], Iterable[torch.Tensor]]) -> int:
+    """Peak tensor bytes during a training step. CUDA: the allocator's peak over one ``step()``.
+    CPU (the allocator keeps no statistics): ``step()`` runs twice under the profiler's memory
+    tracking, and the second is measured — the bytes of the ``live()`` tensors held when it starts
+    plus the running total of what it allocates and frees. The first step is there because the
+    profiler cannot see the free of a block allocated before it started (a gradient buffer or an
+    offloaded state released early in the step would otherwise look still held)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         step()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device)
-    start = storage_bytes(live)
-    mem, _ = trace_cpu_memory(step)
-    return start + max((m for _, m in mem), default=0)
+    label = "autodist::mark(measured step)"
+    start = [0]
+
+    def two_steps() -> None:
+        step()
+        start[0] = storage_bytes(live())
+        with torch.profiler.record_function(label):
+            pass
+        step()
+
+    mem, marks = trace_cpu_memory(two_steps)
+    t = marks[label]
+    before = [m for ts, m in mem if ts <= t]
+    base = before[-1] if before else 0
+    return start[0] + max((m - base for ts, m in mem if ts > t), default=0)

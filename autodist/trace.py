@@ -28,7 +28,7 @@ from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
-from .cost.profile import OptimizerProfile, Profile, UnitProfile
+from .cost.profile import OptimizerProfile, Profile, UnitProfile, estimated_loss_memory
 from .structure import ModelStructure
 
 
@@ -51,6 +51,14 @@ class _Clock:
             torch.cuda.synchronize()
             return a.elapsed_time(b) / 1e3
         return b - a
+
+
+LOSS = "(loss)"  # the owner of what the loss saves, in ``_Pass.saved``
+
+
+def float_output_bytes(out: object) -> int:
+    """Bytes, in float32, of the floating-point outputs a loss would differentiate."""
+    return sum(t.numel() * 4 for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad)
 
 
 def _tensor_bytes(tree: object) -> int:
@@ -186,6 +194,10 @@ class UnitTracer:
     def stop(self) -> None:
         self._pass = None
 
+    def begin_loss(self) -> None:
+        """The model's forward returned: what is saved from now on is the loss's."""
+        self._stack, self._last = [], LOSS
+
     def saving(self) -> Any:
         """Context to wrap a forward in: counts the tensors saved for backward."""
         return saved_tensors_hooks(self._pack, lambda x: x)
@@ -288,9 +300,14 @@ def _attribute(pass_: _Pass, clock: _Clock, t0: Any, t_fwd_end: Any, t_bwd_end: 
 
 
 def _memory_peaks(
-    module: nn.Module, structure: ModelStructure, run: Callable[[], None], device: torch.device
+    module: nn.Module,
+    structure: ModelStructure,
+    forward: Callable[[], Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+    device: torch.device,
 ) -> dict[str, tuple[int, int]]:
-    """Per unit: (forward, backward) transient peak above the live bytes at the segment's start.
+    """Per unit: (forward, backward) transient peak above the live bytes at the segment's start;
+    under the key ``LOSS``, the same for the loss (its forward; its backward up to the first unit's).
 
     CUDA: the caching allocator's counters, reset at every unit boundary. CPU: one pass under the
     torch profiler's memory tracking, segments delimited by zero-length ``record_function`` marks
@@ -335,6 +352,16 @@ def _memory_peaks(
         sub = module.get_submodule(uinfo.module_name)
         handles.append(sub.register_forward_pre_hook(pre_fwd(uinfo.name)))
         handles.append(sub.register_forward_hook(post_fwd(uinfo.name), always_call=True))
+    def run() -> None:
+        out = forward()
+        mark("fwd", LOSS)
+        loss = loss_fn(out)
+        del out
+        mark("bwd", LOSS)
+        loss.backward()
+        for q in module.parameters():
+            q.grad = None
+
     peaks: dict[str, list[int]] = {}
     try:
         if cuda:
@@ -397,26 +424,24 @@ def profile_model(
     clock = _Clock(device)
     unit_names = [u.name for u in structure.units]
     tracer = UnitTracer(module, structure, clock)
+    loss_source = "measured" if loss_fn is not None else "estimated"
     loss_fn = loss_fn or _surrogate_loss
     results = []
     last: _Pass | None = None
-
-    def one_pass() -> None:
-        loss = loss_fn(module(*inputs))
-        loss.backward()
-        for q in module.parameters():
-            q.grad = None
+    out_fp32 = 0
 
     try:
         with _preserved(module, device):
-            peaks = _memory_peaks(module, structure, one_pass, device) if memory else {}
+            peaks = _memory_peaks(module, structure, lambda: module(*inputs), loss_fn, device) if memory else {}
             for it in range(warmup + repeats):
                 p = _Pass()
                 with tracer.recording(p):
                     t0 = clock.mark()
                     out = module(*inputs)
+                    tracer.begin_loss()
                     loss = loss_fn(out)
                     t_fwd = clock.mark()
+                out_fp32 = float_output_bytes(out)
                 del out
                 with tracer.recording(p):
                     loss.backward()
@@ -466,7 +491,18 @@ def profile_model(
         optimizer=optimizer,
         site_after=dict(tracer.site_after),
         meta={"warmup": warmup, "repeats": repeats, "torch": torch.__version__},
+        **loss_fields(last.saved.get(LOSS, 0), peaks.get(LOSS, (0, 0)), out_fp32, loss_source),
     )
+
+
+def loss_fields(saved: int, peaks: tuple[int, int], out_fp32: int, source: str) -> dict[str, Any]:
+    """The profile's loss fields: as measured, or (``source == "estimated"``: a surrogate loss ran,
+    the user's is unknown) at least the estimate for a cross-entropy on the outputs."""
+    act, fwd_peak, bwd_peak = saved, peaks[0], peaks[1]
+    if source == "estimated":
+        est = estimated_loss_memory(out_fp32)
+        act, fwd_peak, bwd_peak = max(act, est[0]), max(fwd_peak, est[1]), max(bwd_peak, est[2])
+    return {"loss_act_bytes": act, "loss_fwd_peak_bytes": fwd_peak, "loss_bwd_peak_bytes": bwd_peak, "loss_source": source}
 
 
 def estimate_optimizer(device: torch.device, kind: str = "Adam") -> OptimizerProfile:

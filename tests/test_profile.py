@@ -22,6 +22,28 @@ def test_activation_bytes_match_a_direct_count():
     assert {u.name: u.out_bytes for u in prof.units} == {"0": n * 32 * 4, "2": n * 8 * 4}
 
 
+def test_loss_memory_is_measured_when_the_loss_is_known_and_estimated_when_not():
+    torch.manual_seed(0)
+    n, c = 8, 512
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, c))
+    x, y = torch.randn(n, 16), torch.randint(0, c, (n,))
+    logits = n * c * 4
+    known = profile_model(
+        model, discover(model), (x,), device=CPU, repeats=1, loss_fn=lambda out: nn.functional.cross_entropy(out, y)
+    )
+    # cross_entropy saves its log-softmax (n x c floats), the targets (n int64) and nll_loss's
+    # total weight (one float)
+    assert known.loss_source == "measured"
+    assert known.loss_act_bytes == logits + n * 8 + 4
+    # its backward holds the gradients of the log-softmax and of the logits at once
+    assert known.loss_bwd_peak_bytes >= 2 * logits
+    # the units did not absorb the loss
+    assert {u.name: u.act_bytes for u in known.units} == {"0": n * 16 * 4, "1": n * 32 * 4}
+    guessed = profile_model(model, discover(model), (x,), device=CPU, repeats=1)
+    assert guessed.loss_source == "estimated"
+    assert (guessed.loss_act_bytes, guessed.loss_bwd_peak_bytes) == (logits, 2 * logits)
+
+
 class _Reordered(nn.Module):
     """Registration order (a, b) differs from forward order (b, a)."""
 

@@ -143,6 +143,22 @@ def test_replicated_plan_all_reduces_one_bucket():
     assert r.peak_bytes == 8208
 
 
+def test_the_loss_holds_its_saved_bytes_until_its_backward_and_peaks_there():
+    import dataclasses
+
+    plan = Plan(
+        world_size=2,
+        units=[UnitPlan("u0", ["u0.w"]), UnitPlan("u1", ["u1.w"])],
+        buckets=[Bucket(["u1.w", "u0.w"], "all_reduce")],
+    )
+    prof = dataclasses.replace(PROFILE, loss_act_bytes=300, loss_fwd_peak_bytes=50, loss_bwd_peak_bytes=600)
+    r = Simulator(prof, STRUCTURE, COMM, world_size=2).run(plan, record=True)
+    # static 8008 + both activations 200 + the loss's 300 saved = 8508, + its backward's 600 = 9108
+    # (the loss forward's 50 comes before its saved bytes: 8258, not the peak)
+    assert r.peak_bytes == 9108
+    assert r.step_s == pytest.approx(64 * MS)  # memory only: no time was added
+
+
 def test_infeasible_plan_is_flagged():
     assert not _sharded(budget=6000).feasible  # peak 6024
     assert _sharded(budget=7000).feasible

@@ -138,8 +138,11 @@ def worker(args: argparse.Namespace) -> None:
                 tl.to_chrome_trace(sim_tl, os.path.join(args.trace_dir, f"{name}.simulated.trace.json"))
                 tl.to_png(sim_tl, os.path.join(args.trace_dir, f"{name}.simulated.png"))
                 tl.to_png(measured_tl, os.path.join(args.trace_dir, f"{name}.measured.png"))
-        live = list(model.runtime.held_tensors()) + [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
-        live += [p.grad for p in model.parameters() if p.grad is not None] + [xm, ym]
+
+        def live() -> list[torch.Tensor]:
+            held = list(model.runtime.held_tensors()) + [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
+            return held + [p.grad for p in model.parameters() if p.grad is not None] + [xm, ym]
+
         peak = int(max_over_ranks(measure_step_peak(lambda: step(xm, ym), device, live)))
         model.close()
         del model, opt

@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PROFILE_SCHEMA_VERSION = 1
+PROFILE_SCHEMA_VERSION = 2
 
 
 @dataclass
@@ -65,6 +65,15 @@ class Profile:
     device: str = "cpu"
     optimizer: OptimizerProfile = field(default_factory=OptimizerProfile)
     site_after: dict[str, str] = field(default_factory=dict)  # module reusing others' params -> unit it follows
+    # The loss (everything between the model's forward and the first unit's backward): bytes it
+    # saves for backward, and the transient peaks of its forward and backward above what was live.
+    # ``loss_source`` "measured" (the real loss ran) or "estimated" (profiled with a surrogate loss
+    # at wrap time: sized as a cross-entropy on the model's floating-point outputs, see
+    # :func:`estimated_loss_memory`).
+    loss_act_bytes: int = 0
+    loss_fwd_peak_bytes: int = 0
+    loss_bwd_peak_bytes: int = 0
+    loss_source: str = "measured"
     meta: dict[str, Any] = field(default_factory=dict)
     schema_version: int = PROFILE_SCHEMA_VERSION
 
@@ -99,6 +108,15 @@ class Profile:
         return cls.from_dict(json.loads(text))
 
 
+def estimated_loss_memory(output_fp32_bytes: int) -> tuple[int, int, int]:
+    """(saved, forward peak, backward peak) bytes of a loss AutoDist has not seen, sized as
+    ``cross_entropy`` on outputs of ``output_fp32_bytes`` bytes in float32 (the common and the
+    largest case: logits): it saves its log-softmax (1x) and its backward holds the gradients of
+    the log-softmax and of the logits at once (2x). A smaller loss (a mean, MSE on a few outputs)
+    only makes the estimate cautious."""
+    return output_fp32_bytes, 0, 2 * output_fp32_bytes
+
+
 def slowest(profiles: list[Profile]) -> Profile:
     """One profile for all ranks: each time and size the largest any rank measured (the slowest
     rank sets the step time). Orders come from the first."""
@@ -114,7 +132,9 @@ def slowest(profiles: list[Profile]) -> Profile:
             u.act_bytes = max(u.act_bytes, o.act_bytes)
             u.fwd_peak_bytes = max(u.fwd_peak_bytes, o.fwd_peak_bytes)
             u.bwd_peak_bytes = max(u.bwd_peak_bytes, o.bwd_peak_bytes)
-        for key in ("pre_fwd_s", "post_fwd_s", "pre_bwd_s", "post_bwd_s"):
+        for key in (
+            "pre_fwd_s", "post_fwd_s", "pre_bwd_s", "post_bwd_s", "loss_act_bytes", "loss_fwd_peak_bytes", "loss_bwd_peak_bytes",
+        ):
             setattr(out, key, max(getattr(out, key), getattr(other, key)))
         out.optimizer.per_byte_s = max(out.optimizer.per_byte_s, other.optimizer.per_byte_s)
         out.optimizer.per_tensor_s = max(out.optimizer.per_tensor_s, other.optimizer.per_tensor_s)

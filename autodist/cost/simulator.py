@@ -526,9 +526,11 @@ class Simulator:
         for grp in groups:
             if grp.residency == "after_forward":
                 free(grp)
-        emit((_C, prof.post_fwd_s, "loss", 0))
+        emit((_C, prof.post_fwd_s, "loss", prof.loss_fwd_peak_bytes))
+        emit((_MEM, prof.loss_act_bytes))
         # backward
-        emit((_C, prof.pre_bwd_s, "loss backward", 0))
+        emit((_C, prof.pre_bwd_s, "loss backward", prof.loss_bwd_peak_bytes))
+        emit((_MEM, -prof.loss_act_bytes))
         bcursor = [0]
         fire(bwd_sched, bcursor, -1)
         for u in rev:
@@ -662,6 +664,8 @@ class Simulator:
             elif code == _C:
                 dur = ins[1]
                 if dur <= 0:
+                    if ins[3]:  # a transient of no measurable duration still counts for the peak
+                        mem_log.extend(((t, ins[3]), (t, -ins[3])))
                     continue
                 compute_total += dur
                 seg_start = t

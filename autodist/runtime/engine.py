@@ -410,7 +410,7 @@ class Engine:
         if self.observer is not None:
             with self.observer.forward_context():
                 out = self.module(*args, **kwargs)
-            self.observer.forward_end()
+            self.observer.forward_end(out)
         else:
             out = self.module(*args, **kwargs)
         self._end_forward(out)
