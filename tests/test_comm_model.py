@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -44,3 +45,20 @@ def test_sweep_is_fast_identical_on_every_rank_and_fits_its_samples(world2):
     assert results[0][2] < 30  # seconds, not minutes
     assert model.compute_slowdown >= 1.0 and model.comm_slowdown >= 1.0
     assert json.loads(texts[0])["transient"]["all_gather"] > 0  # gloo stages all-gather output
+
+
+def test_contention_is_interpolated_in_log_size_between_measured_sizes():
+    from autodist.cost.comm import OpModel, Piece
+
+    flat = OpModel(Piece(0.0, 1e-3), Piece(0.0, 1e-3), float("inf"))
+    m = CommModel(
+        "gloo", 2, "cpu", {"all_gather": flat}, compute_slowdown=1.5, comm_slowdown=1.25,
+        contention={"all_gather": [[1 << 20, 2.0, 3.0], [16 << 20, 1.0, 1.5]]},
+    )
+    assert m.slowdowns("all_gather", 1 << 10) == (2.0, 3.0)  # below the smallest: the smallest
+    assert m.slowdowns("all_gather", 64 << 20) == (1.0, 1.5)  # above the largest: the largest
+    assert m.slowdowns("all_gather") == (1.0, 1.5)
+    # 4 MiB is halfway between 1 and 16 MiB in log size
+    assert m.slowdowns("all_gather", 4 << 20) == pytest.approx((1.5, 2.25))
+    assert m.slowdowns("reduce_scatter", 4 << 20) == (1.5, 1.25)  # not measured: the global factors
+    assert CommModel.from_json(m.to_json()).slowdowns("all_gather", 4 << 20) == pytest.approx((1.5, 2.25))

@@ -18,6 +18,7 @@ reduce-scatter, the buffer for all-reduce, the copied bytes for copies.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "h2d", "d2h")
-COMM_SCHEMA_VERSION = 1
+COMM_SCHEMA_VERSION = 2
 
 
 @dataclass
@@ -60,17 +61,30 @@ class CommModel:
     ops: dict[str, OpModel]
     compute_slowdown: float = 1.0  # compute runs this many times longer while a collective runs
     comm_slowdown: float = 1.0  # a collective runs this many times longer while compute runs
-    # per collective kind: [compute slowdown while it runs, its slowdown while compute runs]
-    contention: dict[str, list[float]] = field(default_factory=dict)
+    # per collective kind, by message size: [[bytes, compute slowdown while it runs, its slowdown
+    # while compute runs], ...] in increasing size (see _contention)
+    contention: dict[str, list[list[float]]] = field(default_factory=dict)
     transient: dict[str, float] = field(default_factory=dict)  # extra bytes per message byte
     overhead: dict[str, float] = field(default_factory=dict)  # the runtime's own costs (cost/overhead.py)
     meta: dict[str, Any] = field(default_factory=dict)
     schema_version: int = COMM_SCHEMA_VERSION
 
-    def slowdowns(self, op: str) -> tuple[float, float]:
-        """(compute slowdown while ``op`` runs, ``op``'s slowdown while compute runs)."""
-        c = self.contention.get(op)
-        return (c[0], c[1]) if c else (self.compute_slowdown, self.comm_slowdown)
+    def slowdowns(self, op: str, nbytes: float | None = None) -> tuple[float, float]:
+        """(compute slowdown while ``op`` of ``nbytes`` runs, ``op``'s slowdown while compute runs):
+        interpolated in log size between the measured sizes, the nearest outside them; the
+        largest measured size when ``nbytes`` is None."""
+        rows = self.contention.get(op)
+        if not rows:
+            return self.compute_slowdown, self.comm_slowdown
+        if nbytes is None or nbytes >= rows[-1][0]:
+            return rows[-1][1], rows[-1][2]
+        if nbytes <= rows[0][0]:
+            return rows[0][1], rows[0][2]
+        for lo, hi in zip(rows, rows[1:]):
+            if nbytes <= hi[0]:
+                f = (math.log(nbytes) - math.log(lo[0])) / (math.log(hi[0]) - math.log(lo[0]))
+                return lo[1] + f * (hi[1] - lo[1]), lo[2] + f * (hi[2] - lo[2])
+        return rows[-1][1], rows[-1][2]  # pragma: no cover - the loop always returns
 
     def memcpy(self, nbytes: float) -> float:
         """A copy of ``nbytes`` within device memory (on the CPU: host memory bandwidth)."""
@@ -321,13 +335,20 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig = Swe
     samples: dict[str, list[tuple[float, float]]] = {}
     for (op, nb), t in zip(names, times):
         samples.setdefault(op, []).append((float(nb), t))
+    for op, pts in samples.items():
+        # A message is never cheaper than a smaller one of the same kind: a sample slower than a
+        # larger message's was disturbed (seen on 2 cores: a 16 KiB reduce-scatter at 1.5x the
+        # 64 KiB one), and is capped at the larger one's time before fitting.
+        pts.sort()
+        for i in range(len(pts) - 2, -1, -1):
+            pts[i] = (pts[i][0], min(pts[i][1], pts[i + 1][1]))
     ops = {op: fit_op(pts) for op, pts in samples.items()}
     if world == 1:
         zero = OpModel(Piece(0.0, 0.0), Piece(0.0, 0.0), float("inf"))
         for op in ("all_reduce", "all_gather", "reduce_scatter"):
             ops[op] = zero
-    contention = _contention(comm, group, device) if world > 1 else {}
-    slow_compute, slow_comm = contention.get("all_reduce", (1.0, 1.0))
+    contention = _contention(comm, group, device, ops) if world > 1 else {}
+    slow_compute, slow_comm = contention["all_reduce"][-1][1:] if contention else (1.0, 1.0)
     transient = _transient_bytes(comm, device) if world > 1 else {}
     from .overhead import measure_runtime_overhead
 
@@ -339,7 +360,7 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig = Swe
         ops=ops,
         compute_slowdown=slow_compute,
         comm_slowdown=slow_comm,
-        contention={k: list(v) for k, v in contention.items()},
+        contention=contention,
         transient=transient,
         overhead=overhead,
         meta={"sweep_seconds": time.perf_counter() - t_start, "torch": torch.__version__},
@@ -350,13 +371,23 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig = Swe
     return box[0]
 
 
-def _contention(comm: Any, group: dist.ProcessGroup, device: torch.device) -> dict[str, tuple[float, float]]:
-    """Per collective kind: (compute slowdown while it runs, its slowdown while compute runs).
+CONTENTION_SIZES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)  # message bytes the contention is measured at
 
-    Each is measured under full overlap: a train of 16 MiB collectives runs while the compute
-    thread keeps computing until every one of them has completed; compared with each alone. Kinds
-    differ: gloo runs a reduce-scatter as several concurrent all-reduces on its worker threads, which
-    contend harder with compute on a small host.
+
+def _contention(
+    comm: Any, group: dist.ProcessGroup, device: torch.device, ops: dict[str, OpModel]
+) -> dict[str, list[list[float]]]:
+    """Per collective kind and message size: [bytes, compute slowdown while it runs, its slowdown
+    while compute runs].
+
+    Each is measured under full overlap: a train of collectives runs, one at a time as the
+    runtime's queue runs them, while the compute thread keeps computing until every one of them
+    has completed; compared with the fitted time of one alone (``ops``: the simulator's base time,
+    so that base x slowdown reproduces what was measured). Kinds differ (gloo runs a reduce-scatter as several
+    concurrent all-reduces on its worker threads, which contend harder with compute on a small
+    host), and so do sizes: a small message waits for the backend's threads to be scheduled at
+    every round trip, so it is slowed more, and a large one competes with compute for memory
+    bandwidth (on 2 cores: ~2-3x at 1-4 MiB, ~1.5x at 16 MiB, 3-5x at 64 MiB).
     """
     a = torch.randn(384, 384, device=device)
     b = torch.randn(384, 384, device=device)
@@ -374,44 +405,44 @@ def _contention(comm: Any, group: dist.ProcessGroup, device: torch.device) -> di
         return n / (time.perf_counter() - t0)
 
     world = comm.world_size
-    n_el = (4 << 20) // world * world  # 16 MiB messages
-    buf = torch.zeros(n_el, device=device)
-    shard = torch.zeros(n_el // world, device=device)
-    out = torch.empty(n_el, device=device)
-    kinds = {
-        "all_reduce": lambda: comm.all_reduce(buf, "sweep"),
-        "all_gather": lambda: comm.all_gather(out, shard, "sweep"),
-        "reduce_scatter": lambda: comm.reduce_scatter(shard, buf, "sweep"),
-    }
     dist.barrier(group=group)
     alone = rate(0.05)
-    values = []
-    for issue in kinds.values():
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        for _ in range(2):
-            issue().wait()
-        t_op = (time.perf_counter() - t0) / 2
-        k = 6
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        n = 0
-        pending = []
-        # one at a time, as the runtime's queue runs them; compute never stops meanwhile
-        for _ in range(k):
-            w = issue()
-            done = threading.Event()  # gloo's reduce-scatter reports completion only to wait()
-            waiter = threading.Thread(target=lambda w=w: (w.wait(), done.set()), daemon=True)
-            waiter.start()
-            while not done.is_set():
-                one()
-                n += 1
-            waiter.join()
-            pending.append(w)
-        t_busy = time.perf_counter() - t0
-        values += [max(1.0, alone / max(n / t_busy, 1e-9)) if n else 1.0, max(1.0, t_busy / (k * t_op))]
+    values: list[float] = []
+    keys: list[tuple[str, int]] = []
+    for size in CONTENTION_SIZES:
+        n_el = size // 4 // world * world
+        buf = torch.zeros(n_el, device=device)
+        shard = torch.zeros(n_el // world, device=device)
+        out = torch.empty(n_el, device=device)
+        kinds = {
+            "all_reduce": lambda buf=buf: comm.all_reduce(buf, "sweep"),
+            "all_gather": lambda out=out, shard=shard: comm.all_gather(out, shard, "sweep"),
+            "reduce_scatter": lambda buf=buf, shard=shard: comm.reduce_scatter(shard, buf, "sweep"),
+        }
+        k = max(3, (96 << 20) // size // 4)  # more of the small ones
+        for kind, issue in kinds.items():
+            t_op = ops[kind](n_el * 4)
+            issue().wait()  # wake the backend's threads
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            n = 0
+            for _ in range(k):
+                w = issue()
+                done = threading.Event()  # gloo's reduce-scatter reports completion only to wait()
+                waiter = threading.Thread(target=lambda w=w, done=done: (w.wait(), done.set()), daemon=True)
+                waiter.start()
+                while not done.is_set():
+                    one()
+                    n += 1
+                waiter.join()
+            t_busy = time.perf_counter() - t0
+            values += [max(1.0, alone / max(n / t_busy, 1e-9)) if n else 1.0, max(1.0, t_busy / (k * t_op))]
+            keys.append((kind, n_el * 4))
     values = _max_over_ranks(values, group, device)
-    return {kind: (values[2 * i], values[2 * i + 1]) for i, kind in enumerate(kinds)}
+    out_rows: dict[str, list[list[float]]] = {}
+    for i, (kind, nbytes) in enumerate(keys):
+        out_rows.setdefault(kind, []).append([float(nbytes), values[2 * i], values[2 * i + 1]])
+    return out_rows
 
 
 def _transient_bytes(comm: Any, device: torch.device) -> dict[str, float]:

@@ -600,10 +600,10 @@ class Simulator:
 
     # ------------------------------------------------------------------------------------------
     def _execute(self, prog: list[tuple], ops: list[CommOp], start_bytes: int, record: bool) -> SimResult:
-        slow = {k: self.comm.slowdowns(k) for k in ("all_gather", "all_reduce", "reduce_scatter")}
         copy_slow = (self.comm.compute_slowdown, self.comm.comm_slowdown)
-        op_rc = [slow.get(op.kind, copy_slow)[0] for op in ops]
-        op_rm = [slow.get(op.kind, copy_slow)[1] for op in ops]
+        slow = [self.comm.slowdowns(op.kind, op.nbytes) if op.stream == 0 else copy_slow for op in ops]
+        op_rc = [s[0] for s in slow]
+        op_rm = [s[1] for s in slow]
         t = 0.0
         # two background queues: 0 communication, 1 offload copies; each runs one op at a time
         queue: list[list[int]] = [[], []]
