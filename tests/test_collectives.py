@@ -60,3 +60,37 @@ def test_fused_group_issues_one_gather(world2):
     steps = world2.run(_record, {"residency": "after_forward", "grouping": "all", "buckets": "one"})[0]
     for log in steps:
         assert log == [("all_gather", "layers.0..layers.2"), ("all_gather", "layers.0..layers.2"), ("reduce_scatter", "bucket0")]
+
+
+def _profiled_steps_end_with_collectives_in_flight():
+    # A wide layer, so that the persistent refresh (8 MiB gathered) the last profiled optimizer
+    # step issues is still in flight when the profiler session ends; before the fix the backend
+    # closed its profiler record after the session and the process died with SIGSEGV.
+    from autodist import Plan
+    from autodist.plan import Bucket, GatherGroup, UnitPlan
+
+    rank = dist.get_rank()
+    net = torch.nn.Sequential(torch.nn.Linear(1024, 2048))
+    plan = Plan(
+        world_size=2,
+        units=[UnitPlan("0", ["0.weight", "0.bias"], "shard", "persistent")],
+        gather_groups=[GatherGroup(["0"])],
+        buckets=[Bucket(["0.weight", "0.bias"], "reduce_scatter")],
+    )
+    m = AutoDist(net, plan=plan)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(rank))
+    for _ in range(3):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            m(x).square().mean().backward()
+            opt.step()  # issues the refresh: in flight as the session ends
+            opt.zero_grad()
+        names = {e.name for e in prof.events()}
+        assert "autodist::all_gather(0)" in names and "autodist::reduce_scatter(bucket0)" in names
+        m(x).sum()  # waits for the refresh outside any session
+    m.close()
+    return True
+
+
+def test_profiled_steps_ending_with_collectives_in_flight_do_not_crash(world2):
+    assert world2.run(_profiled_steps_end_with_collectives_in_flight) == [True, True]
