@@ -100,12 +100,18 @@ def worker(args: argparse.Namespace) -> None:
             seen.add(g)
             genomes.append((f"random{len(genomes) - 2}", g))
     sim = Simulator(prof, structure, comm, world_size=world)
-    rows = []
+    plans, preds, sim_ms = [], [], []
     for name, genome in genomes:
-        plan = space.to_plan(genome, provenance={"source": f"simcheck:{name}"})
+        plans.append(space.to_plan(genome, provenance={"source": f"simcheck:{name}"}))
         t0 = time.perf_counter()
-        pred = sim.run(plan, record=bool(args.trace_dir))
-        sim_ms = (time.perf_counter() - t0) * 1e3
+        preds.append(sim.run(plans[-1], record=bool(args.trace_dir)))
+        sim_ms.append((time.perf_counter() - t0) * 1e3)
+    times: list[list[float]] = [[] for _ in genomes]
+    peaks: list[int] = [0] * len(genomes)
+
+    def measure(i: int, first: bool) -> None:
+        """Time ``args.steps`` steps of plan ``i``; on the first pass also its peak (and trace)."""
+        name, plan, pred = genomes[i][0], plans[i], preds[i]
         gc.collect()
         torch.manual_seed(0)
         model = AutoDist(wl.build(), plan=plan)
@@ -118,14 +124,13 @@ def worker(args: argparse.Namespace) -> None:
 
         for x, y in batches[: args.warmup]:
             step(x, y)
-        times = []
         for x, y in batches[args.warmup : args.warmup + args.steps]:
             dist.barrier()
             t0 = time.perf_counter()
             step(x, y)
-            times.append(max_over_ranks(time.perf_counter() - t0))
+            times[i].append(max_over_ranks(time.perf_counter() - t0))
         xm, ym = batches[-1]
-        if args.trace_dir:
+        if first and args.trace_dir:
             os.makedirs(args.trace_dir, exist_ok=True)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as p:
                 step(xm, ym)
@@ -138,30 +143,36 @@ def worker(args: argparse.Namespace) -> None:
                 tl.to_chrome_trace(sim_tl, os.path.join(args.trace_dir, f"{name}.simulated.trace.json"))
                 tl.to_png(sim_tl, os.path.join(args.trace_dir, f"{name}.simulated.png"))
                 tl.to_png(measured_tl, os.path.join(args.trace_dir, f"{name}.measured.png"))
+        if first:
 
-        def live() -> list[torch.Tensor]:
-            held = list(model.runtime.held_tensors()) + [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
-            return held + [p.grad for p in model.parameters() if p.grad is not None] + [xm, ym]
+            def live() -> list[torch.Tensor]:
+                held = list(model.runtime.held_tensors()) + [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
+                return held + [p.grad for p in model.parameters() if p.grad is not None] + [xm, ym]
 
-        peak = int(max_over_ranks(measure_step_peak(lambda: step(xm, ym), device, live)))
+            peaks[i] = int(max_over_ranks(measure_step_peak(lambda: step(xm, ym), device, live)))
         model.close()
-        del model, opt
-        rows.append(
-            {
-                "plan": name,
-                "predicted_step_s": pred.step_s,
-                "measured_step_s": statistics.median(times),
-                "predicted_peak_bytes": pred.peak_bytes,
-                "measured_peak_bytes": peak,
-                "simulate_ms": sim_ms,
-                "sharded_units": len(plan.sharded_units),
-                "gather_groups": len(plan.gather_groups),
-                "buckets": len(plan.buckets),
-            }
-        )
-        if rank == 0:
-            print(f"[simcheck] {args.model} {name}: predicted {pred.step_s * 1e3:.1f} ms, measured "
-                  f"{rows[-1]['measured_step_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+
+    # Passes alternate the order of the plans, so a slow drift of the host touches every plan alike.
+    for p in range(args.passes):
+        for i in range(len(genomes)) if p % 2 == 0 else reversed(range(len(genomes))):
+            measure(i, first=p == 0)
+            if rank == 0 and p == args.passes - 1:
+                print(f"[simcheck] {args.model} {genomes[i][0]}: predicted {preds[i].step_s * 1e3:.1f} ms, measured "
+                      f"{statistics.median(times[i]) * 1e3:.1f} ms", file=sys.stderr, flush=True)
+    rows = [
+        {
+            "plan": name,
+            "predicted_step_s": preds[i].step_s,
+            "measured_step_s": statistics.median(times[i]),
+            "predicted_peak_bytes": preds[i].peak_bytes,
+            "measured_peak_bytes": peaks[i],
+            "simulate_ms": sim_ms[i],
+            "sharded_units": len(plans[i].sharded_units),
+            "gather_groups": len(plans[i].gather_groups),
+            "buckets": len(plans[i].buckets),
+        }
+        for i, (name, _) in enumerate(genomes)
+    ]
     if rank == 0:
         pt = [r["predicted_step_s"] for r in rows]
         mt = [r["measured_step_s"] for r in rows]
@@ -205,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plans", type=int, default=12, help="plans to run: 3 built-in + random (default 12)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--passes", type=int, default=2, help="passes over the plans, alternating order (default 2)")
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--size", default="default", choices=["default", "tiny"])
     ap.add_argument("--seed", type=int, default=0)
@@ -218,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     wargs = ["--model", args.model, "--plans", str(args.plans), "--steps", str(args.steps),
-             "--warmup", str(args.warmup), "--size", args.size, "--seed", str(args.seed)]
+             "--warmup", str(args.warmup), "--passes", str(args.passes), "--size", args.size, "--seed", str(args.seed)]
     if args.batch is not None:
         wargs += ["--batch", str(args.batch)]
     if args.trace_dir:
