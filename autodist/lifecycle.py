@@ -240,6 +240,8 @@ class AutoPlanner:
             "beta": SearchConfig().beta, "evaluated": result.evaluated, "search_seconds": round(result.seconds, 3),
             "stopped_by": result.stopped_by, "autodist_version": __version__, "torch_version": torch.__version__,
         }
+        if result.preferred_seed:
+            result.plan.provenance["preferred_seed"] = result.preferred_seed
 
     def _budget_error(self, result: SearchResult) -> BudgetError:
         return budget_error(self.w.budget_bytes, result, self.structure)
@@ -533,4 +535,6 @@ def plan_offline(
         "search_seconds": round(result.seconds, 3), "stopped_by": result.stopped_by,
         "autodist_version": __version__, "torch_version": torch.__version__,
     }
+    if result.preferred_seed:
+        plan.provenance["preferred_seed"] = result.preferred_seed
     return plan, result, prof

@@ -11,7 +11,7 @@ from torch import nn
 from autodist.cost.comm import CommModel, OpModel, Piece
 from autodist.cost.profile import OptimizerProfile, Profile, UnitProfile
 from autodist.cost.simulator import Simulator
-from autodist.sched.search import Searcher
+from autodist.sched.search import SearchConfig, Searcher
 from autodist.sched.space import Genome, PlanSpace
 from autodist.structure import discover
 
@@ -93,9 +93,23 @@ def test_search_finds_the_brute_force_optimum(budget):
         if r.feasible:
             best = min(best, r.step_s)
     assert count > 1000  # the space really is enumerated
-    found = Searcher(_space(), Simulator(PROFILE, STRUCTURE, COMM, world_size=2, budget_bytes=budget)).run()
+    # the pure optimum of the model: no preference for a nearly-as-fast built-in seed
+    pure = SearchConfig(prefer_seed_within=0.0)
+    found = Searcher(_space(), Simulator(PROFILE, STRUCTURE, COMM, world_size=2, budget_bytes=budget), pure).run()
     assert found.result.feasible
     assert found.result.step_s == pytest.approx(best, rel=1e-12)
+
+
+def test_a_seed_within_the_margin_is_preferred_over_a_searched_plan():
+    sim = Simulator(PROFILE, STRUCTURE, COMM, world_size=2)
+    pure = Searcher(_space(), sim, SearchConfig(prefer_seed_within=0.0)).run()
+    seed_name, seed = min(((n, r) for n, r in pure.seeds.items() if n in ("ddp", "fsdp", "zero2")), key=lambda x: x[1].step_s)
+    gain = seed.step_s / pure.result.step_s - 1
+    assert gain > 0  # the search beats every seed here, by this much
+    wide = Searcher(_space(), sim, SearchConfig(prefer_seed_within=gain * 1.01)).run()
+    assert wide.preferred_seed == seed_name and wide.result.step_s == seed.step_s
+    narrow = Searcher(_space(), sim, SearchConfig(prefer_seed_within=gain * 0.99)).run()
+    assert narrow.preferred_seed is None and narrow.result.step_s == pure.result.step_s
 
 
 def test_tight_budget_forces_sharding():

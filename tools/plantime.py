@@ -2,9 +2,10 @@
 
     python tools/plantime.py            # 2 CPU ranks
 
-1. Search time: profile an MLP of N layers (N = 50, 100, 200 units) on one rank, then run the same
-   search ``plan="auto"`` runs (seeds, greedy passes, backtracking) against the measured comm model;
-   reports seconds, plans evaluated and why the search stopped.
+1. Search time: profile an MLP of N layers (N = 50, 100, 200 units) on one rank, time one
+   simulation of each seed plan (median of 20), then run the same search ``plan="auto"`` runs
+   (seeds, greedy passes, backtracking) against the measured comm model; reports seconds, plans
+   evaluated and why the search stopped.
 2. Start-up: wrapping the GPT workload with ``plan="ddp"`` vs ``plan="auto"`` when the cache already
    holds its plan (median of 3 wraps each); the difference is what a cache hit costs.
 """
@@ -50,6 +51,16 @@ def worker() -> None:
             sim = Simulator(prof, structure, comm, world_size=dist.get_world_size())
             space = PlanSpace(structure, dist.get_world_size(), [u.name for u in prof.units], prof.ready_order,
                               state_names=prof.optimizer.state_names)
+            sim_ms = {}
+            for seed in ("ddp", "fsdp", "zero2"):
+                plan = space.to_plan(getattr(space, seed)())
+                runs = []
+                for _ in range(20):
+                    t0 = time.perf_counter()
+                    sim.run(plan)
+                    runs.append(time.perf_counter() - t0)
+                sim_ms[seed] = 1e3 * statistics.median(runs)
+            lines.append(f"simulate one plan, {n} units: " + ", ".join(f"{k} {v:.2f} ms" for k, v in sim_ms.items()))
             t0 = time.perf_counter()
             res = Searcher(space, sim, SearchConfig()).run()
             lines.append(

@@ -749,6 +749,8 @@ class Engine:
             if mp.shard_flat is not None:
                 out.append(mp.shard_flat)
         out += [b.buffer for b in self.reducer.buckets]
+        # gathers in flight across the step boundary (persistent refreshes) hold their receive buffers
+        out += [t for g in self.groups for f in g.in_flight() for t in f.buffers]
         return out
 
     def mark_stale(self) -> None:

@@ -133,6 +133,10 @@ class GatherGroupRuntime:
         self.state = GroupState.GATHERING
         return True
 
+    def in_flight(self) -> list[InFlight]:
+        """The collectives issued and not yet waited for (empty unless gathering)."""
+        return list(self._inflight)
+
     def wait(self) -> None:
         """Finish an in-flight gather: copy each parameter's rows out of the gathered buffer."""
         if self.state is not GroupState.GATHERING:
