@@ -233,15 +233,7 @@ class AutoPlanner:
             "peak_bytes": r.peak_bytes,
             "vs": {name: s.step_s / r.step_s for name, s in result.seeds.items() if s.feasible and r.step_s > 0},
         }
-        from . import __version__
-
-        result.plan.provenance = {
-            "source": "auto:search", "search": "backtracking", "alpha": SearchConfig().alpha,
-            "beta": SearchConfig().beta, "evaluated": result.evaluated, "search_seconds": round(result.seconds, 3),
-            "stopped_by": result.stopped_by, "autodist_version": __version__, "torch_version": torch.__version__,
-        }
-        if result.preferred_seed:
-            result.plan.provenance["preferred_seed"] = result.preferred_seed
+        result.plan.provenance = search_provenance(result, "auto:search")
 
     def _budget_error(self, result: SearchResult) -> BudgetError:
         return budget_error(self.w.budget_bytes, result, self.structure)
@@ -483,6 +475,21 @@ class AutoPlanner:
         self.w._check_rank_agreement(plan)
 
 
+def search_provenance(result: SearchResult, source: str) -> dict[str, Any]:
+    """What a searched plan records about how it was found."""
+    from . import __version__
+
+    cfg = SearchConfig()
+    prov = {
+        "source": source, "search": "backtracking", "alpha": cfg.alpha, "beta": cfg.beta,
+        "evaluated": result.evaluated, "search_seconds": round(result.seconds, 3), "stopped_by": result.stopped_by,
+        "autodist_version": __version__, "torch_version": torch.__version__,
+    }
+    if result.preferred_seed:
+        prov["preferred_seed"] = result.preferred_seed
+    return prov
+
+
 def budget_error(budget: int, result: SearchResult, structure: Any) -> BudgetError:
     """The error when no plan fits: the smallest peak found, and the knobs that would help."""
     peak, genome = result.smallest_peak or (result.result.peak_bytes, None)
@@ -528,13 +535,5 @@ def plan_offline(
         "peak_bytes": result.result.peak_bytes,
         "vs": {n: r.step_s / result.result.step_s for n, r in result.seeds.items() if r.feasible and result.result.step_s},
     }
-    from . import __version__
-
-    plan.provenance = {
-        "source": "autodist plan", "search": "backtracking", "evaluated": result.evaluated,
-        "search_seconds": round(result.seconds, 3), "stopped_by": result.stopped_by,
-        "autodist_version": __version__, "torch_version": torch.__version__,
-    }
-    if result.preferred_seed:
-        plan.provenance["preferred_seed"] = result.preferred_seed
+    plan.provenance = search_provenance(result, "autodist plan")
     return plan, result, prof
