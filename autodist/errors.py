@@ -30,3 +30,7 @@ class BudgetError(AutoDistError):
 
 class RankMismatchError(AutoDistError):
     """Ranks disagree about something that must be identical (plan hash, parameter order)."""
+
+
+class PeerFailure(AutoDistError):
+    """Another rank failed or exited while this one waited for a collective with it."""

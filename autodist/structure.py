@@ -14,7 +14,9 @@ built-in ``fsdp`` plan groups gathers by them.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -68,6 +70,8 @@ class ModelStructure:
     units: list[UnitInfo]
     blocks: list[str]
     module_types: dict[str, str] = field(default_factory=dict)
+    # module name -> units (of its descendants) whose parameters its own code reads directly
+    functional_uses: dict[str, list[str]] = field(default_factory=dict)
 
     def unit(self, name: str) -> UnitInfo:
         for u in self.units:
@@ -122,6 +126,64 @@ def find_blocks(model: nn.Module) -> list[str]:
     return blocks
 
 
+_ATTR_CHAIN = re.compile(r"\bself((?:\.[A-Za-z_]\w*)+)")
+
+
+_NOT_FORWARD = {"__init__", "reset_parameters", "_reset_parameters", "_init_weights", "init_weights", "extra_repr", "__setstate__"}
+
+
+def _class_source(cls: type, cache: dict[type, str]) -> str:
+    """The source of the methods of ``cls`` and its bases up to ``nn.Module`` that can run during a
+    forward (constructors and initialisers excluded); empty where it is unavailable."""
+    if cls in cache:
+        return cache[cls]
+    parts = []
+    for base in cls.__mro__:
+        if base is nn.Module or base is object:
+            break
+        for name, fn in vars(base).items():
+            if name in _NOT_FORWARD or not inspect.isfunction(fn):
+                continue
+            try:
+                parts.append(inspect.getsource(fn))
+            except (OSError, TypeError):
+                continue
+    cache[cls] = "\n".join(parts)
+    return cache[cls]
+
+
+def find_functional_uses(model: nn.Module, owned: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Modules whose own code reads a descendant's parameter directly (``self.out_proj.weight`` in
+    ``nn.MultiheadAttention.forward``, a head computed as ``x @ self.embed.weight.T``) instead of
+    calling the descendant: that descendant's unit must be gathered (and cast) while the module
+    runs. Found by reading each module class's source for ``self.<path>.<parameter>`` where
+    ``<path>`` names a descendant that owns ``<parameter>``; a reference that is never executed only
+    gathers a little early. ``owned``: module name -> names of the parameters it owns (units)."""
+    cache: dict[type, str] = {}
+    out: dict[str, list[str]] = {}
+    owner_attr = {(m, p.rsplit(".", 1)[-1]) for m, ps in owned.items() for p in ps}
+    for mname, module in model.named_modules():
+        if not any(True for _ in module.children()):
+            continue
+        src = _class_source(type(module), cache)
+        if not src:
+            continue
+        found: list[str] = []
+        for chain in _ATTR_CHAIN.findall(src):
+            names = chain.lstrip(".").split(".")
+            for cut in range(1, len(names)):
+                path, attr = ".".join(names[:cut]), names[cut]
+                sub = f"{mname}.{path}" if mname else path
+                if (sub, attr) in owner_attr:
+                    unit = unit_name(sub)
+                    if unit not in found:
+                        found.append(unit)
+                    break
+        if found:
+            out[mname] = found
+    return out
+
+
 def discover(model: nn.Module) -> ModelStructure:
     """Inspect ``model`` without running it."""
     sites: dict[int, list[tuple[str, str]]] = {}
@@ -164,4 +226,7 @@ def discover(model: nn.Module) -> ModelStructure:
                 block=block,
             )
         )
-    return ModelStructure(params=params, units=units, blocks=blocks, module_types=module_types)
+    return ModelStructure(
+        params=params, units=units, blocks=blocks, module_types=module_types,
+        functional_uses=find_functional_uses(model, owned),
+    )

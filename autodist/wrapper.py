@@ -237,6 +237,7 @@ class AutoDist(nn.Module):
         """Load full tensors (or DTensors) saved under any plan or world size. A collective."""
         if assign:
             raise ValueError("AutoDist.load_state_dict does not support assign=True: parameters are managed in place")
+        self._engine.quiesce()  # no gather may read a shard while it is written
         result = load_full_state_dict(self.module, self._engine.params, state_dict, strict=strict)
         self._engine.mark_stale()
         return result

@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import os
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -27,10 +28,45 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from .._log import logger
+from ..errors import PeerFailure, RankMismatchError
 
 # torch >= 2.14 renamed the flat-tensor collectives (the old names still work but warn).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveSequence:
+    """The collectives this rank issued since the last :meth:`reset`, in issue order, on both
+    process groups together (their interleaving included), as a running hash and a short list.
+
+    [Note: checking the collective order across ranks] Collectives pair by issue order. Ranks whose
+    sharded units take different control flow can issue gathers of equal sizes for different units;
+    they pair silently and compute with the wrong weights. At the end of every backward the runtime
+    compares this sequence across ranks with one small all-reduce of integers: each rank contributes
+    three 20-bit slices ``h`` of its hash and their squares; every slice is equal on all ranks exactly
+    when ``world * sum(h*h) == sum(h)**2`` (equality in Cauchy-Schwarz), a verdict every rank reads
+    from the same sums. Only on a mismatch are the sequences exchanged, to name the first difference.
+    """
+
+    KEEP = 256  # entries kept for the error message
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.hash = 0
+        self.count = 0
+        self.entries: list[str] = []
+
+    def record(self, kind: str, label: str) -> None:
+        self.hash = (self.hash * 1_000_003 + zlib.crc32(f"{kind}:{label}".encode())) & 0xFFFFFFFFFFFFFFFF
+        self.count += 1
+        if len(self.entries) < self.KEEP:
+            self.entries.append(f"{kind}({label})")
+
+    def digest(self) -> list[int]:
+        parts = [(self.hash >> shift) & 0xFFFFF for shift in (0, 20, 40)] + [min(self.count, 0xFFFFF)]
+        return parts + [x * x for x in parts]
 
 
 @dataclass
@@ -52,28 +88,68 @@ class CommStats:
             self.log.append((kind, label))
 
 
+def failed_peers(group: dist.ProcessGroup | None, rank: int, world: int, timeout_s: float = 3.0) -> list[int] | None:
+    """After a collective failed: the ranks of ``group`` that are gone, found through the job's
+    store (every surviving rank writes its name and waits briefly for the others'). ``None`` when
+    the store cannot be reached (e.g. it lived in the failed process)."""
+    get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get_store is None:
+        return None
+    try:
+        store = dist.PrefixStore("autodist/survivors", get_store())
+        store.set(str(rank), "1")
+        deadline = time.monotonic() + timeout_s
+        alive: set[int] = set()
+        while time.monotonic() < deadline:
+            alive = {r for r in range(world) if store.check([str(r)])}
+            if len(alive) == world:
+                break
+            time.sleep(0.1)
+        return sorted(set(range(world)) - alive)
+    except Exception:  # the store is gone too
+        return None
+
+
 class InFlight:
     """An issued collective and the buffers it owns until someone waits on it."""
 
-    __slots__ = ("work", "buffers", "label", "waited", "stats")
+    __slots__ = ("work", "buffers", "label", "waited", "stats", "comm")
 
     def __init__(
-        self, work: dist.Work | None, buffers: tuple[torch.Tensor, ...], label: str, stats: CommStats | None = None
+        self, work: dist.Work | None, buffers: tuple[torch.Tensor, ...], label: str, stats: CommStats | None = None,
+        comm: Comm | None = None,
     ) -> None:
         self.work = work
         self.buffers = buffers
         self.label = label
         self.waited = work is None
         self.stats = stats
+        self.comm = comm
 
     def wait(self) -> None:
         if not self.waited:
             t0 = time.perf_counter()
             with record_function(f"autodist::wait({self.label})"):
-                self.work.wait()
+                try:
+                    self.work.wait()
+                except RuntimeError as e:  # a peer died or the group timed out (DistBackendError too)
+                    self.waited = True
+                    raise self._peer_failure(e) from e
             if self.stats is not None:
                 self.stats.wait_seconds += time.perf_counter() - t0
             self.waited = True
+
+    def _peer_failure(self, error: BaseException) -> PeerFailure:
+        comm = self.comm
+        gone = failed_peers(comm.group, comm.rank, comm.world_size) if comm is not None else None
+        who = (
+            f"rank(s) {', '.join(map(str, gone))} failed or exited" if gone
+            else "another rank failed, exited or stalled past the process group's timeout"
+        )
+        return PeerFailure(
+            f"{who} while this rank waited for {self.label}; this rank stops too (see the failed rank's own "
+            f"error for the cause). Backend error: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+        )
 
 
 def _mark(label: str) -> None:
@@ -156,26 +232,31 @@ class Comm:
         else:
             self.gather_pg = self.reduce_pg = self.group
         self.stats = CommStats()
+        self.sequence = CollectiveSequence()
+
+    def _record(self, kind: str, label: str) -> None:
+        self.stats.record(kind, label)
+        self.sequence.record(kind, label)
 
     # -- parameter all-gather -----------------------------------------------------------------
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, label: str, *, on_demand: bool = False) -> InFlight:
         self.stats.all_gathers += 1
         self.stats.on_demand_gathers += int(on_demand)
         self.stats.gathered_bytes += out.numel() * out.element_size()
-        self.stats.record("all_gather", label)
+        self._record("all_gather", label)
         _mark(f"autodist::all_gather({label})")
         if self.world_size == 1:
             out.copy_(inp)
             return InFlight(None, (out, inp), label)
         with _untraced():
             work = _all_gather_flat(out, inp, group=self.gather_pg, async_op=True)
-        return InFlight(work, (out, inp), label, self.stats)
+        return InFlight(work, (out, inp), label, self.stats, self)
 
     # -- gradient reductions ------------------------------------------------------------------
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, label: str) -> InFlight:
         self.stats.reduce_scatters += 1
         self.stats.reduced_bytes += inp.numel() * inp.element_size()
-        self.stats.record("reduce_scatter", label)
+        self._record("reduce_scatter", label)
         _mark(f"autodist::reduce_scatter({label})")
         if self.world_size == 1:
             out.copy_(inp.view(-1)[: out.numel()])
@@ -190,18 +271,18 @@ class Comm:
         else:
             with _untraced():
                 work = _reduce_scatter_flat(out, inp, group=self.reduce_pg, async_op=True)
-        return InFlight(work, (out, inp), label, self.stats)
+        return InFlight(work, (out, inp), label, self.stats, self)
 
     def all_reduce(self, buf: torch.Tensor, label: str) -> InFlight:
         self.stats.all_reduces += 1
         self.stats.reduced_bytes += buf.numel() * buf.element_size()
-        self.stats.record("all_reduce", label)
+        self._record("all_reduce", label)
         _mark(f"autodist::all_reduce({label})")
         if self.world_size == 1:
             return InFlight(None, (buf,), label)
         with _untraced():
             work = dist.all_reduce(buf, group=self.reduce_pg, async_op=True)
-        return InFlight(work, (buf,), label, self.stats)
+        return InFlight(work, (buf,), label, self.stats, self)
 
     # -- synchronous helpers ------------------------------------------------------------------
     def broadcast_tensors(self, tensors: list[torch.Tensor], label: str, src: int = 0) -> None:
@@ -216,7 +297,7 @@ class Comm:
             for group in by_dtype.values():
                 flat = torch.cat([t.detach().reshape(-1) for t in group])
                 self.stats.broadcasts += 1
-                self.stats.record("broadcast", label)
+                self._record("broadcast", label)
                 dist.broadcast(flat, src=src_global, group=self.reduce_pg)
                 offset = 0
                 with torch.no_grad():
@@ -224,6 +305,38 @@ class Comm:
                         n = t.numel()
                         t.copy_(flat[offset : offset + n].view_as(t))
                         offset += n
+
+    def check_sequence(self) -> None:
+        """Compare this step's collective sequence across ranks; raise on every rank if they differ
+        (see [Note: checking the collective order across ranks])."""
+        seq = self.sequence
+        if self.world_size == 1:
+            seq.reset()
+            return
+        local = seq.digest()
+        t = torch.tensor(local, dtype=torch.int64)
+        if self.backend == "nccl":  # pragma: no cover - CUDA only
+            t = t.cuda()
+        dist.all_reduce(t, group=self.group)
+        sums = t.tolist()
+        n = self.world_size
+        same = all(n * sums[4 + i] == sums[i] ** 2 for i in range(4))
+        if same:
+            seq.reset()
+            return
+        everyone = self.all_gather_object(seq.entries)
+        seq.reset()
+        first = next((r for r in range(n) if everyone[r] != everyone[0]), 1)
+        a, b = everyone[0], everyone[first]
+        i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+        what0 = a[i] if i < len(a) else "nothing more"
+        what1 = b[i] if i < len(b) else "nothing more"
+        raise RankMismatchError(
+            f"ranks issued different collectives in this step: collective #{i + 1} was {what0} on rank 0 but "
+            f"{what1} on rank {first}. Sharded units must run in the same order on every rank (as with FSDP); "
+            "a unit whose control flow depends on the rank must be replicated (make its placement 'replicate' "
+            "in the plan), or make the control flow the same on every rank."
+        )
 
     def all_gather_object(self, obj: object) -> list[object]:
         if self.world_size == 1:

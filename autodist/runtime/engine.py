@@ -1,26 +1,46 @@
 """The runtime that enacts a plan: hooks on modules, parameters and optimizers.
 
 One :class:`Engine` per wrapped model. It owns the managed parameters, the gather groups and the
-reducer, and drives them from four kinds of hooks:
+reducer, and drives them from these hooks:
 
 * module forward pre/post hooks on every module that uses a parameter which must be swapped
-  (sharded, or cast to a compute dtype): gather (or wait for a prefetched gather), swap the full
-  tensors in, issue the next prefetches; swap back and free per residency after the forward;
+  (sharded, or cast to a compute dtype) — its own, a tied one, or one it reads functionally from a
+  descendant (``nn.MultiheadAttention`` reads ``out_proj.weight``): gather (or wait for a prefetched
+  gather), swap the full tensors in, issue the next prefetches, route the inputs through the
+  post-backward signal; swap back and free per residency after the forward. A forward hook that
+  fires *during* backward is a recomputation (activation checkpointing): it gathers what it needs,
+  issues backward prefetches, and frees nothing (see [Note: recomputation] in backward.py);
 * a multi-grad hook on those modules' outputs: the module's backward is about to run — regather
   what was freed, issue backward prefetches;
-* a post-accumulate-grad hook on every trainable parameter: its gradient is ready — feed the bucket,
-  free the group once all its gradients are in;
+* the post-backward signal (backward.py): the module's backward is complete — free its groups;
+* a post-accumulate-grad hook on every trainable parameter: its gradient is ready — feed the bucket;
 * a final autograd callback at the end of backward: flush buckets, wait for every reduction, hand
-  out gradients, release what the plan says to release, and learn the observed orders;
-* an optimizer step post-hook (only if some group is persistent): refresh persistent groups.
+  out gradients, release what the plan says to release, check the collective order across ranks,
+  and learn the observed orders;
+* optimizer step hooks: before a step over this model's parameters, wait for gathers that read the
+  shards and bring offloaded state back; after it, refresh persistent groups and compute-dtype copies
+  and start offload copy-outs.
 
 [Note: prefetch triggers] A gather group with window ``w`` is issued when the unit ``w`` positions
-before its first unit starts its forward (position -1 is the start of the root forward). Forward
-positions follow the previous step's observed unit order (the plan's order before the first step);
-backward positions follow the reverse of *this* step's forward. Triggers are processed in position
-order, so the issue order is a function of the plan and the control flow only — identical on every
-rank that runs the same control flow. A unit whose group was not prefetched gathers on demand; the
-deviation is counted and logged once.
+before its first use starts (position -1 is the start of the root forward or of the backward).
+Forward positions follow the previous step's observed unit order (the plan's order before the first
+step). Backward positions follow the reverse of *this* step's forward, except that a unit whose
+forward was recomputed in the previous step is first needed where that recomputation happened (its
+*anchor*: the unit whose backward was running, e.g. the last unit of a checkpointed block). Triggers
+are processed in position order, so the issue order is a function of the plan and the control flow
+only — identical on every rank that runs the same control flow. A unit whose group was not
+prefetched gathers on demand; the deviation is counted and logged once.
+
+[Note: one issue order for NCCL] Gathers and reductions run on two process groups (comm.py). With
+gloo they are independent. NCCL, however, requires every rank to launch collectives on concurrently
+used communicators in the same order or it may deadlock (certain with ``CUDA_DEVICE_MAX_CONNECTIONS=1``).
+Gathers are issued at unit boundaries, identical on every rank when sharded units follow the same
+control flow; a reduction launched the moment its last gradient arrives is not (a parameter unused
+on one rank delays its bucket there). So when a plan both gathers and reduces on NCCL
+(``launch_policy="sampled"``), buckets are launched only at *sharded-unit backward events*
+(pre-backward, recomputation, post-backward) and at the end of backward, where every rank sees the
+same state when the control flow is the same. The end-of-backward collective-order check
+(comm.py) covers the rest: ranks whose interleaving differed are reported.
 """
 
 from __future__ import annotations
@@ -39,11 +59,14 @@ from torch.utils._pytree import tree_flatten
 from .._log import OnceLogger, logger
 from ..plan import Plan
 from ..structure import ModelStructure
+from .backward import attach_post_backward, in_backward
 from .comm import Comm
 from .gather import GatherGroupRuntime, GroupState
-from .params import ManagedParam
 from .offload import OffloadManager
+from .params import ManagedParam
 from .reducer import BucketRuntime, Reducer
+
+LAUNCH_POLICIES = ("ready", "sampled")
 
 
 @dataclass
@@ -77,13 +100,19 @@ class MixedPrecision:
 
 @dataclass
 class _ModuleSite:
-    """What one module's forward hooks do: which tensors to swap and which groups to gather."""
+    """What one module's forward hooks do: which parameters to swap and which groups to gather."""
 
     module: nn.Module
+    name: str
     unit: str | None  # the unit this module owns, if any
-    swaps: list[tuple[str, ManagedParam]]
+    swaps: list[ManagedParam]
     groups: list[GatherGroupRuntime]
     units: list[str]  # units whose parameters this module uses (own first)
+    params: list[ManagedParam]  # every managed parameter it uses (gradient multiplicity)
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.groups)
 
 
 class PrefetchSchedule:
@@ -107,17 +136,27 @@ class PrefetchSchedule:
 
 @dataclass
 class _Step:
-    """Per forward/backward state."""
+    """State of one forward/backward (a micro-batch)."""
 
+    gen: int = 0  # distinguishes this step's post-backward signals from stale ones
     sync: bool = True
+    grad: bool = True
     fwd_sequence: list[str] = field(default_factory=list)
     seen_units: set[str] = field(default_factory=set)
     fwd_schedule: PrefetchSchedule = field(default_factory=lambda: PrefetchSchedule([]))
     in_backward: bool = False
     bwd_schedule: PrefetchSchedule = field(default_factory=lambda: PrefetchSchedule([]))
     bwd_pos: dict[str, int] = field(default_factory=dict)
+    bwd_need: dict[str, int] = field(default_factory=dict)  # first backward use (recomputation anchors)
+    bwd_current: str | None = None  # the unit whose backward is running
+    anchors: dict[str, str | None] = field(default_factory=dict)  # recomputed unit -> anchor, this step
     ready_order: list[str] = field(default_factory=list)
+    ready_set: set[str] = field(default_factory=set)
     expects_backward: bool = False
+    grad_sites: set[int] = field(default_factory=set)  # sites that ran forward with gradients
+    uses: dict[int, int] = field(default_factory=dict)  # managed param id -> forward uses this step
+    nograd_uses: set[int] = field(default_factory=set)  # ... used in a no-grad forward (reentrant AC)
+    deferred: set[int] = field(default_factory=set)  # managed param ids reduced at the end of backward
 
 
 @dataclass
@@ -125,9 +164,12 @@ class RuntimeStats:
     steps: int = 0
     order_deviations: int = 0
     on_demand_forward: int = 0
+    on_demand_backward: int = 0
+    recomputations: int = 0
     plan_switches: int = 0
     unused_param_steps: int = 0
     persistent_refreshes: int = 0
+    late_gradients: int = 0  # gradients accumulated again after their first (shared + reentrant AC)
 
 
 class Engine:
@@ -144,7 +186,16 @@ class Engine:
         broadcast_buffers: bool,
         windows: dict[int, tuple[int, int]] | None = None,
         budget_bytes: int | None = None,
+        launch_policy: str | None = None,
+        check_collectives: bool = True,
     ) -> None:
+        """``launch_policy``: when buckets are launched — ``"ready"`` (as soon as their last
+        gradient arrives) or ``"sampled"`` (only at sharded-unit backward events; see [Note: one
+        issue order for NCCL]); default: ``"sampled"`` on NCCL, ``"ready"`` otherwise.
+        ``check_collectives``: compare the collective sequence across ranks at the end of every
+        backward of a plan that gathers (one small all-reduce)."""
+        if launch_policy is not None and launch_policy not in LAUNCH_POLICIES:
+            raise ValueError(f"launch_policy must be one of {', '.join(LAUNCH_POLICIES)}; got {launch_policy!r}")
         self.module = module
         self.budget_bytes = budget_bytes
         self.plan = plan
@@ -157,11 +208,20 @@ class Engine:
         self.sync_enabled = True
         self.stats = RuntimeStats()
         self.once = OnceLogger()
+        self._launch_policy_arg = launch_policy
+        self.check_collectives = check_collectives
         self._handles: list[object] = []
+        self._opt_global_handles: list[object] = []
+        self._gen = 0
         self._step = _Step()
         self._order_learned = False
+        self._anchors: dict[str, str | None] = {}  # learned recomputation anchors (previous step)
+        self._last_seen: set[str] = set()
         self.observer = None  # plan="auto"'s step recorder while it profiles (autodist/lifecycle.py)
-        self._our_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # optimizers seen stepping: True = over this model's parameters (hooks bound to it)
+        self._optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._in_step: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # between pre and post hook
+        self._drop_global_hooks = False
 
         world, rank = comm.world_size, comm.rank
         placement = plan.placement_of_param
@@ -188,6 +248,11 @@ class Engine:
             mp.sites = [(module.get_submodule(m), attr) for m, attr in info.sites]
             mp.register_visible()
             self.params[name] = mp
+        # the parameter objects the user held before wrapping that are no longer the model's
+        self._replaced = {
+            id(p): weakref.ref(p) for name, p in original.items() if self.params[name].visible is not p
+        }
+        self._visible_map = {id(mp.visible): mp for mp in self.params.values()}
 
         self.unit_order = [u.name for u in plan.units]
         self.reducer = Reducer([])
@@ -217,12 +282,14 @@ class Engine:
         self._resolve_memory_windows(plan, windows)
         self.group_of_param = {id(mp): grt for grt in self.groups for mp in grt.params}
         self.has_persistent = any(g.residency == "persistent" for g in self.groups)
+        policy = self._launch_policy_arg or ("sampled" if self.comm.backend == "nccl" else "ready")
+        self.launch_policy = policy if self.groups else "ready"
         previous = getattr(self, "offload", None)
         self.offload = OffloadManager(plan.offload, self.params, self.device)
         if previous is not None:
             previous.close()
-            for opt in list(self._our_optimizers.keys()):
-                if self._our_optimizers.get(opt):
+            for opt, ours in list(self._optimizers.items()):
+                if ours:
                     self._adopt_optimizer(opt)
         self._install_reducer(plan)
         self._compute_forward_triggers()
@@ -258,7 +325,9 @@ class Engine:
             if g is not None and g.untyped_storage().data_ptr() in old_buffers:
                 kept[mp.name] = g.detach().clone()
         self.reducer.reset()
-        self.reducer = Reducer(self._build_buckets(plan), max_inflight=plan.max_inflight_buckets)
+        self.reducer = Reducer(
+            self._build_buckets(plan), max_inflight=plan.max_inflight_buckets, launch_on_ready=self.launch_policy == "ready"
+        )
         if not kept:
             return
         with torch.no_grad():
@@ -286,12 +355,20 @@ class Engine:
         for g in self.groups:
             if g.state is not GroupState.SHARDED:
                 g.free()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self._step = _Step()
+        self._remove_hooks()
+        self._step = _Step(gen=self._next_gen())
         self._configure(plan, windows)
         self.stats.plan_switches += 1
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles + self._opt_global_handles:
+            h.remove()
+        self._handles.clear()
+        self._opt_global_handles.clear()
+
+    def _next_gen(self) -> int:
+        self._gen += 1
+        return self._gen
 
     # ------------------------------------------------------------------------------------------
     # construction helpers
@@ -336,57 +413,55 @@ class Engine:
     def _compute_forward_triggers(self) -> None:
         pos = {u: i for i, u in enumerate(self.unit_order)}
         self.unit_pos = pos
-        self.group_last_unit: dict[int, str] = {}
         entries = []
         for g in self.groups:
             first = min(pos.get(u, len(pos)) for u in g.units)
-            self.group_last_unit[g.index] = max(g.units, key=lambda u: pos.get(u, -1))
             entries.append((max(first - g.forward_window, -1), first, g))
         self._fwd_entries = entries
 
     def _install_hooks(self) -> None:
         # Module forward hooks, only where something must happen.
         unit_of_module = {u.module_name: u.name for u in self.structure.units}
+        module_of_unit = {u.name: u.module_name for u in self.structure.units}
+        functional = self.structure.functional_uses
+        unit_params = {u.name: [self.params[p] for p in u.params] for u in self.structure.units}
         for mname, module in self.module.named_modules():
-            swaps, groups, units = [], [], []
+            units: list[str] = []
             own = unit_of_module.get(mname)
             if own is not None:
                 units.append(own)
             for attr, p in list(module._parameters.items()):
-                if p is None:
-                    continue
-                mp = self._mp_by_visible(p)
-                if mp is None:
-                    continue
-                if mp.needs_swap:
-                    swaps.append((attr, mp))
+                mp = self._visible_map.get(id(p)) if p is not None else None
+                if mp is not None:
+                    u = self.structure.unit_of_param[mp.name]
+                    if u not in units:
+                        units.append(u)
+            for u in functional.get(mname, ()):  # read functionally from a descendant's parameters
+                if u not in units and module_of_unit.get(u) is not None:
+                    units.append(u)
+            params = [mp for u in units for mp in unit_params[u]]
+            swaps = [mp for mp in params if mp.needs_swap]
+            groups: list[GatherGroupRuntime] = []
+            for mp in params:
                 g = self.group_of_param.get(id(mp))
                 if g is not None and g not in groups:
                     groups.append(g)
-                u = self.structure.unit_of_param[mp.name]
-                if u not in units:
-                    units.append(u)
             # Unit modules also carry prefetch triggers (and record the order units run in) as soon
             # as anything is gathered, even when their own parameters are replicated.
             anchor = own is not None and (f"forward:{own}" in self.offload.out_at or f"backward:{own}" in self.offload.back_at)
             if not swaps and not groups and not (own is not None and self.groups) and not anchor:
                 continue
-            site = _ModuleSite(module=module, unit=own, swaps=swaps, groups=groups, units=units)
-            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(site)))
+            site = _ModuleSite(module=module, name=mname, unit=own, swaps=swaps, groups=groups, units=units, params=params)
+            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(site), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._make_post_forward(site), always_call=True))
         # Gradient-ready hooks.
         for mp in self.params.values():
             if mp.requires_grad:
                 self._handles.append(mp.full.register_post_accumulate_grad_hook(self._make_grad_hook(mp)))
-        # Optimizer hooks: persistent refresh after the step; offload sync before it, copy-out after.
-        if self.has_persistent or self.offload.active:
-            self._handles.append(optim_hooks.register_optimizer_step_pre_hook(_weak_optimizer_hook(self, "pre")))
-            self._handles.append(optim_hooks.register_optimizer_step_post_hook(_weak_optimizer_hook(self, "post")))
-
-    def _mp_by_visible(self, p: torch.Tensor) -> ManagedParam | None:
-        if not hasattr(self, "_visible_map"):
-            self._visible_map = {id(mp.visible): mp for mp in self.params.values()}
-        return self._visible_map.get(id(p))
+        # Optimizer hooks: process-wide until an optimizer over every trainable parameter has been
+        # seen, then only on those optimizers (see _watch_optimizers).
+        self._opt_global_handles.append(optim_hooks.register_optimizer_step_pre_hook(_weak_optimizer_hook(self, "pre")))
+        self._opt_global_handles.append(optim_hooks.register_optimizer_step_post_hook(_weak_optimizer_hook(self, "post")))
 
     def close(self) -> None:
         """Remove all hooks; wait for anything in flight; bring offloaded state back."""
@@ -395,18 +470,22 @@ class Engine:
         for g in self.groups:
             if g.state is GroupState.GATHERING:
                 g.wait()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._remove_hooks()
+        for opt in list(self._optimizers.keys()):
+            for h in getattr(opt, "_autodist_step_hooks", {}).pop(id(self), []):
+                h.remove()
 
     # ------------------------------------------------------------------------------------------
     # root forward
     # ------------------------------------------------------------------------------------------
     def forward(self, args: tuple, kwargs: dict) -> object:
-        self._begin_step()
         if self.mp is not None and self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), self.mp.param_dtype)
-        self._run_forward_triggers(-1)
+        if in_backward():  # the whole model is checkpointed and recomputed: the module hooks cope
+            self.stats.recomputations += 1
+            return self.module(*args, **kwargs)
+        self._begin_step()
+        self._step.fwd_schedule.fire(-1)
         if self.observer is not None:
             with self.observer.forward_context():
                 out = self.module(*args, **kwargs)
@@ -422,13 +501,25 @@ class Engine:
             # The previous forward's backward never ran (or ran without reaching our hooks).
             self._release_after_step(drop_reductions=True)
         grad = torch.is_grad_enabled()
-        self._step = _Step(sync=self.sync_enabled and grad, fwd_schedule=PrefetchSchedule(self._fwd_entries))
+        self._step = _Step(
+            gen=self._next_gen(), sync=self.sync_enabled and grad, grad=grad,
+            fwd_schedule=PrefetchSchedule(self._fwd_entries),
+        )
+        for mp in self.params.values():
+            mp.reset_swaps()
+        if self._drop_global_hooks:
+            for h in self._opt_global_handles:
+                h.remove()
+            self._opt_global_handles.clear()
+            self._drop_global_hooks = False
         for b in self.reducer.buckets:
             b.release_if_unused()
         if self.offload.active:
             self.offload.poll()  # copy-outs started after the last optimizer step release memory now
+        expected = self._last_seen or set(self.unit_order)
         for g in self.groups:
             g.reset_step()
+            g.fwd_pending = {u for u in g.units if u in expected}
         if self.broadcast_buffers and grad and self.sync_enabled and self.comm.world_size > 1:
             bufs = [b for b in self.module.buffers()]
             if bufs:
@@ -455,6 +546,7 @@ class Engine:
         if not seq:
             return
         seen = set(seq)
+        self._last_seen = seen
         new_order = list(seq) + [u for u in self.unit_order if u not in seen]
         if new_order == self.unit_order:
             self._order_learned = True
@@ -473,50 +565,93 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     # module hooks
     # ------------------------------------------------------------------------------------------
-    def _run_forward_triggers(self, pos: int) -> None:
-        self._step.fwd_schedule.fire(pos)
-
     def _make_pre_forward(self, site: _ModuleSite):
-        def pre_forward(module: nn.Module, args: tuple) -> None:
+        def pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             step = self._step
-            if self.offload.active and site.unit is not None:
-                self.offload.poll()
-                keys = self.offload.out_at.get(f"forward:{site.unit}")
-                if keys:
-                    self.offload.copy_out(keys)
-            for u in site.units:
-                if u not in step.seen_units:
-                    step.seen_units.add(u)
-                    step.fwd_sequence.append(u)
+            recompute = in_backward()
+            if recompute:
+                self._on_backward_start()
+                self.stats.recomputations += site.unit is not None
+                anchor_pos = -1
+                for u in site.units:
+                    step.anchors.setdefault(u, step.bwd_current)
+                    anchor_pos = max(anchor_pos, step.bwd_need.get(u, -1))
+            else:
+                if self.offload.active and site.unit is not None:
+                    self.offload.poll()
+                    keys = self.offload.out_at.get(f"forward:{site.unit}")
+                    if keys:
+                        self.offload.copy_out(keys)
+                for u in site.units:
+                    if u not in step.seen_units:
+                        step.seen_units.add(u)
+                        step.fwd_sequence.append(u)
+                if step.grad and torch.is_grad_enabled():
+                    for mp in site.params:
+                        step.uses[id(mp)] = step.uses.get(id(mp), 0) + 1
+                elif step.grad:  # a no-grad forward inside a training forward: reentrant checkpointing
+                    for mp in site.params:
+                        step.uses[id(mp)] = step.uses.get(id(mp), 0) + 1
+                        step.nograd_uses.add(id(mp))
             # Own groups first, then prefetch: the finished gather's buffers are released before the
             # next one allocates its own (FSDP2 orders them the same way).
             for g in site.groups:
-                if g.ensure() and g.forward_window > 0 and self._order_learned:
-                    self.stats.on_demand_forward += 1
-                    self.once.info(
-                        f"ondemand{g.index}",
-                        "autodist: gather group %d (%s) was needed before its planned prefetch (control flow "
-                        "changed, or a parameter is shared with another unit) and was gathered on demand",
-                        g.index, g.label,
-                    )
+                was_sharded = g.state is GroupState.SHARDED
+                if g.ensure():
+                    self._count_on_demand(g, recompute)
+                if recompute and was_sharded and g.tokens_fired and not g.tokens_pending:
+                    g.hold = True  # every signal already fired: nothing tells when this use ends
                 g.active += 1
             if site.unit is not None:
-                self._run_forward_triggers(self.unit_pos.get(site.unit, -1))
-            for attr, mp in site.swaps:
-                module._parameters[attr] = mp.full
-            return None
+                if recompute:
+                    step.bwd_schedule.fire(anchor_pos)
+                else:
+                    step.fwd_schedule.fire(self.unit_pos.get(site.unit, -1))
+            if recompute and site.sharded:
+                self.reducer.poll()
+            for mp in site.swaps:
+                mp.swap_in()
+            if not (site.groups and torch.is_grad_enabled()):
+                return None
+            # The post-backward signal: from the forward that builds the graph backward will run.
+            if recompute and id(site) in step.grad_sites:
+                return None  # non-reentrant: the original forward's signal is in the real graph
+            step.grad_sites.add(id(site))
+            gen = step.gen
+            routed = attach_post_backward(args, kwargs, lambda: self._post_backward(site, gen))
+            for g in site.groups:
+                if routed is None:
+                    g.untokened = True
+                else:
+                    g.tokens_pending += 1
+            return routed
 
         return pre_forward
 
+    def _count_on_demand(self, g: GatherGroupRuntime, recompute: bool) -> None:
+        if recompute or self._step.in_backward:
+            self.stats.on_demand_backward += 1
+            return
+        if g.forward_window > 0 and self._order_learned:
+            self.stats.on_demand_forward += 1
+            self.once.info(
+                f"ondemand{g.index}",
+                "autodist: gather group %d (%s) was needed before its planned prefetch (control flow "
+                "changed, or a parameter is shared with another unit) and was gathered on demand",
+                g.index, g.label,
+            )
+
     def _make_post_forward(self, site: _ModuleSite):
         def post_forward(module: nn.Module, args: tuple, output: object) -> None:
-            for attr, mp in site.swaps:
-                module._parameters[attr] = mp.visible
+            recompute = in_backward()
+            for mp in site.swaps:
+                mp.swap_out()
             for g in site.groups:
                 g.active -= 1
-                if site.unit is not None and self.group_last_unit.get(g.index) == site.unit:
-                    g.forward_done = True
-                if g.residency == "after_forward" and g.forward_done and g.active == 0:
+                if recompute:
+                    continue  # its backward follows at once: the post-backward signal frees
+                g.fwd_pending.difference_update(site.units)
+                if g.residency == "after_forward" and not g.fwd_pending and g.active == 0:
                     g.free()
             if (site.groups or site.unit is not None) and torch.is_grad_enabled():
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -530,20 +665,48 @@ class Engine:
         def pre_backward(grads: object) -> None:
             self._on_backward_start()
             step = self._step
+            if site.unit is not None:
+                step.bwd_current = site.unit
             if self.offload.active and site.unit is not None:
                 keys = self.offload.back_at.get(f"backward:{site.unit}")
                 if keys:
                     self.offload.copy_back(keys)
             for g in site.groups:
-                g.ensure()
+                if g.ensure():
+                    self._count_on_demand(g, True)
             if site.unit is not None:
-                self._run_backward_triggers(step.bwd_pos.get(site.unit, -1))
+                step.bwd_schedule.fire(step.bwd_need.get(site.unit, -1))
+            if site.sharded:
+                self.reducer.poll()
 
         return pre_backward
 
+    def _post_backward(self, site: _ModuleSite, gen: int) -> None:
+        """The backward of one forward call of ``site`` is complete (see backward.py)."""
+        if gen != self._step.gen:
+            return  # a graph from an earlier step, backpropagated late: its groups were released
+        for g in site.groups:
+            g.tokens_pending -= 1
+            g.tokens_fired += 1
+            self._maybe_free_after_backward(g)
+        if site.sharded:
+            self.reducer.poll()
+
+    def _maybe_free_after_backward(self, g: GatherGroupRuntime) -> None:
+        """Free ``g`` if no backward computation will read its full parameters again this step."""
+        if g.residency == "persistent" or g.state is GroupState.SHARDED or g.active or g.hold:
+            return
+        if g.tokens_pending > 0:
+            return
+        grads_done = g.all_trainable and g.n_trainable > 0 and g.grads_ready >= g.n_trainable
+        if g.untokened and not grads_done:
+            return  # a forward without a signal: its end is when all its gradients are in
+        if g.tokens_fired == 0 and not grads_done:
+            return
+        g.free()
+
     def _root_pre_backward(self, grads: object) -> None:
         self._on_backward_start()
-        self._run_backward_triggers(-1)
 
     def _on_backward_start(self) -> None:
         step = self._step
@@ -551,21 +714,29 @@ class Engine:
             return
         step.in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        # Backward order: reverse of this step's forward.
+        # Backward order: reverse of this step's forward; recomputed units are first needed at their
+        # anchor (see [Note: prefetch triggers]).
         order = list(reversed(step.fwd_sequence))
         step.bwd_pos = {u: i for i, u in enumerate(order)}
+        need = dict(step.bwd_pos)
+        for u, anchor in self._anchors.items():
+            if u in need:
+                a = -1 if anchor is None else step.bwd_pos.get(anchor, need[u])
+                need[u] = min(need[u], a)
+        step.bwd_need = need
         entries = []
         for g in self.groups:
             if g.residency != "after_forward":
                 continue
-            first = min((step.bwd_pos[u] for u in g.units if u in step.bwd_pos), default=None)
+            first = min((need[u] for u in g.units if u in need), default=None)
             if first is not None:
                 entries.append((max(first - g.backward_window, -1), first, g))
         step.bwd_schedule = PrefetchSchedule(entries)
         step.bwd_schedule.fire(-1)  # the start of backward, whichever hook saw it first
-
-    def _run_backward_triggers(self, pos: int) -> None:
-        self._step.bwd_schedule.fire(pos)
+        # Parameters used by several forwards, one of them without gradients (reentrant activation
+        # checkpointing), accumulate their gradient once per recomputed region: reduce them at the
+        # end of backward, when their gradient is final.
+        step.deferred = {i for i in step.nograd_uses if step.uses.get(i, 0) > 1}
 
     def _make_grad_hook(self, mp: ManagedParam):
         group = self.group_of_param.get(id(mp))
@@ -574,19 +745,17 @@ class Engine:
             step = self._step
             if not step.in_backward:
                 self._on_backward_start()
-            step.ready_order.append(mp.name)
-            if group is not None:
-                # Release the full parameters first: the reduction below does not need them.
-                group.grads_ready += 1
-                if (
-                    group.all_trainable
-                    and group.grads_ready == group.n_trainable
-                    and group.residency != "persistent"
-                    and group.active == 0
-                ):
-                    group.free()
+            first = mp.name not in step.ready_set
+            if first:
+                step.ready_set.add(mp.name)
+                step.ready_order.append(mp.name)
+                if group is not None:
+                    group.grads_ready += 1
+                    self._maybe_free_after_backward(group)
+            else:
+                self.stats.late_gradients += 1
             if step.sync:
-                self.reducer.on_ready(mp)
+                self.reducer.on_ready(mp, first=first, defer=id(mp) in step.deferred)
 
         return on_grad_ready
 
@@ -610,9 +779,12 @@ class Engine:
                     )
                 self._maybe_rebuild_buckets(step.ready_order)
             self._release_after_step(drop_reductions=False)
+            self._anchors = dict(step.anchors)
         self.stats.steps += 1
         step.expects_backward = False
         step.in_backward = False
+        if self.groups and self.check_collectives:
+            self.comm.check_sequence()
 
     def _release_after_step(self, *, drop_reductions: bool) -> None:
         if drop_reductions:
@@ -621,6 +793,8 @@ class Engine:
             if g.residency != "persistent":
                 g.free()
             g.reset_step()
+        for mp in self.params.values():
+            mp.reset_swaps()
 
     def _maybe_rebuild_buckets(self, ready_order: list[str]) -> None:
         rb = self.plan.rebuild_buckets
@@ -651,28 +825,68 @@ class Engine:
             logger.info("autodist: rebuilt %d gradient buckets from the observed gradient-ready order", len(buckets))
 
     # ------------------------------------------------------------------------------------------
-    # optimizer hook
+    # optimizer hooks
     # ------------------------------------------------------------------------------------------
-    def _is_ours(self, optimizer: torch.optim.Optimizer) -> bool:
-        ours = self._our_optimizers.get(optimizer)
-        if ours is None:
-            visible = {id(mp.visible) for mp in self.params.values()}
-            ours = any(id(p) in visible for grp in optimizer.param_groups for p in grp["params"])
-            self._our_optimizers[optimizer] = ours
+    def _watch(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` updates this model's parameters. The first time an optimizer over
+        them steps, hooks are bound to it; once the bound optimizers cover every trainable
+        parameter, the process-wide step hooks are removed."""
+        ours = self._optimizers.get(optimizer)
+        if ours is not None:
+            return ours
+        held = [p for grp in optimizer.param_groups for p in grp["params"]]
+        stale = [p for p in held if (r := self._replaced.get(id(p))) is not None and r() is p]
+        if stale:
+            raise RuntimeError(
+                f"this optimizer ({type(optimizer).__name__}) holds {len(stale)} parameter tensor(s) that AutoDist "
+                "replaced when it wrapped the model, so its step would update tensors the model no longer uses and "
+                "training would silently stop. Build the optimizer after wrapping: "
+                "`model = AutoDist(model, ...)` first, then `optimizer = Optimizer(model.parameters(), ...)`."
+            )
+        ours = any(id(p) in self._visible_map for p in held)
+        self._optimizers[optimizer] = ours
+        if ours:
+            hooks = getattr(optimizer, "_autodist_step_hooks", None)
+            if hooks is None:
+                hooks = optimizer._autodist_step_hooks = {}
+            hooks[id(self)] = [
+                optimizer.register_step_pre_hook(_weak_optimizer_hook(self, "pre")),
+                optimizer.register_step_post_hook(_weak_optimizer_hook(self, "post")),
+            ]
+            covered = {id(p) for opt, o in self._optimizers.items() if o for g in opt.param_groups for p in g["params"]}
+            # removed at the next forward: not while torch iterates the process-wide hooks
+            self._drop_global_hooks = all(id(mp.visible) in covered for mp in self.params.values() if mp.requires_grad)
         return ours
 
+    def _params_of(self, optimizer: torch.optim.Optimizer) -> list[ManagedParam]:
+        return [mp for grp in optimizer.param_groups for p in grp["params"] if (mp := self._visible_map.get(id(p))) is not None]
+
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.offload.active and self._is_ours(optimizer):
+        if not self._watch(optimizer) or self._in_step.get(optimizer):
+            return  # not ours, or the other of the two hooks (process-wide, bound) already ran
+        self._in_step[optimizer] = True
+        # The step writes the shards: gathers still reading them finish first.
+        touched = {id(mp) for mp in self._params_of(optimizer)}
+        for g in self.groups:
+            if any(id(mp) in touched for mp in g.params):
+                g.quiesce()
+        if self.offload.active:
             self.offload.finish_back()  # the sync point: every offloaded fragment is back
 
     def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self._is_ours(optimizer):
+        if not self._in_step.get(optimizer):
             return
+        self._in_step[optimizer] = False
+        mps = self._params_of(optimizer)
+        touched = {id(mp) for mp in mps}
+        for mp in mps:
+            mp.mark_stale()  # compute-dtype copies are re-cast (an optimizer may write p.data)
         for g in sorted(
             (g for g in self.groups if g.residency == "persistent" and g.state is not GroupState.SHARDED),
             key=lambda g: min(self.unit_pos.get(u, 0) for u in g.units),
         ):
-            if g.issue():
+            # unconditional: an optimizer may write p.data without bumping any version counter
+            if any(id(mp) in touched for mp in g.params) and g.issue(force=True):
                 self.stats.persistent_refreshes += 1
         if self.offload.active:
             if not self.offload.entries:
@@ -752,6 +966,11 @@ class Engine:
         # gathers in flight across the step boundary (persistent refreshes) hold their receive buffers
         out += [t for g in self.groups for f in g.in_flight() for t in f.buffers]
         return out
+
+    def quiesce(self) -> None:
+        """Wait for every gather in flight (they read the shards): call before writing shards."""
+        for g in self.groups:
+            g.quiesce()
 
     def mark_stale(self) -> None:
         """Parameters were overwritten in place (a state dict was loaded): re-gather and re-cast."""

@@ -4,11 +4,21 @@ A group is ``SHARDED`` (full storage released), ``GATHERING`` (an all-gather is 
 buffers travel in the :class:`InFlight`), or ``GATHERED`` (every parameter's ``full`` tensor holds the
 current values). All transitions happen in this file.
 
-A persistent group stays ``GATHERED`` across steps; after an optimizer step it is *stale* (the shards
-changed) and is refreshed by one all-gather, issued right after the step and waited for at the next
-forward. Staleness is read from the visible parameters' version counters, so a parameter updated
-without an optimizer hook (a manual in-place update, ``load_state_dict``) is re-gathered before use
-instead of being computed with stale values.
+A persistent group stays ``GATHERED`` across steps. After every optimizer step that updates its
+shards it is refreshed by one all-gather, issued right after the step and waited for at the next
+use — unconditionally, because an optimizer may write ``p.data`` without bumping any version counter
+(Lion and many research optimizers do). Between steps, staleness is also read from the visible
+parameters' version counters, so a parameter updated in place through the visible parameter
+(``p.clamp_()``) is re-gathered before use, and :meth:`GatherGroupRuntime.ensure` checks again after
+waiting: a gather whose shards changed while it was in flight is issued again.
+
+[Note: overwriting gathered parameters] Re-gathering into a group that is already ``GATHERED``
+overwrites full tensors that autograd may have saved for a backward that has not run yet (a forward,
+then an in-place edit of the parameter, then the backward). Such a re-gather bumps the full tensors'
+version counters, so that backward fails with autograd's "modified by an inplace operation" error
+instead of silently using weights other than its forward's. Gathering into released storage (after
+``free``) does not bump them: that is the normal after-forward/backward cycle, in which autograd's
+saved reference must stay valid (see params.py).
 """
 
 from __future__ import annotations
@@ -91,10 +101,17 @@ class GatherGroupRuntime:
         self.state = GroupState.SHARDED
         self._inflight: list[InFlight] = []
         self._versions: tuple[int, ...] = ()
-        # Per-step bookkeeping, reset by the engine.
-        self.active = 0  # modules of this group currently inside their forward
-        self.forward_done = False
-        self.grads_ready = 0
+        self.reset_step()
+
+    def reset_step(self) -> None:
+        """Per-step bookkeeping (see [Note: post-backward] in backward.py)."""
+        self.active = 0  # modules using this group currently inside their forward
+        self.fwd_pending: set[str] = set()  # units expected to run forward and not done yet
+        self.grads_ready = 0  # trainable parameters whose gradient has been accumulated
+        self.tokens_pending = 0  # post-backward signals attached and not fired
+        self.tokens_fired = 0
+        self.untokened = False  # a forward with gradients whose inputs need none (no signal)
+        self.hold = False  # gathered again in backward after every signal fired: keep to the end
 
     # ------------------------------------------------------------------------------------------
     def is_stale(self) -> bool:
@@ -109,11 +126,17 @@ class GatherGroupRuntime:
             return True
         return self.state is GroupState.GATHERED and self.is_stale()
 
-    def issue(self, *, on_demand: bool = False) -> bool:
-        """Start the all-gather if the group is not gathered (or is stale). Returns whether it did."""
-        if not self.needs_gather():
+    def issue(self, *, on_demand: bool = False, force: bool = False) -> bool:
+        """Start the all-gather if the group is not gathered, is stale, or ``force`` (the shards were
+        written where no version counter shows it). Returns whether it did."""
+        if self.state is GroupState.GATHERING:
+            if not force:
+                return False
+            self.wait()
+        if not force and not self.needs_gather():
             return False
         world = self.comm.world_size
+        overwrite = self.state is GroupState.GATHERED  # see [Note: overwriting gathered parameters]
         self._versions = tuple(mp.version() for mp in self.params)
         for lay in self.layouts:
             single = lay.params[0] if len(lay.params) == 1 else None
@@ -130,6 +153,9 @@ class GatherGroupRuntime:
             else:
                 recv = torch.empty(world * lay.total, dtype=lay.dtype, device=self.device)
             self._inflight.append(self.comm.all_gather(recv, send, self.label, on_demand=on_demand))
+        if overwrite:
+            for mp in self.params:
+                torch.autograd.graph.increment_version(mp.full)
         self.state = GroupState.GATHERING
         return True
 
@@ -154,10 +180,22 @@ class GatherGroupRuntime:
         self.state = GroupState.GATHERED
 
     def ensure(self) -> bool:
-        """Make the full parameters valid now. Returns True if this had to gather on demand."""
+        """Make the full parameters valid now. Returns True if this had to gather on demand.
+
+        A gather whose shards changed while it was in flight (its version counters moved) is issued
+        again; two rounds suffice unless something writes the shards concurrently."""
         on_demand = self.issue(on_demand=True)
         self.wait()
+        if self.is_stale():
+            self.issue(on_demand=True)
+            self.wait()
+            on_demand = True
         return on_demand
+
+    def quiesce(self) -> None:
+        """Wait for an in-flight gather (it reads the shards: call before writing them)."""
+        if self.state is GroupState.GATHERING:
+            self.wait()
 
     def free(self) -> None:
         if self.state is GroupState.GATHERING:
@@ -166,8 +204,3 @@ class GatherGroupRuntime:
             for mp in self.params:
                 mp.free_full()
             self.state = GroupState.SHARDED
-
-    def reset_step(self) -> None:
-        self.active = 0
-        self.forward_done = False
-        self.grads_ready = 0

@@ -82,6 +82,7 @@ class ManagedParam:
         self.mesh = mesh
         self.is_dtensor = use_dtensor
         self.sites: list[tuple[nn.Module, str]] = []
+        self._swaps = 0
         data = original.detach()
         if data.device != device:
             data = data.to(device)
@@ -227,6 +228,25 @@ class ManagedParam:
     def register_full(self) -> None:
         for module, attr in self.sites:
             module._parameters[attr] = self.full
+
+    def swap_in(self) -> None:
+        """Register ``full`` at every site while a forward that uses it runs. Nested uses (a module
+        and the ancestor that reads its weight functionally, tied weights) are counted, so the
+        innermost one finishing does not swap the visible parameter back under the outer one."""
+        if self._swaps == 0:
+            self.register_full()
+        self._swaps += 1
+
+    def swap_out(self) -> None:
+        self._swaps -= 1
+        if self._swaps == 0:
+            self.register_visible()
+
+    def reset_swaps(self) -> None:
+        """Between steps: every site holds the visible parameter (after an exception mid-forward)."""
+        if self._swaps:
+            self._swaps = 0
+            self.register_visible()
 
     @property
     def needs_swap(self) -> bool:

@@ -111,6 +111,7 @@ class BucketRuntime:
         self.action = [_SET] * self.n
         self.pending = self.n
         self.launched = False
+        self.all_local = True
         self.inflight: InFlight | None = None
         self._input: torch.Tensor | None = None
         self._deferred: list[tuple[int, torch.Tensor]] = []
@@ -198,6 +199,36 @@ class BucketRuntime:
             else:
                 self._rs_copy_in(slot, g)
 
+    def add_late(self, slot: int, mp: ManagedParam) -> None:
+        """Fold a further accumulation of a gradient already taken this step into the bucket (a
+        parameter shared by several regions of reentrant activation checkpointing accumulates once
+        per region). The bucket must not have been launched."""
+        if self.op == "all_reduce" and not mp.needs_swap:
+            g = mp.visible.grad  # autograd accumulated into it: it holds the total
+            if not self._is_slot_view(g, slot):
+                self.views[slot].copy_(g)
+            return
+        g = mp.full.grad
+        mp.full.grad = None
+        if g is None:
+            return
+        if self.op == "all_reduce":
+            self.views[slot].add_(g)
+            return
+        for i, (s_, g_) in enumerate(self._deferred):
+            if s_ == slot:
+                self._deferred[i] = (s_, g_ + g)
+                return
+        inp = self._rs_input()
+        off, k = self.offsets[slot], self.sizes[slot]
+        cols = inp[:, off : off + k]
+        flat = g.reshape(-1)
+        q, rem = divmod(flat.numel(), k)
+        if q:
+            cols[:q].add_(flat[: q * k].view(q, k))
+        if rem:
+            cols[q, :rem].add_(flat[q * k :])
+
     def has_pending_grad(self, mp: ManagedParam) -> bool:
         """A gradient accumulated earlier (e.g. under ``no_sync``) for a parameter unused this step."""
         if not mp.needs_swap:
@@ -227,17 +258,22 @@ class BucketRuntime:
             for s_, g_ in self._deferred:
                 self._rs_copy_in(s_, g_)
             self._deferred.clear()
-        flags = torch.tensor([1.0 if r else 0.0 for r in self.ready], dtype=self.dtype)
-        if self.device.type != "cpu":
-            flags = flags.to(self.device, non_blocking=True)
+        # [Note: flags without host synchronisation] When every gradient arrived (the common case)
+        # the flags are filled on the device and never read back: every parameter is then used on
+        # at least this rank. Only a bucket with a locally missing gradient builds its flags on the
+        # host and reads the reduced flags in finish(), as DDP's find_unused_parameters does.
+        self.all_local = not missing
+        flag_dst = self.buffer[self.total :] if self.op == "all_reduce" else self._rs_input()[:, self.total :]
+        if self.all_local:
+            flag_dst.fill_(1.0)
+        else:
+            flag_dst.copy_(torch.tensor([1.0 if r else 0.0 for r in self.ready], dtype=self.dtype).to(self.device))
         if self.op == "all_reduce":
-            self.buffer[self.total :].copy_(flags)
             if self.world > 1:
                 self.buffer.div_(self.world)
             self.inflight = self.comm.all_reduce(self.buffer, self.label)
         else:
             inp = self._rs_input()
-            inp[:, self.total :].copy_(flags.expand(self.world, self.n))
             if self.world > 1:
                 inp.div_(self.world)
             for slot, mp in enumerate(self.params):
@@ -255,7 +291,7 @@ class BucketRuntime:
         assert self.inflight is not None, "finish() before launch()"
         self.inflight.wait()
         views = self.views
-        used = (self.buffer[self.total :] > 0).tolist()
+        used = [True] * self.n if self.all_local else (self.buffer[self.total :] > 0).tolist()
         with torch.no_grad():
             for slot, mp in enumerate(self.params):
                 act = self.action[slot]
@@ -282,24 +318,45 @@ class Reducer:
     ``max_inflight`` bounds the reductions in flight: launching one more first waits for the oldest
     (``0``: every bucket is waited for right after launch; ``None``: all are waited for at the end of
     backward). Fewer in flight frees reduction buffers sooner at the cost of overlap.
+    ``launch_on_ready``: launch a bucket the moment its last gradient arrives; otherwise only when
+    :meth:`poll` is called (at sharded-unit events, see [Note: one issue order for NCCL] in
+    engine.py) and at the flush.
     """
 
-    def __init__(self, buckets: list[BucketRuntime], *, max_inflight: int | None = None) -> None:
+    def __init__(self, buckets: list[BucketRuntime], *, max_inflight: int | None = None, launch_on_ready: bool = True) -> None:
         self.buckets = buckets
         self.max_inflight = max_inflight
+        self.launch_on_ready = launch_on_ready
         self.slot: dict[int, tuple[BucketRuntime, int]] = {
             id(mp): (b, i) for b in buckets for i, mp in enumerate(b.params)
         }
         self.next_launch = 0
         self.next_finish = 0
 
-    def on_ready(self, mp: ManagedParam) -> None:
+    def on_ready(self, mp: ManagedParam, *, first: bool = True, defer: bool = False) -> None:
+        """``mp``'s gradient was accumulated (``first``: for the first time this step). ``defer``:
+        it may accumulate again (reentrant checkpointing of a shared parameter): take it at the flush."""
         entry = self.slot.get(id(mp))
-        if entry is None:
+        if entry is None or defer:
             return
         bucket, slot = entry
+        if not first or bucket.ready[slot]:
+            if bucket.launched:
+                raise RuntimeError(
+                    f"the gradient of {mp.name!r} was accumulated again after its bucket was reduced in this backward "
+                    "(the parameter is used by several regions of reentrant activation checkpointing, or by a second "
+                    "backward pass over the same forward). Use non-reentrant checkpointing "
+                    "(torch.utils.checkpoint.checkpoint(..., use_reentrant=False)), or reduce in one backward."
+                )
+            bucket.add_late(slot, mp)
+            return
         bucket.add_grad(slot, mp)
-        if bucket.pending == 0 and bucket.index == self.next_launch:
+        if self.launch_on_ready and bucket.pending == 0 and bucket.index == self.next_launch:
+            self._launch_ready()
+
+    def poll(self) -> None:
+        """Launch the buckets that are complete, in order (a no-op when launching on readiness)."""
+        if not self.launch_on_ready:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
