@@ -125,20 +125,163 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class CheckpointedBlock(Block):
+    """A block that checkpoints itself the way model code does (``torch.utils.checkpoint``)."""
+
+    def __init__(self, d, heads, mode):
+        super().__init__(d, heads)
+        self.mode = mode
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        if self.mode == "reentrant":
+            return checkpoint(super().forward, x, use_reentrant=True)
+        if self.mode == "selective":
+            from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+            def policy(ctx, op, *args, **kwargs):
+                keep = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+                return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+            return checkpoint(
+                super().forward, x, use_reentrant=False,
+                context_fn=lambda: create_selective_checkpoint_contexts(policy),
+            )
+        return checkpoint(super().forward, x, use_reentrant=False)
+
+
+class CheckpointedGPT(TinyGPT):
+    """TinyGPT with activation checkpointing of its blocks, as users write it: ``mode`` is
+    ``nonreentrant``/``reentrant``/``selective`` (in the block's forward), or ``wrapper`` (torch's
+    ``apply_activation_checkpointing``); ``every`` checkpoints every n-th block only."""
+
+    def __init__(self, mode, every=1, layers=2):
+        super().__init__(layers=layers)
+        if mode == "wrapper":
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                apply_activation_checkpointing,
+                checkpoint_wrapper,
+            )
+
+            targets = {id(b) for i, b in enumerate(self.blocks) if i % every == 0}
+            apply_activation_checkpointing(self, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in targets)
+            return
+        for i, blk in enumerate(self.blocks):
+            if i % every == 0:
+                new = CheckpointedBlock(blk.qkv.in_features, blk.heads, mode)
+                new.load_state_dict(blk.state_dict())
+                self.blocks[i] = new
+
+
+class SkippingGPT(TinyGPT):
+    """Block 1 runs only on every other call (the same on every rank): control flow that changes
+    between steps over a sharded unit."""
+
+    def __init__(self):
+        super().__init__(layers=3)
+        self.calls = 0
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for i, blk in enumerate(self.blocks):
+            if i != 1 or self.calls % 2:
+                x = blk(x)
+        self.calls += 1
+        return self.head(self.ln_f(x))
+
+
+class TorchTransformer(nn.Module):
+    """PyTorch's own encoder layer: ``nn.MultiheadAttention`` reads ``out_proj.weight`` in its
+    forward without calling ``out_proj``."""
+
+    def __init__(self, vocab=53, d=16, layers=2):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(d, 2, 32, dropout=0.0, batch_first=True) for _ in range(layers)
+        )
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class LateReadLinear(nn.Linear):
+    """Its backward reads the full weight after the weight's gradient was produced: the detached
+    product is created first, so autograd runs its backward last."""
+
+    def forward(self, x):
+        z = F.linear(x, self.weight.detach())
+        return F.linear(x, self.weight, self.bias) * torch.tanh(z)
+
+
+class LateRead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(9, 16)
+        self.mid = LateReadLinear(16, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(self.mid(torch.tanh(self.inp(x))))
+
+
+class MixedDtypes(nn.Module):
+    """float32, float64 and bfloat16 parameters in one model."""
+
+    def __init__(self, bf16=True):
+        super().__init__()
+        self.a = nn.Linear(9, 12)
+        self.b = nn.Linear(12, 12).double()
+        self.c = nn.Linear(12, 4)
+        if bf16:
+            self.c.bfloat16()
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x)).double()
+        h = torch.tanh(self.b(h)).to(self.c.weight.dtype)
+        return self.c(h).float()
+
+
+MODELS = {
+    "mlp": MLP,
+    "convbn": ConvBN,
+    "unused": WithUnused,
+    "branchy": Branchy,
+    "frozen": Frozen,
+    "gpt": TinyGPT,
+    "gpt-ckpt-nonreentrant": lambda: CheckpointedGPT("nonreentrant"),
+    "gpt-ckpt-reentrant": lambda: CheckpointedGPT("reentrant"),
+    "gpt-ckpt-selective": lambda: CheckpointedGPT("selective"),
+    "gpt-ckpt-wrapper": lambda: CheckpointedGPT("wrapper"),
+    "gpt-ckpt-alternate": lambda: CheckpointedGPT("nonreentrant", every=2),
+    "gpt-skip": SkippingGPT,
+    "torch-transformer": TorchTransformer,
+    "late-read": LateRead,
+    "dtypes": MixedDtypes,
+    "dtypes-exact": lambda: MixedDtypes(bf16=False),
+}
+
+
 def make(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return {
-        "mlp": MLP,
-        "convbn": ConvBN,
-        "unused": WithUnused,
-        "branchy": Branchy,
-        "frozen": Frozen,
-        "gpt": TinyGPT,
-    }[name]()
+    return MODELS[name]()
+
+
+def _family(name: str) -> str:
+    if name.startswith("gpt") or name == "torch-transformer":
+        return "gpt"
+    return {"late-read": "branchy", "dtypes": "branchy", "dtypes-exact": "branchy"}.get(name, name)
 
 
 def batch(name: str, n: int, generator: torch.Generator):
     """(inputs, targets) for ``n`` samples of model ``name``."""
+    name = _family(name)
     if name == "mlp":
         return torch.randn(n, 13, generator=generator), torch.randn(n, 7, generator=generator)
     if name == "convbn":
@@ -156,7 +299,7 @@ def batch(name: str, n: int, generator: torch.Generator):
 
 
 def loss_fn(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    if name == "gpt":
+    if _family(name) == "gpt":
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
     return F.mse_loss(out, target)
 

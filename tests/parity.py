@@ -95,6 +95,26 @@ def make_plan(
     return Plan(world_size=world, units=units, gather_groups=groups, buckets=bl, provenance={"source": "test"})
 
 
+def random_plan(model: torch.nn.Module, world: int, seed: int) -> Plan:
+    """A random point of the search's plan space (placement, residency, groups, windows, buckets,
+    in-flight bound), the same on every rank."""
+    import random
+
+    from autodist.sched.space import PlanSpace
+
+    s = discover(model)
+    space = PlanSpace(s, world, [u.name for u in s.units], list(reversed(s.trainable)))
+    rng = random.Random(seed)
+    plan = space.to_plan(space.mutate(space.random(rng), rng, moves=3))
+    plan.provenance = {"source": f"test:random{seed}"}
+    return plan
+
+
+def run_cases(cases: list[Case]) -> list[dict[str, float]]:
+    """Several cases in one pool call (the ranks are spawned once)."""
+    return [run_case(c) for c in cases]
+
+
 def _full(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None:
         return None
@@ -127,7 +147,9 @@ def run_case(case: Case) -> dict[str, float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = models.make(case.model)
     base = models.make(case.model)
-    if isinstance(case.plan, dict):
+    if isinstance(case.plan, dict) and "random" in case.plan:
+        plan = random_plan(base, world, case.plan["random"])
+    elif isinstance(case.plan, dict):
         plan = make_plan(base, world, **case.plan)
     else:
         plan = case.plan

@@ -23,6 +23,7 @@ backpropagated, so the recomputation attaches the signal.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,20 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
+def outside_dispatch_modes() -> contextlib.AbstractContextManager:
+    """Run the runtime's own tensor operations (gather copies, bucket copies) unseen by the
+    ``TorchDispatchMode``s active around a hook. Selective activation checkpointing is such a mode:
+    it records every operation of a checkpointed region and requires the recomputation to repeat
+    them exactly, which the runtime's operations — gathered at a different point in forward than in
+    recomputation — would not. A no-op when no mode is active."""
+    if _dispatch_modes is None or _dispatch_modes() == 0:
+        return contextlib.nullcontext()
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 def in_backward() -> bool:

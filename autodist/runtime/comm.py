@@ -36,36 +36,44 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 class CollectiveSequence:
-    """The collectives this rank issued since the last :meth:`reset`, in issue order, on both
-    process groups together (their interleaving included), as a running hash and a short list.
+    """The collectives this rank issued since the last :meth:`reset`, in issue order: per process
+    group (gathers; reductions) and interleaved, as running hashes and a short list.
 
     [Note: checking the collective order across ranks] Collectives pair by issue order. Ranks whose
     sharded units take different control flow can issue gathers of equal sizes for different units;
     they pair silently and compute with the wrong weights. At the end of every backward the runtime
-    compares this sequence across ranks with one small all-reduce of integers: each rank contributes
-    three 20-bit slices ``h`` of its hash and their squares; every slice is equal on all ranks exactly
+    compares these sequences across ranks with one small all-reduce of integers: each rank contributes
+    20-bit slices ``h`` of its hashes and their squares; every slice is equal on all ranks exactly
     when ``world * sum(h*h) == sum(h)**2`` (equality in Cauchy-Schwarz), a verdict every rank reads
     from the same sums. Only on a mismatch are the sequences exchanged, to name the first difference.
+    The interleaving of the two groups matters only where the backend needs one launch order across
+    communicators (NCCL; see [Note: one issue order for NCCL] in engine.py).
     """
 
     KEEP = 256  # entries kept for the error message
+    STREAMS = ("gather", "reduce", "interleaved")
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        self.hash = 0
-        self.count = 0
+        self.hashes = {k: 0 for k in self.STREAMS}
+        self.counts = {k: 0 for k in self.STREAMS}
         self.entries: list[str] = []
 
     def record(self, kind: str, label: str) -> None:
-        self.hash = (self.hash * 1_000_003 + zlib.crc32(f"{kind}:{label}".encode())) & 0xFFFFFFFFFFFFFFFF
-        self.count += 1
+        crc = zlib.crc32(f"{kind}:{label}".encode())
+        stream = "gather" if kind == "all_gather" else "reduce"
+        for k in (stream, "interleaved"):
+            self.hashes[k] = (self.hashes[k] * 1_000_003 + crc) & 0xFFFFFFFFFFFFFFFF
+            self.counts[k] += 1
         if len(self.entries) < self.KEEP:
             self.entries.append(f"{kind}({label})")
 
-    def digest(self) -> list[int]:
-        parts = [(self.hash >> shift) & 0xFFFFF for shift in (0, 20, 40)] + [min(self.count, 0xFFFFF)]
+    def digest(self, streams: tuple[str, ...]) -> list[int]:
+        parts = []
+        for k in streams:
+            parts += [(self.hashes[k] >> shift) & 0xFFFFF for shift in (0, 20, 40)] + [min(self.counts[k], 0xFFFFF)]
         return parts + [x * x for x in parts]
 
 
@@ -250,7 +258,7 @@ class Comm:
             return InFlight(None, (out, inp), label)
         with _untraced():
             work = _all_gather_flat(out, inp, group=self.gather_pg, async_op=True)
-        return InFlight(work, (out, inp), label, self.stats, self)
+        return InFlight(work, (out, inp), f"all_gather({label})", self.stats, self)
 
     # -- gradient reductions ------------------------------------------------------------------
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, label: str) -> InFlight:
@@ -271,7 +279,7 @@ class Comm:
         else:
             with _untraced():
                 work = _reduce_scatter_flat(out, inp, group=self.reduce_pg, async_op=True)
-        return InFlight(work, (out, inp), label, self.stats, self)
+        return InFlight(work, (out, inp), f"reduce_scatter({label})", self.stats, self)
 
     def all_reduce(self, buf: torch.Tensor, label: str) -> InFlight:
         self.stats.all_reduces += 1
@@ -282,7 +290,7 @@ class Comm:
             return InFlight(None, (buf,), label)
         with _untraced():
             work = dist.all_reduce(buf, group=self.reduce_pg, async_op=True)
-        return InFlight(work, (buf,), label, self.stats, self)
+        return InFlight(work, (buf,), f"all_reduce({label})", self.stats, self)
 
     # -- synchronous helpers ------------------------------------------------------------------
     def broadcast_tensors(self, tensors: list[torch.Tensor], label: str, src: int = 0) -> None:
@@ -306,22 +314,24 @@ class Comm:
                         t.copy_(flat[offset : offset + n].view_as(t))
                         offset += n
 
-    def check_sequence(self) -> None:
-        """Compare this step's collective sequence across ranks; raise on every rank if they differ
-        (see [Note: checking the collective order across ranks])."""
+    def check_sequence(self, *, interleaving: bool = False) -> None:
+        """Compare this step's collective sequences across ranks (per process group; and their
+        interleaving if ``interleaving``); raise on every rank if they differ (see [Note: checking
+        the collective order across ranks])."""
         seq = self.sequence
         if self.world_size == 1:
             seq.reset()
             return
-        local = seq.digest()
+        streams = CollectiveSequence.STREAMS if interleaving else CollectiveSequence.STREAMS[:2]
+        local = seq.digest(streams)
         t = torch.tensor(local, dtype=torch.int64)
         if self.backend == "nccl":  # pragma: no cover - CUDA only
             t = t.cuda()
         dist.all_reduce(t, group=self.group)
         sums = t.tolist()
-        n = self.world_size
-        same = all(n * sums[4 + i] == sums[i] ** 2 for i in range(4))
-        if same:
+        n, half = self.world_size, len(local) // 2
+        bad = [i // 4 for i in range(half) if n * sums[half + i] != sums[i] ** 2]
+        if not bad:
             seq.reset()
             return
         everyone = self.all_gather_object(seq.entries)
@@ -331,6 +341,13 @@ class Comm:
         i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
         what0 = a[i] if i < len(a) else "nothing more"
         what1 = b[i] if i < len(b) else "nothing more"
+        if set(bad) == {2}:
+            raise RankMismatchError(
+                f"ranks interleaved gathers and reductions differently in this step (collective #{i + 1} was {what0} "
+                f"on rank 0 but {what1} on rank {first}); {self.backend} needs one launch order on every rank or it "
+                "can deadlock. A parameter got its gradient on some ranks only: make every unit's control flow the "
+                "same on every rank, or use a plan that replicates everything."
+            )
         raise RankMismatchError(
             f"ranks issued different collectives in this step: collective #{i + 1} was {what0} on rank 0 but "
             f"{what1} on rank {first}. Sharded units must run in the same order on every rank (as with FSDP); "

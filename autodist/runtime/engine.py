@@ -59,7 +59,7 @@ from torch.utils._pytree import tree_flatten
 from .._log import OnceLogger, logger
 from ..plan import Plan
 from ..structure import ModelStructure
-from .backward import attach_post_backward, in_backward
+from .backward import attach_post_backward, in_backward, outside_dispatch_modes
 from .comm import Comm
 from .gather import GatherGroupRuntime, GroupState
 from .offload import OffloadManager
@@ -156,6 +156,9 @@ class _Step:
     grad_sites: set[int] = field(default_factory=set)  # sites that ran forward with gradients
     uses: dict[int, int] = field(default_factory=dict)  # managed param id -> forward uses this step
     nograd_uses: set[int] = field(default_factory=set)  # ... used in a no-grad forward (reentrant AC)
+    site_calls: dict[int, int] = field(default_factory=dict)  # site id -> forwards with gradients
+    site_done: dict[int, int] = field(default_factory=dict)  # site id -> post-backward signals fired
+    site_untokened: set[int] = field(default_factory=set)  # sites with a forward that had no signal
     deferred: set[int] = field(default_factory=set)  # managed param ids reduced at the end of backward
 
 
@@ -326,7 +329,8 @@ class Engine:
                 kept[mp.name] = g.detach().clone()
         self.reducer.reset()
         self.reducer = Reducer(
-            self._build_buckets(plan), max_inflight=plan.max_inflight_buckets, launch_on_ready=self.launch_policy == "ready"
+            self._build_buckets(plan), max_inflight=plan.max_inflight_buckets,
+            launch_on_ready=self.launch_policy == "ready", settled=self._settled,
         )
         if not kept:
             return
@@ -420,6 +424,7 @@ class Engine:
         self._fwd_entries = entries
 
     def _install_hooks(self) -> None:
+        self._sites_of_param: dict[int, list[_ModuleSite]] = {}
         # Module forward hooks, only where something must happen.
         unit_of_module = {u.module_name: u.name for u in self.structure.units}
         module_of_unit = {u.name: u.module_name for u in self.structure.units}
@@ -451,7 +456,11 @@ class Engine:
             anchor = own is not None and (f"forward:{own}" in self.offload.out_at or f"backward:{own}" in self.offload.back_at)
             if not swaps and not groups and not (own is not None and self.groups) and not anchor:
                 continue
+            if not groups and self.launch_policy == "sampled" and not params:
+                continue
             site = _ModuleSite(module=module, name=mname, unit=own, swaps=swaps, groups=groups, units=units, params=params)
+            for mp in params:
+                self._sites_of_param.setdefault(id(mp), []).append(site)
             self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(site), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._make_post_forward(site), always_call=True))
         # Gradient-ready hooks.
@@ -567,66 +576,74 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     def _make_pre_forward(self, site: _ModuleSite):
         def pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            step = self._step
-            recompute = in_backward()
-            if recompute:
-                self._on_backward_start()
-                self.stats.recomputations += site.unit is not None
-                anchor_pos = -1
-                for u in site.units:
-                    step.anchors.setdefault(u, step.bwd_current)
-                    anchor_pos = max(anchor_pos, step.bwd_need.get(u, -1))
-            else:
-                if self.offload.active and site.unit is not None:
-                    self.offload.poll()
-                    keys = self.offload.out_at.get(f"forward:{site.unit}")
-                    if keys:
-                        self.offload.copy_out(keys)
-                for u in site.units:
-                    if u not in step.seen_units:
-                        step.seen_units.add(u)
-                        step.fwd_sequence.append(u)
-                if step.grad and torch.is_grad_enabled():
-                    for mp in site.params:
-                        step.uses[id(mp)] = step.uses.get(id(mp), 0) + 1
-                elif step.grad:  # a no-grad forward inside a training forward: reentrant checkpointing
-                    for mp in site.params:
-                        step.uses[id(mp)] = step.uses.get(id(mp), 0) + 1
-                        step.nograd_uses.add(id(mp))
-            # Own groups first, then prefetch: the finished gather's buffers are released before the
-            # next one allocates its own (FSDP2 orders them the same way).
-            for g in site.groups:
-                was_sharded = g.state is GroupState.SHARDED
-                if g.ensure():
-                    self._count_on_demand(g, recompute)
-                if recompute and was_sharded and g.tokens_fired and not g.tokens_pending:
-                    g.hold = True  # every signal already fired: nothing tells when this use ends
-                g.active += 1
-            if site.unit is not None:
-                if recompute:
-                    step.bwd_schedule.fire(anchor_pos)
-                else:
-                    step.fwd_schedule.fire(self.unit_pos.get(site.unit, -1))
-            if recompute and site.sharded:
-                self.reducer.poll()
-            for mp in site.swaps:
-                mp.swap_in()
-            if not (site.groups and torch.is_grad_enabled()):
-                return None
-            # The post-backward signal: from the forward that builds the graph backward will run.
-            if recompute and id(site) in step.grad_sites:
-                return None  # non-reentrant: the original forward's signal is in the real graph
-            step.grad_sites.add(id(site))
-            gen = step.gen
-            routed = attach_post_backward(args, kwargs, lambda: self._post_backward(site, gen))
-            for g in site.groups:
-                if routed is None:
-                    g.untokened = True
-                else:
-                    g.tokens_pending += 1
-            return routed
+            with outside_dispatch_modes():
+                return self._pre_forward(site, args, kwargs)
 
         return pre_forward
+
+    def _pre_forward(self, site: _ModuleSite, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        step = self._step
+        recompute = in_backward()
+        if recompute:
+            self._on_backward_start()
+            self.stats.recomputations += site.unit is not None
+            anchor_pos = -1
+            for u in site.units:
+                step.anchors.setdefault(u, step.bwd_current)
+                anchor_pos = max(anchor_pos, step.bwd_need.get(u, -1))
+        else:
+            if self.offload.active and site.unit is not None:
+                self.offload.poll()
+                keys = self.offload.out_at.get(f"forward:{site.unit}")
+                if keys:
+                    self.offload.copy_out(keys)
+            for u in site.units:
+                if u not in step.seen_units:
+                    step.seen_units.add(u)
+                    step.fwd_sequence.append(u)
+            if step.grad and torch.is_grad_enabled():
+                for mp in site.params:
+                    step.uses[id(mp)] = step.uses.get(id(mp), 0) + 1
+            elif step.grad:  # a no-grad forward inside a training forward: reentrant checkpointing
+                for mp in site.params:
+                    step.uses[id(mp)] = step.uses.get(id(mp), 0) + 1
+                    step.nograd_uses.add(id(mp))
+        # Own groups first, then prefetch: the finished gather's buffers are released before the
+        # next one allocates its own (FSDP2 orders them the same way).
+        for g in site.groups:
+            was_sharded = g.state is GroupState.SHARDED
+            if g.ensure():
+                self._count_on_demand(g, recompute)
+            if recompute and was_sharded and g.tokens_fired and not g.tokens_pending:
+                g.hold = True  # every signal already fired: nothing tells when this use ends
+            g.active += 1
+        if site.unit is not None:
+            if recompute:
+                step.bwd_schedule.fire(anchor_pos)
+            else:
+                step.fwd_schedule.fire(self.unit_pos.get(site.unit, -1))
+        if recompute and site.sharded:
+            self.reducer.poll()
+        for mp in site.swaps:
+            mp.swap_in()
+        if not ((site.groups or self.launch_policy == "sampled") and torch.is_grad_enabled()):
+            return None
+        # The post-backward signal: from the forward that builds the graph backward will run.
+        if recompute and id(site) in step.grad_sites:
+            return None  # non-reentrant: the original forward's signal is in the real graph
+        step.grad_sites.add(id(site))
+        gen = step.gen
+        routed = attach_post_backward(args, kwargs, lambda: self._post_backward(site, gen))
+        if routed is None:
+            step.site_untokened.add(id(site))
+        else:
+            step.site_calls[id(site)] = step.site_calls.get(id(site), 0) + 1
+        for g in site.groups:
+            if routed is None:
+                g.untokened = True
+            else:
+                g.tokens_pending += 1
+        return routed
 
     def _count_on_demand(self, g: GatherGroupRuntime, recompute: bool) -> None:
         if recompute or self._step.in_backward:
@@ -643,23 +660,26 @@ class Engine:
 
     def _make_post_forward(self, site: _ModuleSite):
         def post_forward(module: nn.Module, args: tuple, output: object) -> None:
-            recompute = in_backward()
-            for mp in site.swaps:
-                mp.swap_out()
-            for g in site.groups:
-                g.active -= 1
-                if recompute:
-                    continue  # its backward follows at once: the post-backward signal frees
-                g.fwd_pending.difference_update(site.units)
-                if g.residency == "after_forward" and not g.fwd_pending and g.active == 0:
-                    g.free()
-            if (site.groups or site.unit is not None) and torch.is_grad_enabled():
-                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-                if tensors:
-                    register_multi_grad_hook(tensors, self._make_pre_backward(site), mode="any")
-            return None
+            with outside_dispatch_modes():
+                self._post_forward(site, output)
 
         return post_forward
+
+    def _post_forward(self, site: _ModuleSite, output: object) -> None:
+        recompute = in_backward()
+        for mp in site.swaps:
+            mp.swap_out()
+        for g in site.groups:
+            g.active -= 1
+            if recompute:
+                continue  # its backward follows at once: the post-backward signal frees
+            g.fwd_pending.difference_update(site.units)
+            if g.residency == "after_forward" and not g.fwd_pending and g.active == 0:
+                g.free()
+        if (site.groups or site.unit is not None) and torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                register_multi_grad_hook(tensors, self._make_pre_backward(site), mode="any")
 
     def _make_pre_backward(self, site: _ModuleSite):
         def pre_backward(grads: object) -> None:
@@ -683,14 +703,28 @@ class Engine:
 
     def _post_backward(self, site: _ModuleSite, gen: int) -> None:
         """The backward of one forward call of ``site`` is complete (see backward.py)."""
-        if gen != self._step.gen:
+        step = self._step
+        if gen != step.gen:
             return  # a graph from an earlier step, backpropagated late: its groups were released
+        step.site_done[id(site)] = step.site_done.get(id(site), 0) + 1
         for g in site.groups:
             g.tokens_pending -= 1
             g.tokens_fired += 1
             self._maybe_free_after_backward(g)
         if site.sharded:
             self.reducer.poll()
+
+    def _settled(self, mp: ManagedParam) -> bool:
+        """No gradient for ``mp`` will arrive in this backward: every module that uses it and ran
+        forward with gradients has finished its backward (its post-backward signal fired)."""
+        step = self._step
+        for site in self._sites_of_param.get(id(mp), ()):
+            key = id(site)
+            if key in step.site_untokened:
+                return False
+            if step.site_done.get(key, 0) < step.site_calls.get(key, 0):
+                return False
+        return True
 
     def _maybe_free_after_backward(self, g: GatherGroupRuntime) -> None:
         """Free ``g`` if no backward computation will read its full parameters again this step."""
@@ -784,7 +818,7 @@ class Engine:
         step.expects_backward = False
         step.in_backward = False
         if self.groups and self.check_collectives:
-            self.comm.check_sequence()
+            self.comm.check_sequence(interleaving=self.launch_policy == "sampled")
 
     def _release_after_step(self, *, drop_reductions: bool) -> None:
         if drop_reductions:

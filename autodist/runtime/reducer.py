@@ -21,6 +21,8 @@ reduce-scatters into a fresh output buffer each step; existing local gradients a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .comm import Comm, InFlight
@@ -320,13 +322,22 @@ class Reducer:
     backward). Fewer in flight frees reduction buffers sooner at the cost of overlap.
     ``launch_on_ready``: launch a bucket the moment its last gradient arrives; otherwise only when
     :meth:`poll` is called (at sharded-unit events, see [Note: one issue order for NCCL] in
-    engine.py) and at the flush.
+    engine.py) and at the flush, once each of its parameters has its gradient or is ``settled`` (no
+    gradient will come this step: every module using it has finished its backward).
     """
 
-    def __init__(self, buckets: list[BucketRuntime], *, max_inflight: int | None = None, launch_on_ready: bool = True) -> None:
+    def __init__(
+        self,
+        buckets: list[BucketRuntime],
+        *,
+        max_inflight: int | None = None,
+        launch_on_ready: bool = True,
+        settled: Callable[[ManagedParam], bool] | None = None,
+    ) -> None:
         self.buckets = buckets
         self.max_inflight = max_inflight
         self.launch_on_ready = launch_on_ready
+        self.settled = settled
         self.slot: dict[int, tuple[BucketRuntime, int]] = {
             id(mp): (b, i) for b in buckets for i, mp in enumerate(b.params)
         }
@@ -359,8 +370,15 @@ class Reducer:
         if not self.launch_on_ready:
             self._launch_ready()
 
+    def _complete(self, b: BucketRuntime) -> bool:
+        if b.pending == 0:
+            return True
+        if self.launch_on_ready or self.settled is None:
+            return False
+        return all(r or self.settled(mp) for r, mp in zip(b.ready, b.params))
+
     def _launch_ready(self) -> None:
-        while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].pending == 0:
+        while self.next_launch < len(self.buckets) and self._complete(self.buckets[self.next_launch]):
             self.buckets[self.next_launch].launch()
             self.next_launch += 1
             if self.max_inflight is not None:

@@ -1,0 +1,335 @@
+"""Hardening (issue 14): stale weights under persistent residency, freeing after the module's
+backward, control flow that differs between steps or ranks, a failing rank, real-model patterns
+(``nn.MultiheadAttention``), mixed parameter dtypes, optimizers built before wrapping, and hooks
+that stay scoped to the wrapped model.
+
+Tolerances as test_shard: 2e-5 in float32; bf16 compute 3e-2.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import models
+from autodist import AutoDist
+from autodist.errors import RankMismatchError
+from parity import Case, _full, check, make_plan, run_case, run_cases
+
+ATOL = 2e-5
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. persistent residency never trains on stale or mixed weights
+# ------------------------------------------------------------------------------------------------
+class DataSGD(torch.optim.Optimizer):
+    """Writes ``p.data`` (as Lion and many research optimizers do): no version counter moves."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad.data, alpha=-group["lr"])
+
+
+def stale_weight_scenario(kind: str, steps: int = 4, per_rank: int = 2) -> float:
+    """Train the GPT under a persistent plan and a reference side by side while, after step 1,
+    something writes the shards behind the refresh in flight. Returns the largest difference."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, base = models.make("gpt"), models.make("gpt")
+    model = AutoDist(base, plan=make_plan(base, world, residency="persistent", grouping="all"))
+
+    def optimizers(params):
+        params = list(params)
+        if kind == "data-optimizer":
+            return [DataSGD(params, lr=0.05)]
+        if kind == "two-optimizers":
+            return [torch.optim.SGD(params[::2], lr=0.05, momentum=0.9), torch.optim.SGD(params[1::2], lr=0.05)]
+        return [torch.optim.SGD(params, lr=0.05, momentum=0.9)]
+
+    opts, ropts = optimizers(model.parameters()), optimizers(ref.parameters())
+    gen = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for step in range(steps):
+        x, y = models.batch("gpt", per_rank * world, gen)
+        models.loss_fn("gpt", model(x[rank * per_rank : (rank + 1) * per_rank]), y[rank * per_rank : (rank + 1) * per_rank]).backward()
+        models.loss_fn("gpt", ref(x), y).backward()
+        for o in opts + ropts:
+            o.step()
+            o.zero_grad()
+        if step == 1:  # the refresh all-gather is in flight now
+            if kind == "load-state-dict":
+                sd = {k: v + 0.01 for k, v in ref.state_dict().items()}
+                ref.load_state_dict(sd)
+                model.load_state_dict(sd)
+            elif kind == "in-place-edit":
+                with torch.no_grad():
+                    for p in list(model.parameters()) + list(ref.parameters()):
+                        p.mul_(0.5)
+        sd = model.state_dict()
+        for k, v in ref.state_dict().items():
+            worst = max(worst, (sd[k] - v).abs().max().item())
+    model.close()
+    return worst
+
+
+@pytest.mark.parametrize("kind", ["load-state-dict", "data-optimizer", "in-place-edit", "two-optimizers"])
+def test_persistent_groups_never_compute_with_stale_weights(world2, kind):
+    for worst in world2.run(stale_weight_scenario, kind):
+        assert worst <= ATOL, f"{kind}: parameters {worst:.3g} away from the reference"
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. gathered parameters are freed when the module's backward is complete
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("plan", ["fsdp", {"grouping": "unit", "window": 0}, "zero2"], ids=["fsdp", "unit-w0", "zero2"])
+def test_backward_reading_the_full_weight_after_its_gradient(world2, plan):
+    check(world2.run(run_case, Case(model="late-read", plan=plan)), atol=ATOL)
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. control flow
+# ------------------------------------------------------------------------------------------------
+class RankBranch(torch.nn.Module):
+    """Rank 0 runs ``left``, the others ``right``: two sharded units of equal size."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.left = torch.nn.Linear(16, 16)
+        self.right = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = self.left(h) if dist.get_rank() == 0 else self.right(h)
+        return self.out(h)
+
+
+def rank_divergent_control_flow() -> str:
+    torch.manual_seed(0)
+    model = AutoDist(RankBranch(), plan="fsdp")
+    try:
+        model(torch.randn(4, 8)).sum().backward()
+    except RankMismatchError as e:
+        return str(e)
+    finally:
+        model.close()
+    return "no error"
+
+
+def test_rank_divergent_control_flow_on_sharded_units_raises_on_every_rank(world2):
+    for rank, msg in enumerate(world2.run(rank_divergent_control_flow)):
+        assert "left" in msg and "right" in msg and "same order on every rank" in msg, f"rank {rank}: {msg}"
+
+
+def skipped_block_with_log(plan) -> dict:
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())
+    logging.getLogger("autodist").addHandler(handler)
+    logging.getLogger("autodist").setLevel(logging.INFO)
+    try:
+        result = run_case(Case(model="gpt-skip", plan=plan, steps=5))
+    finally:
+        logging.getLogger("autodist").removeHandler(handler)
+    result["logged"] = [m for m in records if "different order" in m]
+    return result
+
+
+@pytest.mark.parametrize("plan", ["fsdp", "zero2", {"residency": "persistent", "grouping": "block"}, {"grouping": "unit", "window": 2}], ids=["fsdp", "zero2", "persistent", "unit-w2"])
+def test_a_block_skipped_on_alternate_steps_trains_correctly_with_a_logged_deviation(world2, plan):
+    results = world2.run(skipped_block_with_log, plan)
+    check(results, atol=ATOL)
+    for r in results:
+        assert r["runtime"]["order_deviations"] > 0
+    assert results[0]["logged"], "rank 0 logged no order deviation"
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. a failing rank
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["backward", "forward", "optimizer"])
+def test_a_rank_dying_mid_step_stops_every_rank_with_a_message_naming_it(where):
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, os.path.join(HERE, "rank_failure_script.py"), where, "fsdp"],
+        capture_output=True, text=True, timeout=120,
+    )
+    elapsed = time.monotonic() - t0
+    text = out.stdout + out.stderr
+    assert elapsed < 60, f"ranks took {elapsed:.0f} s to exit:\n{text[-3000:]}"
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("rank 0:")), "")
+    assert "PeerFailure" in line and "rank(s) 1 failed or exited" in line, text[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. real-model patterns and mixed dtypes
+# ------------------------------------------------------------------------------------------------
+TORCH_TRANSFORMER = {
+    "fsdp": Case(model="torch-transformer", plan="fsdp"),
+    "zero2": Case(model="torch-transformer", plan="zero2"),
+    "per-unit": Case(model="torch-transformer", plan={"grouping": "unit", "window": 1}),
+    "random": Case(model="torch-transformer", plan={"random": 5}),
+}
+
+
+def test_pytorch_transformer_layers_train_under_sharded_plans(world2):
+    names = list(TORCH_TRANSFORMER)
+    results = world2.run(run_cases, [TORCH_TRANSFORMER[n] for n in names], timeout=300)
+    for i, name in enumerate(names):
+        try:
+            check([r[i] for r in results], atol=ATOL)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+
+
+def test_pytorch_transformer_layers_under_ddp_with_bf16(world2):
+    check(world2.run(run_case, Case(model="torch-transformer", plan="ddp", bf16=True)), atol=3e-2)
+
+
+def test_float32_and_float64_parameters_match_the_reference_when_sharded(world2):
+    results = world2.run(run_cases, [Case(model="dtypes-exact", plan=p) for p in ("ddp", "fsdp", "zero2")])
+    for i in range(3):
+        check([r[i] for r in results], atol=ATOL)
+
+
+def distance_from_reference_by_plan() -> dict[str, float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for plan in ("ddp", "fsdp", "zero2"):
+        ref, base = models.make("dtypes"), models.make("dtypes")
+        model = AutoDist(base, plan=plan)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        ropt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = models.batch("dtypes", 4 * world, gen)
+            models.loss_fn("dtypes", model(x[rank * 4 : (rank + 1) * 4]), y[rank * 4 : (rank + 1) * 4]).backward()
+            models.loss_fn("dtypes", ref(x), y).backward()
+            for o in (opt, ropt):
+                o.step()
+                o.zero_grad()
+        sd = model.state_dict()
+        out[plan] = max((sd[k].double() - v.double()).abs().max().item() for k, v in ref.state_dict().items())
+        model.close()
+    return out
+
+
+def test_mixed_dtype_parameters_stay_within_bfloat16_rounding_of_the_reference(world2):
+    """No bucket or gather mixes dtypes (float32 and float64 parameters match exactly, above). The
+    bfloat16 parameters differ from the single-process reference, under every plan including DDP's,
+    by bfloat16 rounding only: torch's CPU kernels round ``p.add_(buf, alpha=-lr)`` once or twice
+    depending on the tensor's layout (measured: one ulp, 6.1e-5 to 4.9e-4 at these magnitudes)."""
+    for d in world2.run(distance_from_reference_by_plan):
+        assert max(d.values()) < 2e-3, d
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. optimizers and process-wide hooks
+# ------------------------------------------------------------------------------------------------
+def optimizer_built_before_wrapping(plan: str) -> str:
+    torch.manual_seed(0)
+    base = models.make("mlp")
+    early = torch.optim.SGD(base.parameters(), lr=0.1)
+    model = AutoDist(base, plan=plan)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model(torch.randn(4, 13)).sum().backward()
+    try:
+        early.step()
+    except RuntimeError as e:
+        return f"error: {e}"
+    finally:
+        model.close()
+    after = model.state_dict()
+    moved = any(not torch.equal(before[k], after[k]) for k in before)
+    return "trained" if moved else "silent no-op"
+
+
+@pytest.mark.parametrize("plan", ["fsdp", "zero2", "ddp"])
+def test_an_optimizer_built_before_wrapping_is_reported_or_works(world2, plan):
+    for msg in world2.run(optimizer_built_before_wrapping, plan):
+        if plan == "ddp":  # replicated plans keep the user's parameter objects: it trains
+            assert msg == "trained", msg
+        else:
+            assert msg.startswith("error:") and "Build the optimizer after wrapping" in msg, msg
+
+
+def optimizer_after_wrapping_is_silent_and_hooks_become_local() -> tuple[int, int, int]:
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    torch.manual_seed(0)
+    n0 = len(_global_optimizer_pre_hooks) + len(_global_optimizer_post_hooks)
+    model = AutoDist(models.make("mlp"), plan="fsdp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    n1 = len(_global_optimizer_pre_hooks) + len(_global_optimizer_post_hooks)
+    for _ in range(2):
+        model(torch.randn(4, 13)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    n2 = len(_global_optimizer_pre_hooks) + len(_global_optimizer_post_hooks)
+    model.close()
+    return n1 - n0, n2 - n0, len(getattr(opt, "_autodist_step_hooks", {}))
+
+
+def test_optimizer_hooks_are_process_wide_only_until_the_model_s_optimizer_is_seen(world2):
+    for added, left, bound in world2.run(optimizer_after_wrapping_is_silent_and_hooks_become_local):
+        assert added == 2 and left == 0, (added, left)
+        assert bound == 0  # close() removed the per-optimizer hooks too
+
+
+# ------------------------------------------------------------------------------------------------
+# issue-order invariant for NCCL, checked on gloo (see [Note: one issue order for NCCL])
+# ------------------------------------------------------------------------------------------------
+class RankDependentBias(torch.nn.Module):
+    """The same modules run on every rank, but ``mid`` adds its bias on rank 0 only: its bias
+    gradient arrives on rank 0 and never on rank 1 (the bucket is "late" there)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.mid = torch.nn.Linear(16, 16)
+        self.blk = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = torch.nn.functional.linear(h, self.mid.weight, self.mid.bias if dist.get_rank() == 0 else None)
+        return self.out(torch.tanh(self.blk(torch.tanh(h))))
+
+
+def issue_order_with_a_rank_dependent_gradient(policy: str) -> list[tuple[str, str]]:
+    torch.manual_seed(0)
+    base = RankDependentBias()
+    world = dist.get_world_size()
+    plan = make_plan(base, world, replicate_units=("mid",), grouping="unit", buckets="per_param", window=0)
+    model = AutoDist(base, plan=plan)
+    model.runtime._launch_policy_arg = policy
+    model.runtime.switch_plan(model.plan)
+    model.runtime.comm.stats.log = []
+    model(torch.randn(4, 8)).sum().backward()
+    log = [e for e in model.runtime.comm.stats.log if e[0] != "broadcast"]
+    model.close()
+    return log
+
+
+def test_sampled_launches_issue_collectives_in_the_same_order_on_every_rank(world2):
+    """NCCL needs one issue order across its two communicators; launching buckets on readiness
+    interleaves reductions with gathers differently on a rank where a gradient never arrives."""
+    ready = world2.run(issue_order_with_a_rank_dependent_gradient, "ready")
+    assert ready[0] != ready[1]  # the hazard exists
+    sampled = world2.run(issue_order_with_a_rank_dependent_gradient, "sampled")
+    assert sampled[0] == sampled[1], sampled
+    assert {k for k, _ in sampled[0]} >= {"all_gather", "all_reduce", "reduce_scatter"}
