@@ -66,10 +66,7 @@ class AutoDist(nn.Module):
         log_every: int | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"AutoDist wraps an nn.Module, got {type(module).__name__}")
-        if isinstance(module, AutoDist):
-            raise TypeError("this module is already wrapped by AutoDist; wrap the inner module once")
+        _check_module_argument(module)
         mixed_precision = MixedPrecision.coerce(mixed_precision)
         _check_plan_argument(plan)
         if example_inputs is not None and not (isinstance(plan, str) and plan == "auto"):
@@ -135,6 +132,7 @@ class AutoDist(nn.Module):
                 len(resolved.gather_groups), len(resolved.buckets), len(resolved.offload), self._comm.world_size,
                 format_bytes(self.budget_bytes),
             )
+        module.__dict__[_MANAGED] = True  # see _check_module_argument; removed by close()
 
     # ---------------------------------------------------------------------------------------------
     # plan resolution
@@ -305,10 +303,53 @@ class AutoDist(nn.Module):
         plain module holding its current parameters). Call on every rank."""
         self._engine.close()
         self._comm.destroy()
+        self.module.__dict__.pop(_MANAGED, None)
 
     def extra_repr(self) -> str:
         p = self.plan
         return f"plan={p.label}, world_size={p.world_size}, sharded_units={len(p.sharded_units)}, buckets={len(p.buckets)}"
+
+
+_MANAGED = "_autodist_managed"  # set on a module while an AutoDist instance manages it
+
+
+def _check_module_argument(module: Any) -> None:
+    """Refuse a module that is already distributed, before anything is modified. The checks look
+    only at the module, so every rank raises the same error."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"AutoDist wraps an nn.Module, got {type(module).__name__}")
+    if isinstance(module, AutoDist):
+        raise TypeError("this module is already wrapped by AutoDist; wrap the inner module once")
+    from torch.distributed import fsdp
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    fsdp_types = tuple(t for t in (getattr(fsdp, "FSDPModule", None), getattr(fsdp, "FullyShardedDataParallel", None)) if t)
+    for name, m in module.named_modules():
+        what = "the module" if not name else f"submodule {name!r}"
+        if isinstance(m, AutoDist):
+            raise TypeError(f"{what} is an AutoDist; wrap the whole model once, without AutoDist inside it")
+        if m.__dict__.get(_MANAGED):
+            raise TypeError(
+                f"{what} is already managed by another AutoDist instance (wrapping it twice would run every "
+                "collective twice); keep using the first AutoDist, or call its close() before wrapping again"
+            )
+        if isinstance(m, DistributedDataParallel):
+            raise TypeError(
+                f"{what} is wrapped by torch's DistributedDataParallel; AutoDist replaces DDP: pass the module "
+                "DDP wraps (ddp_model.module) instead"
+            )
+        if fsdp_types and isinstance(m, fsdp_types):
+            raise TypeError(
+                f"{what} is sharded by torch's FSDP (fully_shard or FullyShardedDataParallel); AutoDist replaces "
+                "FSDP: build the model without it and wrap the plain module"
+            )
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor):
+            raise TypeError(
+                f"parameter {name!r} is already a DTensor ({p.placements}): the model is already distributed "
+                "(fully_shard, tensor parallelism or another AutoDist); AutoDist wraps a model of plain tensors"
+            )
 
 
 def _check_plan_argument(plan: Any) -> None:

@@ -136,3 +136,79 @@ def test_plan_file_missing_everywhere_is_refused_as_an_unknown_plan_on_every_ran
         res = world2.run(_plan_file_on_some_ranks, d, [], timeout=60)
     for r in res:
         assert "plan='plan.json' is neither one of 'auto', 'ddp', 'fsdp', 'zero2' nor an existing plan file" in r["error"]
+
+
+def _fully_sharded():
+    from torch.distributed.fsdp import fully_shard
+
+    m = models.make("mlp")
+    fully_shard(m)
+    return m
+
+
+def _with_autodist_inside():
+    m = models.make("mlp")
+    m.layers[0] = AutoDist(m.layers[0], plan="ddp")
+    return m
+
+
+def _with_dtensor_parameter():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    m = models.make("mlp")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    m.layers[1].weight = torch.nn.Parameter(distribute_tensor(m.layers[1].weight.detach(), mesh, [Shard(1)]))
+    return m
+
+
+def _bad_arguments():
+    """Each case: (what to wrap, keyword arguments), the error type and what the message must say."""
+    rank = dist.get_rank()
+    mlp = models.make("mlp")
+    first = AutoDist(mlp, plan="ddp")  # mlp is now managed by `first`
+    cases = {
+        "memory_limit=inf": (lambda: models.make("mlp"), {"memory_limit": float("inf")}, ValueError,
+                             "memory_limit=inf is not a number of bytes; pass a finite size"),
+        "memory_limit=nan": (lambda: models.make("mlp"), {"memory_limit": float("nan")}, ValueError,
+                             "memory_limit=nan is not a number of bytes"),
+        "memory_limit=0.5": (lambda: models.make("mlp"), {"memory_limit": 0.5}, ValueError, "at least 1 byte"),
+        "torch DDP": (lambda: torch.nn.parallel.DistributedDataParallel(models.make("branchy")), {}, TypeError,
+                      "the module is wrapped by torch's DistributedDataParallel; AutoDist replaces DDP: pass the "
+                      "module DDP wraps (ddp_model.module)"),
+        "fully_shard": (_fully_sharded, {}, TypeError, "the module is sharded by torch's FSDP"),
+        "the same module twice": (lambda: mlp, {}, TypeError,
+                                  "the module is already managed by another AutoDist instance"),
+        "DTensor parameter": (_with_dtensor_parameter, {}, TypeError, "parameter 'layers.1.weight' is already a "
+                              "DTensor ((Shard(dim=1),)): the model is already distributed"),
+        "AutoDist inside": (_with_autodist_inside, {}, TypeError, "submodule 'layers.0' is an AutoDist; wrap the "
+                            "whole model once"),
+    }
+    out = {}
+    for name, (make, kwargs, exc, says) in cases.items():
+        module = make()
+        before = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        try:
+            AutoDist(module, plan="fsdp", **kwargs)
+            out[name] = "no error"
+            continue
+        except Exception as e:
+            if not isinstance(e, exc) or says not in str(e) or "\n" in str(e):
+                out[name] = f"{type(e).__name__}: {e}"
+                continue
+        after = module.state_dict()
+        if not all(torch.equal(before[k], after[k]) for k in before) or len(after) != len(before):
+            out[name] = "the module was modified"
+            continue
+        out[name] = "ok"
+    # the first wrapper still trains, and after close() the module can be wrapped again
+    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(rank))
+    models.loss_fn("mlp", first(x), y).backward()
+    first.close()
+    AutoDist(mlp, plan="ddp").close()
+    return out
+
+
+def test_distributed_or_bad_arguments_fail_with_one_line_on_every_rank_before_anything_changes(world2):
+    for res in world2.run(_bad_arguments, timeout=120):
+        assert res == {name: "ok" for name in res}
