@@ -365,6 +365,15 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
     for key in ("predicted", "provenance"):
         if not isinstance(d.get(key, {}), dict):
             r.fail(key, "expected a JSON object")
+    predicted = d.get("predicted", {})
+    if isinstance(predicted, dict):
+        for key in ("step_seconds", "peak_bytes"):
+            v = predicted.get(key, 0)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                r.fail(f"predicted.{key}", f"expected a non-negative number; got {json.dumps(v)[:60]}")
+        vs = predicted.get("vs", {})
+        if not isinstance(vs, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vs.values()):
+            r.fail("predicted.vs", f"expected an object of numbers (predicted speed-ups); got {json.dumps(vs)[:60]}")
     if r.problems:
         raise PlanError(r.problems, source=source)
     return Plan(
