@@ -39,7 +39,7 @@ from .cost.comm import CommModel, sweep
 from .cost.profile import OptimizerProfile, Profile, slowest
 from .cost.simulator import Simulator
 from .errors import AutoDistError, BudgetError
-from .plan import SCHEMA_VERSION, Plan
+from .plan import SCHEMA_VERSION, Plan, made_for
 from .sched.search import SearchConfig, Searcher, SearchResult
 from .sched.space import PlanSpace
 from .trace import UnitTracer, _attribute, _Clock, _Pass, float_output_bytes, loss_fields, profile_model
@@ -231,10 +231,11 @@ class AutoPlanner:
         result = Searcher(space, sim, SearchConfig()).run()
         self.stats.searches += 1
         self.stats.search_seconds += result.seconds
-        self._annotate(result)
+        self._annotate(result, profile)
         return result
 
-    def _annotate(self, result: SearchResult) -> None:
+    def _annotate(self, result: SearchResult, profile: Profile) -> None:
+        made_for(result.plan, self.structure, optimizer_states=profile.optimizer.state_names)
         r = result.result
         result.plan.device = self.device.type
         result.plan.budget_bytes = self.w.budget_bytes
@@ -634,6 +635,7 @@ def plan_offline(
     if not result.result.feasible:
         raise budget_error(budget_bytes, result, structure)
     plan = result.plan
+    made_for(plan, structure, optimizer_states=prof.optimizer.state_names)
     plan.device = device.type
     plan.budget_bytes = budget_bytes
     plan.predicted = {

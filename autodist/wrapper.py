@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import replace
 from collections.abc import Iterator
 from typing import Any
 
@@ -103,6 +104,8 @@ class AutoDist(nn.Module):
                 lambda: self._resolve_plan(plan, example_inputs=example_inputs, cache_dir=cache_dir)
             )
         self._check_rank_agreement(resolved)
+        if not resolved.param_shapes:  # so that a saved copy of the plan in force is checked when loaded
+            resolved = replace(resolved, param_shapes={n: list(p.shape) for n, p in self._structure.params.items()})
         if log_every is not None and log_every < 1:
             raise ValueError(f"log_every must be a positive number of steps or None, got {log_every}")
         self._engine = Engine(
