@@ -18,12 +18,11 @@ Rank 0 searches and broadcasts; every rank checks the plan hash afterwards (``Au
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import json
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -574,7 +573,7 @@ def _number(value: Any, where: str, *, finite: bool = True) -> None:
 def _check_fields(obj: Any, where: str) -> None:
     """Every field of dataclass ``obj`` holds the JSON type its annotation names."""
     kinds = {"str": str, "bool": bool, "list": list, "dict": dict}
-    for f in dataclasses.fields(obj):
+    for f in fields(obj):
         value, at, kind = getattr(obj, f.name), f"{where}.{f.name}", str(f.type).split("[")[0]
         if kind in ("int", "float"):
             _number(value, at)

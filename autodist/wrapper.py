@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import replace
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
