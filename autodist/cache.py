@@ -96,11 +96,11 @@ class Cache:
 
     # -- read / write -----------------------------------------------------------------------------
     def get(self, kind: str, key: str, parse: Callable[[str], T]) -> T | None:
-        """The parsed entry, or ``None`` on a miss. A corrupt entry is reported once, removed, and
-        is a miss."""
+        """The parsed entry, or ``None`` on a miss. An entry that cannot be read, decoded or parsed
+        (``parse`` raising anything) is reported once, removed, and is a miss."""
         p = self.path(kind, key)
         try:
-            text = p.read_text()
+            data = p.read_bytes()
         except FileNotFoundError:
             self.counters["misses"] += 1
             return None
@@ -109,14 +109,15 @@ class Cache:
             self.counters["misses"] += 1
             return None
         try:
-            value = parse(text)
-        except Exception as e:  # any parse failure means the entry is unusable: never crash training
+            value = parse(data.decode("utf-8"))
+        except Exception as e:  # any failure means the entry is unusable: never crash training
             self.counters["corrupt"] += 1
             self.counters["misses"] += 1
+            why = " ".join(str(e).split())
             self.once.warning(
                 f"corrupt{p}",
-                "autodist: cache entry %s is corrupt or stale (%s: %s); it will be replaced",
-                p, type(e).__name__, str(e).splitlines()[0][:200],
+                "autodist: cache entry %s is corrupt or stale (%s%s); it will be replaced",
+                p, type(e).__name__, f": {why[:200]}" if why else "",
             )
             if self.writer:
                 with contextlib.suppress(OSError):

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ from .cost.comm import CommModel, sweep
 from .cost.profile import OptimizerProfile, Profile, slowest
 from .cost.simulator import Simulator
 from .errors import AutoDistError, BudgetError
-from .plan import SCHEMA_VERSION, Plan
+from .plan import SCHEMA_VERSION, Plan, made_for
 from .sched.search import SearchConfig, Searcher, SearchResult
 from .sched.space import PlanSpace
 from .trace import UnitTracer, _attribute, _Clock, _Pass, float_output_bytes, loss_fields, profile_model
@@ -133,23 +134,32 @@ class AutoPlanner:
         return digest({"model": self.structure.fingerprint(), **self._machine(), "budget": self._budget_key()})
 
     # ---- cache access ---------------------------------------------------------------------------
+    def read(self, kind: str, key: str) -> Any:
+        """On rank 0, cache entry ``kind``/``key`` checked for this model and machine (see [Note: cache
+        entries are checked, not trusted]), or ``None``; ``None`` on the other ranks, which use what
+        rank 0 broadcasts, so every rank agrees on hit or miss and an entry is reported once."""
+        if self.rank != 0:
+            return None
+        parsers = {
+            "plans": lambda text: plan_entry(text, self.structure, self.world),
+            "profiles": profile_entry,
+            "comm": lambda text: comm_entry(text, self._machine()),
+            "placements": lambda text: placement_entry(text, self.structure),
+        }
+        return self.cache.get(kind, key, parsers[kind])
+
     def _optimizer_kind(self, sig: str) -> str:
-        prof = self.cache.get("profiles", self.profile_key(sig), Profile.from_json)
+        prof = self.read("profiles", self.profile_key(sig))
         return prof.optimizer.kind if prof is not None and prof.optimizer.measured else "Adam"
 
     def lookup(self, sig: str) -> Plan | None:
-        from .plan import validate_plan
-
-        key = self.plan_key(sig, self._optimizer_kind(sig))
-
-        def parse(text: str) -> Plan:
-            plan = Plan.from_json(text)
-            validate_plan(plan, self.structure, world_size=self.world)
-            return plan
-
-        plan = self.cache.get("plans", key, parse)
+        key = text = None
+        if self.rank == 0:
+            key = self.plan_key(sig, self._optimizer_kind(sig))
+            plan = self.read("plans", key)
+            text = plan.to_json() if plan is not None else None
         # every rank must agree on hit or miss (their caches may differ): rank 0 decides
-        text = self.comm.broadcast_object(plan.to_json() if plan is not None else None)
+        key, text = self.comm.broadcast_object((key, text))
         if text is None:
             return None
         plan = Plan.from_json(text)
@@ -169,7 +179,7 @@ class AutoPlanner:
 
     def comm_model(self) -> CommModel:
         key = self.comm_key()
-        model = self.cache.get("comm", key, CommModel.from_json)
+        model = self.read("comm", key)
         text = self.comm.broadcast_object(model.to_json() if model is not None else None)
         if text is not None:
             return CommModel.from_json(text)
@@ -185,10 +195,9 @@ class AutoPlanner:
     def safe_plan(self) -> Plan:
         from .sched.seeds import ddp_plan
 
-        hint = self.cache.get("placements", self.placement_key(), json.loads)
-        hint = self.comm.broadcast_object(hint)
+        hint = self.comm.broadcast_object(self.read("placements", self.placement_key()))
         space = PlanSpace(self.structure, self.world, [u.name for u in self.structure.units], list(reversed(self.structure.trainable)))
-        if isinstance(hint, dict) and set(hint) == {u.name for u in self.structure.units}:
+        if hint is not None:
             g = space.fsdp()
             g = space.normalize(replace(g, shard=tuple(hint[u] == "shard" for u in space.units)))
             plan = space.to_plan(g, provenance={"source": "auto:safe start (stored placement)"})
@@ -221,10 +230,11 @@ class AutoPlanner:
         result = Searcher(space, sim, SearchConfig()).run()
         self.stats.searches += 1
         self.stats.search_seconds += result.seconds
-        self._annotate(result)
+        self._annotate(result, profile)
         return result
 
-    def _annotate(self, result: SearchResult) -> None:
+    def _annotate(self, result: SearchResult, profile: Profile) -> None:
+        made_for(result.plan, self.structure, optimizer_states=profile.optimizer.state_names)
         r = result.result
         result.plan.device = self.device.type
         result.plan.budget_bytes = self.w.budget_bytes
@@ -475,6 +485,102 @@ class AutoPlanner:
         self.w._check_rank_agreement(plan)
 
 
+# ------------------------------------------------------------------------------------------------
+# Cache entries.
+#
+# [Note: cache entries are checked, not trusted] An entry may be truncated, overwritten with other
+# bytes, written by another version, or valid JSON of the wrong shape. Each is parsed *and* checked
+# against what this launch will do with it before it is used: anything unexpected raises, so
+# ``Cache.get`` reports the entry once, removes it, and treats it as a miss; what this launch then
+# measures or plans is stored in its place. Only rank 0 reads the cache (``AutoPlanner.read``).
+# ------------------------------------------------------------------------------------------------
+
+
+def plan_entry(text: str, structure: Any, world: int) -> Plan:
+    """A cached plan: parsed (which checks every field) and validated against the model."""
+    from .plan import validate_plan
+
+    plan = Plan.from_json(text)
+    validate_plan(plan, structure, world_size=world)
+    return plan
+
+
+def profile_entry(text: str) -> Profile:
+    prof = Profile.from_json(text)
+    _check_fields(prof, "profile")
+    _check_fields(prof.optimizer, "profile.optimizer")
+    for i, u in enumerate(prof.units):
+        _check_fields(u, f"profile.units[{i}]")
+    for name in ("ready_order", "optimizer.state_names"):
+        values = prof.ready_order if name == "ready_order" else prof.optimizer.state_names
+        if not all(isinstance(v, str) for v in values):
+            raise ValueError(f"profile.{name} holds something other than names")
+    return prof
+
+
+def comm_entry(text: str, machine: dict[str, Any]) -> CommModel:
+    """A cached comm model, for this machine, with a finite fit for every operation."""
+    from .cost.comm import OPS
+
+    model = CommModel.from_json(text)
+    _check_fields(model, "comm model")
+    measured_on = (model.backend, model.world_size, model.device)
+    here = (machine["backend"], machine["world"], machine["device_name"])
+    if measured_on != here:
+        raise ValueError(f"comm model measured on (backend, world size, device) {measured_on}, not {here}")
+    missing = sorted(set(OPS) - model.ops.keys())
+    if missing:
+        raise ValueError(f"comm model has no fit for {', '.join(missing)}")
+    for op, fit in model.ops.items():
+        _check_fields(fit.small, f"comm model.ops.{op}.small")
+        _check_fields(fit.large, f"comm model.ops.{op}.large")
+        _number(fit.split_bytes, f"comm model.ops.{op}.split_bytes", finite=False)
+    for name in ("compute_slowdown", "comm_slowdown"):
+        if getattr(model, name) <= 0:
+            raise ValueError(f"comm model.{name} = {getattr(model, name)!r} is not positive")
+    for op, rows in model.contention.items():
+        sizes = []
+        for i, row in enumerate(rows if isinstance(rows, list) else [None]):
+            if not isinstance(row, list) or len(row) != 3:
+                raise ValueError(f"comm model.contention.{op}[{i}] is not [bytes, slowdown, slowdown]")
+            for x in row:
+                _number(x, f"comm model.contention.{op}[{i}]")
+            sizes.append(row[0])
+        if any(b <= a for a, b in zip([0] + sizes, sizes)):
+            raise ValueError(f"comm model.contention.{op}: message sizes are not positive and increasing")
+    for name in ("transient", "overhead"):
+        for k, v in getattr(model, name).items():
+            _number(v, f"comm model.{name}.{k}")
+    return model
+
+
+def placement_entry(text: str, structure: Any) -> dict[str, str]:
+    """A stored placement: every unit of the model, each ``replicate`` or ``shard``."""
+    from .plan import PLACEMENTS
+
+    hint = json.loads(text)
+    units = {u.name for u in structure.units}
+    if not isinstance(hint, dict) or set(hint) != units or not all(v in PLACEMENTS for v in hint.values()):
+        raise ValueError(f"expected an object mapping each of the model's {len(units)} units to 'replicate' or 'shard'")
+    return hint
+
+
+def _number(value: Any, where: str, *, finite: bool = True) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or (finite and math.isinf(value)):
+        raise ValueError(f"{where} = {value!r} is not a {'finite ' if finite else ''}number")
+
+
+def _check_fields(obj: Any, where: str) -> None:
+    """Every field of dataclass ``obj`` holds the JSON type its annotation names."""
+    kinds = {"str": str, "bool": bool, "list": list, "dict": dict}
+    for f in fields(obj):
+        value, at, kind = getattr(obj, f.name), f"{where}.{f.name}", str(f.type).split("[")[0]
+        if kind in ("int", "float"):
+            _number(value, at)
+        elif kind in kinds and not isinstance(value, kinds[kind]):
+            raise ValueError(f"{at} = {value!r:.60} is not a {kind}")
+
+
 def search_provenance(result: SearchResult, source: str) -> dict[str, Any]:
     """What a searched plan records about how it was found."""
     from . import __version__
@@ -528,6 +634,7 @@ def plan_offline(
     if not result.result.feasible:
         raise budget_error(budget_bytes, result, structure)
     plan = result.plan
+    made_for(plan, structure, optimizer_states=prof.optimizer.state_names)
     plan.device = device.type
     plan.budget_bytes = budget_bytes
     plan.predicted = {

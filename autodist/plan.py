@@ -20,6 +20,7 @@ from .structure import ModelStructure
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (1,)
+MAX_NESTING = 32  # free-form fields (predicted, provenance) deeper than this are refused
 
 PLACEMENTS = ("replicate", "shard")
 RESIDENCIES = ("after_forward", "after_backward", "persistent")
@@ -27,6 +28,17 @@ BUCKET_OPS = ("all_reduce", "reduce_scatter")
 OP_FOR_PLACEMENT = {"replicate": "all_reduce", "shard": "reduce_scatter"}
 
 Window = Union[int, Literal["memory"]]
+
+# Optimizer state that offload fragments may name: the per-element state tensors of torch.optim's
+# optimizers (from the torch 2.14 sources: Adam, AdamW, NAdam, RAdam and SparseAdam; Adamax; Adagrad;
+# Adadelta; RMSprop; Rprop; ASGD; SGD and Muon; Adafactor), plus whatever a plan lists in its
+# ``optimizer_states`` (what the optimizer it was planned for keeps, e.g. a third-party one).
+OPTIMIZER_STATES = frozenset({
+    "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf", "sum", "square_avg", "acc_delta", "grad_avg",
+    "momentum_buffer", "prev", "step_size", "ax", "row_var", "col_var", "variance",
+})
+# Their scalar state: nothing to offload.
+SCALAR_OPTIMIZER_STATES = frozenset({"step", "eta", "mu", "mu_product"})
 
 
 @dataclass
@@ -104,6 +116,11 @@ class Plan:
     fingerprint: str = ""
     device: str = "cpu"
     budget_bytes: int | None = None
+    # What the plan was made for, checked when it is applied (empty: not recorded, as in older files):
+    # every parameter's shape, so that a plan for a model of another size is refused; and the
+    # optimizer's state names, so that offload fragments naming other state are refused.
+    param_shapes: dict[str, list[int]] = field(default_factory=dict)
+    optimizer_states: list[str] = field(default_factory=list)
     predicted: dict[str, Any] = field(default_factory=dict)
     provenance: dict[str, Any] = field(default_factory=dict)
 
@@ -158,14 +175,35 @@ class Plan:
                 "truncated or corrupt. Regenerate it or pass a built-in plan such as plan='ddp'.",
                 source=source,
             ) from None
+        except RecursionError:
+            raise PlanError(
+                f"{where} nests JSON arrays or objects too deeply to be read (a plan nests at most "
+                f"{MAX_NESTING} levels); it is corrupt. Regenerate it or pass a built-in plan such as plan='ddp'.",
+                source=source,
+            ) from None
         return _parse_plan(data, source)
 
     def hash(self) -> str:
         """Digest of every field that affects execution (not predictions or provenance)."""
         d = self.to_dict()
-        for k in ("predicted", "provenance", "fingerprint", "budget_bytes"):
+        for k in ("predicted", "provenance", "fingerprint", "budget_bytes", "param_shapes", "optimizer_states"):
             d.pop(k, None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def made_for(plan: Plan, structure: ModelStructure, *, optimizer_states: list[str] | None = None) -> None:
+    """Record in ``plan`` what it was made for, which ``validate_plan`` checks when it is applied:
+    the model's parameter shapes and (given) the optimizer's state names. Prefetch windows longer
+    than the model's units (which act as the number of units) are shortened to it."""
+    plan.param_shapes = {name: list(info.shape) for name, info in structure.params.items()}
+    if optimizer_states is not None:
+        plan.optimizer_states = sorted(optimizer_states)
+    n_units = len(structure.units)
+    for g in plan.gather_groups:
+        for direction in ("forward", "backward"):
+            w = getattr(g.prefetch, direction)
+            if w != "memory" and w > n_units:
+                setattr(g.prefetch, direction, n_units)
 
 
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
@@ -226,6 +264,13 @@ class _Reader:
             return None
         return value
 
+    def count(self, value: Any, path: str, what: str) -> int | None:
+        """A non-negative integer (bytes, a count)."""
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            self.fail(path, f"expected {what}; got {json.dumps(value)[:60]}")
+            return None
+        return value
+
     def choice(self, value: Any, path: str, choices: tuple[str, ...]) -> Any:
         if value not in choices:
             self.fail(path, f"expected one of {', '.join(choices)}; got {json.dumps(value)[:60]}")
@@ -262,10 +307,16 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
     top_required = {"schema_version", "world_size", "units"}
     top_optional = {
         "gather_groups", "buckets", "offload", "rebuild_buckets", "max_inflight_buckets", "fingerprint", "device",
-        "budget_bytes", "predicted", "provenance",
+        "budget_bytes", "param_shapes", "optimizer_states", "predicted", "provenance",
     }
     if isinstance(data, dict) and "schema_version" in data:
         v = data["schema_version"]
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise PlanError(
+                f"schema_version: expected an integer such as {SCHEMA_VERSION}, got {json.dumps(v)[:60]}; write "
+                f'"schema_version": {SCHEMA_VERSION}',
+                source=source,
+            )
         if v not in SUPPORTED_SCHEMA_VERSIONS:
             raise PlanError(
                 f"schema_version {json.dumps(v)} is not supported by this autodist (it reads "
@@ -312,7 +363,7 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
     for p, bo in r.objects(d, "buckets", {"params"}, {"op", "nbytes"}):
         nb = bo.get("nbytes")
         if nb is not None:
-            nb = r.typed(nb, f"{p}.nbytes", int, "an integer number of bytes or null")
+            nb = r.count(nb, f"{p}.nbytes", "a non-negative number of bytes or null")
         buckets.append(
             Bucket(
                 params=r.str_list(bo.get("params"), f"{p}.params"),
@@ -342,18 +393,20 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
             )
         )
 
+    optimizer_states = r.str_list(d.get("optimizer_states", []), "optimizer_states")
+    _check_fragments(r, offload, set(optimizer_states))
+
     rebuild = None
     if d.get("rebuild_buckets") is not None:
         ro = r.obj(d["rebuild_buckets"], "rebuild_buckets", set(), {"cap_bytes", "first_cap_bytes"})
         if ro is not None:
-            rebuild = BucketRebuild(
-                cap_bytes=r.typed(ro.get("cap_bytes", 25 << 20), "rebuild_buckets.cap_bytes", int, "bytes")
-                or (25 << 20),
-                first_cap_bytes=r.typed(
-                    ro.get("first_cap_bytes", 1 << 20), "rebuild_buckets.first_cap_bytes", int, "bytes"
-                )
-                or (1 << 20),
-            )
+            caps = {}
+            for key, default in (("cap_bytes", BucketRebuild.cap_bytes), ("first_cap_bytes", BucketRebuild.first_cap_bytes)):
+                what = f"a non-negative number of bytes (DDP's default: {default})"
+                caps[key] = r.count(ro.get(key, default), f"rebuild_buckets.{key}", what)
+                if caps[key] is None:
+                    caps[key] = default
+            rebuild = BucketRebuild(**caps)
 
     inflight = d.get("max_inflight_buckets")
     if inflight is not None and not (isinstance(inflight, int) and not isinstance(inflight, bool) and inflight >= 0):
@@ -361,10 +414,29 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
         inflight = None
     budget = d.get("budget_bytes")
     if budget is not None:
-        budget = r.typed(budget, "budget_bytes", int, "an integer number of bytes or null")
+        budget = r.count(budget, "budget_bytes", "a non-negative number of bytes or null")
+    param_shapes = d.get("param_shapes", {})
+    if not isinstance(param_shapes, dict) or not all(
+        isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+        for v in param_shapes.values()
+    ):
+        r.fail("param_shapes", f"expected an object of parameter name -> shape (a list of sizes); got {json.dumps(param_shapes)[:60]}")
+        param_shapes = {}
+    for key in ("predicted", "provenance"):
+        if _depth(d.get(key)) > MAX_NESTING:
+            r.fail(key, f"nested deeper than {MAX_NESTING} levels; a plan's {key} is a shallow object: regenerate the plan")
     for key in ("predicted", "provenance"):
         if not isinstance(d.get(key, {}), dict):
             r.fail(key, "expected a JSON object")
+    predicted = d.get("predicted", {})
+    if isinstance(predicted, dict):
+        for key in ("step_seconds", "peak_bytes"):
+            v = predicted.get(key, 0)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                r.fail(f"predicted.{key}", f"expected a non-negative number; got {json.dumps(v)[:60]}")
+        vs = predicted.get("vs", {})
+        if not isinstance(vs, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vs.values()):
+            r.fail("predicted.vs", f"expected an object of numbers (predicted speed-ups); got {json.dumps(vs)[:60]}")
     if r.problems:
         raise PlanError(r.problems, source=source)
     return Plan(
@@ -379,9 +451,51 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
         fingerprint=str(d.get("fingerprint", "")),
         device=str(d.get("device", "cpu")),
         budget_bytes=budget,
+        param_shapes={k: list(v) for k, v in param_shapes.items()},
+        optimizer_states=list(optimizer_states),
         predicted=dict(d.get("predicted", {})),
         provenance=dict(d.get("provenance", {})),
     )
+
+
+def _check_fragments(r: _Reader, offload: list[OffloadFragment], declared: set[str]) -> None:
+    """Offload fragments name optimizer state that exists, and fragments of one state are disjoint."""
+    known = ", ".join(sorted(OPTIMIZER_STATES))
+    spans: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
+    for i, o in enumerate(offload):
+        if o.state in SCALAR_OPTIMIZER_STATES and o.state not in declared:
+            r.fail(f"offload[{i}].state", f"{o.state!r} is a scalar; only per-element optimizer state can be offloaded: remove this fragment")
+        elif o.state not in OPTIMIZER_STATES and o.state not in declared:
+            r.fail(
+                f"offload[{i}].state",
+                f"{o.state!r} is not state that torch's optimizers keep per element ({known}); fix the name, or, "
+                "if your optimizer keeps state under it, list it in the plan's optimizer_states",
+            )
+        spans.setdefault((o.param, o.state), []).append((o.fragment[0], o.fragment[1], i))
+    for (param, state), frags in spans.items():
+        frags.sort()
+        _, end, i0 = frags[0]
+        for a, b, i in frags[1:]:
+            if a < end:
+                r.fail(
+                    f"offload[{i}].fragment",
+                    f"[{a}, {b}] overlaps offload[{i0}].fragment (which ends at {end}) of the same state "
+                    f"({param} / {state}); make the fragments disjoint or merge them into one",
+                )
+            if b > end:
+                end, i0 = b, i
+
+
+def _depth(value: Any) -> int:
+    """How deeply ``value`` nests lists and objects (iteratively: a deep value cannot overflow the stack)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth <= MAX_NESTING:
+                stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 # ------------------------------------------------------------------------------------------------
@@ -412,6 +526,19 @@ def validate_plan(
 
     params = structure.params
     unit_of_param = structure.unit_of_param
+    # Parameter shapes, where the plan records them (plans from older versions do not).
+    resized = [
+        (p, plan.param_shapes[p], list(info.shape))
+        for p, info in params.items()
+        if p in plan.param_shapes and plan.param_shapes[p] != list(info.shape)
+    ]
+    if resized:
+        p, theirs, ours = resized[0]
+        problems.append(
+            f"param_shapes: {len(resized)} parameter(s) have other shapes in this model than in the plan (e.g. "
+            f"{p!r}: {theirs} in the plan, {ours} here); the plan was made for a model of another size: regenerate "
+            "it for this one (plan='auto' or `autodist plan`)"
+        )
     # Units: names exist, each parameter covered exactly once, and by its own unit.
     seen_units: set[str] = set()
     covered: dict[str, str] = {}
@@ -470,6 +597,17 @@ def validate_plan(
     for u in plan.units:
         if u.placement == "shard" and u.name not in grouped:
             problems.append(f"sharded unit {u.name!r} is in no gather group; add it to one")
+    # A window counts units: one as long as the model already issues the gather before the first unit.
+    n_units = len(structure.units)
+    for gi, g in enumerate(plan.gather_groups):
+        for direction in ("forward", "backward"):
+            w = getattr(g.prefetch, direction)
+            if w != "memory" and w > n_units:
+                problems.append(
+                    f"gather_groups[{gi}].prefetch.{direction} = {w}: a prefetch window counts units and this model "
+                    f"has {n_units}; use at most {n_units} (that already issues the gather before the first unit "
+                    'runs), or "memory" to prefetch as early as the budget allows'
+                )
 
     # Buckets: every trainable parameter exactly once, op matching placement, one dtype per bucket.
     pplace = plan.placement_of_param
@@ -504,6 +642,14 @@ def validate_plan(
     for oi, o in enumerate(plan.offload):
         if o.param not in params:
             problems.append(f"offload[{oi}] names parameter {o.param!r}, which this model does not have")
+        else:
+            limit, held = _state_elements(params[o.param], pplace.get(o.param), plan.world_size)
+            start, end = o.fragment
+            if end > limit:
+                problems.append(
+                    f"offload[{oi}].fragment = [{start}, {end}] {'starts' if start >= limit else 'ends'} beyond the "
+                    f"optimizer state of {o.param!r}: {held}; keep the fragment within [0, {limit}]"
+                )
         for key, val, kinds in (("out_after", o.out_after, ("step", "forward")), ("back_from", o.back_from, ("step", "backward"))):
             kind, _, unit = val.partition(":")
             if kind not in kinds or (kind != "step" and unit not in model_units):
@@ -512,3 +658,12 @@ def validate_plan(
                 )
     if problems:
         raise PlanError(problems, source=source)
+
+
+def _state_elements(info: Any, placement: str | None, world_size: int) -> tuple[int, str]:
+    """How many elements of a parameter's optimizer state one rank holds at most, and why."""
+    if placement == "shard" and info.shape:
+        rows = info.shape[0]
+        most = -(-rows // world_size) * (info.numel // rows if rows else 0)
+        return most, f"a rank holds at most {most} elements of it (dim-0 shards of {rows} rows over {world_size} ranks)"
+    return info.numel, f"it has {info.numel} elements"

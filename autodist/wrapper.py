@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ._log import logger
 from .cost.budget import format_bytes, parse_memory_limit
 from .errors import PlanError, RankMismatchError
-from .plan import Plan, load_plan, validate_plan
+from .plan import Plan, validate_plan
 from .runtime.comm import Comm, init_distributed
 from .runtime.engine import Engine, MixedPrecision
 from .runtime.state import full_state_dict, load_full_state_dict
@@ -31,7 +32,8 @@ class AutoDist(nn.Module):
     Args:
         module: the model, on the CPU or on this rank's device (it is moved to the device).
         plan: ``"auto"`` (profile, search, cache), a built-in baseline (``"ddp"``, ``"fsdp"``,
-            ``"zero2"``), a :class:`Plan`, or the path of a plan JSON file.
+            ``"zero2"``), a :class:`Plan`, or the path of a plan JSON file (it must exist on rank 0;
+            ranks where it does not exist use rank 0's copy).
         mesh: a 1-D ``DeviceMesh`` to run on (default: every rank of the default process group).
         memory_limit: budget per rank — bytes, ``"24GiB"`` or ``"80%"``. Default: what the device has
             free, minus a margin.
@@ -65,10 +67,7 @@ class AutoDist(nn.Module):
         log_every: int | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"AutoDist wraps an nn.Module, got {type(module).__name__}")
-        if isinstance(module, AutoDist):
-            raise TypeError("this module is already wrapped by AutoDist; wrap the inner module once")
+        _check_module_argument(module)
         mixed_precision = MixedPrecision.coerce(mixed_precision)
         _check_plan_argument(plan)
         if example_inputs is not None and not (isinstance(plan, str) and plan == "auto"):
@@ -105,6 +104,8 @@ class AutoDist(nn.Module):
                 lambda: self._resolve_plan(plan, example_inputs=example_inputs, cache_dir=cache_dir)
             )
         self._check_rank_agreement(resolved)
+        if not resolved.param_shapes:  # so that a saved copy of the plan in force is checked when loaded
+            resolved = replace(resolved, param_shapes={n: list(p.shape) for n, p in self._structure.params.items()})
         if log_every is not None and log_every < 1:
             raise ValueError(f"log_every must be a positive number of steps or None, got {log_every}")
         self._engine = Engine(
@@ -134,6 +135,7 @@ class AutoDist(nn.Module):
                 len(resolved.gather_groups), len(resolved.buckets), len(resolved.offload), self._comm.world_size,
                 format_bytes(self.budget_bytes),
             )
+        module.__dict__[_MANAGED] = True  # see _check_module_argument; removed by close()
 
     # ---------------------------------------------------------------------------------------------
     # plan resolution
@@ -152,8 +154,45 @@ class AutoDist(nn.Module):
 
             self._auto = AutoPlanner(self, cache_dir, explicit_budget=self._explicit_budget)
             return self._auto.resolve(example_inputs)
-        path = os.fspath(plan)
-        return load_plan(path, self._structure, world_size=world)
+        return self._load_plan_file(os.fspath(plan))
+
+    def _load_plan_file(self, path: str) -> Plan:
+        """Read, parse and validate a plan file (a collective: see [Note: plan files]).
+
+        [Note: plan files] A rank that has the file uses its own copy; a rank where the path does not
+        exist (a file on rank 0's local disk, not on a shared filesystem) uses rank 0's, which rank
+        0 sends. Every rank then validates the plan it holds, and the ranks compare plan hashes, so
+        copies that differ are refused rather than silently replaced. The file must exist on rank 0.
+        Whether the file exists is exchanged before anyone raises, so an error is raised on every
+        rank and none is left waiting in a collective.
+        """
+        text, status = _read_plan_file(path)
+        statuses = self._comm.all_gather_object(status)  # identical on every rank from here on
+        missing = [r for r, s in enumerate(statuses) if s == _MISSING]
+        if statuses[0] == _MISSING:
+            if len(missing) == len(statuses):
+                raise PlanError(_not_a_plan_message(path))
+            have = [r for r in range(len(statuses)) if r not in missing]
+            raise PlanError(
+                f"plan file {path!r} does not exist on rank 0 (it does on rank(s) {have}); rank 0 sends the "
+                "plan to ranks that lack the file, so it must exist on rank 0: copy it there or pass a path "
+                "rank 0 can read",
+                source=path,
+            )
+        if statuses[0] is not None:
+            raise PlanError(f"cannot read plan file {path!r} on rank 0 ({statuses[0]})", source=path)
+        source = path
+        if missing:
+            rank0_text = self._comm.broadcast_object(text)
+            if self._comm.rank == 0:
+                logger.info("autodist: plan file %s does not exist on rank(s) %s; they use rank 0's copy", path, missing)
+            if status == _MISSING:
+                text, source = rank0_text, f"{path} (rank 0's copy)"
+        if text is None:
+            raise PlanError(f"cannot read plan file {path!r} on rank {self._comm.rank} ({status})", source=path)
+        plan = Plan.from_json(text, source=source)
+        validate_plan(plan, self._structure, world_size=self._comm.world_size, source=source)
+        return plan
 
     def _agree(self, fn: Any) -> Any:
         """Run ``fn`` on every rank; if it raises on any rank, raise on every rank (never hang)."""
@@ -268,25 +307,81 @@ class AutoDist(nn.Module):
         plain module holding its current parameters). Call on every rank."""
         self._engine.close()
         self._comm.destroy()
+        self.module.__dict__.pop(_MANAGED, None)
 
     def extra_repr(self) -> str:
         p = self.plan
         return f"plan={p.label}, world_size={p.world_size}, sharded_units={len(p.sharded_units)}, buckets={len(p.buckets)}"
 
 
+_MANAGED = "_autodist_managed"  # set on a module while an AutoDist instance manages it
+
+
+def _check_module_argument(module: Any) -> None:
+    """Refuse a module that is already distributed, before anything is modified. The checks look
+    only at the module, so every rank raises the same error."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"AutoDist wraps an nn.Module, got {type(module).__name__}")
+    if isinstance(module, AutoDist):
+        raise TypeError("this module is already wrapped by AutoDist; wrap the inner module once")
+    from torch.distributed import fsdp
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    fsdp_types = tuple(t for t in (getattr(fsdp, "FSDPModule", None), getattr(fsdp, "FullyShardedDataParallel", None)) if t)
+    for name, m in module.named_modules():
+        what = "the module" if not name else f"submodule {name!r}"
+        if isinstance(m, AutoDist):
+            raise TypeError(f"{what} is an AutoDist; wrap the whole model once, without AutoDist inside it")
+        if m.__dict__.get(_MANAGED):
+            raise TypeError(
+                f"{what} is already managed by another AutoDist instance (wrapping it twice would run every "
+                "collective twice); keep using the first AutoDist, or call its close() before wrapping again"
+            )
+        if isinstance(m, DistributedDataParallel):
+            raise TypeError(
+                f"{what} is wrapped by torch's DistributedDataParallel; AutoDist replaces DDP: pass the module "
+                "DDP wraps (ddp_model.module) instead"
+            )
+        if fsdp_types and isinstance(m, fsdp_types):
+            raise TypeError(
+                f"{what} is sharded by torch's FSDP (fully_shard or FullyShardedDataParallel); AutoDist replaces "
+                "FSDP: build the model without it and wrap the plain module"
+            )
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor):
+            raise TypeError(
+                f"parameter {name!r} is already a DTensor ({p.placements}): the model is already distributed "
+                "(fully_shard, tensor parallelism or another AutoDist); AutoDist wraps a model of plain tensors"
+            )
+
+
 def _check_plan_argument(plan: Any) -> None:
-    if isinstance(plan, Plan):
+    """The type of ``plan``; whether a path exists is agreed between the ranks (``_load_plan_file``)."""
+    if isinstance(plan, (Plan, str, os.PathLike)):
         return
-    if isinstance(plan, str) and plan in PLAN_CHOICES:
-        return
-    if isinstance(plan, (str, os.PathLike)):
-        path = os.fspath(plan)
-        if os.path.exists(path):
-            return
-        raise PlanError(
-            f"plan={path!r} is neither one of {', '.join(repr(c) for c in PLAN_CHOICES)} nor an existing plan "
-            "file; pass one of those names, a Plan, or the path of a plan JSON file"
-        )
     raise TypeError(
         f"plan must be one of {', '.join(repr(c) for c in PLAN_CHOICES)}, a Plan, or a path; got {type(plan).__name__}"
+    )
+
+
+_MISSING = "missing"
+
+
+def _read_plan_file(path: str) -> tuple[str | None, str | None]:
+    """(text, None); (None, ``_MISSING``) when the path does not exist on this rank; (None, why) when
+    it cannot be read. Never raises: the ranks exchange the outcome first."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(), None
+    except FileNotFoundError:
+        return None, _MISSING
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _not_a_plan_message(path: str) -> str:
+    return (
+        f"plan={path!r} is neither one of {', '.join(repr(c) for c in PLAN_CHOICES)} nor an existing plan "
+        "file; pass one of those names, a Plan, or the path of a plan JSON file"
     )

@@ -1,8 +1,12 @@
 """The collectives a known plan issues: count and order per step (recorded by the runtime)."""
 
+import time
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 import models
 from autodist import AutoDist
@@ -94,3 +98,31 @@ def _profiled_steps_end_with_collectives_in_flight():
 
 def test_profiled_steps_ending_with_collectives_in_flight_do_not_crash(world2):
     assert world2.run(_profiled_steps_end_with_collectives_in_flight) == [True, True]
+
+
+def _stall_on_rank1(timeout_s):
+    """Train one step on a process group with a short timeout, then rank 1 stops taking part."""
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=timeout_s))
+    m = AutoDist(models.make("mlp"), plan="ddp", mesh=DeviceMesh.from_group(group, "cpu"))
+    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(rank))
+    models.loss_fn("mlp", m(x), y).backward()
+    outcome = None
+    if rank == 0:  # rank 1 stalls: it never joins the next step's gradient all-reduce
+        t0 = time.monotonic()
+        try:
+            models.loss_fn("mlp", m(x), y).backward()
+        except RuntimeError as e:
+            outcome = {"seconds": time.monotonic() - t0, "error": str(e)}
+    for pg in (m.runtime.comm.gather_pg, m.runtime.comm.reduce_pg, group):
+        dist.destroy_process_group(pg)
+    return outcome
+
+
+def test_a_stalled_rank_fails_the_others_after_the_process_group_timeout(world2):
+    # AutoDist's own process groups inherit the timeout of the group it runs on (here 2 s; under
+    # torchrun, init_process_group's): without it the all-reduce waits torch's default 30 minutes.
+    outcome = world2.run(_stall_on_rank1, 2, timeout=60)[0]
+    assert outcome is not None, "the step on rank 0 finished although rank 1 never joined it"
+    assert outcome["seconds"] < 20
+    assert "Timed out" in outcome["error"] or "timeout" in outcome["error"].lower()

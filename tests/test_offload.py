@@ -30,12 +30,20 @@ def _offload_plan(base_kw, optim, variant):
     if variant == "whole-after-step":
         for p in ("layers.0.weight", "layers.1.weight", "layers.1.bias"):
             for s in states:
-                frags.append(OffloadFragment(p, s, (0, 10**6), "step", "backward:layers.1"))
+                frags.append(OffloadFragment(p, s, (0, _held(plan, p)), "step", "backward:layers.1"))
     elif variant == "partial-forward-anchor":
         for s in states:
             frags.append(OffloadFragment("layers.1.weight", s, (50, 300), "forward:layers.0", "backward:layers.2"))
             frags.append(OffloadFragment("layers.2.weight", s, (0, 40), "forward:layers.1", "step"))
     return dataclasses.replace(plan, offload=frags)
+
+
+def _held(plan, param):
+    """How many elements of ``param``'s optimizer state the rank holding the most of it holds."""
+    shape = dict(models.make("mlp").named_parameters())[param].shape
+    if plan.placement_of_param[param] == "replicate":
+        return shape.numel()
+    return -(-shape[0] // plan.world_size) * (shape.numel() // shape[0])
 
 
 def _train(plan, optim, steps, *, checkpoint_at=None, directory=None):

@@ -196,3 +196,119 @@ def test_unknown_plan_name_fails_before_touching_the_model():
     with pytest.raises(TypeError, match="plan must be one of"):
         AutoDist(m, plan=3)
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+
+
+def _with_offload(structure, *fragments, world=2):
+    """An fsdp plan for ``world`` ranks with offload fragments (param, state, start, end)."""
+    d = _plan_dict(structure, world=world)
+    d["offload"] = [{"param": p, "state": s, "fragment": [a, b]} for p, s, a, b in fragments]
+    return d
+
+
+def test_offload_fragment_beyond_the_state_a_rank_holds(structure):
+    # blocks.0.fc1.weight: 96 x 24, sharded over 2 ranks -> a rank holds at most 48 rows = 1152 elements
+    msg = _problems(_with_offload(structure, ("blocks.0.fc1.weight", "exp_avg", 0, 1153)), structure)
+    assert (
+        "offload[0].fragment = [0, 1153] ends beyond the optimizer state of 'blocks.0.fc1.weight': a rank holds at "
+        "most 1152 elements of it (dim-0 shards of 96 rows over 2 ranks); keep the fragment within [0, 1152]"
+    ) in msg
+    msg = _problems(_with_offload(structure, ("blocks.0.ln1.bias", "exp_avg", 30, 40), world=2), structure)
+    assert "offload[0].fragment = [30, 40] starts beyond the optimizer state of 'blocks.0.ln1.bias'" in msg
+    d = json.loads(ddp_plan(structure, 2).to_json())
+    d["offload"] = [{"param": "blocks.0.fc1.weight", "state": "exp_avg", "fragment": [0, 2304]}]
+    validate_plan(Plan.from_dict(d), structure, world_size=2)  # replicated: the whole 96 x 24 state
+
+
+def test_overlapping_offload_fragments_of_one_state(structure):
+    d = _with_offload(
+        structure,
+        ("blocks.0.fc1.weight", "exp_avg", 0, 500),
+        ("blocks.0.fc1.weight", "exp_avg_sq", 200, 700),  # another state: no overlap
+        ("blocks.0.fc1.weight", "exp_avg", 500, 800),  # adjacent: fine
+        ("blocks.0.fc1.weight", "exp_avg", 700, 900),
+    )
+    with pytest.raises(PlanError) as e:
+        Plan.from_dict(d)
+    assert str(e.value).count("overlaps") == 1
+    assert (
+        "offload[3].fragment: [700, 900] overlaps offload[2].fragment (which ends at 800) of the same state "
+        "(blocks.0.fc1.weight / exp_avg); make the fragments disjoint or merge them into one"
+    ) in str(e.value)
+
+
+def test_offload_fragment_naming_state_optimizers_do_not_keep(structure):
+    with pytest.raises(PlanError) as e:
+        Plan.from_dict(_with_offload(structure, ("wte.weight", "exp_avgsq", 0, 10), ("wpe.weight", "step", 0, 1)))
+    msg = str(e.value)
+    assert "offload[0].state: 'exp_avgsq' is not state that torch's optimizers keep per element (acc_delta, ax, " in msg
+    assert "fix the name, or, if your optimizer keeps state under it, list it in the plan's optimizer_states" in msg
+    assert "offload[1].state: 'step' is a scalar; only per-element optimizer state can be offloaded" in msg
+    for state in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum", "square_avg", "acc_delta"):
+        Plan.from_dict(_with_offload(structure, ("wte.weight", state, 0, 10)))
+    d = _with_offload(structure, ("wte.weight", "lion_ema", 0, 10))
+    d["optimizer_states"] = ["lion_ema"]  # declared by the plan: a third-party optimizer's state
+    Plan.from_dict(d)
+
+
+def test_negative_bucket_rebuild_cap_is_refused_and_zero_is_kept(structure):
+    d = json.loads(ddp_plan(structure, 2).to_json())
+    d["rebuild_buckets"]["cap_bytes"] = -1
+    with pytest.raises(PlanError, match=r"rebuild_buckets.cap_bytes: expected a non-negative number of bytes "
+                                        r"\(DDP's default: 26214400\); got -1"):
+        Plan.from_dict(d)
+    d["rebuild_buckets"]["cap_bytes"] = 0  # one parameter per bucket
+    assert Plan.from_dict(d).rebuild_buckets.cap_bytes == 0
+
+
+def test_prefetch_window_longer_than_the_model(structure):
+    d = _plan_dict(structure)
+    d["gather_groups"][0]["prefetch"]["forward"] = 10**9
+    assert (
+        f"gather_groups[0].prefetch.forward = 1000000000: a prefetch window counts units and this model has "
+        f"{len(structure.units)}; use at most {len(structure.units)}"
+    ) in _problems(d, structure)
+    d["gather_groups"][0]["prefetch"]["forward"] = len(structure.units)
+    validate_plan(Plan.from_dict(d), structure, world_size=2)
+
+
+def test_plan_for_a_model_of_another_width_is_refused(tmp_path):
+    narrow, wide = models.MLP(dims=(13, 37, 29, 7)), models.MLP(dims=(13, 74, 29, 7))
+    model = AutoDist(narrow, plan="fsdp")
+    save_plan(model.plan, tmp_path / "plan.json")  # the plan in force records the shapes it was made for
+    model.close()
+    with pytest.raises(PlanError) as e:
+        AutoDist(wide, plan=str(tmp_path / "plan.json"))
+    assert (
+        "param_shapes: 3 parameter(s) have other shapes in this model than in the plan (e.g. 'layers.0.weight': "
+        "[37, 13] in the plan, [74, 13] here); the plan was made for a model of another size: regenerate it for "
+        "this one"
+    ) in str(e.value)
+
+
+def test_plan_file_without_recorded_shapes_still_loads(tmp_path, structure):
+    d = _plan_dict(structure)
+    d.pop("param_shapes", None)
+    d.pop("optimizer_states", None)
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    assert load_plan(tmp_path / "old.json", structure, world_size=2).param_shapes == {}
+
+
+def test_float_schema_version(structure):
+    d = _plan_dict(structure)
+    d["schema_version"] = 1.0
+    with pytest.raises(PlanError, match=r'schema_version: expected an integer such as 1, got 1.0; write "schema_version": 1'):
+        Plan.from_dict(d)
+
+
+def test_deeply_nested_json_is_a_plan_error(tmp_path, structure):
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(PlanError, match="nests JSON arrays or objects too deeply to be read"):
+        load_plan(tmp_path / "deep.json")
+    d = _plan_dict(structure)
+    deep = {}
+    for _ in range(500):  # readable, but deeper than any plan field
+        deep = {"x": deep}
+    d["provenance"] = deep
+    (tmp_path / "deep2.json").write_text(json.dumps(d))
+    with pytest.raises(PlanError, match="provenance: nested deeper than 32 levels"):
+        load_plan(tmp_path / "deep2.json")

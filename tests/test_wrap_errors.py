@@ -1,8 +1,10 @@
 """Bad plans given to AutoDist on several ranks: every rank raises a clear error, none hangs."""
 
+import contextlib
 import os
 import tempfile
 
+import torch
 import torch.distributed as dist
 
 import models
@@ -80,3 +82,133 @@ def test_plan_for_other_world_size(world2):
 def test_ranks_with_different_plans_are_refused(world2):
     for r in world2.run(_ranks_disagree):
         assert "ranks disagree on the plan" in r["error"]
+
+
+@contextlib.contextmanager
+def _cwd(path):
+    old = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+def _plan_file_on_some_ranks(directory, ranks_with_file):
+    """Every rank passes the same relative path ``plan.json`` from its own working directory: the
+    file exists only where ``ranks_with_file`` says, as on disks that are not shared."""
+    rank = dist.get_rank()
+    here = os.path.join(directory, f"rank{rank}")
+    os.makedirs(here, exist_ok=True)
+    expected = ddp_plan(discover(models.make("mlp")), 2)
+    if rank in ranks_with_file:
+        save_plan(expected, os.path.join(here, "plan.json"))
+    dist.barrier()
+    with _cwd(here):
+        try:
+            m = AutoDist(models.make("mlp"), plan="plan.json")
+        except PlanError as e:
+            return {"error": str(e)}
+    out = {"error": None, "hash": m.plan.hash(), "expected": expected.hash()}
+    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(rank))
+    models.loss_fn("mlp", m(x), y).backward()  # the ranks train together
+    m.close()
+    return out
+
+
+def test_plan_file_on_rank0_only_is_sent_to_the_other_ranks(world2):
+    with tempfile.TemporaryDirectory() as d:
+        res = world2.run(_plan_file_on_some_ranks, d, [0], timeout=60)
+    for r in res:
+        assert r["error"] is None and r["hash"] == r["expected"]
+
+
+def test_plan_file_missing_on_rank0_fails_on_every_rank(world2):
+    with tempfile.TemporaryDirectory() as d:
+        res = world2.run(_plan_file_on_some_ranks, d, [1], timeout=60)
+    for r in res:
+        assert "plan file 'plan.json' does not exist on rank 0 (it does on rank(s) [1])" in r["error"]
+        assert "copy it there" in r["error"]
+
+
+def test_plan_file_missing_everywhere_is_refused_as_an_unknown_plan_on_every_rank(world2):
+    with tempfile.TemporaryDirectory() as d:
+        res = world2.run(_plan_file_on_some_ranks, d, [], timeout=60)
+    for r in res:
+        assert "plan='plan.json' is neither one of 'auto', 'ddp', 'fsdp', 'zero2' nor an existing plan file" in r["error"]
+
+
+def _fully_sharded():
+    from torch.distributed.fsdp import fully_shard
+
+    m = models.make("mlp")
+    fully_shard(m)
+    return m
+
+
+def _with_autodist_inside():
+    m = models.make("mlp")
+    m.layers[0] = AutoDist(m.layers[0], plan="ddp")
+    return m
+
+
+def _with_dtensor_parameter():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    m = models.make("mlp")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    m.layers[1].weight = torch.nn.Parameter(distribute_tensor(m.layers[1].weight.detach(), mesh, [Shard(1)]))
+    return m
+
+
+def _bad_arguments():
+    """Each case: (what to wrap, keyword arguments), the error type and what the message must say."""
+    rank = dist.get_rank()
+    mlp = models.make("mlp")
+    first = AutoDist(mlp, plan="ddp")  # mlp is now managed by `first`
+    cases = {
+        "memory_limit=inf": (lambda: models.make("mlp"), {"memory_limit": float("inf")}, ValueError,
+                             "memory_limit=inf is not a number of bytes; pass a finite size"),
+        "memory_limit=nan": (lambda: models.make("mlp"), {"memory_limit": float("nan")}, ValueError,
+                             "memory_limit=nan is not a number of bytes"),
+        "memory_limit=0.5": (lambda: models.make("mlp"), {"memory_limit": 0.5}, ValueError, "at least 1 byte"),
+        "torch DDP": (lambda: torch.nn.parallel.DistributedDataParallel(models.make("branchy")), {}, TypeError,
+                      "the module is wrapped by torch's DistributedDataParallel; AutoDist replaces DDP: pass the "
+                      "module DDP wraps (ddp_model.module)"),
+        "fully_shard": (_fully_sharded, {}, TypeError, "the module is sharded by torch's FSDP"),
+        "the same module twice": (lambda: mlp, {}, TypeError,
+                                  "the module is already managed by another AutoDist instance"),
+        "DTensor parameter": (_with_dtensor_parameter, {}, TypeError, "parameter 'layers.1.weight' is already a "
+                              "DTensor ((Shard(dim=1),)): the model is already distributed"),
+        "AutoDist inside": (_with_autodist_inside, {}, TypeError, "submodule 'layers.0' is an AutoDist; wrap the "
+                            "whole model once"),
+    }
+    out = {}
+    for name, (make, kwargs, exc, says) in cases.items():
+        module = make()
+        before = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        try:
+            AutoDist(module, plan="fsdp", **kwargs)
+            out[name] = "no error"
+            continue
+        except Exception as e:
+            if not isinstance(e, exc) or says not in str(e) or "\n" in str(e):
+                out[name] = f"{type(e).__name__}: {e}"
+                continue
+        after = module.state_dict()
+        if not all(torch.equal(before[k], after[k]) for k in before) or len(after) != len(before):
+            out[name] = "the module was modified"
+            continue
+        out[name] = "ok"
+    # the first wrapper still trains, and after close() the module can be wrapped again
+    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(rank))
+    models.loss_fn("mlp", first(x), y).backward()
+    first.close()
+    AutoDist(mlp, plan="ddp").close()
+    return out
+
+
+def test_distributed_or_bad_arguments_fail_with_one_line_on_every_rank_before_anything_changes(world2):
+    for res in world2.run(_bad_arguments, timeout=120):
+        assert res == {name: "ok" for name in res}

@@ -108,13 +108,23 @@ def _offload_all_sync(model: nn.Module, args: argparse.Namespace, example: tuple
     import dataclasses
 
     from autodist import OffloadFragment
+    from autodist.runtime.params import shard_geometry
     from autodist.sched.seeds import fsdp_plan
     from autodist.structure import discover
 
     structure = discover(model)
-    plan = fsdp_plan(structure, dist.get_world_size())
+    world = dist.get_world_size()
+    plan = fsdp_plan(structure, world)
+
+    def held(p: str) -> int:  # elements of p's state on the rank that holds the most of it
+        info = structure.params[p]
+        if plan.placement_of_param[p] != "shard":
+            return info.numel
+        _, row_numel, rows_per_rank = shard_geometry(info.shape, world)
+        return rows_per_rank * row_numel
+
     frags = [
-        OffloadFragment(p, state, (0, structure.params[p].numel), "step", "step")
+        OffloadFragment(p, state, (0, held(p)), "step", "step")
         for p in structure.trainable for state in ("exp_avg", "exp_avg_sq")
     ]
     plan = dataclasses.replace(plan, offload=frags, provenance={"source": "bench:offload-all-sync"})

@@ -8,6 +8,7 @@ on CPU the available host memory shared by the local ranks, minus a margin.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -64,8 +65,13 @@ def parse_memory_limit(limit: int | float | str | None, device: torch.device) ->
     if isinstance(limit, bool):
         raise ValueError(f"memory_limit must be bytes, a size string or a percentage, got {limit!r}")
     if isinstance(limit, (int, float)):
-        if limit <= 0:
-            raise ValueError(f"memory_limit must be positive, got {limit!r}")
+        if not math.isfinite(limit):
+            raise ValueError(
+                f"memory_limit={limit!r} is not a number of bytes; pass a finite size (bytes, '24GiB' or '80%'), "
+                "or leave it None to use what the device has free"
+            )
+        if limit < 1:
+            raise ValueError(f"memory_limit must be at least 1 byte, got {limit!r}")
         return int(limit)
     text = str(limit).strip().lower().replace(" ", "")
     m = re.fullmatch(r"(\d+(?:\.\d+)?)%", text)
@@ -84,8 +90,8 @@ def parse_memory_limit(limit: int | float | str | None, device: torch.device) ->
             "'512MB', or a percentage of the device such as '80%'"
         )
     value = float(m.group(1)) * _UNITS[m.group(2)]
-    if value <= 0:
-        raise ValueError(f"memory_limit must be positive, got {limit!r}")
+    if value < 1:
+        raise ValueError(f"memory_limit must be at least 1 byte, got {limit!r}")
     return int(value)
 
 

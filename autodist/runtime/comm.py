@@ -225,6 +225,32 @@ def init_distributed(device: torch.device | None = None, timeout_s: float | None
     return device
 
 
+def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
+    """The timeout ``group``'s collectives run under, or ``None`` where torch does not expose it.
+
+    [Note: inherited timeout] ``dist.new_group`` defaults to the backend's default timeout (30 min
+    for gloo, 10 min for NCCL), not to the one given to ``init_process_group``. The groups a
+    :class:`Comm` creates take the timeout of the group they are made from, so a stalled rank makes
+    the others fail after the user's timeout, as under DDP, instead of hanging until the launcher
+    kills them. torch keeps the timeout in the backend's options (``_get_backend(device).options
+    ._timeout`` on gloo and NCCL, checked on torch 2.14); where a backend does not expose it the
+    groups get torch's default, as ``new_group`` would give them.
+    """
+    device_types = ["cpu"]
+    if hasattr(torch, "accelerator") and torch.accelerator.is_available():
+        device_types.append(torch.accelerator.current_accelerator().type)
+    for device_type in device_types:
+        try:
+            backend = group._get_backend(torch.device(device_type))
+        except (RuntimeError, ValueError, AttributeError):  # no backend for this device type
+            continue
+        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    logger.debug("autodist: the timeout of process group %s is not exposed; new groups get torch's default", group)
+    return None
+
+
 class Comm:
     """The collectives of one AutoDist instance, on its own gather and reduce process groups."""
 
@@ -235,8 +261,9 @@ class Comm:
         self.world_size = dist.get_world_size(self.group)
         ranks = dist.get_process_group_ranks(self.group)
         if self.world_size > 1:
-            self.gather_pg = dist.new_group(ranks)
-            self.reduce_pg = dist.new_group(ranks)
+            timeout = group_timeout(self.group)  # see [Note: inherited timeout]
+            self.gather_pg = dist.new_group(ranks, timeout=timeout)
+            self.reduce_pg = dist.new_group(ranks, timeout=timeout)
         else:
             self.gather_pg = self.reduce_pg = self.group
         self.stats = CommStats()
