@@ -167,6 +167,7 @@ def test_a_rank_dying_mid_step_stops_every_rank_with_a_message_naming_it(where):
     out = subprocess.run(
         [sys.executable, os.path.join(HERE, "rank_failure_script.py"), where, "fsdp"],
         capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])),
     )
     elapsed = time.monotonic() - t0
     text = out.stdout + out.stderr
