@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -121,8 +122,11 @@ class AutoDist(nn.Module):
         from .metrics import StepMeter
 
         self._meter = StepMeter(
-            self._comm.stats, device, self.budget_bytes, self._comm.world_size, self._comm.rank, log_every
+            self._comm.stats, device, self.budget_bytes, self._comm.world_size, self._comm.rank, log_every,
+            params=module.parameters(),
         )
+        # the last step is logged and the meter's optimizer hook removed even if close() is never called
+        self._meter_done = weakref.finalize(self, self._meter.close)
         if self._comm.rank == 0:
             source = "file" if isinstance(plan, (str, os.PathLike)) and plan not in PLAN_CHOICES else (
                 "built-in" if plan in BUILTIN_PLANS else "object" if isinstance(plan, Plan) else "auto"
@@ -191,13 +195,15 @@ class AutoDist(nn.Module):
     # ---------------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
-            self._meter.on_forward(args, kwargs)
+            self._meter.on_forward(args, kwargs, sync=self._engine.sync_enabled)
             if self._auto is not None:
                 self._auto.before_forward(args, kwargs)
         return self._engine.forward(args, kwargs)
 
     def metrics(self) -> dict[str, Any]:
-        """The last complete step's metrics (see ``autodist.metrics``), for your own logger."""
+        """The last completed step's metrics as a dict (empty before the first step ends), for your own
+        logger. A step ends with the optimizer step over this model's parameters (see
+        ``autodist.metrics``)."""
         return self._meter.as_dict()
 
     @property
@@ -264,7 +270,9 @@ class AutoDist(nn.Module):
 
     def close(self) -> None:
         """Remove every hook and release this instance's process groups (the model stays usable as a
-        plain module holding its current parameters). Call on every rank."""
+        plain module holding its current parameters). Logs the last step when ``log_every`` is set and
+        it was not logged yet. Call on every rank."""
+        self._meter_done()
         self._engine.close()
         self._comm.destroy()
 
