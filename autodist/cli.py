@@ -393,6 +393,7 @@ def _budget_line(e: Exception) -> str:
 def render_plan(plan: Plan, path: str) -> str:
     """A plan as a header and tables (what ``autodist show`` prints)."""
     from .cost.budget import format_bytes
+    from .describe import describe_prediction
 
     pred = plan.predicted
     header: list[tuple[str, Any]] = [
@@ -403,10 +404,8 @@ def render_plan(plan: Plan, path: str) -> str:
         ("fingerprint", plan.fingerprint or "-"),
         ("source", plan.provenance.get("source", "-")),
     ]
-    if "step_seconds" in pred:
-        header.append(("predicted step", f"{pred['step_seconds'] * 1e3:.2f} ms"))
-    if "peak_bytes" in pred:
-        header.append(("predicted peak", f"{pred['peak_bytes'] / 2**20:.2f} MiB"))
+    if pred:
+        header.append(("prediction", describe_prediction(plan)))
     out = [f"plan {path}", format_fields(header)]
 
     vs = pred.get("vs") or {}
@@ -478,6 +477,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
     from .cost.budget import format_bytes, parse_memory_limit
+    from .describe import describe_prediction
     from .errors import BudgetError
     from .lifecycle import plan_offline
     from .plan import save_plan
@@ -495,13 +495,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         save_plan(plan, args.out)
     except OSError as e:
         raise CommandError(f"cannot write {args.out}: {e.strerror or e}") from None
-    pred = plan.predicted
-    vs = pred.get("vs", {})
-    gains = ", ".join(f"{vs[k]:.2f}x {k}" for k in ("ddp", "fsdp", "zero2") if k in vs)
     _say(
         f"Planned {args.model} for {args.world_size} ranks within {format_bytes(budget)} per rank, using "
-        f"{comm_source}: predicted step {pred['step_seconds'] * 1e3:.2f} ms, peak "
-        f"{format_bytes(pred['peak_bytes'])}{f' (speed-up: {gains})' if gains else ''}. "
+        f"{comm_source}: {describe_prediction(plan)}. "
         f"{result.evaluated} plans evaluated in {result.seconds:.2f} s (stopped by: {result.stopped_by}). "
         f"Wrote {args.out}; read it with `autodist show {args.out}` and use it with "
         f"AutoDist(model, plan={str(args.out)!r})."

@@ -147,6 +147,24 @@ def test_show_prints_the_plan_as_tables_and_refuses_missing_or_corrupt_files(cli
     assert "corrupt.json" in truncated.stderr
 
 
+def test_show_says_when_the_search_kept_a_built_in_plan_in_the_words_of_the_log(cli: Cli, tmp_path: Path) -> None:
+    from autodist.describe import describe_prediction
+
+    plan = fsdp_plan(discover(gpt(vocab=64, d=16, layers=2, heads=2, seq=8)), 2)
+    plan.predicted = {"step_seconds": 0.59109, "peak_bytes": 254649616, "vs": {"ddp": 1.0, "fsdp": 1.0925}}
+    plan.provenance = {"source": "auto:search (kept fsdp)", "preferred_seed": "fsdp", "prefer_seed_within": 0.03}
+    path = tmp_path / "kept.json"
+    save_plan(plan, path)
+
+    run = cli.run("show", path)
+
+    assert run.returncode == 0, run
+    assert "auto:search (kept fsdp)" in run.stdout
+    assert describe_prediction(plan) in run.stdout
+    assert "kept fsdp: no searched plan was predicted ≥3% faster" in describe_prediction(plan)
+    assert "predicted step 591.09 ms, peak 242.85 MiB; speed-up over ddp 1.00x, fsdp 1.09x" in describe_prediction(plan)
+
+
 # ---- plan and timeline --------------------------------------------------------------------------
 
 
