@@ -445,8 +445,7 @@ def render_plan(plan: Plan, path: str) -> str:
             f"  rebuilt once from the observed gradient-ready order: {format_bytes(rb.cap_bytes)} buckets, "
             f"first {format_bytes(rb.first_cap_bytes)}"
         )
-    inflight = "no limit" if plan.max_inflight_buckets is None else plan.max_inflight_buckets
-    out.append(f"  max_inflight_buckets: {inflight}")
+    out.append(f"  max_inflight_buckets: {_inflight(plan.max_inflight_buckets)}")
 
     out += ["", f"offload fragments ({len(plan.offload)})"]
     if plan.offload:
@@ -455,6 +454,18 @@ def render_plan(plan: Plan, path: str) -> str:
     else:
         out.append("  none")
     return "\n".join(out)
+
+
+def _inflight(limit: int | None) -> str:
+    """``max_inflight_buckets`` and what it does to the reductions."""
+    if limit is None:
+        return "no limit (reductions overlap the rest of backward; all are waited for at its end)"
+    if limit == 0:
+        return "0 (each reduction is waited for right after its launch: no overlap with backward, least memory)"
+    return (
+        f"{limit} (at most {limit} reduction{'s' if limit > 1 else ''} in flight: launching another first waits "
+        "for the oldest)"
+    )
 
 
 def _span(units: Sequence[str]) -> str:

@@ -165,6 +165,15 @@ def test_show_says_when_the_search_kept_a_built_in_plan_in_the_words_of_the_log(
     assert "predicted step 591.09 ms, peak 242.85 MiB; speed-up over ddp 1.00x, fsdp 1.09x" in describe_prediction(plan)
 
 
+def test_show_explains_max_inflight_buckets(cli: Cli, tmp_path: Path) -> None:
+    plan = fsdp_plan(discover(gpt(vocab=64, d=16, layers=2, heads=2, seq=8)), 2)
+    plan.max_inflight_buckets = 0
+    path = tmp_path / "p.json"
+    save_plan(plan, path)
+    run = cli.run("show", path)
+    assert "max_inflight_buckets: 0 (each reduction is waited for right after its launch" in run.stdout
+
+
 # ---- plan and timeline --------------------------------------------------------------------------
 
 
