@@ -4,9 +4,9 @@ report the environment.
     autodist show PLAN.json
     autodist plan --model MODULE:FACTORY --input-shape 8,128 --world-size N --out PLAN.json
                   [--input-dtype DTYPE] [--input-high N] [--memory-limit 2GiB]
-                  [--bandwidth GBPS --latency US] [--cache-dir DIR]
+                  [--interconnect NAME | --bandwidth GBPS --latency US] [--cache-dir DIR]
     autodist timeline PLAN.json -o OUT.json|OUT.png --model MODULE:FACTORY --input-shape 8,128
-                  [--input-dtype DTYPE] [--input-high N] [--bandwidth GBPS --latency US]
+                  [--input-dtype DTYPE] [--input-high N] [--interconnect NAME | --bandwidth GBPS --latency US]
                   [--cache-dir DIR] [--width PX] [--height PX]
     autodist cache list|show KEY|clear [--kind KIND]|path [--cache-dir DIR]
     autodist env
@@ -183,12 +183,20 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_comm_options(p: argparse.ArgumentParser) -> None:
+    from .cost.interconnect import INTERCONNECTS
+
     g = p.add_argument_group(
         "comm model",
-        "an analytic model from --bandwidth and --latency, or else the one measured and cached on this "
-        "machine by a job with plan=\"auto\"",
+        "an analytic model of a named interconnect (--interconnect) or of your own numbers (--bandwidth and "
+        "--latency), or else the one measured and cached on this machine by a job with plan=\"auto\" on as "
+        "many ranks",
     )
-    g.add_argument("--bandwidth", type=_positive_float, metavar="GBPS", help="link bandwidth in GB/s")
+    presets = "; ".join(f"{i.name}: {i.what}, {i.bandwidth_gbps:g} GB/s, {i.latency_us:g} us" for i in INTERCONNECTS.values())
+    g.add_argument(
+        "--interconnect", choices=list(INTERCONNECTS), metavar="NAME",
+        help=f"the link the ranks' collectives cross (the slowest one: the network when ranks span nodes): {presets}",
+    )
+    g.add_argument("--bandwidth", type=_positive_float, metavar="GBPS", help="link bandwidth in GB/s, one direction per rank")
     g.add_argument("--latency", type=_non_negative_float, metavar="US", help="per-collective latency in microseconds")
     _add_cache_dir(g)
 
@@ -354,16 +362,25 @@ def _comm_model(args: argparse.Namespace, world: int) -> tuple[Any, str]:
     from .cache import Cache, comm_cache_key
     from .cost.comm import CommModel
 
+    if args.interconnect is not None:
+        from .cost.interconnect import INTERCONNECTS
+
+        link = INTERCONNECTS[args.interconnect]
+        model = CommModel.analytic(world, bandwidth_bytes_s=link.bandwidth_gbps * 1e9, latency_s=link.latency_us * 1e-6)
+        return model, f"the {link.name} interconnect ({link.what}: {link.bandwidth_gbps:g} GB/s, {link.latency_us:g} us)"
     if args.bandwidth is not None:
         model = CommModel.analytic(world, bandwidth_bytes_s=args.bandwidth * 1e9, latency_s=args.latency * 1e-6)
         return model, f"an analytic comm model ({args.bandwidth:g} GB/s, {args.latency:g} us)"
     cache = Cache(args.cache_dir, writer=False)
     path = cache.path("comm", comm_cache_key(world, "cpu", "cpu", "gloo"))
     if not path.is_file():
+        from .cost.interconnect import INTERCONNECTS
+
         raise CommandError(
             f"no comm model is cached for {world} CPU ranks (gloo, torch {torch.__version__}) in {cache.dir}; pass "
-            "--bandwidth GBPS --latency US for an analytic model, or run a job with plan=\"auto\" on this machine "
-            "first (it measures one and caches it)"
+            f"--interconnect NAME for the link your ranks use ({', '.join(INTERCONNECTS)}; `--help` lists their "
+            "numbers), or --bandwidth GBPS --latency US, or run a job with plan=\"auto\" on this machine with "
+            f"{world} ranks first (it measures one and caches it)"
         )
     try:
         return CommModel.from_json(path.read_text()), f"the comm model measured on this machine ({path})"
@@ -375,6 +392,8 @@ def _comm_model(args: argparse.Namespace, world: int) -> tuple[Any, str]:
 
 
 def _check_comm_options(args: argparse.Namespace) -> None:
+    if args.interconnect is not None and (args.bandwidth is not None or args.latency is not None):
+        raise CommandError("--interconnect and --bandwidth/--latency both describe the link; give one or the other")
     if (args.bandwidth is None) != (args.latency is None):
         given, missing = ("--bandwidth", "--latency") if args.latency is None else ("--latency", "--bandwidth")
         raise CommandError(f"{given} needs {missing} too (an analytic comm model takes both)")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import readme
 
 from autodist.cache import Cache
 from autodist.plan import load_plan, save_plan, validate_plan
@@ -47,13 +48,13 @@ class Cli:
     def __init__(self, env: dict[str, str]) -> None:
         self.env = env
 
-    def run_all(self, *argvs: list[object]) -> list[Run]:
+    def run_all(self, *argvs: list[object], cwd: Path = REPO) -> list[Run]:
         """Start every command at once; wait for all."""
         procs = [
             (
                 [str(a) for a in argv],
                 subprocess.Popen(
-                    [sys.executable, "-m", "autodist.cli", *map(str, argv)], cwd=REPO, env=self.env,
+                    [sys.executable, "-m", "autodist.cli", *map(str, argv)], cwd=cwd, env=self.env,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                 ),
             )
@@ -65,8 +66,8 @@ class Cli:
             runs.append(Run(argv, p.returncode, out, err))
         return runs
 
-    def run(self, *argv: object) -> Run:
-        return self.run_all(list(argv))[0]
+    def run(self, *argv: object, cwd: Path = REPO) -> Run:
+        return self.run_all(list(argv), cwd=cwd)[0]
 
 
 @pytest.fixture
@@ -79,7 +80,7 @@ def cli(tmp_path: Path, cache_dir: Path) -> Cli:
     models = tmp_path / "models"
     models.mkdir()
     (models / "tinymodel.py").write_text(TINY_MODEL)
-    path = os.pathsep.join(p for p in (str(models), os.environ.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(p for p in (str(models), str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "AUTODIST_CACHE_DIR": str(cache_dir), "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     return Cli(env)
 
@@ -192,7 +193,14 @@ def test_plan_without_a_comm_model_says_how_to_get_one(cli: Cli, tmp_path: Path)
         "plan", "--model", "tinymodel:build", "--input-shape", "4,16", "--world-size", "2", "--out", tmp_path / "p.json"
     )
     assert_one_line_error(run, "autodist plan:")
+    assert "--interconnect NAME" in run.stderr and "nvlink4" in run.stderr and "ib-ndr" in run.stderr
     assert "--bandwidth" in run.stderr and 'plan="auto"' in run.stderr
+
+
+def test_an_interconnect_preset_and_bandwidth_latency_are_one_or_the_other(cli: Cli, tmp_path: Path) -> None:
+    run = cli.run("plan", *TINY_ARGS, "--interconnect", "ib-hdr", "--world-size", "2", "--out", tmp_path / "p.json")
+    assert_one_line_error(run, "autodist plan:")
+    assert "--interconnect" in run.stderr and "--bandwidth" in run.stderr
 
 
 def test_timeline_writes_a_chrome_trace_and_a_png_of_the_requested_size(cli: Cli, tmp_path: Path, tiny_model) -> None:
@@ -244,3 +252,26 @@ def test_env_reports_versions_and_the_cache(cli: Cli, cache_dir: Path) -> None:
     run = cli.run("env")
     assert run.returncode == 0, run
     assert "torch" in run.stdout and str(cache_dir) in run.stdout and "default budget" in run.stdout
+
+
+# ---- the README ---------------------------------------------------------------------------------
+
+
+def test_the_readme_autodist_commands_run_as_written(cli: Cli, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    commands = readme.of_kind("autodist")
+    assert [c[1] for c in commands][:3] == ["plan", "show", "timeline"]
+
+    # the plan first (with what does not read it), then what reads plan.json
+    first = [c for c in commands if c[1] == "plan" or "plan.json" not in c]
+    then = [c for c in commands if c not in first]
+    done = dict(zip(map(tuple, first), cli.run_all(*[c[1:] for c in first], cwd=work)))
+    done.update(zip(map(tuple, then), cli.run_all(*[c[1:] for c in then], cwd=work)))
+    runs = [done[tuple(c)] for c in commands]
+
+    for run in runs:
+        assert run.returncode == 0, run
+        assert not [line for line in (run.stdout + run.stderr).splitlines() if "ERROR" in line], run
+    assert (work / "step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "world size      8" in runs[1].stdout

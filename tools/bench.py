@@ -339,7 +339,8 @@ def table(payload: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (unknown models or contenders exit with status 2)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated (default: %(default)s)")
     ap.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS), help="comma-separated (default: all)")
@@ -362,6 +363,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in args.models if m not in zoo()] + [c for c in args.contenders if c not in CONTENDERS and c not in GRID]
     if unknown:
         ap.error(f"unknown model or contender: {', '.join(unknown)} (models: {', '.join(zoo())}; contenders: {', '.join(CONTENDERS)})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.worker:
         worker(args)
         return 0
