@@ -555,7 +555,7 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     if not png and (args.width is not None or args.height is not None):
         raise CommandError(f"--width and --height apply to PNG output; {args.out} is a Chrome trace")
     plan = _load_plan(args.plan)
-    comm, _ = _comm_model(args, plan.world_size)
+    comm, comm_source = _comm_model(args, plan.world_size)
     model = _build_model(args.model)
     structure = discover(model)
     try:
@@ -568,7 +568,10 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     profile = profile_model(model, structure, (x,), device=torch.device("cpu"))
     sim = Simulator(profile, structure, comm, world_size=plan.world_size, budget_bytes=plan.budget_bytes)
     result = sim.run(plan, record=True)
-    tl = timeline.from_simulation(result, f"{plan.label}: simulated step ({Path(args.plan).name})")
+    tl = timeline.from_simulation(
+        result, f"{plan.label}: simulated step ({Path(args.plan).name}, {plan.world_size} ranks, {comm_source})",
+        budget_bytes=plan.budget_bytes,
+    )
     try:
         if png:
             width, height = args.width or PNG_SIZE[0], args.height or PNG_SIZE[1]
