@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ._log import logger
 from .cost.budget import format_bytes, parse_memory_limit
-from .errors import PlanError, RankMismatchError
+from .errors import AutoDistError, PlanError, RankMismatchError, mark_raised_on_every_rank, reported_once
 from .plan import Plan, load_plan, validate_plan
 from .runtime.comm import Comm, init_distributed
 from .runtime.engine import Engine, MixedPrecision
@@ -24,6 +25,23 @@ from .sched.seeds import BUILTIN_PLANS, builtin_plan
 from .structure import ModelStructure, discover
 
 PLAN_CHOICES = ("auto",) + BUILTIN_PLANS
+
+
+def _reported_once(init: Callable[..., None]) -> Callable[..., None]:
+    """An AutoDist error that every rank of a multi-rank job raises leaves ``__init__`` in the form
+    :func:`~autodist.errors.reported_once` gives it: printed by rank 0, without a traceback; the
+    other ranks exit quietly with the same status."""
+
+    @functools.wraps(init)
+    def wrapped(self: AutoDist, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except AutoDistError as e:
+            if not getattr(e, "raised_on_every_rank", False) or not dist.is_initialized() or dist.get_world_size() == 1:
+                raise
+            raise reported_once(e, rank=dist.get_rank()) from None
+
+    return wrapped
 
 
 class AutoDist(nn.Module):
@@ -52,6 +70,7 @@ class AutoDist(nn.Module):
     plan shards anything), which is what ``torch.distributed.checkpoint`` should save.
     """
 
+    @_reported_once
     def __init__(
         self,
         module: nn.Module,
@@ -164,25 +183,27 @@ class AutoDist(nn.Module):
         error: BaseException | None = None
         try:
             result = fn()
-        except (PlanError, OSError, ValueError, TypeError) as e:
+        except (AutoDistError, OSError, ValueError, TypeError) as e:
             error, result = e, None
         statuses = self._comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
-            raise error
+            raise mark_raised_on_every_rank(error)
         failed = [(r, m) for r, m in enumerate(statuses) if m is not None]
         if failed:
             r, m = failed[0]
-            raise PlanError(f"rank {r} could not resolve the plan ({m}); every rank must see the same plan", source=None)
+            raise mark_raised_on_every_rank(
+                PlanError(f"rank {r} could not resolve the plan ({m}); every rank must see the same plan", source=None)
+            )
         return result
 
     def _check_rank_agreement(self, plan: Plan) -> None:
         hashes = self._comm.all_gather_object(plan.hash())
         if len(set(hashes)) > 1:
             differing = [r for r, h in enumerate(hashes) if h != hashes[0]]
-            raise RankMismatchError(
+            raise mark_raised_on_every_rank(RankMismatchError(
                 f"ranks disagree on the plan (hash on rank 0: {hashes[0]}; ranks {differing} differ). Every rank "
                 "must load the same plan file and wrap the same model."
-            )
+            ))
 
     @torch.no_grad()
     def _sync_initial_state(self) -> None:
