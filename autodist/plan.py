@@ -154,7 +154,7 @@ class Plan:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise PlanError(
-                f"{where} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); it may be "
+                f"{where} is not valid JSON ({e.msg.removesuffix(' at')} at line {e.lineno}, column {e.colno}); it may be "
                 "truncated or corrupt. Regenerate it or pass a built-in plan such as plan='ddp'.",
                 source=source,
             ) from None
