@@ -687,11 +687,25 @@ def environment_report() -> str:
         ("backend", backend),
         ("accelerator", accel),
         ("cpu count", f"{os.cpu_count()} ({usable} usable by this process)"),
-        ("default budget", f"{format_bytes(default_budget(device))} per rank on {device}"),
+        ("default budget", _default_budgets(device, default_budget, format_bytes)),
         ("cache", f"{cache.dir} ({len(cache.entries())} entries)"),
         ("torchrun", " ".join(torchrun) if torchrun else "not set (not launched by torchrun)"),
     ]
     return "\n".join(["versions", format_fields(versions), "", "machine", format_fields(machine)])
+
+
+def _default_budgets(device: torch.device, default_budget: Callable[..., int], format_bytes: Callable[[float], str]) -> str:
+    """The budget each rank gets without ``memory_limit``: per GPU on CUDA; on the CPU, the host's
+    available memory shared by the ranks launched on it (torchrun's ``--nproc_per_node``)."""
+    if device.type != "cpu":
+        return f"{format_bytes(default_budget(device))} per rank on {device}"
+    launched = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    counts = [launched] if launched else [1, 2, 4]
+    shares = [
+        f"{format_bytes(default_budget(device, local_ranks=n))} {'each for' if n > 1 else 'for'} {n} rank{'s' if n > 1 else ''}"
+        for n in counts
+    ]
+    return f"{', '.join(shares)} on this host (available host memory shared by the local ranks, minus a margin)"
 
 
 def cmd_env(args: argparse.Namespace) -> int:

@@ -253,6 +253,9 @@ def test_env_reports_versions_and_the_cache(cli: Cli, cache_dir: Path) -> None:
     run = cli.run("env")
     assert run.returncode == 0, run
     assert "torch" in run.stdout and str(cache_dir) in run.stdout and "default budget" in run.stdout
+    # ranks on one host share its memory: the budget is given per number of local ranks
+    budget = next(line for line in run.stdout.splitlines() if "default budget" in line)
+    assert " for 1 rank, " in budget and " each for 2 ranks" in budget
 
 
 # ---- the README ---------------------------------------------------------------------------------

@@ -46,13 +46,15 @@ def _local_world_size() -> int:
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def default_budget(device: torch.device, policy: BudgetPolicy = BudgetPolicy()) -> int:
+def default_budget(device: torch.device, policy: BudgetPolicy = BudgetPolicy(), *, local_ranks: int | None = None) -> int:
+    """The budget per rank without ``memory_limit``. On the CPU the ranks of one host share its
+    memory: ``local_ranks`` of them (default: torchrun's ``LOCAL_WORLD_SIZE``, else 1)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         outside_torch = total - free - torch.cuda.memory_reserved(device)
         avail = total - max(0, outside_torch)
     else:
-        avail = psutil.virtual_memory().available // _local_world_size()
+        avail = psutil.virtual_memory().available // (local_ranks or _local_world_size())
     margin = max(policy.min_margin_bytes, int(avail * policy.margin_fraction))
     return max(0, avail - margin)
 
