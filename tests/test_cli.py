@@ -113,6 +113,22 @@ def test_every_subcommand_has_help_and_the_command_has_a_version(cli: Cli) -> No
     assert version.stdout.strip() == f"autodist {__version__}"
 
 
+def test_help_version_and_cache_commands_do_not_import_torch(cli: Cli) -> None:
+    script = (
+        "import sys\n"
+        "from autodist import cli\n"
+        "for argv in (['--help'], ['plan', '--help'], ['--version'], ['cache', 'list'], ['cache', 'path']):\n"
+        "    try:\n"
+        "        cli.main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=cli.env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "torch imported: False"
+
+
 def test_bad_arguments_exit_2_with_one_line_saying_what_was_wrong(cli: Cli, tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     unknown, no_out, bad_shape = cli.run_all(

@@ -11,9 +11,12 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psutil
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 _UNITS = {
     "": 1, "b": 1,
@@ -38,6 +41,8 @@ class BudgetPolicy:
 
 def device_capacity(device: torch.device) -> int:
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.get_device_properties(device).total_memory
     return psutil.virtual_memory().total
 
@@ -50,6 +55,8 @@ def default_budget(device: torch.device, policy: BudgetPolicy = BudgetPolicy(), 
     """The budget per rank without ``memory_limit``. On the CPU the ranks of one host share its
     memory: ``local_ranks`` of them (default: torchrun's ``LOCAL_WORLD_SIZE``, else 1)."""
     if device.type == "cuda":
+        import torch
+
         free, total = torch.cuda.mem_get_info(device)
         outside_torch = total - free - torch.cuda.memory_reserved(device)
         avail = total - max(0, outside_torch)
