@@ -33,7 +33,25 @@ _EXPORTS = {
     "MixedPrecision": ".runtime.engine",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = [
+    "AutoDist",
+    "AutoDistError",
+    "Bucket",
+    "BucketRebuild",
+    "BudgetError",
+    "GatherGroup",
+    "MixedPrecision",
+    "OffloadFragment",
+    "Plan",
+    "PlanError",
+    "Prefetch",
+    "RankMismatchError",
+    "UnitPlan",
+    "load_plan",
+    "save_plan",
+    "validate_plan",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from .errors import AutoDistError, BudgetError, PlanError, RankMismatchError

@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from .errors import PlanError
 from .structure import ModelStructure
@@ -26,7 +26,7 @@ RESIDENCIES = ("after_forward", "after_backward", "persistent")
 BUCKET_OPS = ("all_reduce", "reduce_scatter")
 OP_FOR_PLACEMENT = {"replicate": "all_reduce", "shard": "reduce_scatter"}
 
-Window = Union[int, Literal["memory"]]
+Window = int | Literal["memory"]
 
 
 @dataclass

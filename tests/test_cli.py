@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import readme
 
+import readme
 from autodist.cache import Cache
 from autodist.plan import load_plan, save_plan, validate_plan
 from autodist.sched.seeds import fsdp_plan

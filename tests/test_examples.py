@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+
 import readme
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

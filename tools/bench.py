@@ -209,7 +209,7 @@ def run_contender(workload: Any, contender: Contender, batches: list, args: argp
             res.extra["host_bytes"] = max(h for _, _, h in model.runtime.offload.account.log) if model.runtime.offload.account.log else 0
     finally:
         contender.close(model)
-        del model, opt
+        model = opt = None  # released before collecting (step() holds them too)
         gc.collect()
 
 

@@ -41,8 +41,8 @@ from ..plan import Plan
 from ..structure import ModelStructure
 from .comm import Comm
 from .gather import GatherGroupRuntime, GroupState
-from .params import ManagedParam
 from .offload import OffloadManager
+from .params import ManagedParam
 from .reducer import BucketRuntime, Reducer
 
 
