@@ -36,10 +36,6 @@ def describe_prediction(plan: Plan) -> str:
     gains = ", ".join(f"{name} {vs[name]:.2f}x" for name in BUILTIN_SEEDS if name in vs)
     if gains:
         text += f"; speed-up over {gains}"
-    # the search records a speed-up over every built-in plan that fits the budget
-    unfit = [name for name in BUILTIN_SEEDS if name not in vs] if "vs" in pred else []
-    if unfit:
-        text += f"; {', '.join(unfit)} {'does' if len(unfit) == 1 else 'do'} not fit the budget"
     kept = kept_seed(plan)
     if kept:
         text += f"; {kept}"

@@ -180,7 +180,6 @@ def test_show_says_when_the_search_kept_a_built_in_plan_in_the_words_of_the_log(
     assert describe_prediction(plan) in run.stdout
     assert "kept fsdp: no searched plan was predicted ≥3% faster" in describe_prediction(plan)
     assert "predicted step 591.09 ms, peak 242.85 MiB; speed-up over ddp 1.00x, fsdp 1.09x" in describe_prediction(plan)
-    assert "; zero2 does not fit the budget" in describe_prediction(plan)  # the search records every seed that fits
 
 
 def test_show_explains_max_inflight_buckets(cli: Cli, tmp_path: Path) -> None:
