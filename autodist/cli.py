@@ -4,9 +4,9 @@ report the environment.
     autodist show PLAN.json
     autodist plan --model MODULE:FACTORY --input-shape 8,128 --world-size N --out PLAN.json
                   [--input-dtype DTYPE] [--input-high N] [--memory-limit 2GiB]
-                  [--bandwidth GBPS --latency US] [--cache-dir DIR]
+                  [--interconnect NAME | --bandwidth GBPS --latency US] [--cache-dir DIR]
     autodist timeline PLAN.json -o OUT.json|OUT.png --model MODULE:FACTORY --input-shape 8,128
-                  [--input-dtype DTYPE] [--input-high N] [--bandwidth GBPS --latency US]
+                  [--input-dtype DTYPE] [--input-high N] [--interconnect NAME | --bandwidth GBPS --latency US]
                   [--cache-dir DIR] [--width PX] [--height PX]
     autodist cache list|show KEY|clear [--kind KIND]|path [--cache-dir DIR]
     autodist env
@@ -183,12 +183,20 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_comm_options(p: argparse.ArgumentParser) -> None:
+    from .cost.interconnect import INTERCONNECTS
+
     g = p.add_argument_group(
         "comm model",
-        "an analytic model from --bandwidth and --latency, or else the one measured and cached on this "
-        "machine by a job with plan=\"auto\"",
+        "an analytic model of a named interconnect (--interconnect) or of your own numbers (--bandwidth and "
+        "--latency), or else the one measured and cached on this machine by a job with plan=\"auto\" on as "
+        "many ranks",
     )
-    g.add_argument("--bandwidth", type=_positive_float, metavar="GBPS", help="link bandwidth in GB/s")
+    presets = "; ".join(f"{i.name}: {i.what}, {i.bandwidth_gbps:g} GB/s, {i.latency_us:g} us" for i in INTERCONNECTS.values())
+    g.add_argument(
+        "--interconnect", choices=list(INTERCONNECTS), metavar="NAME",
+        help=f"the link the ranks' collectives cross (the slowest one: the network when ranks span nodes): {presets}",
+    )
+    g.add_argument("--bandwidth", type=_positive_float, metavar="GBPS", help="link bandwidth in GB/s, one direction per rank")
     g.add_argument("--latency", type=_non_negative_float, metavar="US", help="per-collective latency in microseconds")
     _add_cache_dir(g)
 
@@ -354,16 +362,25 @@ def _comm_model(args: argparse.Namespace, world: int) -> tuple[Any, str]:
     from .cache import Cache, comm_cache_key
     from .cost.comm import CommModel
 
+    if args.interconnect is not None:
+        from .cost.interconnect import INTERCONNECTS
+
+        link = INTERCONNECTS[args.interconnect]
+        model = CommModel.analytic(world, bandwidth_bytes_s=link.bandwidth_gbps * 1e9, latency_s=link.latency_us * 1e-6)
+        return model, f"the {link.name} interconnect ({link.what}: {link.bandwidth_gbps:g} GB/s, {link.latency_us:g} us)"
     if args.bandwidth is not None:
         model = CommModel.analytic(world, bandwidth_bytes_s=args.bandwidth * 1e9, latency_s=args.latency * 1e-6)
         return model, f"an analytic comm model ({args.bandwidth:g} GB/s, {args.latency:g} us)"
     cache = Cache(args.cache_dir, writer=False)
     path = cache.path("comm", comm_cache_key(world, "cpu", "cpu", "gloo"))
     if not path.is_file():
+        from .cost.interconnect import INTERCONNECTS
+
         raise CommandError(
             f"no comm model is cached for {world} CPU ranks (gloo, torch {torch.__version__}) in {cache.dir}; pass "
-            "--bandwidth GBPS --latency US for an analytic model, or run a job with plan=\"auto\" on this machine "
-            "first (it measures one and caches it)"
+            f"--interconnect NAME for the link your ranks use ({', '.join(INTERCONNECTS)}; `--help` lists their "
+            "numbers), or --bandwidth GBPS --latency US, or run a job with plan=\"auto\" on this machine with "
+            f"{world} ranks first (it measures one and caches it)"
         )
     try:
         return CommModel.from_json(path.read_text()), f"the comm model measured on this machine ({path})"
@@ -375,6 +392,8 @@ def _comm_model(args: argparse.Namespace, world: int) -> tuple[Any, str]:
 
 
 def _check_comm_options(args: argparse.Namespace) -> None:
+    if args.interconnect is not None and (args.bandwidth is not None or args.latency is not None):
+        raise CommandError("--interconnect and --bandwidth/--latency both describe the link; give one or the other")
     if (args.bandwidth is None) != (args.latency is None):
         given, missing = ("--bandwidth", "--latency") if args.latency is None else ("--latency", "--bandwidth")
         raise CommandError(f"{given} needs {missing} too (an analytic comm model takes both)")
@@ -393,6 +412,7 @@ def _budget_line(e: Exception) -> str:
 def render_plan(plan: Plan, path: str) -> str:
     """A plan as a header and tables (what ``autodist show`` prints)."""
     from .cost.budget import format_bytes
+    from .describe import describe_prediction
 
     pred = plan.predicted
     header: list[tuple[str, Any]] = [
@@ -403,10 +423,8 @@ def render_plan(plan: Plan, path: str) -> str:
         ("fingerprint", plan.fingerprint or "-"),
         ("source", plan.provenance.get("source", "-")),
     ]
-    if "step_seconds" in pred:
-        header.append(("predicted step", f"{pred['step_seconds'] * 1e3:.2f} ms"))
-    if "peak_bytes" in pred:
-        header.append(("predicted peak", f"{pred['peak_bytes'] / 2**20:.2f} MiB"))
+    if pred:
+        header.append(("prediction", describe_prediction(plan)))
     out = [f"plan {path}", format_fields(header)]
 
     vs = pred.get("vs") or {}
@@ -446,8 +464,7 @@ def render_plan(plan: Plan, path: str) -> str:
             f"  rebuilt once from the observed gradient-ready order: {format_bytes(rb.cap_bytes)} buckets, "
             f"first {format_bytes(rb.first_cap_bytes)}"
         )
-    inflight = "no limit" if plan.max_inflight_buckets is None else plan.max_inflight_buckets
-    out.append(f"  max_inflight_buckets: {inflight}")
+    out.append(f"  max_inflight_buckets: {_inflight(plan.max_inflight_buckets)}")
 
     out += ["", f"offload fragments ({len(plan.offload)})"]
     if plan.offload:
@@ -456,6 +473,18 @@ def render_plan(plan: Plan, path: str) -> str:
     else:
         out.append("  none")
     return "\n".join(out)
+
+
+def _inflight(limit: int | None) -> str:
+    """``max_inflight_buckets`` and what it does to the reductions."""
+    if limit is None:
+        return "no limit (reductions overlap the rest of backward; all are waited for at its end)"
+    if limit == 0:
+        return "0 (each reduction is waited for right after its launch: no overlap with backward, least memory)"
+    return (
+        f"{limit} (at most {limit} reduction{'s' if limit > 1 else ''} in flight: launching another first waits "
+        "for the oldest)"
+    )
 
 
 def _span(units: Sequence[str]) -> str:
@@ -478,6 +507,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
     from .cost.budget import format_bytes, parse_memory_limit
+    from .describe import describe_prediction
     from .errors import BudgetError
     from .lifecycle import plan_offline
     from .plan import save_plan
@@ -495,13 +525,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         save_plan(plan, args.out)
     except OSError as e:
         raise CommandError(f"cannot write {args.out}: {e.strerror or e}") from None
-    pred = plan.predicted
-    vs = pred.get("vs", {})
-    gains = ", ".join(f"{vs[k]:.2f}x {k}" for k in ("ddp", "fsdp", "zero2") if k in vs)
     _say(
         f"Planned {args.model} for {args.world_size} ranks within {format_bytes(budget)} per rank, using "
-        f"{comm_source}: predicted step {pred['step_seconds'] * 1e3:.2f} ms, peak "
-        f"{format_bytes(pred['peak_bytes'])}{f' (speed-up: {gains})' if gains else ''}. "
+        f"{comm_source}: {describe_prediction(plan)}. "
         f"{result.evaluated} plans evaluated in {result.seconds:.2f} s (stopped by: {result.stopped_by}). "
         f"Wrote {args.out}; read it with `autodist show {args.out}` and use it with "
         f"AutoDist(model, plan={str(args.out)!r})."
@@ -529,7 +555,7 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     if not png and (args.width is not None or args.height is not None):
         raise CommandError(f"--width and --height apply to PNG output; {args.out} is a Chrome trace")
     plan = _load_plan(args.plan)
-    comm, _ = _comm_model(args, plan.world_size)
+    comm, comm_source = _comm_model(args, plan.world_size)
     model = _build_model(args.model)
     structure = discover(model)
     try:
@@ -542,7 +568,10 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     profile = profile_model(model, structure, (x,), device=torch.device("cpu"))
     sim = Simulator(profile, structure, comm, world_size=plan.world_size, budget_bytes=plan.budget_bytes)
     result = sim.run(plan, record=True)
-    tl = timeline.from_simulation(result, f"{plan.label}: simulated step ({Path(args.plan).name})")
+    tl = timeline.from_simulation(
+        result, f"{plan.label}: simulated step ({Path(args.plan).name}, {plan.world_size} ranks, {comm_source})",
+        budget_bytes=plan.budget_bytes,
+    )
     try:
         if png:
             width, height = args.width or PNG_SIZE[0], args.height or PNG_SIZE[1]
@@ -658,11 +687,25 @@ def environment_report() -> str:
         ("backend", backend),
         ("accelerator", accel),
         ("cpu count", f"{os.cpu_count()} ({usable} usable by this process)"),
-        ("default budget", f"{format_bytes(default_budget(device))} per rank on {device}"),
+        ("default budget", _default_budgets(device, default_budget, format_bytes)),
         ("cache", f"{cache.dir} ({len(cache.entries())} entries)"),
         ("torchrun", " ".join(torchrun) if torchrun else "not set (not launched by torchrun)"),
     ]
     return "\n".join(["versions", format_fields(versions), "", "machine", format_fields(machine)])
+
+
+def _default_budgets(device: torch.device, default_budget: Callable[..., int], format_bytes: Callable[[float], str]) -> str:
+    """The budget each rank gets without ``memory_limit``: per GPU on CUDA; on the CPU, the host's
+    available memory shared by the ranks launched on it (torchrun's ``--nproc_per_node``)."""
+    if device.type != "cpu":
+        return f"{format_bytes(default_budget(device))} per rank on {device}"
+    launched = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    counts = [launched] if launched else [1, 2, 4]
+    shares = [
+        f"{format_bytes(default_budget(device, local_ranks=n))} {'each for' if n > 1 else 'for'} {n} rank{'s' if n > 1 else ''}"
+        for n in counts
+    ]
+    return f"{', '.join(shares)} on this host (available host memory shared by the local ranks, minus a margin)"
 
 
 def cmd_env(args: argparse.Namespace) -> int:

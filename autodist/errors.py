@@ -34,3 +34,32 @@ class RankMismatchError(AutoDistError):
 
 class PeerFailure(AutoDistError):
     """Another rank failed or exited while this one waited for a collective with it."""
+def mark_raised_on_every_rank(error: BaseException) -> BaseException:
+    """Record that every rank raises ``error`` (or one that names it) at this point: code that
+    agreed on the failure first (a collective) says so, and only such errors are reported once."""
+    error.raised_on_every_rank = True  # type: ignore[attr-defined]
+    return error
+
+
+def reported_once(error: AutoDistError, *, rank: int) -> AutoDistError:
+    """``error``, raised on every rank of a multi-rank job, in the form it leaves AutoDist: the same
+    error (type, message and fields: ``except PlanError`` still catches it) that is also a
+    ``SystemExit``. Uncaught, the interpreter then prints no traceback and exits with status 1, and
+    prints the message on rank 0 only.
+
+    [Note: one report for N ranks] Under torchrun every rank runs the same script, so a plan that
+    does not fit (or a budget nothing fits) fails on every rank at once, and an ordinary exception
+    prints one traceback per rank (torch prefixes them ``[rankN]:``) above torchrun's own summary.
+    The alternative, a ``sys.excepthook`` of our own, would change how every other exception of the
+    process is printed. An uncaught ``SystemExit`` is printed by the interpreter itself: its code
+    when that is a string (rank 0: the message), nothing when it is a number (the other ranks: 1).
+    Rank 0 prints as soon as the error reaches the top of its script; the other ranks' exit, which
+    makes torchrun stop the job, comes after their interpreter has shut down.
+    """
+    cls = type(error)
+    both = type(cls.__name__, (cls, SystemExit), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    quiet = both.__new__(both)
+    quiet.args = error.args
+    quiet.__dict__.update(error.__dict__)
+    quiet.code = f"{cls.__module__}.{cls.__qualname__}: {error}" if rank == 0 else 1
+    return quiet

@@ -312,14 +312,11 @@ class AutoPlanner:
     def _log_chosen(self, plan: Plan) -> None:
         if self.rank != 0:
             return
-        pred = plan.predicted
-        vs = pred.get("vs", {})
-        gains = ", ".join(f"{k} {v:.2f}x" for k, v in sorted(vs.items()) if k in ("ddp", "fsdp", "zero2"))
-        logger.info(
-            "autodist: plan chosen (source: %s%s): predicted step %.1f ms, peak %s; predicted speed-up over %s",
-            self.stats.source, f", {self.stats.plan_path}" if self.stats.plan_path else "",
-            1e3 * pred.get("step_seconds", float("nan")), format_bytes(pred.get("peak_bytes", 0)), gains or "seeds: n/a",
-        )
+        from .describe import describe_prediction
+
+        origin = {"cache": "from the cache", "search": "searched now"}.get(self.stats.source, self.stats.source)
+        where = f", {self.stats.plan_path}" if self.stats.plan_path else ""
+        logger.info("autodist: plan chosen: %s (%s%s): %s", plan.label, origin, where, describe_prediction(plan))
 
     # ---- transparent profiling during the first steps --------------------------------------------
     def before_forward(self, args: tuple, kwargs: dict) -> None:
@@ -592,7 +589,10 @@ def search_provenance(result: SearchResult, source: str) -> dict[str, Any]:
         "autodist_version": __version__, "torch_version": torch.__version__,
     }
     if result.preferred_seed:
+        # the plan is the built-in seed, kept over a searched plan predicted less than this much faster
+        prov["source"] = f"{source} (kept {result.preferred_seed})"
         prov["preferred_seed"] = result.preferred_seed
+        prov["prefer_seed_within"] = cfg.prefer_seed_within
     return prov
 
 

@@ -65,13 +65,54 @@ class MemoryMeter:
 
 
 def trace_cpu_memory(fn: Callable[[], None], mark_prefix: str = "autodist::mark(") -> tuple[list[tuple[float, int]], dict[str, float]]:
-    """Run ``fn`` under the torch profiler's memory tracking (host tensors, every thread).
+    """Run ``fn`` under the torch profiler's memory tracking (host tensors allocated by this thread
+    and by the threads torch runs its work on).
 
     Returns the bytes allocated since ``fn`` started after every allocation or free, as
     ``(time_us, bytes)``, and the time of every ``record_function`` whose name starts with
     ``mark_prefix``. The CPU allocator keeps no statistics of its own; this is how transient
     peaks are measured there (the profile pass and the comm sweep use it once, not per step).
+
+    [Note: memory tracking without Kineto] ``torch.profiler`` always runs Kineto, which writes its
+    own lines to stderr at every session — ``USDT ... profiler_start`` / ``profiler_stop``, and on a
+    CUDA build without a GPU ``ERROR ... gpuGetDeviceCount failed with code 35`` — whatever the
+    activities or ``experimental_config``. Its only switch, ``KINETO_LOG_LEVEL``, is read when Kineto
+    first starts in the process, so it cannot be scoped to AutoDist's sessions. The events needed
+    here (allocations, ``record_function`` ranges) are recorded just the same by torch's
+    non-Kineto profiler (``ProfilerState.CPU``, what ``torch.autograd.profiler_legacy`` runs), which
+    never starts Kineto: it is used while torch has it, ``torch.profiler`` otherwise.
     """
+    legacy = all(hasattr(torch.autograd, n) for n in ("_enable_profiler_legacy", "_disable_profiler_legacy"))
+    return (_trace_without_kineto if legacy else _trace_with_kineto)(fn, mark_prefix)
+
+
+def _trace_without_kineto(fn: Callable[[], None], mark_prefix: str) -> tuple[list[tuple[float, int]], dict[str, float]]:
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.autograd import ProfilerConfig, ProfilerState
+
+    config = ProfilerConfig(ProfilerState.CPU, False, True, False, False, False, _ExperimentalConfig())
+    torch.autograd._enable_profiler_legacy(config)
+    try:
+        fn()
+    finally:
+        records = torch.autograd._disable_profiler_legacy()
+    events = [e for thread in records for e in thread]
+    start = next((e for e in events if e.kind() == "mark" and e.name() == "__start_profile"), None)
+    if start is None:
+        return [], {}
+    deltas = sorted(
+        ((start.cpu_elapsed_us(e), e.cpu_memory_usage()) for e in events if e.kind() == "memory_alloc"),
+        key=lambda d: d[0],
+    )
+    mem, total = [], 0
+    for ts, delta in deltas:
+        total += delta
+        mem.append((ts, total))
+    marks = {e.name(): start.cpu_elapsed_us(e) for e in events if e.kind() == "push" and e.name().startswith(mark_prefix)}
+    return mem, marks
+
+
+def _trace_with_kineto(fn: Callable[[], None], mark_prefix: str) -> tuple[list[tuple[float, int]], dict[str, float]]:
     import json
     import tempfile
 

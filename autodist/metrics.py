@@ -1,19 +1,37 @@
 """Per-step metrics of a wrapped model and the periodic log line (rank 0).
 
-A step runs from one training forward to the next. ``AutoDist(..., log_every=N)`` logs every N steps
-one line with step time, throughput (samples per second; tokens per second when the input is a
-batch of token ids), peak memory in GiB and as a share of the budget, and the exposed-communication
-share (time the compute thread spent blocked on collectives / step time). ``model.metrics()``
-returns the last step's values as a dict, for the user's own logger.
+A step ends when an optimizer (a ``torch.optim.Optimizer``) that holds this model's parameters
+finishes its ``step()``, and runs from the end of the previous step (the first step: from its first
+training forward). With gradient accumulation a step spans every micro-batch before the optimizer
+step, and its throughput counts all of them. With several optimizers over the model, the first
+one to step after a training forward ends the step. A loop that updates the parameters without a
+``torch.optim`` optimizer gets steps that end at the next synchronising training forward (the last
+such step is never reported).
+
+``AutoDist(..., log_every=N)`` logs every N steps one line with step time, throughput (samples per
+second; tokens per second when the input is a batch of token ids), peak memory in GiB and as a
+share of the budget, and the exposed-communication share (time the compute thread spent blocked on
+collectives / step time); the last step is logged too, when the model is closed (``close()``),
+garbage-collected, or at interpreter exit, whichever comes first. ``model.metrics()`` returns the
+last completed step's values as a dict, for the user's own logger.
+
+[Note: the step-end hook] torch offers optimizer-step hooks per optimizer or for every optimizer
+in the process. The optimizer is built after wrapping, so the meter registers the process-wide
+post-hook, acts only for optimizers over its own parameters, and removes the hook in
+:meth:`StepMeter.close` — called by ``AutoDist.close()``, and by a ``weakref.finalize`` on the
+wrapper so the hook is gone once the model is, even when ``close()`` is never called.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.optim.optimizer as optim_hooks
 from torch.utils._pytree import tree_flatten
 
 from ._log import logger
@@ -44,8 +62,28 @@ def _batch_size(args: tuple, kwargs: dict) -> tuple[int, int | None]:
     return 0, None
 
 
+def format_step(m: StepMetrics) -> str:
+    """The log line of one step."""
+    rate = f"{m.tokens_per_second:,.0f} tokens/s" if m.tokens_per_second else f"{m.samples_per_second:,.1f} samples/s"
+    return (
+        f"autodist: step {m.step}  {1e3 * m.step_seconds:.1f} ms  {rate}  peak {m.peak_bytes / 2**30:.2f} GiB "
+        f"({100 * m.budget_fraction:.0f}% of budget)  exposed comm {100 * m.exposed_comm_share:.0f}%"
+    )
+
+
 class StepMeter:
-    def __init__(self, stats: CommStats, device: torch.device, budget: int, world: int, rank: int, log_every: int | None) -> None:
+    """Measures the steps of one wrapped model (see the module docstring for what a step is)."""
+
+    def __init__(
+        self,
+        stats: CommStats,
+        device: torch.device,
+        budget: int,
+        world: int,
+        rank: int,
+        log_every: int | None,
+        params: Iterable[torch.Tensor] = (),
+    ) -> None:
         self.stats = stats
         self.meter = MemoryMeter(device)
         self.budget = budget
@@ -54,47 +92,92 @@ class StepMeter:
         self.log_every = log_every
         self.step = 0
         self.last: StepMetrics | None = None
-        self._t: float | None = None
-        self._batch: tuple[int, int | None] = (0, None)
+        self._logged = 0  # the last step logged
+        self._params = {id(p) for p in params}
+        self._owns: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, bool]] = weakref.WeakKeyDictionary()
+        self._start: float | None = None  # when the current step began; None before the first forward
+        self._open = False  # a training forward ran since the last step ended
+        self._optimizer_seen = False
+        self._last_forward_synced = False
+        self._samples = 0
+        self._tokens: int | None = 0
         self._wait = 0.0
         self._counts = (0, 0)
+        self._closed = False
+        self._hook = optim_hooks.register_optimizer_step_post_hook(self._on_optimizer_step)
 
     def _counts_now(self) -> tuple[int, int]:
         s = self.stats
         return s.all_gathers, s.all_reduces + s.reduce_scatters
 
-    def on_forward(self, args: tuple, kwargs: dict) -> None:
-        now = time.perf_counter()
-        if self._t is not None:
-            dt = now - self._t
-            samples, tokens = self._batch
-            g, r = self._counts_now()
-            peak = self.meter.peak()
-            self.step += 1
-            self.last = StepMetrics(
-                step=self.step,
-                step_seconds=dt,
-                samples_per_second=samples * self.world / dt if dt > 0 else 0.0,
-                tokens_per_second=tokens * self.world / dt if tokens and dt > 0 else None,
-                peak_bytes=peak,
-                budget_fraction=peak / self.budget if self.budget else 0.0,
-                exposed_comm_share=min(1.0, (self.stats.wait_seconds - self._wait) / dt) if dt > 0 else 0.0,
-                all_gathers=g - self._counts[0],
-                reductions=r - self._counts[1],
-            )
-            if self.log_every and self.rank == 0 and self.step % self.log_every == 0:
-                m = self.last
-                rate = f"{m.tokens_per_second:,.0f} tokens/s" if m.tokens_per_second else f"{m.samples_per_second:,.1f} samples/s"
-                logger.info(
-                    "autodist: step %d  %.1f ms  %s  peak %.2f GiB (%.0f%% of budget)  exposed comm %.0f%%",
-                    m.step, 1e3 * m.step_seconds, rate, m.peak_bytes / 2**30, 100 * m.budget_fraction,
-                    100 * m.exposed_comm_share,
-                )
-            self.meter.reset_peak()
-        self._t = now
-        self._batch = _batch_size(args, kwargs)
+    def _begin(self, now: float) -> None:
+        self._start = now
+        self._samples, self._tokens = 0, 0
         self._wait = self.stats.wait_seconds
         self._counts = self._counts_now()
+        self.meter.reset_peak()
+
+    def on_forward(self, args: tuple, kwargs: dict, *, sync: bool) -> None:
+        """A training forward (gradients enabled); ``sync``: its backward reduces gradients."""
+        now = time.perf_counter()
+        if self._open and not self._optimizer_seen and self._last_forward_synced:
+            self._end(now)  # no torch.optim optimizer steps this model: a synchronised forward-backward is a step
+        if self._start is None:
+            self._begin(now)
+        self._open = True
+        self._last_forward_synced = sync
+        samples, tokens = _batch_size(args, kwargs)
+        self._samples += samples
+        self._tokens = None if tokens is None or self._tokens is None else self._tokens + tokens
+
+    def _on_optimizer_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if not self._open or not self._steps_this_model(opt):
+            return
+        self._optimizer_seen = True
+        self._end(time.perf_counter())
+
+    def _steps_this_model(self, opt: torch.optim.Optimizer) -> bool:
+        groups = len(opt.param_groups)
+        known = self._owns.get(opt)
+        if known is None or known[0] != groups:
+            owns = any(id(p) in self._params for g in opt.param_groups for p in g["params"])
+            known = self._owns[opt] = (groups, owns)
+        return known[1]
+
+    def _end(self, now: float) -> None:
+        dt = now - (self._start if self._start is not None else now)
+        peak = self.meter.peak()
+        g, r = self._counts_now()
+        self.step += 1
+        self.last = StepMetrics(
+            step=self.step,
+            step_seconds=dt,
+            samples_per_second=self._samples * self.world / dt if dt > 0 else 0.0,
+            tokens_per_second=self._tokens * self.world / dt if self._tokens and dt > 0 else None,
+            peak_bytes=peak,
+            budget_fraction=peak / self.budget if self.budget else 0.0,
+            exposed_comm_share=min(1.0, (self.stats.wait_seconds - self._wait) / dt) if dt > 0 else 0.0,
+            all_gathers=g - self._counts[0],
+            reductions=r - self._counts[1],
+        )
+        self._open = False
+        if self.log_every and self.step % self.log_every == 0:
+            self._log()
+        self._begin(now)
+
+    def _log(self) -> None:
+        if self.rank == 0 and self.last is not None and self._logged != self.last.step:
+            logger.info(format_step(self.last))
+        self._logged = self.last.step if self.last is not None else 0
+
+    def close(self) -> None:
+        """Stop listening to optimizers; log the last step if ``log_every`` is set and it was not logged."""
+        if self._closed:
+            return
+        self._closed = True
+        self._hook.remove()
+        if self.log_every:
+            self._log()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self.last) if self.last is not None else {}

@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from .errors import PlanError
 from .structure import ModelStructure
@@ -27,7 +27,7 @@ RESIDENCIES = ("after_forward", "after_backward", "persistent")
 BUCKET_OPS = ("all_reduce", "reduce_scatter")
 OP_FOR_PLACEMENT = {"replicate": "all_reduce", "shard": "reduce_scatter"}
 
-Window = Union[int, Literal["memory"]]
+Window = int | Literal["memory"]
 
 # Optimizer state that offload fragments may name: the per-element state tensors of torch.optim's
 # optimizers (from the torch 2.14 sources: Adam, AdamW, NAdam, RAdam and SparseAdam; Adamax; Adagrad;
@@ -171,7 +171,7 @@ class Plan:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise PlanError(
-                f"{where} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); it may be "
+                f"{where} is not valid JSON ({e.msg.removesuffix(' at')} at line {e.lineno}, column {e.colno}); it may be "
                 "truncated or corrupt. Regenerate it or pass a built-in plan such as plan='ddp'.",
                 source=source,
             ) from None

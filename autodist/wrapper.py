@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -15,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ._log import logger
 from .cost.budget import format_bytes, parse_memory_limit
-from .errors import PlanError, RankMismatchError
+from .errors import AutoDistError, PlanError, RankMismatchError, mark_raised_on_every_rank, reported_once
 from .plan import Plan, validate_plan
 from .runtime.comm import Comm, init_distributed
 from .runtime.engine import Engine, MixedPrecision
@@ -24,6 +26,23 @@ from .sched.seeds import BUILTIN_PLANS, builtin_plan
 from .structure import ModelStructure, discover
 
 PLAN_CHOICES = ("auto",) + BUILTIN_PLANS
+
+
+def _reported_once(init: Callable[..., None]) -> Callable[..., None]:
+    """An AutoDist error that every rank of a multi-rank job raises leaves ``__init__`` in the form
+    :func:`~autodist.errors.reported_once` gives it: printed by rank 0, without a traceback; the
+    other ranks exit quietly with the same status."""
+
+    @functools.wraps(init)
+    def wrapped(self: AutoDist, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except AutoDistError as e:
+            if not getattr(e, "raised_on_every_rank", False) or not dist.is_initialized() or dist.get_world_size() == 1:
+                raise
+            raise reported_once(e, rank=dist.get_rank()) from None
+
+    return wrapped
 
 
 class AutoDist(nn.Module):
@@ -53,6 +72,7 @@ class AutoDist(nn.Module):
     plan shards anything), which is what ``torch.distributed.checkpoint`` should save.
     """
 
+    @_reported_once
     def __init__(
         self,
         module: nn.Module,
@@ -122,8 +142,11 @@ class AutoDist(nn.Module):
         from .metrics import StepMeter
 
         self._meter = StepMeter(
-            self._comm.stats, device, self.budget_bytes, self._comm.world_size, self._comm.rank, log_every
+            self._comm.stats, device, self.budget_bytes, self._comm.world_size, self._comm.rank, log_every,
+            params=module.parameters(),
         )
+        # the last step is logged and the meter's optimizer hook removed even if close() is never called
+        self._meter_done = weakref.finalize(self, self._meter.close)
         if self._comm.rank == 0:
             source = "file" if isinstance(plan, (str, os.PathLike)) and plan not in PLAN_CHOICES else (
                 "built-in" if plan in BUILTIN_PLANS else "object" if isinstance(plan, Plan) else "auto"
@@ -199,25 +222,27 @@ class AutoDist(nn.Module):
         error: BaseException | None = None
         try:
             result = fn()
-        except (PlanError, OSError, ValueError, TypeError) as e:
+        except (AutoDistError, OSError, ValueError, TypeError) as e:
             error, result = e, None
         statuses = self._comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
-            raise error
+            raise mark_raised_on_every_rank(error)
         failed = [(r, m) for r, m in enumerate(statuses) if m is not None]
         if failed:
             r, m = failed[0]
-            raise PlanError(f"rank {r} could not resolve the plan ({m}); every rank must see the same plan", source=None)
+            raise mark_raised_on_every_rank(
+                PlanError(f"rank {r} could not resolve the plan ({m}); every rank must see the same plan", source=None)
+            )
         return result
 
     def _check_rank_agreement(self, plan: Plan) -> None:
         hashes = self._comm.all_gather_object(plan.hash())
         if len(set(hashes)) > 1:
             differing = [r for r, h in enumerate(hashes) if h != hashes[0]]
-            raise RankMismatchError(
+            raise mark_raised_on_every_rank(RankMismatchError(
                 f"ranks disagree on the plan (hash on rank 0: {hashes[0]}; ranks {differing} differ). Every rank "
                 "must load the same plan file and wrap the same model."
-            )
+            ))
 
     @torch.no_grad()
     def _sync_initial_state(self) -> None:
@@ -230,13 +255,15 @@ class AutoDist(nn.Module):
     # ---------------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
-            self._meter.on_forward(args, kwargs)
+            self._meter.on_forward(args, kwargs, sync=self._engine.sync_enabled)
             if self._auto is not None:
                 self._auto.before_forward(args, kwargs)
         return self._engine.forward(args, kwargs)
 
     def metrics(self) -> dict[str, Any]:
-        """The last complete step's metrics (see ``autodist.metrics``), for your own logger."""
+        """The last completed step's metrics as a dict (empty before the first step ends), for your own
+        logger. A step ends with the optimizer step over this model's parameters (see
+        ``autodist.metrics``)."""
         return self._meter.as_dict()
 
     @property
@@ -304,7 +331,9 @@ class AutoDist(nn.Module):
 
     def close(self) -> None:
         """Remove every hook and release this instance's process groups (the model stays usable as a
-        plain module holding its current parameters). Call on every rank."""
+        plain module holding its current parameters). Logs the last step when ``log_every`` is set and
+        it was not logged yet. Call on every rank."""
+        self._meter_done()
         self._engine.close()
         self._comm.destroy()
         self.module.__dict__.pop(_MANAGED, None)

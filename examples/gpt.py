@@ -9,7 +9,6 @@ The data is synthetic (random tokens), so the loss goes down only as far as the 
 
 import argparse
 import logging
-import time
 
 import torch
 import torch.distributed as dist
@@ -44,7 +43,6 @@ def main() -> None:
     fixed = torch.randint(0, args.vocab, (args.batch_size * 4, args.seq + 1), generator=data)
 
     for step in range(1, args.steps + 1):
-        t0 = time.perf_counter()
         batch = fixed[torch.randint(0, fixed.shape[0], (args.batch_size,), generator=data)]
         x, y = batch[:, :-1], batch[:, 1:]
         logits = model(x)
@@ -53,13 +51,14 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
-        dt = time.perf_counter() - t0
         if rank == 0 and (step % args.log_every == 0 or step == 1):
-            print(f"step {step:4d}  loss {loss.item():.4f}  {dt * 1e3:7.1f} ms", flush=True)
+            print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
     if rank == 0:
-        p = model.plan
+        p, m = model.plan, model.metrics()
         print(f"plan in force: {p.label} ({len(p.sharded_units)} of {len(p.units)} units sharded, "
-              f"{len(p.buckets)} buckets, {len(p.offload)} offload fragments); last step: {model.metrics()}")
+              f"{len(p.buckets)} buckets, {len(p.offload)} offload fragments)")
+        print(f"last step ({m['step']}): {m['step_seconds'] * 1e3:.1f} ms, {m['tokens_per_second']:,.0f} tokens/s, "
+              f"peak {m['peak_bytes'] / 2**30:.2f} GiB, exposed communication {m['exposed_comm_share']:.0%}")
     dist.destroy_process_group()
 
 

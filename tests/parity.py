@@ -73,7 +73,10 @@ def make_plan(
     groups = [GatherGroup(units=g, prefetch=pf) for g in gl]
     place = {u.name: u.placement for u in units}
     order = [p for u in reversed(units) for p in reversed(u.params) if s.params[p].requires_grad]
-    op = lambda p: "reduce_scatter" if place[s.unit_of_param[p]] == "shard" else "all_reduce"
+
+    def op(p: str) -> str:
+        return "reduce_scatter" if place[s.unit_of_param[p]] == "shard" else "all_reduce"
+
     if buckets == "per_param":
         bl = [Bucket([p], op(p)) for p in order]
     elif buckets in ("one", "per_group"):

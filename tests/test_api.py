@@ -93,7 +93,7 @@ def _count_collectives(plan, use_context):
     m = AutoDist(models.make("mlp"), plan=plan)
     gen = torch.Generator().manual_seed(rank)
     counts = []
-    for step in range(2):
+    for _step in range(2):
         for micro in range(3):
             x, y = models.batch("mlp", 4, gen)
             last = micro == 2

@@ -1,6 +1,7 @@
 """plan="auto": parity across the mid-training switch, the cache, and budget errors."""
 
 import json
+import logging
 import multiprocessing as mp
 import os
 import tempfile
@@ -95,3 +96,45 @@ def test_impossible_budget_says_smallest_peak_and_what_helps(world2):
             assert msg is not None
             assert "no plan fits the budget of 1.95 KiB per rank: the smallest peak found is" in msg
             assert "launch more ranks" in msg and ("offload optimizer state" in msg or "offloaded to host memory" in msg)
+
+
+def _chosen_lines(cache_dir):
+    lines = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("autodist")
+    old_level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    try:
+        x, _ = models.batch("gpt", 2, torch.Generator().manual_seed(0))
+        plans = []
+        for _ in range(2):  # a first launch, then a cache hit
+            m = AutoDist(models.make("gpt"), plan="auto", example_inputs=(x,), cache_dir=cache_dir)
+            plans.append(m.plan)
+            m.close()
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+    from autodist.describe import describe_prediction
+
+    return [line for line in lines if "plan chosen" in line], [describe_prediction(p) for p in plans], plans[0].label
+
+
+def test_the_plan_chosen_line_reads_the_same_on_a_first_launch_and_a_cache_hit(world2):
+    with tempfile.TemporaryDirectory() as d:
+        (first, hit), (described, _), label = world2.run(_chosen_lines, d)[0]
+    assert first.startswith(f"autodist: plan chosen: {label} (searched now, ")
+    assert hit.startswith(f"autodist: plan chosen: {label} (from the cache, ")
+    assert first.endswith(described) and hit.endswith(described)
+
+
+def test_a_kept_built_in_plan_is_named_in_the_label_and_provenance():
+    from types import SimpleNamespace
+
+    from autodist.lifecycle import search_provenance
+
+    kept = search_provenance(SimpleNamespace(evaluated=5, seconds=0.1, stopped_by="stall", preferred_seed="ddp"), "auto:search")
+    found = search_provenance(SimpleNamespace(evaluated=5, seconds=0.1, stopped_by="stall", preferred_seed=None), "auto:search")
+    assert kept["source"] == "auto:search (kept ddp)" and kept["prefer_seed_within"] == 0.03
+    assert found["source"] == "auto:search" and "preferred_seed" not in found

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import readme
 from autodist.cache import Cache
 from autodist.plan import load_plan, save_plan, validate_plan
 from autodist.sched.seeds import fsdp_plan
@@ -47,13 +48,13 @@ class Cli:
     def __init__(self, env: dict[str, str]) -> None:
         self.env = env
 
-    def run_all(self, *argvs: list[object]) -> list[Run]:
+    def run_all(self, *argvs: list[object], cwd: Path = REPO) -> list[Run]:
         """Start every command at once; wait for all."""
         procs = [
             (
                 [str(a) for a in argv],
                 subprocess.Popen(
-                    [sys.executable, "-m", "autodist.cli", *map(str, argv)], cwd=REPO, env=self.env,
+                    [sys.executable, "-m", "autodist.cli", *map(str, argv)], cwd=cwd, env=self.env,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                 ),
             )
@@ -65,8 +66,8 @@ class Cli:
             runs.append(Run(argv, p.returncode, out, err))
         return runs
 
-    def run(self, *argv: object) -> Run:
-        return self.run_all(list(argv))[0]
+    def run(self, *argv: object, cwd: Path = REPO) -> Run:
+        return self.run_all(list(argv), cwd=cwd)[0]
 
 
 @pytest.fixture
@@ -79,7 +80,7 @@ def cli(tmp_path: Path, cache_dir: Path) -> Cli:
     models = tmp_path / "models"
     models.mkdir()
     (models / "tinymodel.py").write_text(TINY_MODEL)
-    path = os.pathsep.join(p for p in (str(models), os.environ.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(p for p in (str(models), str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "AUTODIST_CACHE_DIR": str(cache_dir), "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     return Cli(env)
 
@@ -110,6 +111,22 @@ def test_every_subcommand_has_help_and_the_command_has_a_version(cli: Cli) -> No
         assert run.stdout.startswith(f"usage: autodist {command[0]}"), run
     assert version.returncode == 0
     assert version.stdout.strip() == f"autodist {__version__}"
+
+
+def test_help_version_and_cache_commands_do_not_import_torch(cli: Cli) -> None:
+    script = (
+        "import sys\n"
+        "from autodist import cli\n"
+        "for argv in (['--help'], ['plan', '--help'], ['--version'], ['cache', 'list'], ['cache', 'path']):\n"
+        "    try:\n"
+        "        cli.main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=cli.env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "torch imported: False"
 
 
 def test_bad_arguments_exit_2_with_one_line_saying_what_was_wrong(cli: Cli, tmp_path: Path) -> None:
@@ -147,6 +164,33 @@ def test_show_prints_the_plan_as_tables_and_refuses_missing_or_corrupt_files(cli
     assert "corrupt.json" in truncated.stderr
 
 
+def test_show_says_when_the_search_kept_a_built_in_plan_in_the_words_of_the_log(cli: Cli, tmp_path: Path) -> None:
+    from autodist.describe import describe_prediction
+
+    plan = fsdp_plan(discover(gpt(vocab=64, d=16, layers=2, heads=2, seq=8)), 2)
+    plan.predicted = {"step_seconds": 0.59109, "peak_bytes": 254649616, "vs": {"ddp": 1.0, "fsdp": 1.0925}}
+    plan.provenance = {"source": "auto:search (kept fsdp)", "preferred_seed": "fsdp", "prefer_seed_within": 0.03}
+    path = tmp_path / "kept.json"
+    save_plan(plan, path)
+
+    run = cli.run("show", path)
+
+    assert run.returncode == 0, run
+    assert "auto:search (kept fsdp)" in run.stdout
+    assert describe_prediction(plan) in run.stdout
+    assert "kept fsdp: no searched plan was predicted ≥3% faster" in describe_prediction(plan)
+    assert "predicted step 591.09 ms, peak 242.85 MiB; speed-up over ddp 1.00x, fsdp 1.09x" in describe_prediction(plan)
+
+
+def test_show_explains_max_inflight_buckets(cli: Cli, tmp_path: Path) -> None:
+    plan = fsdp_plan(discover(gpt(vocab=64, d=16, layers=2, heads=2, seq=8)), 2)
+    plan.max_inflight_buckets = 0
+    path = tmp_path / "p.json"
+    save_plan(plan, path)
+    run = cli.run("show", path)
+    assert "max_inflight_buckets: 0 (each reduction is waited for right after its launch" in run.stdout
+
+
 # ---- plan and timeline --------------------------------------------------------------------------
 
 
@@ -165,7 +209,14 @@ def test_plan_without_a_comm_model_says_how_to_get_one(cli: Cli, tmp_path: Path)
         "plan", "--model", "tinymodel:build", "--input-shape", "4,16", "--world-size", "2", "--out", tmp_path / "p.json"
     )
     assert_one_line_error(run, "autodist plan:")
+    assert "--interconnect NAME" in run.stderr and "nvlink4" in run.stderr and "ib-ndr" in run.stderr
     assert "--bandwidth" in run.stderr and 'plan="auto"' in run.stderr
+
+
+def test_an_interconnect_preset_and_bandwidth_latency_are_one_or_the_other(cli: Cli, tmp_path: Path) -> None:
+    run = cli.run("plan", *TINY_ARGS, "--interconnect", "ib-hdr", "--world-size", "2", "--out", tmp_path / "p.json")
+    assert_one_line_error(run, "autodist plan:")
+    assert "--interconnect" in run.stderr and "--bandwidth" in run.stderr
 
 
 def test_timeline_writes_a_chrome_trace_and_a_png_of_the_requested_size(cli: Cli, tmp_path: Path, tiny_model) -> None:
@@ -217,3 +268,29 @@ def test_env_reports_versions_and_the_cache(cli: Cli, cache_dir: Path) -> None:
     run = cli.run("env")
     assert run.returncode == 0, run
     assert "torch" in run.stdout and str(cache_dir) in run.stdout and "default budget" in run.stdout
+    # ranks on one host share its memory: the budget is given per number of local ranks
+    budget = next(line for line in run.stdout.splitlines() if "default budget" in line)
+    assert " for 1 rank, " in budget and " each for 2 ranks" in budget
+
+
+# ---- the README ---------------------------------------------------------------------------------
+
+
+def test_the_readme_autodist_commands_run_as_written(cli: Cli, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    commands = readme.of_kind("autodist")
+    assert [c[1] for c in commands][:3] == ["plan", "show", "timeline"]
+
+    # the plan first (with what does not read it), then what reads plan.json
+    first = [c for c in commands if c[1] == "plan" or "plan.json" not in c]
+    then = [c for c in commands if c not in first]
+    done = dict(zip(map(tuple, first), cli.run_all(*[c[1:] for c in first], cwd=work)))
+    done.update(zip(map(tuple, then), cli.run_all(*[c[1:] for c in then], cwd=work)))
+    runs = [done[tuple(c)] for c in commands]
+
+    for run in runs:
+        assert run.returncode == 0, run
+        assert not [line for line in (run.stdout + run.stderr).splitlines() if "ERROR" in line], run
+    assert (work / "step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "world size      8" in runs[1].stdout

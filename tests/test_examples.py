@@ -1,4 +1,10 @@
-"""Each example trains for 2 steps on 2 ranks under torchrun (plan="auto", a fresh cache)."""
+"""The examples under torchrun on 2 ranks (plan="auto", a fresh cache), small and short; and the
+README's Quickstart command as written, with flags appended for a small model and few steps.
+
+Each launch uses ``torchrun --standalone`` (a free rendezvous port: other jobs may be running) and
+puts this checkout first on ``PYTHONPATH`` (an example's own directory is its ``sys.path[0]``, so it
+would otherwise import whichever autodist is installed).
+"""
 
 import os
 import subprocess
@@ -6,24 +12,47 @@ import sys
 
 import pytest
 
+import readme
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-EXAMPLES = {
-    "gpt": ["--steps", "2", "--batch-size", "2", "--seq", "16", "--vocab", "128", "--d-model", "32", "--layers", "2", "--heads", "2", "--log-every", "1"],
-    "mlp": ["--steps", "2", "--batch-size", "4", "--width", "64", "--depth", "2"],
-    "resnet": ["--steps", "2", "--batch-size", "2", "--image-size", "16"],
+SMALL = {
+    "gpt": ["--steps", "3", "--batch-size", "2", "--seq", "16", "--vocab", "128", "--d-model", "32", "--layers", "2",
+            "--heads", "2", "--log-every", "2"],
+    "mlp": ["--steps", "3", "--batch-size", "4", "--width", "64", "--depth", "2", "--samples", "16", "--log-every", "2"],
+    "resnet": ["--steps", "3", "--batch-size", "2", "--image-size", "16", "--log-every", "2"],
 }
 
 
-@pytest.mark.parametrize("name", list(EXAMPLES))
-def test_example_trains_two_steps_on_two_ranks(name, tmp_path):
+def _torchrun(argv, tmp_path):
+    assert argv[0] == "torchrun"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *argv[1:]]
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, AUTODIST_CACHE_DIR=str(tmp_path), OMP_NUM_THREADS="1", PYTHONPATH=path)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def _check_small_run(out):
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step    1  loss" in out.stdout
+    assert "plan in force: auto:" in out.stdout
+    # AutoDist's own step line: every second step, and the last at exit
+    logged = [line.split("autodist: ")[1].split("  ")[0] for line in out.stderr.splitlines() if "autodist: step " in line]
+    assert logged == ["step 2", "step 3"], out.stderr[-3000:]
+    assert "initialised process group" in out.stderr
+    assert not [line for line in (out.stdout + out.stderr).splitlines() if "ERROR" in line], out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet"])
+def test_example_trains_on_two_ranks_and_logs_autodist_step_lines(name, tmp_path):
     if name == "resnet":
         pytest.importorskip("torchvision")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "examples", f"{name}.py"), *EXAMPLES[name]]
-    env = dict(os.environ, AUTODIST_CACHE_DIR=str(tmp_path), OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "step    2" in out.stdout or "step    1" in out.stdout
-    assert "plan in force: auto:" in out.stdout
-    assert "autodist: plan chosen" in out.stderr or "autodist: plan" in out.stderr
+    _check_small_run(_torchrun(["torchrun", "--nproc_per_node", "2", f"examples/{name}.py", *SMALL[name]], tmp_path))
+
+
+def test_the_readme_quickstart_command_trains(tmp_path):
+    (quickstart,) = readme.of_kind("example")
+    out = _torchrun(readme.with_overrides(quickstart, SMALL["gpt"]), tmp_path)
+    _check_small_run(out)
+    assert out.stderr.count("initialised process group") == 1  # rank 0 only
+    assert "last step (3): " in out.stdout

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import models
 from autodist import AutoDist
 from autodist.errors import RankMismatchError
-from parity import Case, _full, check, make_plan, run_case, run_cases
+from parity import Case, check, make_plan, run_case, run_cases
 
 ATOL = 2e-5
 HERE = os.path.dirname(os.path.abspath(__file__))

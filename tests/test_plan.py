@@ -66,6 +66,13 @@ def test_corrupt_json(tmp_path):
         load_plan(tmp_path / "p.json")
 
 
+def test_a_file_cut_inside_a_string_says_where_the_string_starts(tmp_path):
+    (tmp_path / "p.json").write_text('{"units": [\n  "blocks.0')
+    with pytest.raises(PlanError) as e:
+        load_plan(tmp_path / "p.json")
+    assert "(Unterminated string starting at line 2, column 3)" in str(e.value)
+
+
 def test_truncated_file(tmp_path, structure):
     text = fsdp_plan(structure, 2).to_json()
     (tmp_path / "p.json").write_text(text[: len(text) // 2])

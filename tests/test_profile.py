@@ -96,3 +96,13 @@ def test_memory_trace_is_relative_to_its_own_session():
     kept.clear()  # ... and freed outside any session
     mem, _ = trace_cpu_memory(lambda: torch.ones(1 << 18).sum())  # 1 MiB (and a few bytes for the sum)
     assert (1 << 20) <= max(m for _, m in mem) < (1 << 20) + 1024
+
+
+def test_measuring_memory_writes_nothing_to_the_terminal(capfd):
+    from autodist.memory import trace_cpu_memory
+
+    capfd.readouterr()
+    mem, _ = trace_cpu_memory(lambda: torch.ones(1 << 18).sum())
+    out, err = capfd.readouterr()
+    assert mem, "the allocation was recorded"
+    assert (out, err) == ("", "")

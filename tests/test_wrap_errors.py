@@ -1,8 +1,12 @@
-"""Bad plans given to AutoDist on several ranks: every rank raises a clear error, none hangs."""
+"""Bad plans given to AutoDist on several ranks: every rank raises a clear error, none hangs, and
+under torchrun the user reads it once."""
 
 import contextlib
 import os
+import subprocess
+import sys
 import tempfile
+import textwrap
 
 import torch
 import torch.distributed as dist
@@ -212,3 +216,49 @@ def _bad_arguments():
 def test_distributed_or_bad_arguments_fail_with_one_line_on_every_rank_before_anything_changes(world2):
     for res in world2.run(_bad_arguments, timeout=120):
         assert res == {name: "ok" for name in res}
+def _caught_and_uncaught_forms(directory):
+    path = os.path.join(directory, "p4.json")
+    if dist.get_rank() == 0:
+        save_plan(fsdp_plan(discover(models.make("mlp")), 4), path)
+    dist.barrier()
+    try:
+        AutoDist(models.make("mlp"), plan=path)
+    except PlanError as e:
+        return {"system_exit": isinstance(e, SystemExit), "code": e.code}
+    return None
+
+
+def test_an_error_every_rank_raises_is_still_the_error_and_exits_quietly_off_rank_0(world2):
+    with tempfile.TemporaryDirectory() as d:
+        rank0, rank1 = world2.run(_caught_and_uncaught_forms, d)
+    assert rank0["system_exit"] and rank0["code"].startswith("autodist.errors.PlanError: invalid plan")
+    assert "made for 4 ranks but this job has 2" in rank0["code"]
+    assert rank1 == {"system_exit": True, "code": 1}
+
+
+TRAIN = """
+import sys
+import torch
+from autodist import AutoDist
+model = AutoDist(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)), plan=sys.argv[1])
+"""
+
+
+def test_a_plan_for_8_ranks_on_2_prints_its_message_once_without_tracebacks(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(TRAIN))
+    plan = tmp_path / "plan8.json"
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    save_plan(fsdp_plan(discover(model), 8), plan)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p), OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), str(plan)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 1
+    assert text.count("the plan was made for 8 ranks but this job has 2") == 1, text
+    assert "autodist.errors.PlanError: invalid plan" in text
+    assert "[rank" not in text and "train.py\", line" not in text, text  # no worker traceback
+    assert text.count("exitcode  : 1 ") == 2, text  # torchrun's summary: both ranks exited with status 1

@@ -219,7 +219,7 @@ def run_contender(workload: Any, contender: Contender, batches: list, args: argp
             res.extra["host_bytes"] = max(h for _, _, h in model.runtime.offload.account.log) if model.runtime.offload.account.log else 0
     finally:
         contender.close(model)
-        del model, opt
+        model = opt = None  # released before collecting (step() holds them too)
         gc.collect()
 
 
@@ -349,7 +349,8 @@ def table(payload: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (unknown models or contenders exit with status 2)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated (default: %(default)s)")
     ap.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS), help="comma-separated (default: all)")
@@ -372,6 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in args.models if m not in zoo()] + [c for c in args.contenders if c not in CONTENDERS and c not in GRID]
     if unknown:
         ap.error(f"unknown model or contender: {', '.join(unknown)} (models: {', '.join(zoo())}; contenders: {', '.join(CONTENDERS)})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.worker:
         worker(args)
         return 0

@@ -210,7 +210,7 @@ def table(payload: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, choices=list(zoo()))
     ap.add_argument("--plans", type=int, default=12, help="plans to run: 3 built-in + random (default 12)")
@@ -225,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.worker:
         worker(args)
         return 0

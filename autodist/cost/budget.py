@@ -12,9 +12,12 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psutil
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 _UNITS = {
     "": 1, "b": 1,
@@ -39,6 +42,8 @@ class BudgetPolicy:
 
 def device_capacity(device: torch.device) -> int:
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.get_device_properties(device).total_memory
     return psutil.virtual_memory().total
 
@@ -47,13 +52,17 @@ def _local_world_size() -> int:
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def default_budget(device: torch.device, policy: BudgetPolicy = BudgetPolicy()) -> int:
+def default_budget(device: torch.device, policy: BudgetPolicy = BudgetPolicy(), *, local_ranks: int | None = None) -> int:
+    """The budget per rank without ``memory_limit``. On the CPU the ranks of one host share its
+    memory: ``local_ranks`` of them (default: torchrun's ``LOCAL_WORLD_SIZE``, else 1)."""
     if device.type == "cuda":
+        import torch
+
         free, total = torch.cuda.mem_get_info(device)
         outside_torch = total - free - torch.cuda.memory_reserved(device)
         avail = total - max(0, outside_torch)
     else:
-        avail = psutil.virtual_memory().available // _local_world_size()
+        avail = psutil.virtual_memory().available // (local_ranks or _local_world_size())
     margin = max(policy.min_margin_bytes, int(avail * policy.margin_fraction))
     return max(0, avail - margin)
 

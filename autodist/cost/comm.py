@@ -292,8 +292,10 @@ def _max_over_ranks(values: list[float], group: dist.ProcessGroup, device: torch
     return t.cpu().tolist()
 
 
-def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig = SweepConfig()) -> CommModel:
-    """Measure and fit the comm model on ``group`` (a collective: call on every rank)."""
+def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | None = None) -> CommModel:
+    """Measure and fit the comm model on ``group`` (a collective: call on every rank); ``cfg``
+    defaults to ``SweepConfig()``."""
+    cfg = cfg or SweepConfig()
     from ..runtime.comm import Comm  # the same collective calls the runtime issues
 
     world = dist.get_world_size(group)
@@ -315,8 +317,8 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig = Swe
             cases.append(("all_gather", nb, lambda out=out, shard=shard: comm.all_gather(out, shard, "sweep").wait()))
             cases.append(("reduce_scatter", nb, lambda buf=buf, shard=shard: comm.reduce_scatter(shard, buf, "sweep").wait()))
         nonblock = device.type == "cuda"
-        cases.append(("d2h", nb, lambda host=host, buf=buf: host.copy_(buf, non_blocking=nonblock)))
-        cases.append(("h2d", nb, lambda host=host, buf=buf: buf.copy_(host, non_blocking=nonblock)))
+        cases.append(("d2h", nb, lambda host=host, buf=buf, nonblock=nonblock: host.copy_(buf, non_blocking=nonblock)))
+        cases.append(("h2d", nb, lambda host=host, buf=buf, nonblock=nonblock: buf.copy_(host, non_blocking=nonblock)))
     # Samples are collected in interleaved rounds, so a disturbance of the host (another process,
     # the scheduler) touches a few calls of many samples instead of all calls of one; the median
     # of each sample's calls then ignores it.
@@ -335,7 +337,7 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig = Swe
     samples: dict[str, list[tuple[float, float]]] = {}
     for (op, nb), t in zip(names, times):
         samples.setdefault(op, []).append((float(nb), t))
-    for op, pts in samples.items():
+    for pts in samples.values():
         # A message is never cheaper than a smaller one of the same kind: a sample slower than a
         # larger message's was disturbed (seen on 2 cores: a 16 KiB reduce-scatter at 1.5x the
         # 64 KiB one), and is capped at the larger one's time before fitting.

@@ -84,7 +84,7 @@ def measure_runtime_overhead(device: torch.device, units: int = 12) -> RuntimeOv
             module, plan(pg, pb), discover(module), comm=comm, mesh=mesh, device=device,
             mixed_precision=None, broadcast_buffers=False,
         )
-        timings[key] = _timed_steps(lambda t: engine.forward((t,), {}), module, x)
+        timings[key] = _timed_steps(lambda t, engine=engine: engine.forward((t,), {}), module, x)
         engine.close()
     k = units
     gather = max(0.0, (timings["C"] - timings["B"]) / (k - 1))

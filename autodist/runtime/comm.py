@@ -218,7 +218,8 @@ def init_distributed(device: torch.device | None = None, timeout_s: float | None
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend, **kwargs)
-        logger.info("autodist: initialised process group (%s, world size %d)", backend, dist.get_world_size())
+        if dist.get_rank() == 0:
+            logger.info("autodist: initialised process group (%s, world size %d)", backend, dist.get_world_size())
     else:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
         logger.info("autodist: no torchrun environment; running as a world of one (%s)", backend)

@@ -435,7 +435,7 @@ class Engine:
             own = unit_of_module.get(mname)
             if own is not None:
                 units.append(own)
-            for attr, p in list(module._parameters.items()):
+            for p in module._parameters.values():
                 mp = self._visible_map.get(id(p)) if p is not None else None
                 if mp is not None:
                     u = self.structure.unit_of_param[mp.name]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..plan import BucketRebuild, Bucket, GatherGroup, Plan, Prefetch, UnitPlan
+from ..plan import Bucket, BucketRebuild, GatherGroup, Plan, Prefetch, UnitPlan
 from ..structure import ModelStructure
 
 # torch DDP's defaults (torch/nn/parallel/distributed.py: bucket_cap_mb=25, first bucket 1 MiB).
