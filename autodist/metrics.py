@@ -15,23 +15,19 @@ collectives / step time); the last step is logged too, when the model is closed 
 garbage-collected, or at interpreter exit, whichever comes first. ``model.metrics()`` returns the
 last completed step's values as a dict, for the user's own logger.
 
-[Note: the step-end hook] torch offers optimizer-step hooks per optimizer or for every optimizer
-in the process. The optimizer is built after wrapping, so the meter registers the process-wide
-post-hook, acts only for optimizers over its own parameters, and removes the hook in
-:meth:`StepMeter.close` — called by ``AutoDist.close()``, and by a ``weakref.finalize`` on the
-wrapper so the hook is gone once the model is, even when ``close()`` is never called.
+[Note: the step-end hook] The meter registers no hook of its own: the runtime already watches
+optimizer steps (process-wide only until it has seen optimizers over all of the model's trainable
+parameters, then on those optimizers alone; see ``Engine._watch``) and calls
+:meth:`StepMeter.on_optimizer_step` after each step of an optimizer over this model's parameters.
 """
 
 from __future__ import annotations
 
 import time
-import weakref
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.optim.optimizer as optim_hooks
 from torch.utils._pytree import tree_flatten
 
 from ._log import logger
@@ -82,7 +78,6 @@ class StepMeter:
         world: int,
         rank: int,
         log_every: int | None,
-        params: Iterable[torch.Tensor] = (),
     ) -> None:
         self.stats = stats
         self.meter = MemoryMeter(device)
@@ -93,8 +88,6 @@ class StepMeter:
         self.step = 0
         self.last: StepMetrics | None = None
         self._logged = 0  # the last step logged
-        self._params = {id(p) for p in params}
-        self._owns: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, bool]] = weakref.WeakKeyDictionary()
         self._start: float | None = None  # when the current step began; None before the first forward
         self._open = False  # a training forward ran since the last step ended
         self._optimizer_seen = False
@@ -104,7 +97,6 @@ class StepMeter:
         self._wait = 0.0
         self._counts = (0, 0)
         self._closed = False
-        self._hook = optim_hooks.register_optimizer_step_post_hook(self._on_optimizer_step)
 
     def _counts_now(self) -> tuple[int, int]:
         s = self.stats
@@ -130,19 +122,12 @@ class StepMeter:
         self._samples += samples
         self._tokens = None if tokens is None or self._tokens is None else self._tokens + tokens
 
-    def _on_optimizer_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if not self._open or not self._steps_this_model(opt):
+    def on_optimizer_step(self, opt: torch.optim.Optimizer) -> None:
+        """An optimizer over this model's parameters finished a step (the engine tells)."""
+        if not self._open:
             return
         self._optimizer_seen = True
         self._end(time.perf_counter())
-
-    def _steps_this_model(self, opt: torch.optim.Optimizer) -> bool:
-        groups = len(opt.param_groups)
-        known = self._owns.get(opt)
-        if known is None or known[0] != groups:
-            owns = any(id(p) in self._params for g in opt.param_groups for p in g["params"])
-            known = self._owns[opt] = (groups, owns)
-        return known[1]
 
     def _end(self, now: float) -> None:
         dt = now - (self._start if self._start is not None else now)
@@ -175,7 +160,6 @@ class StepMeter:
         if self._closed:
             return
         self._closed = True
-        self._hook.remove()
         if self.log_every:
             self._log()
 

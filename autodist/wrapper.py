@@ -143,9 +143,9 @@ class AutoDist(nn.Module):
 
         self._meter = StepMeter(
             self._comm.stats, device, self.budget_bytes, self._comm.world_size, self._comm.rank, log_every,
-            params=module.parameters(),
         )
-        # the last step is logged and the meter's optimizer hook removed even if close() is never called
+        self._engine.step_listeners.append(self._meter.on_optimizer_step)
+        # the last step is logged even if close() is never called
         self._meter_done = weakref.finalize(self, self._meter.close)
         if self._comm.rank == 0:
             source = "file" if isinstance(plan, (str, os.PathLike)) and plan not in PLAN_CHOICES else (

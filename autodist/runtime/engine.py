@@ -225,6 +225,7 @@ class Engine:
         self._optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._in_step: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # between pre and post hook
         self._drop_global_hooks = False
+        self.step_listeners: list = []  # called with the optimizer after each step over these parameters
 
         world, rank = comm.world_size, comm.rank
         placement = plan.placement_of_param
@@ -926,6 +927,8 @@ class Engine:
             if not self.offload.entries:
                 self._adopt_optimizer(optimizer)
             self.offload.copy_out(self.offload.out_at.get("step", []))
+        for listener in self.step_listeners:
+            listener(optimizer)
 
     def _adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Bind offload to the optimizer's state and keep its state dicts complete."""
