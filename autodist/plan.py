@@ -18,12 +18,13 @@ from typing import Any, Literal
 from .errors import PlanError
 from .structure import ModelStructure
 
-SCHEMA_VERSION = 1
-SUPPORTED_SCHEMA_VERSIONS = (1,)
+SCHEMA_VERSION = 2
+SUPPORTED_SCHEMA_VERSIONS = (1, 2)  # 1: before recomputation and gradient accumulation (defaults apply)
 MAX_NESTING = 32  # free-form fields (predicted, provenance) deeper than this are refused
 
 PLACEMENTS = ("replicate", "shard")
 RESIDENCIES = ("after_forward", "after_backward", "persistent")
+ACCUMULATIONS = ("unsharded", "sharded")
 BUCKET_OPS = ("all_reduce", "reduce_scatter")
 OP_FOR_PLACEMENT = {"replicate": "all_reduce", "shard": "reduce_scatter"}
 
@@ -43,12 +44,20 @@ SCALAR_OPTIMIZER_STATES = frozenset({"step", "eta", "mu", "mu_product"})
 
 @dataclass
 class UnitPlan:
-    """One unit: its parameters, their placement, and (if sharded) when gathered copies are freed."""
+    """One unit: its parameters, their placement, and (if sharded) when gathered copies are freed
+    and how its gradients accumulate over the micro-batches of a step.
+
+    ``accumulate`` (sharded units; replicated ones always accumulate locally, as DDP's ``no_sync``):
+    ``"unsharded"`` — during micro-batches that do not synchronise, the full gradient is kept (in
+    the reduce dtype) and reduce-scattered once, by the synchronising backward; ``"sharded"`` —
+    every micro-batch reduce-scatters, and the sharded gradient accumulates (FSDP2's default:
+    more traffic, less memory)."""
 
     name: str
     params: list[str]
     placement: str = "replicate"
     residency: str = "after_forward"  # ignored for replicate units, which are always resident
+    accumulate: str = "unsharded"
 
 
 @dataclass
@@ -112,6 +121,11 @@ class Plan:
     offload: list[OffloadFragment] = field(default_factory=list)
     rebuild_buckets: BucketRebuild | None = None
     max_inflight_buckets: int | None = None
+    # blocks (structure.blocks) whose forward AutoDist runs again during backward instead of keeping
+    # their activations (activation checkpointing the model's code does not do itself)
+    recompute: list[str] = field(default_factory=list)
+    # micro-batches per optimizer step the plan was made for (a loop with another count stays correct)
+    grad_accum_steps: int = 1
     schema_version: int = SCHEMA_VERSION
     fingerprint: str = ""
     device: str = "cpu"
@@ -307,7 +321,7 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
     top_required = {"schema_version", "world_size", "units"}
     top_optional = {
         "gather_groups", "buckets", "offload", "rebuild_buckets", "max_inflight_buckets", "fingerprint", "device",
-        "budget_bytes", "param_shapes", "optimizer_states", "predicted", "provenance",
+        "budget_bytes", "param_shapes", "optimizer_states", "predicted", "provenance", "recompute", "grad_accum_steps",
     }
     if isinstance(data, dict) and "schema_version" in data:
         v = data["schema_version"]
@@ -333,7 +347,7 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
         r.fail("world_size", f"expected a positive integer, got {world_size}")
 
     units: list[UnitPlan] = []
-    for p, uo in r.objects(d, "units", {"name", "params"}, {"placement", "residency"}, default=None):
+    for p, uo in r.objects(d, "units", {"name", "params"}, {"placement", "residency", "accumulate"}, default=None):
         units.append(
             UnitPlan(
                 name=r.typed(uo.get("name"), f"{p}.name", str, "a string") or "",
@@ -342,6 +356,8 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
                 or "replicate",
                 residency=r.choice(uo.get("residency", "after_forward"), f"{p}.residency", RESIDENCIES)
                 or "after_forward",
+                accumulate=r.choice(uo.get("accumulate", "unsharded"), f"{p}.accumulate", ACCUMULATIONS)
+                or "unsharded",
             )
         )
 
@@ -437,10 +453,19 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
         vs = predicted.get("vs", {})
         if not isinstance(vs, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vs.values()):
             r.fail("predicted.vs", f"expected an object of numbers (predicted speed-ups); got {json.dumps(vs)[:60]}")
+    recompute = r.str_list(d.get("recompute", []), "recompute")
+    if len(set(recompute)) != len(recompute):
+        r.fail("recompute", "lists a block more than once; list each block once")
+    accum = d.get("grad_accum_steps", 1)
+    if isinstance(accum, bool) or not isinstance(accum, int) or not 1 <= accum <= 4096:
+        r.fail("grad_accum_steps", f"expected the number of micro-batches per optimizer step (1 to 4096); got {json.dumps(accum)[:60]}")
+        accum = 1
     if r.problems:
         raise PlanError(r.problems, source=source)
     return Plan(
         schema_version=d["schema_version"],
+        recompute=list(recompute),
+        grad_accum_steps=accum,
         world_size=world_size,
         units=units,
         gather_groups=groups,
@@ -517,7 +542,10 @@ def validate_plan(
         "(plan='auto' or `autodist plan`)"
     )
     if plan.schema_version not in SUPPORTED_SCHEMA_VERSIONS:
-        problems.append(f"schema_version {plan.schema_version} is not supported (this autodist reads 1)")
+        problems.append(
+            f"schema_version {plan.schema_version} is not supported (this autodist reads "
+            f"{', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))})"
+        )
     if world_size is not None and plan.world_size != world_size:
         problems.append(
             f"world_size: the plan was made for {plan.world_size} ranks but this job has {world_size}; "
@@ -638,6 +666,23 @@ def validate_plan(
     for p in structure.trainable:
         if p not in in_bucket:
             problems.append(f"trainable parameter {p!r} is in no bucket; add it to one (its gradient would never be reduced)")
+    # A bucket is reduced in every micro-batch or once: its sharded units accumulate alike.
+    accumulate = {p: u.accumulate for u in plan.units if u.placement == "shard" for p in u.params}
+    for bi, b in enumerate(plan.buckets):
+        modes = {accumulate[p] for p in b.params if p in accumulate}
+        if len(modes) > 1:
+            problems.append(
+                f"buckets[{bi}] holds parameters of units that accumulate gradients differently ({', '.join(sorted(modes))}); "
+                "a bucket is reduced in every micro-batch or once: split it, or give its units one 'accumulate'"
+            )
+
+    blocks = set(structure.blocks)
+    for i, b in enumerate(plan.recompute):
+        if b not in blocks:
+            problems.append(
+                f"recompute[{i}] = {b!r} is not a block of this model (its blocks: "
+                f"{', '.join(structure.blocks[:6])}{', ...' if len(structure.blocks) > 6 else ''}); {fix_other_model}"
+            )
 
     for oi, o in enumerate(plan.offload):
         if o.param not in params:

@@ -48,6 +48,8 @@ def make_plan(
     bwd_window: Any = None,
     buckets: str = "per_group",
     replicate_units: tuple[str, ...] = (),
+    accumulate: str = "unsharded",
+    recompute: Any = (),
 ) -> Plan:
     """A hand-written plan from a few knobs (see the test files for the combinations used)."""
     s = discover(model)
@@ -58,7 +60,7 @@ def make_plan(
             pl = "replicate" if len(units) % 2 else "shard"
         if u.name in replicate_units or any(len(s.params[p].shape) == 0 for p in u.params):
             pl = "replicate"
-        units.append(UnitPlan(u.name, list(u.params), pl, residency))
+        units.append(UnitPlan(u.name, list(u.params), pl, residency, accumulate=accumulate))
     sharded = [u.name for u in units if u.placement == "shard"]
     if grouping == "unit":
         gl = [[u] for u in sharded]
@@ -95,7 +97,10 @@ def make_plan(
         bl = [Bucket(ps, op(ps[0])) for _, ps in bl]
     else:
         raise ValueError(buckets)
-    return Plan(world_size=world, units=units, gather_groups=groups, buckets=bl, provenance={"source": "test"})
+    blocks = list(s.blocks) if recompute == "all" else list(recompute)
+    return Plan(
+        world_size=world, units=units, gather_groups=groups, buckets=bl, recompute=blocks, provenance={"source": "test"}
+    )
 
 
 def random_plan(model: torch.nn.Module, world: int, seed: int) -> Plan:

@@ -303,7 +303,7 @@ def test_plan_file_without_recorded_shapes_still_loads(tmp_path, structure):
 def test_float_schema_version(structure):
     d = _plan_dict(structure)
     d["schema_version"] = 1.0
-    with pytest.raises(PlanError, match=r'schema_version: expected an integer such as 1, got 1.0; write "schema_version": 1'):
+    with pytest.raises(PlanError, match=r'schema_version: expected an integer such as 2, got 1.0; write "schema_version": 2'):
         Plan.from_dict(d)
 
 
@@ -319,3 +319,55 @@ def test_deeply_nested_json_is_a_plan_error(tmp_path, structure):
     (tmp_path / "deep2.json").write_text(json.dumps(d))
     with pytest.raises(PlanError, match="provenance: nested deeper than 32 levels"):
         load_plan(tmp_path / "deep2.json")
+
+
+def test_version_1_plan_files_load_with_no_recomputation_and_one_micro_batch(structure):
+    d = _plan_dict(structure)
+    d["schema_version"] = 1
+    for key in ("recompute", "grad_accum_steps"):
+        d.pop(key)
+    for u in d["units"]:
+        u.pop("accumulate")
+    plan = Plan.from_dict(d)
+    validate_plan(plan, structure, world_size=2)
+    assert plan.recompute == [] and plan.grad_accum_steps == 1
+    assert {u.accumulate for u in plan.units} == {"unsharded"}
+
+
+def test_recomputation_and_accumulation_round_trip(structure):
+    d = _plan_dict(structure)
+    d["recompute"] = ["blocks.0"]
+    d["grad_accum_steps"] = 4
+    d["units"][1]["accumulate"] = "sharded"
+    plan = Plan.from_dict(d)
+    assert Plan.from_json(plan.to_json()) == plan
+    assert plan.recompute == ["blocks.0"] and plan.grad_accum_steps == 4
+
+
+def test_recomputing_something_that_is_not_a_block_is_refused(structure):
+    d = _plan_dict(structure)
+    d["recompute"] = ["blocks.0.qkv", "nope"]
+    msg = _problems(d, structure)
+    assert "recompute[0] = 'blocks.0.qkv' is not a block of this model" in msg
+    assert "recompute[1] = 'nope'" in msg
+
+
+def test_bad_accumulation_values_are_refused(structure):
+    d = _plan_dict(structure)
+    d["grad_accum_steps"] = 0
+    d["units"][0]["accumulate"] = "sometimes"
+    with pytest.raises(PlanError) as e:
+        Plan.from_dict(d)
+    assert "grad_accum_steps: expected the number of micro-batches" in str(e.value)
+    assert "accumulate: expected one of unsharded, sharded" in str(e.value)
+
+
+def test_a_bucket_mixing_accumulation_modes_is_refused(structure):
+    d = _plan_dict(structure)
+    d["buckets"] = [{"params": [p for b in d["buckets"] for p in b["params"] if p.startswith("blocks.0")], "op": "reduce_scatter"}] + [
+        b for b in d["buckets"] if not any(p.startswith("blocks.0") for p in b["params"])
+    ]
+    for u in d["units"]:
+        if u["name"] == "blocks.0.qkv":
+            u["accumulate"] = "sharded"
+    assert "accumulate gradients differently" in _problems(d, structure)

@@ -64,6 +64,7 @@ from .comm import Comm
 from .gather import GatherGroupRuntime, GroupState
 from .offload import OffloadManager
 from .params import ManagedParam
+from .recompute import BlockRecompute
 from .reducer import BucketRuntime, Reducer
 
 LAUNCH_POLICIES = ("ready", "sampled")
@@ -173,6 +174,8 @@ class RuntimeStats:
     unused_param_steps: int = 0
     persistent_refreshes: int = 0
     late_gradients: int = 0  # gradients accumulated again after their first (shared + reentrant AC)
+    micro_batches: int = 0  # backward passes since the last optimizer step over these parameters
+    grad_accum_steps: int = 0  # backward passes between the last two optimizer steps (0: none yet)
 
 
 class Engine:
@@ -288,6 +291,9 @@ class Engine:
         self.has_persistent = any(g.residency == "persistent" for g in self.groups)
         policy = self._launch_policy_arg or ("sampled" if self.comm.backend == "nccl" else "ready")
         self.launch_policy = policy if self.groups else "ready"
+        if getattr(self, "recompute", None) is not None:
+            self.recompute.remove()
+        self.recompute = BlockRecompute(self.module, plan.recompute)
         previous = getattr(self, "offload", None)
         self.offload = OffloadManager(plan.offload, self.params, self.device)
         if previous is not None:
@@ -404,15 +410,16 @@ class Engine:
         return mp.dtype
 
     def _build_buckets(self, plan: Plan) -> list[BucketRuntime]:
+        sharded_accumulation = {p for u in plan.units if u.placement == "shard" and u.accumulate == "sharded" for p in u.params}
         buckets = []
         for bi, b in enumerate(plan.buckets):
             mps = [self.params[p] for p in b.params]
             rd = {self.reduce_dtype(mp) for mp in mps}
             if len(rd) != 1:
                 raise ValueError(f"bucket {bi} would reduce in several dtypes {rd}; split it by dtype")
-            buckets.append(
-                BucketRuntime(bi, b.op, mps, reduce_dtype=rd.pop(), comm=self.comm, device=self.device)
-            )
+            bucket = BucketRuntime(bi, b.op, mps, reduce_dtype=rd.pop(), comm=self.comm, device=self.device)
+            bucket.every = b.op == "reduce_scatter" and all(p in sharded_accumulation for p in b.params)
+            buckets.append(bucket)
         return buckets
 
     def _compute_forward_triggers(self) -> None:
@@ -475,6 +482,7 @@ class Engine:
 
     def close(self) -> None:
         """Remove all hooks; wait for anything in flight; bring offloaded state back."""
+        self.recompute.remove()
         self.offload.close()
         self.reducer.reset()
         for g in self.groups:
@@ -517,6 +525,7 @@ class Engine:
         )
         for mp in self.params.values():
             mp.reset_swaps()
+        self.reducer.begin(sync=self._step.sync)
         if self._drop_global_hooks:
             for h in self._opt_global_handles:
                 h.remove()
@@ -789,8 +798,10 @@ class Engine:
                     self._maybe_free_after_backward(group)
             else:
                 self.stats.late_gradients += 1
-            if step.sync:
+            if step.sync or self.reducer.takes(mp):
                 self.reducer.on_ready(mp, first=first, defer=id(mp) in step.deferred)
+            elif mp.needs_swap and self.reduce_dtype(mp) != mp.compute_dtype:
+                mp.stash_full_grad(self.reduce_dtype(mp))  # accumulate over micro-batches in the reduce dtype
 
         return on_grad_ready
 
@@ -813,9 +824,12 @@ class Engine:
                         len(missing), missing[0],
                     )
                 self._maybe_rebuild_buckets(step.ready_order)
+            elif self.reducer.active:
+                self.reducer.flush()  # sharded units accumulating sharded gradients: every micro-batch
             self._release_after_step(drop_reductions=False)
             self._anchors = dict(step.anchors)
         self.stats.steps += 1
+        self.stats.micro_batches += 1
         step.expects_backward = False
         step.in_backward = False
         if self.groups and self.check_collectives:
@@ -912,6 +926,8 @@ class Engine:
         if not self._in_step.get(optimizer):
             return
         self._in_step[optimizer] = False
+        if self.stats.micro_batches:
+            self.stats.grad_accum_steps, self.stats.micro_batches = self.stats.micro_batches, 0
         mps = self._params_of(optimizer)
         touched = {id(mp) for mp in mps}
         for mp in mps:

@@ -83,6 +83,7 @@ class ManagedParam:
         self.is_dtensor = use_dtensor
         self.sites: list[tuple[nn.Module, str]] = []
         self._swaps = 0
+        self.accum: torch.Tensor | None = None  # unsharded gradient accumulated in the reduce dtype
         data = original.detach()
         if data.device != device:
             data = data.to(device)
@@ -177,6 +178,31 @@ class ManagedParam:
         return DTensor.from_local(
             grad, self.mesh, placements, run_check=False, shape=torch.Size(self.shape), stride=_contiguous_stride(self.shape)
         )
+
+    def stash_full_grad(self, dtype: torch.dtype) -> None:
+        """Move the gradient autograd accumulated into ``full`` into an accumulator of ``dtype``:
+        over micro-batches that do not synchronise, gradients accumulate in the reduce dtype (FSDP2
+        does the same), not in the compute dtype they are produced in."""
+        g = self.full.grad
+        if g is None:
+            return
+        self.full.grad = None
+        if self.accum is None:
+            self.accum = g.to(dtype, copy=True)
+        else:
+            self.accum.add_(g)
+
+    def take_full_grad(self) -> torch.Tensor | None:
+        """This rank's whole unreduced gradient (the accumulator plus what autograd added since),
+        which the runtime now owns: ``full.grad`` and the accumulator are cleared."""
+        g = self.full.grad
+        self.full.grad = None
+        if self.accum is None:
+            return g
+        acc, self.accum = self.accum, None
+        if g is not None:
+            acc.add_(g)
+        return acc
 
     def set_local_grad(self, grad: torch.Tensor) -> None:
         """Make ``grad`` (this rank's local part, master dtype) the visible gradient, without copying."""

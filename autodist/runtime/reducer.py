@@ -48,6 +48,7 @@ class BucketRuntime:
         self.index = index
         self.op = op
         self.params = params
+        self.every = False  # reduced in every micro-batch, also those that do not synchronise
         self.dtype = reduce_dtype
         self.comm = comm
         self.device = device
@@ -167,8 +168,7 @@ class BucketRuntime:
                     view.copy_(g)
                     self.action[slot] = _SET
             else:
-                g = mp.full.grad
-                mp.full.grad = None
+                g = mp.take_full_grad()
                 vg = mp.local_grad()
                 if self._is_slot_view(vg, slot):
                     view.add_(g)
@@ -177,8 +177,7 @@ class BucketRuntime:
                     view.copy_(g)
                     self.action[slot] = _SET if vg is None else _ADD
         else:
-            g = mp.full.grad
-            mp.full.grad = None
+            g = mp.take_full_grad()
             vg = mp.local_grad()
             if vg is None:
                 self.action[slot] = _SET
@@ -236,7 +235,7 @@ class BucketRuntime:
         if not mp.needs_swap:
             g = mp.visible.grad
             return g is not None and not self._is_slot_view(g, self.params.index(mp))
-        return mp.full.grad is not None
+        return mp.full.grad is not None or mp.accum is not None
 
     def launch(self) -> list[str]:
         """Flush missing gradients as zeros and start the collective. Returns names of missing params."""
@@ -341,14 +340,26 @@ class Reducer:
         self.slot: dict[int, tuple[BucketRuntime, int]] = {
             id(mp): (b, i) for b in buckets for i, mp in enumerate(b.params)
         }
+        self.begin(sync=True)
+
+    def begin(self, *, sync: bool) -> None:
+        """A new backward: every bucket takes part if it synchronises; otherwise only the buckets
+        reduced in every micro-batch (sharded units accumulating sharded gradients)."""
+        self.active = self.buckets if sync else [b for b in self.buckets if b.every]
+        self._active = {id(b) for b in self.active}
         self.next_launch = 0
         self.next_finish = 0
+
+    def takes(self, mp: ManagedParam) -> bool:
+        """Whether ``mp``'s gradient is reduced in this backward."""
+        entry = self.slot.get(id(mp))
+        return entry is not None and id(entry[0]) in self._active
 
     def on_ready(self, mp: ManagedParam, *, first: bool = True, defer: bool = False) -> None:
         """``mp``'s gradient was accumulated (``first``: for the first time this step). ``defer``:
         it may accumulate again (reentrant checkpointing of a shared parameter): take it at the flush."""
         entry = self.slot.get(id(mp))
-        if entry is None or defer:
+        if entry is None or defer or id(entry[0]) not in self._active:
             return
         bucket, slot = entry
         if not first or bucket.ready[slot]:
@@ -362,7 +373,10 @@ class Reducer:
             bucket.add_late(slot, mp)
             return
         bucket.add_grad(slot, mp)
-        if self.launch_on_ready and bucket.pending == 0 and bucket.index == self.next_launch:
+        if (
+            self.launch_on_ready and bucket.pending == 0 and self.next_launch < len(self.active)
+            and self.active[self.next_launch] is bucket
+        ):
             self._launch_ready()
 
     def poll(self) -> None:
@@ -378,23 +392,23 @@ class Reducer:
         return all(r or self.settled(mp) for r, mp in zip(b.ready, b.params))
 
     def _launch_ready(self) -> None:
-        while self.next_launch < len(self.buckets) and self._complete(self.buckets[self.next_launch]):
-            self.buckets[self.next_launch].launch()
+        while self.next_launch < len(self.active) and self._complete(self.active[self.next_launch]):
+            self.active[self.next_launch].launch()
             self.next_launch += 1
             if self.max_inflight is not None:
                 while self.next_launch - self.next_finish > self.max_inflight:
-                    self.buckets[self.next_finish].finish()
+                    self.active[self.next_finish].finish()
                     self.next_finish += 1
 
     def flush(self) -> list[str]:
-        """Launch every remaining bucket (in order), wait for all, assign gradients.
+        """Launch every remaining bucket of this backward (in order), wait for all, assign gradients.
 
         Returns the names of parameters that got no gradient on this rank this step."""
         missing: list[str] = []
-        while self.next_launch < len(self.buckets):
-            missing.extend(self.buckets[self.next_launch].launch())
+        while self.next_launch < len(self.active):
+            missing.extend(self.active[self.next_launch].launch())
             self.next_launch += 1
-        for b in self.buckets[self.next_finish :]:
+        for b in self.active[self.next_finish :]:
             b.finish()
         self.reset()
         return missing
