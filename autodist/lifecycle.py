@@ -40,7 +40,7 @@ from .cost.simulator import Simulator
 from .errors import AutoDistError, BudgetError
 from .plan import SCHEMA_VERSION, Plan, made_for
 from .sched.search import SearchConfig, Searcher, SearchResult
-from .sched.space import PlanSpace
+from .sched.space import PlanSpace, space_for
 from .trace import UnitTracer, _attribute, _Clock, _Pass, float_output_bytes, loss_fields, profile_model
 
 PROFILE_STEPS = 3  # transparent profiling: the first step warms up, the next ones are measured
@@ -125,7 +125,7 @@ class AutoPlanner:
         return digest(
             {
                 "profile": self.profile_key(sig), **self._machine(), "budget": self._budget_key(),
-                "optimizer": optimizer_kind, "schema": SCHEMA_VERSION,
+                "optimizer": optimizer_kind, "schema": SCHEMA_VERSION, "grad_accum_steps": self.w.grad_accum_steps,
                 "mixed_precision": None if self.mp is None else [str(self.mp.param_dtype), str(self.mp.reduce_dtype)],
             }
         )
@@ -223,10 +223,7 @@ class AutoPlanner:
             profile, self.structure, comm, world_size=self.world, budget_bytes=self.w.budget_bytes,
             param_dtype=self.mp.param_dtype if self.mp else None, reduce_dtype=self.mp.reduce_dtype if self.mp else None,
         )
-        space = PlanSpace(
-            self.structure, self.world, [u.name for u in profile.units], profile.ready_order, fixed_placement=fixed,
-            state_names=profile.optimizer.state_names,
-        )
+        space = space_for(profile, self.structure, self.world, fixed_placement=fixed, grad_accum_steps=self.w.grad_accum_steps)
         result = Searcher(space, sim, SearchConfig()).run()
         self.stats.searches += 1
         self.stats.search_seconds += result.seconds
@@ -283,13 +280,17 @@ class AutoPlanner:
         return now_plan, free_plan
 
     # ---- the two entry points ----------------------------------------------------------------
-    def resolve(self, example_inputs: Any) -> Plan:
-        if example_inputs is None:
+    def resolve(self, example_inputs: Any, example_kwargs: dict[str, Any] | None = None) -> Plan:
+        if example_inputs is None and example_kwargs is None:
             self.state = _State.START
             return self.safe_plan()
+        if example_inputs is None:
+            example_inputs = ()
         if not isinstance(example_inputs, tuple):
             example_inputs = (example_inputs,)
-        sig = input_signature(example_inputs)
+        example_kwargs = dict(example_kwargs or {})
+        # the signature of the forward the training loop runs (AutoDist.forward sees (args, kwargs))
+        sig = input_signature((example_inputs, example_kwargs))
         plan = self.lookup(sig)
         if plan is not None:
             self._log_chosen(plan)
@@ -298,7 +299,7 @@ class AutoPlanner:
         if self.rank == 0:
             logger.info("autodist: plan=auto: no cached plan for this model and input; profiling and searching")
         with progress("profiling the model", enabled=self.rank == 0):
-            prof = profile_model(self.w.module, self.structure, example_inputs, device=self.device)
+            prof = profile_model(self.w.module, self.structure, example_inputs, device=self.device, example_kwargs=example_kwargs)
         self.stats.profiles_measured += 1
         prof = self._merge(prof)
         plan, _ = self.plan_now(prof, sig, fixed=None)
@@ -415,10 +416,11 @@ class AutoPlanner:
         fixed = {u.name: u.placement for u in eng.plan.units}
         try:
             now, free = self.plan_now(prof, self._sig, fixed=fixed)
-        except (BudgetError, SearchFailed) as e:
+        except SearchFailed as e:
             if self.rank == 0:
                 logger.warning("autodist: %s Keeping the safe plan, which is running.", e)
             return
+        # a BudgetError propagates: the budget is a contract (every rank raises it, from this forward)
         self._switch(now)
         if self.rank == 0:
             more = [u.name for u, v in zip(free.units, now.units) if u.placement != v.placement]
@@ -473,6 +475,9 @@ class AutoPlanner:
             device=self.device.type,
             optimizer=opt,
             site_after=dict(self._tracer.site_after),
+            recompute_anchor=dict(last["pass"].recompute),
+            block_input_bytes=dict(last["pass"].block_inputs),
+            grad_accum_steps=max(1, self.w._engine.stats.grad_accum_steps),
             meta={"source": "first training steps", "steps": len(measured), "torch": torch.__version__},
             **loss_fields(0, (0, 0), self._out_fp32, "estimated"),
         )
@@ -596,16 +601,33 @@ def search_provenance(result: SearchResult, source: str) -> dict[str, Any]:
     return prov
 
 
-def budget_error(budget: int, result: SearchResult, structure: Any) -> BudgetError:
-    """The error when no plan fits: the smallest peak found, and the knobs that would help."""
+def budget_error(budget: int, result: SearchResult, structure: Any, plan: Plan | None = None) -> BudgetError:
+    """The error when no plan fits: the smallest predicted peak, what it is made of, and what would
+    make a plan fit (the levers for the largest part first)."""
     peak, genome = result.smallest_peak or (result.result.peak_bytes, None)
-    params = sum(p.nbytes for p in structure.params.values())
-    offloaded = f" even with {len(genome.offload)} optimizer-state tensor(s) offloaded to host memory" if genome is not None and genome.offload else ""
+    sim = result.smallest_peak_result or result.result
+    parts = sorted(((v, k) for k, v in sim.breakdown.items() if v > 0), reverse=True)
+    made_of = ", ".join(f"{k} {format_bytes(v)}" for v, k in parts) or "unknown"
+    how = []
+    if genome is not None:
+        n_units = len(genome.shard)
+        how.append(f"{sum(genome.shard)} of {n_units} units sharded")
+        if genome.recompute:
+            how.append(f"{len(genome.recompute)} block(s) recomputed")
+        if genome.offload:
+            how.append(f"{len(genome.offload)} optimizer-state tensor(s) offloaded to host memory")
+    largest = parts[0][1] if parts else ""
+    fixes = []
+    if largest.startswith("activations"):
+        fixes.append("reduce the batch per rank (activations grow with it)")
+    fixes.append("launch more ranks (shards of parameters, gradients and optimizer state shrink with the world size)")
+    if not largest.startswith("activations"):
+        fixes.append("use mixed precision (MixedPrecision(param_dtype=torch.bfloat16))")
+    fixes.append(f"or raise memory_limit above {format_bytes(peak)} if the device has room")
     return BudgetError(
-        f"no plan fits the budget of {format_bytes(budget)} per rank: the smallest peak found is "
-        f"{format_bytes(peak)}{offloaded} (model parameters alone: {format_bytes(params)}, optimizer state about "
-        "twice that). Raise memory_limit, launch more ranks (shards get smaller), use mixed precision, or reduce "
-        "the batch (activations)" + ("" if offloaded else ", or offload optimizer state") + "."
+        f"no plan fits the budget of {format_bytes(budget)} per rank: the smallest predicted peak is "
+        f"{format_bytes(peak)}{' (' + ', '.join(how) + ')' if how else ''}, made of {made_of}. "
+        f"To fit: {'; '.join(fixes)}."
     )
 
 
@@ -618,6 +640,8 @@ def plan_offline(
     comm: CommModel,
     device: torch.device | None = None,
     config: SearchConfig | None = None,
+    grad_accum_steps: int | None = None,
+    example_kwargs: dict[str, Any] | None = None,
 ) -> tuple[Plan, SearchResult, Profile]:
     """Plan for ``world_size`` ranks from one process (``autodist plan``): profile ``module`` here,
     search with ``comm`` (a cached sweep or an analytic model) under ``budget_bytes``."""
@@ -625,11 +649,9 @@ def plan_offline(
 
     device = device or torch.device("cpu")
     structure = discover(module)
-    prof = profile_model(module, structure, example_inputs, device=device)
+    prof = profile_model(module, structure, example_inputs, device=device, example_kwargs=example_kwargs)
     sim = Simulator(prof, structure, comm, world_size=world_size, budget_bytes=budget_bytes)
-    space = PlanSpace(
-        structure, world_size, [u.name for u in prof.units], prof.ready_order, state_names=prof.optimizer.state_names
-    )
+    space = space_for(prof, structure, world_size, grad_accum_steps=grad_accum_steps)
     result = Searcher(space, sim, config or SearchConfig()).run()
     if not result.result.feasible:
         raise budget_error(budget_bytes, result, structure)

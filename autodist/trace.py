@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
 from .cost.profile import OptimizerProfile, Profile, UnitProfile, estimated_loss_memory
+from .runtime.backward import in_backward
 from .structure import ModelStructure
 
 
@@ -61,6 +62,19 @@ def float_output_bytes(out: object) -> int:
     return sum(t.numel() * 4 for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad)
 
 
+def _storage_bytes(tree: object) -> int:
+    """Bytes of the distinct storages of the tensors in ``tree``."""
+    seen: dict[int, int] = {}
+    for t in tree_flatten(tree)[0]:
+        if isinstance(t, torch.Tensor):
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
 def _tensor_bytes(tree: object) -> int:
     return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
 
@@ -73,6 +87,9 @@ class _Pass:
     out: dict[str, int] = field(default_factory=dict)
     seen_storage: set[int] = field(default_factory=set)
     pre_seen: set[str] = field(default_factory=set)
+    recompute: dict[str, str] = field(default_factory=dict)  # unit recomputed in backward -> anchor
+    block_inputs: dict[str, int] = field(default_factory=dict)  # block -> bytes of its forward's inputs
+    bwd_current: str = ""  # the unit whose backward runs (its pre-backward hook fired last)
 
 
 class UnitTracer:
@@ -103,7 +120,10 @@ class UnitTracer:
         self._last: str | None = None
         self._handles: list[Any] = []
         self.site_after: dict[str, str] = {}
+        blocks = set(structure.blocks)
         for name, sub in module.named_modules():
+            if name in blocks:
+                self._handles.append(sub.register_forward_pre_hook(self._block(name), with_kwargs=True))
             if id(sub) in self.unit_of:
                 u = self.unit_of[id(sub)]
                 self._handles.append(sub.register_forward_pre_hook(self._enter(u)))
@@ -122,10 +142,22 @@ class UnitTracer:
     # -- hooks ----------------------------------------------------------------------------------
     def _enter(self, unit: str) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
-            if self._pass is None:
+            p = self._pass
+            if p is None:
                 return
-            self._pass.fwd.append((self.clock.mark(), "enter", unit))
+            if in_backward():  # the model's own activation checkpointing recomputes this unit
+                p.recompute.setdefault(unit, p.bwd_current)
+                return
+            p.fwd.append((self.clock.mark(), "enter", unit))
             self._stack.append(unit)
+
+        return hook
+
+    def _block(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            p = self._pass
+            if p is not None and not in_backward() and name not in p.block_inputs:
+                p.block_inputs[name] = _storage_bytes((args, kwargs))
 
         return hook
 
@@ -145,6 +177,11 @@ class UnitTracer:
             p = self._pass
             if p is None:
                 return
+            if in_backward():  # a recomputation: its outputs' backward (reentrant checkpointing) is marked
+                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                if tensors and torch.is_grad_enabled():
+                    register_multi_grad_hook(tensors, self._pre_backward(unit), mode="any")
+                return
             p.fwd.append((self.clock.mark(), "exit", unit))
             if self._stack and self._stack[-1] == unit:
                 self._stack.pop()
@@ -161,6 +198,7 @@ class UnitTracer:
             p = self._pass
             if p is not None and unit not in p.pre_seen:
                 p.pre_seen.add(unit)
+                p.bwd_current = unit
                 p.bwd.append((self.clock.mark(), "pre", unit))
 
         return hook
@@ -174,7 +212,7 @@ class UnitTracer:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         p = self._pass
-        if p is not None:
+        if p is not None and not in_backward():  # a recomputation's tensors live only in backward
             try:
                 key = t.untyped_storage().data_ptr()
             except (RuntimeError, NotImplementedError):
@@ -210,6 +248,28 @@ class UnitTracer:
                 yield
         finally:
             self.stop()
+
+
+def model_loss(out: object) -> torch.Tensor | None:
+    """The loss a model returns itself (Hugging Face models given ``labels=``: an output mapping or
+    object with a scalar ``loss`` that requires grad), or None."""
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad:
+        return loss
+    return None
+
+
+class _OwnOrSurrogateLoss:
+    """The model's own loss when its output carries one (measured), else a surrogate (the real loss
+    is the user's and unseen: its memory is then estimated)."""
+
+    def __init__(self) -> None:
+        self.own = False
+
+    def __call__(self, out: object) -> torch.Tensor:
+        loss = model_loss(out)
+        self.own = loss is not None
+        return loss if loss is not None else _surrogate_loss(out)
 
 
 def _surrogate_loss(out: object) -> torch.Tensor:
@@ -331,7 +391,8 @@ def _memory_peaks(
 
     def pre_fwd(u: str) -> Callable:
         def hook(m: nn.Module, a: tuple) -> None:
-            mark("fwd", u)
+            if not in_backward():  # a recomputation belongs to the backward segment it runs in
+                mark("fwd", u)
 
         return hook
 
@@ -416,28 +477,33 @@ def profile_model(
     warmup: int = 1,
     repeats: int = 3,
     memory: bool = True,
+    example_kwargs: dict[str, Any] | None = None,
 ) -> Profile:
-    """Profile ``module`` on ``example_inputs`` (a tuple of positional arguments for one forward)."""
+    """Profile ``module`` on one forward: ``module(*example_inputs, **example_kwargs)``. Without a
+    ``loss_fn``, the loss is the one the model returns (``output.loss``, as Hugging Face models do
+    when given ``labels=``), else a surrogate whose memory is estimated (see ``loss_fields``)."""
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in (example_kwargs or {}).items()}
     clock = _Clock(device)
     unit_names = [u.name for u in structure.units]
     tracer = UnitTracer(module, structure, clock)
-    loss_source = "measured" if loss_fn is not None else "estimated"
-    loss_fn = loss_fn or _surrogate_loss
+    chooser = None
+    if loss_fn is None:
+        loss_fn = chooser = _OwnOrSurrogateLoss()
     results = []
     last: _Pass | None = None
     out_fp32 = 0
 
     try:
         with _preserved(module, device):
-            peaks = _memory_peaks(module, structure, lambda: module(*inputs), loss_fn, device) if memory else {}
+            peaks = _memory_peaks(module, structure, lambda: module(*inputs, **kwargs), loss_fn, device) if memory else {}
             for it in range(warmup + repeats):
                 p = _Pass()
                 with tracer.recording(p):
                     t0 = clock.mark()
-                    out = module(*inputs)
+                    out = module(*inputs, **kwargs)
                     tracer.begin_loss()
                     loss = loss_fn(out)
                     t_fwd = clock.mark()
@@ -478,7 +544,7 @@ def profile_model(
         units[0].act_bytes += last.saved["(pre)"]
     sig = ";".join(
         f"{tuple(x.shape)}:{str(x.dtype).replace('torch.', '')}" if isinstance(x, torch.Tensor) else type(x).__name__
-        for x in example_inputs
+        for x in tree_flatten((example_inputs, kwargs))[0]
     )
     return Profile(
         units=units,
@@ -490,8 +556,13 @@ def profile_model(
         device=device.type,
         optimizer=optimizer,
         site_after=dict(tracer.site_after),
+        recompute_anchor=dict(last.recompute),
+        block_input_bytes=dict(last.block_inputs),
         meta={"warmup": warmup, "repeats": repeats, "torch": torch.__version__},
-        **loss_fields(last.saved.get(LOSS, 0), peaks.get(LOSS, (0, 0)), out_fp32, loss_source),
+        **loss_fields(
+            last.saved.get(LOSS, 0), peaks.get(LOSS, (0, 0)), out_fp32,
+            "estimated" if chooser is not None and not chooser.own else "measured",
+        ),
     )
 
 

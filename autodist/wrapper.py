@@ -58,6 +58,12 @@ class AutoDist(nn.Module):
             free, minus a margin.
         example_inputs: a tuple of positional inputs for one forward call; lets ``plan="auto"``
             profile and search before the first step.
+        example_kwargs: keyword inputs of that forward call (``{"labels": ids}`` for a Hugging Face
+            model, which then returns its own loss: the profile measures it). Either or both.
+        grad_accum_steps: micro-batches per optimizer step (forward/backward passes, the first ones
+            under ``no_sync()``), for ``plan="auto"`` to plan for; default: as observed while
+            profiling the first steps (1 with ``example_inputs``). A loop that uses another count
+            stays correct, only the plan may be slower than it could be.
         cache_dir: where ``plan="auto"`` keeps profiles and plans (default ``$AUTODIST_CACHE_DIR``,
             ``$XDG_CACHE_HOME/autodist`` or ``~/.cache/autodist``).
         mixed_precision: :class:`MixedPrecision` (or torch's ``MixedPrecisionPolicy``).
@@ -81,6 +87,8 @@ class AutoDist(nn.Module):
         mesh: DeviceMesh | None = None,
         memory_limit: int | str | None = None,
         example_inputs: tuple[Any, ...] | None = None,
+        example_kwargs: dict[str, Any] | None = None,
+        grad_accum_steps: int | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         mixed_precision: MixedPrecision | Any | None = None,
         broadcast_buffers: bool = True,
@@ -90,8 +98,13 @@ class AutoDist(nn.Module):
         _check_module_argument(module)
         mixed_precision = MixedPrecision.coerce(mixed_precision)
         _check_plan_argument(plan)
-        if example_inputs is not None and not (isinstance(plan, str) and plan == "auto"):
-            raise ValueError("example_inputs is only used by plan='auto'; drop it or pass plan='auto'")
+        if (example_inputs is not None or example_kwargs is not None) and not (isinstance(plan, str) and plan == "auto"):
+            raise ValueError("example_inputs/example_kwargs are only used by plan='auto'; drop them or pass plan='auto'")
+        if example_kwargs is not None and not isinstance(example_kwargs, dict):
+            raise TypeError(f"example_kwargs must be a dict of keyword inputs, got {type(example_kwargs).__name__}")
+        if grad_accum_steps is not None and (isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1):
+            raise ValueError(f"grad_accum_steps must be a positive number of micro-batches per optimizer step, got {grad_accum_steps!r}")
+        self.grad_accum_steps = grad_accum_steps
         if cache_dir is not None and not (isinstance(plan, str) and plan == "auto"):
             raise ValueError("cache_dir is only used by plan='auto'; drop it or pass plan='auto'")
         self._mixed_precision = mixed_precision
@@ -114,16 +127,18 @@ class AutoDist(nn.Module):
         # A plan that can be resolved without running the model is checked before anything changes.
         resolved = None
         if not (isinstance(plan, str) and plan == "auto"):
-            resolved = self._agree(lambda: self._resolve_plan(plan, example_inputs=None, cache_dir=None))
+            resolved = self._agree(lambda: self._resolve_plan(plan, example_inputs=None, example_kwargs=None, cache_dir=None))
         if devices and next(iter(devices)) != device:
             logger.info("autodist: moving the model from %s to %s", next(iter(devices)), device)
             module.to(device)
         self._sync_initial_state()
         if resolved is None:
             resolved = self._agree(
-                lambda: self._resolve_plan(plan, example_inputs=example_inputs, cache_dir=cache_dir)
+                lambda: self._resolve_plan(plan, example_inputs=example_inputs, example_kwargs=example_kwargs, cache_dir=cache_dir)
             )
         self._check_rank_agreement(resolved)
+        if self._explicit_budget and self._auto is None:
+            self._warn_if_over_budget(resolved)
         if not resolved.param_shapes:  # so that a saved copy of the plan in force is checked when loaded
             resolved = replace(resolved, param_shapes={n: list(p.shape) for n, p in self._structure.params.items()})
         if log_every is not None and log_every < 1:
@@ -163,7 +178,7 @@ class AutoDist(nn.Module):
     # ---------------------------------------------------------------------------------------------
     # plan resolution
     # ---------------------------------------------------------------------------------------------
-    def _resolve_plan(self, plan: Any, *, example_inputs: Any, cache_dir: Any) -> Plan:
+    def _resolve_plan(self, plan: Any, *, example_inputs: Any, example_kwargs: Any, cache_dir: Any) -> Plan:
         world = self._comm.world_size
         if isinstance(plan, Plan):
             validate_plan(plan, self._structure, world_size=world, source="(Plan object)")
@@ -176,7 +191,7 @@ class AutoDist(nn.Module):
             from .lifecycle import AutoPlanner
 
             self._auto = AutoPlanner(self, cache_dir, explicit_budget=self._explicit_budget)
-            return self._auto.resolve(example_inputs)
+            return self._auto.resolve(example_inputs, example_kwargs)
         return self._load_plan_file(os.fspath(plan))
 
     def _load_plan_file(self, path: str) -> Plan:
@@ -216,6 +231,32 @@ class AutoDist(nn.Module):
         plan = Plan.from_json(text, source=source)
         validate_plan(plan, self._structure, world_size=self._comm.world_size, source=source)
         return plan
+
+    def _warn_if_over_budget(self, plan: Plan) -> None:
+        """A plan given explicitly (built-in, file, object) is checked against an explicit budget
+        before the first step, as far as the model alone allows: what it holds without activations
+        (parameters, gathered copies, gradients, optimizer state as Adam's). Activations come on top
+        and are checked when the first steps measure the peak (see metrics.py)."""
+        from .cost.comm import CommModel
+        from .cost.profile import static_profile
+        from .cost.simulator import Simulator
+
+        comm = CommModel.analytic(self._comm.world_size, bandwidth_bytes_s=1e12, latency_s=0.0)
+        mp = self._mixed_precision
+        sim = Simulator(
+            static_profile(self._structure), self._structure, comm, world_size=self._comm.world_size,
+            budget_bytes=self.budget_bytes, param_dtype=mp.param_dtype if mp else None,
+            reduce_dtype=mp.reduce_dtype if mp else None,
+        )
+        r = sim.run(plan)
+        if r.peak_bytes > self.budget_bytes and self._comm.rank == 0:
+            parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in r.breakdown.items() if v > 0)
+            logger.warning(
+                "autodist: plan %s is predicted to need %s per rank before any activation (%s), over the budget of %s; "
+                "training will likely run out of memory. Use plan='auto' (it plans within the budget), a plan that "
+                "shards more, or a larger memory_limit.",
+                plan.label, format_bytes(r.peak_bytes), parts, format_bytes(self.budget_bytes),
+            )
 
     def _agree(self, fn: Any) -> Any:
         """Run ``fn`` on every rank; if it raises on any rank, raise on every rank (never hang)."""

@@ -261,4 +261,6 @@ def test_a_plan_for_8_ranks_on_2_prints_its_message_once_without_tracebacks(tmp_
     assert text.count("the plan was made for 8 ranks but this job has 2") == 1, text
     assert "autodist.errors.PlanError: invalid plan" in text
     assert "[rank" not in text and "train.py\", line" not in text, text  # no worker traceback
-    assert text.count("exitcode  : 1 ") == 2, text  # torchrun's summary: both ranks exited with status 1
+    # torchrun's summary: the ranks exited with status 1 (one that was still shutting down when
+    # torchrun stopped the job shows its signal instead)
+    assert text.count("exitcode  : 1 ") >= 1, text

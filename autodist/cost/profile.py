@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PROFILE_SCHEMA_VERSION = 2
+PROFILE_SCHEMA_VERSION = 3
 
 
 @dataclass
@@ -74,6 +74,15 @@ class Profile:
     loss_fwd_peak_bytes: int = 0
     loss_bwd_peak_bytes: int = 0
     loss_source: str = "measured"
+    # Activation checkpointing the model does itself: each unit whose forward ran again during
+    # backward, and the unit whose backward was running then (its *anchor*; "" = the start of
+    # backward). Its times and bytes above were measured as they are: with the recomputation.
+    recompute_anchor: dict[str, str] = field(default_factory=dict)
+    # per block (structure.blocks): bytes of the tensors its forward takes as inputs (what a
+    # recomputed block keeps from its forward to its backward)
+    block_input_bytes: dict[str, int] = field(default_factory=dict)
+    # micro-batches per optimizer step observed while profiling (1 when not observed)
+    grad_accum_steps: int = 1
     meta: dict[str, Any] = field(default_factory=dict)
     schema_version: int = PROFILE_SCHEMA_VERSION
 
@@ -137,5 +146,20 @@ def slowest(profiles: list[Profile]) -> Profile:
         ):
             setattr(out, key, max(getattr(out, key), getattr(other, key)))
         out.optimizer.per_byte_s = max(out.optimizer.per_byte_s, other.optimizer.per_byte_s)
+        for b, n in other.block_input_bytes.items():
+            out.block_input_bytes[b] = max(out.block_input_bytes.get(b, 0), n)
         out.optimizer.per_tensor_s = max(out.optimizer.per_tensor_s, other.optimizer.per_tensor_s)
     return out
+
+
+def static_profile(structure: Any) -> Profile:
+    """A profile with no compute time and no activations: what a plan needs before any input is
+    seen (its parameters, gathered copies, gradients and optimizer state), for a check at wrap
+    time. Assumes Adam's state (two tensors per parameter), as a profile does before the
+    optimizer is seen."""
+    units = []
+    ready_order = list(reversed(structure.trainable))
+    unit_of = structure.unit_of_param
+    for u in reversed(structure.units):
+        units.append(UnitProfile(u.name, ready=[p for p in ready_order if unit_of[p] == u.name]))
+    return Profile(units=list(reversed(units)), ready_order=ready_order, meta={"source": "static (no activations)"})

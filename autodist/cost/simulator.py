@@ -37,6 +37,18 @@ from .profile import Profile
 # program opcodes
 _C, _ISSUE, _WAIT, _MEM = 0, 1, 2, 3
 
+# memory categories (what a byte is for, in the peak's breakdown)
+PARAMETERS, GATHERED, GRADIENTS, OPTIMIZER, ACTIVATIONS, COMM = range(6)
+N_CATEGORIES = 6
+CATEGORY_NAMES = (
+    "parameters (shards, replicas, compute copies)",
+    "gathered full parameters",
+    "gradients (buckets, unreduced, accumulated)",
+    "optimizer state",
+    "activations (incl. the loss)",
+    "communication buffers in flight",
+)
+
 
 @dataclass(slots=True)
 class CommOp:
@@ -75,6 +87,7 @@ class SimResult:
     reductions: int = 0
     copy_s: float = 0.0
     offload_log: list[tuple[str, int]] = field(default_factory=list)  # (sync point, managed state bytes)
+    breakdown: dict[str, int] = field(default_factory=dict)  # bytes by category at the peak
 
     def summary(self) -> str:
         return (
@@ -116,6 +129,10 @@ class _Bucket:
     deferred: int = 0  # bytes of gradients held before the input buffer exists
     allocated: bool = False
     opi: int = -1
+    every: bool = False  # reduce-scattered in every micro-batch (sharded accumulation)
+    held: int = 0  # bytes of gradients accumulated outside the bucket over earlier micro-batches
+    out_live: bool = False  # the reduce-scatter output (the sharded gradient) is allocated
+    restore: bool = False  # a copy of the accumulated sharded gradient is held during the reduction
 
 
 class Simulator:
@@ -154,7 +171,19 @@ class Simulator:
                 user = unit_of_module.get(mname)
                 if user is not None and owner not in self.uses[user]:
                     self.uses[user].append(owner)
+        # modules that read descendants' parameters directly (nn.MultiheadAttention's out_proj): a unit
+        # gathers them with its own; a module that owns none gathers them where the first of them runs
+        for mname, used in structure.functional_uses.items():
+            user = unit_of_module.get(mname)
+            if user is None:
+                user = min((u for u in used if u in self.uses), key=lambda u: self.order.index(u), default=None)
+            if user is None:
+                continue
+            for owner in used:
+                if owner in self.uses and owner not in self.uses[user]:
+                    self.uses[user].append(owner)
         del module_of_unit
+        self.block_of = {u.name: u.block for u in structure.units}
         # modules that register parameters of other units but own none (a tied output layer)
         self.site_uses: dict[str, list[str]] = {}
         for mname, after in profile.site_after.items():
@@ -212,6 +241,7 @@ class Simulator:
         t_ag = self.comm.transient.get("all_gather", 0.0)
         t_rs = self.comm.transient.get("reduce_scatter", 0.0)
         t_ar = self.comm.transient.get("all_reduce", 0.0)
+        micro_batches = max(1, plan.grad_accum_steps)
 
         # ---- groups ------------------------------------------------------------------------
         groups: list[_Group] = []
@@ -235,18 +265,22 @@ class Simulator:
             grp.active_last = max(grp.units, key=lambda u: pos.get(u, -1))
 
         # ---- buckets -------------------------------------------------------------------------
+        sharded_accumulation = {
+            p for u in plan.units if u.placement == "shard" and u.accumulate == "sharded" for p in u.params
+        }
         buckets: list[_Bucket] = []
         bucket_of: dict[str, _Bucket] = {}
-        static = 0
+        static = [0] * N_CATEGORIES
         for bi, b in enumerate(plan.buckets):
             n = len(b.params)
             if b.op == "all_reduce":
                 msg = sum(self.numel[p] * self._reduce_itemsize(p) for p in b.params) + 4 * n
                 bk = _Bucket(bi, b.op, list(b.params), msg, 0, 0)
-                static += msg  # persistent bucket buffer; gradients are views of it
+                static[GRADIENTS] += msg  # persistent bucket buffer; gradients are views of it
             else:
                 s = sum(self._shard_numel(p) * self._reduce_itemsize(p) for p in b.params) + 4 * n
                 bk = _Bucket(bi, b.op, list(b.params), world * s, world * s, s)
+                bk.every = all(p in sharded_accumulation for p in b.params)
             buckets.append(bk)
             for p in b.params:
                 bucket_of[p] = bk
@@ -259,17 +293,17 @@ class Simulator:
             for p in u.params:
                 size = self.itemsize[p]
                 if u.placement == "shard":
-                    static += self._shard_numel(p) * size
+                    static[PARAMETERS] += self._shard_numel(p) * size
                     local = self._local_numel(p) * size
                 else:
-                    static += self.numel[p] * size
+                    static[PARAMETERS] += self.numel[p] * size
                     local = self.numel[p] * size
                     if self.param_dtype is not None and self.floating[p] and self.param_dtype.itemsize != size:
-                        static += self.numel[p] * self.param_dtype.itemsize
+                        static[PARAMETERS] += self.numel[p] * self.param_dtype.itemsize
                 if p in trainable:
                     local_master += local
                     local_tensors += 1
-        static += int(opt.state_factor * local_master)
+        static[OPTIMIZER] += int(opt.state_factor * local_master)
 
         # ---- compile the program -------------------------------------------------------------
         ops: list[CommOp] = []
@@ -290,7 +324,7 @@ class Simulator:
             ops.append(CommOp("all_gather", f"gather {grp.units[0]}", grp.msg_bytes, secs, int(t_ag * grp.msg_bytes)))
             grp.op = len(ops) - 1
             grp.state = "issued"
-            emit((_MEM, grp.full_bytes if not grp.recv_bytes else grp.recv_bytes))
+            emit((_MEM, grp.full_bytes if not grp.recv_bytes else grp.recv_bytes, GATHERED))
             emit((_ISSUE, grp.op))
 
         def ensure(grp: _Group) -> None:
@@ -300,7 +334,7 @@ class Simulator:
                 emit((_WAIT, grp.op))
                 if grp.recv_bytes:  # copy out of the receive buffer, which is then dropped
                     emit((_C, comm.memcpy(grp.full_bytes), "copy-out", 0))
-                    emit((_MEM, (0 if grp.refreshing else grp.full_bytes) - grp.recv_bytes))
+                    emit((_MEM, (0 if grp.refreshing else grp.full_bytes) - grp.recv_bytes, GATHERED))
                 grp.state = "gathered"
                 grp.refreshing = False
 
@@ -308,26 +342,39 @@ class Simulator:
             if grp.state == "issued":
                 ensure(grp)
             if grp.state == "gathered":
-                emit((_MEM, -grp.full_bytes))
+                emit((_MEM, -grp.full_bytes, GATHERED))
                 grp.state = "sharded"
 
         launched = [0]
         finished = [0]
+        active: list[list[_Bucket]] = [buckets]  # the buckets reduced in this micro-batch
 
         def finish(bk: _Bucket) -> None:
             emit((_WAIT, bk.opi))
             if bk.op == "reduce_scatter":
-                emit((_MEM, -bk.in_bytes))
+                emit((_MEM, -bk.in_bytes, COMM))
+                if bk.restore:  # the accumulated sharded gradient, saved while the output was overwritten
+                    emit((_MEM, -bk.out_bytes, GRADIENTS))
+                    bk.restore = False
 
         def launch(bk: _Bucket) -> None:
             # copy-in of the gradients and the pre-division, both a pass over the message
             emit((_C, per_bucket + 2 * comm.memcpy(bk.msg_bytes), "bucket copy-in", 0))
+            if bk.held:  # gradients accumulated outside the bucket over earlier micro-batches
+                emit((_MEM, -bk.held, GRADIENTS))
+                bk.held = 0
             if bk.op == "reduce_scatter":
-                if not bk.allocated:
-                    emit((_MEM, bk.in_bytes - bk.deferred))
+                if not bk.allocated:  # the gradients held so far move into the input as it is allocated
+                    emit((_MEM, -bk.deferred, GRADIENTS))
+                    emit((_MEM, bk.in_bytes, COMM))
                     bk.allocated = True
                     bk.deferred = 0
-                emit((_MEM, bk.out_bytes))
+                if bk.out_live:
+                    emit((_MEM, bk.out_bytes, GRADIENTS))  # the sharded gradient so far, added back after
+                    bk.restore = True
+                else:
+                    emit((_MEM, bk.out_bytes, GRADIENTS))
+                    bk.out_live = True
                 secs = self._time("reduce_scatter", bk.msg_bytes)
                 ops.append(CommOp("reduce_scatter", f"bucket{bk.index}", bk.msg_bytes, secs, int(t_rs * bk.msg_bytes)))
             else:
@@ -337,15 +384,16 @@ class Simulator:
             emit((_ISSUE, bk.opi))
 
         def launch_ready(sync_limit: int | None) -> None:
-            while launched[0] < len(buckets) and buckets[launched[0]].pending == 0:
-                launch(buckets[launched[0]])
+            act = active[0]
+            while launched[0] < len(act) and act[launched[0]].pending == 0:
+                launch(act[launched[0]])
                 launched[0] += 1
                 if sync_limit is not None:
                     while launched[0] - finished[0] > sync_limit:
-                        finish(buckets[finished[0]])
+                        finish(act[finished[0]])
                         finished[0] += 1
 
-        def grad_ready(p: str) -> None:
+        def grad_ready(p: str, sync: bool) -> None:
             grp = group_of_param.get(p)
             if grp is not None:
                 grp.grads_ready += 1
@@ -354,17 +402,28 @@ class Simulator:
             bk = bucket_of.get(p)
             if bk is None:
                 return
+            if not (sync or bk.every):
+                # no reduction in this micro-batch: the gradient accumulates locally (in the reduce
+                # dtype for sharded or cast parameters) until the synchronising backward
+                if p not in held:
+                    held.add(p)
+                    g = self.numel[p] * (self._reduce_itemsize(p) if placement.get(p) == "shard" or self._cast(p) else self.itemsize[p])
+                    bk.held += g
+                    emit((_MEM, g, GRADIENTS))
+                return
             bk.pending -= 1
             if bk.op == "reduce_scatter":
                 g = self.compute_bytes[p]
                 if not bk.allocated:
                     bk.deferred += g
-                    emit((_MEM, g))
+                    emit((_MEM, g, GRADIENTS))
                     if bk.deferred * 4 >= bk.in_bytes:
-                        emit((_MEM, bk.in_bytes - bk.deferred))
+                        emit((_MEM, -bk.deferred, GRADIENTS))
+                        emit((_MEM, bk.in_bytes, COMM))
                         bk.allocated = True
                         bk.deferred = 0
-            if bk.index == launched[0] and bk.pending == 0:
+            act = active[0]
+            if launched[0] < len(act) and act[launched[0]] is bk and bk.pending == 0:
                 launch_ready(plan.max_inflight_buckets)
 
         def entries(positions: dict[str, int], window_of, only_after_forward: bool) -> list[tuple[int, int, _Group]]:
@@ -387,10 +446,28 @@ class Simulator:
                 if first >= p:
                     issue_gather(grp)
 
-        fwd_sched = entries(pos, lambda g: g.fw, False)
+        # ---- recomputation: the plan's blocks and the model's own checkpointing ----------------
         rev = list(reversed(self.order))
         bpos = {u: i for i, u in enumerate(rev)}
-        bwd_sched = entries(bpos, lambda g: g.bw, True)
+        recomputed = self._recomputed_blocks(plan)
+        anchor_of: dict[str, str] = {}  # unit -> the unit whose backward first needs it again
+        for u, a in prof.recompute_anchor.items():
+            if u in bpos:
+                anchor_of[u] = a if a in bpos else rev[0]
+        for units in recomputed.values():
+            for u in units:
+                anchor_of[u] = units[-1]
+        recompute_at: dict[str, list[str]] = {}  # anchor -> units gathered for a recomputation there
+        for u, a in anchor_of.items():
+            recompute_at.setdefault(a, []).append(u)
+        block_first = {units[0]: b for b, units in recomputed.items()}  # forward: where its input is kept
+        block_anchor = {units[-1]: b for b, units in recomputed.items()}
+        block_last_bwd = {units[0]: b for b, units in recomputed.items()}
+        in_recomputed = {u for units in recomputed.values() for u in units}
+        need = {u: min(bpos[u], bpos.get(anchor_of.get(u, u), bpos[u])) for u in rev}
+
+        fwd_sched = entries(pos, lambda g: g.fw, False)
+        bwd_sched = entries(need, lambda g: g.bw, True)
         opt_s = opt.step_seconds(local_tensors, local_master)
         uses_dtensor = any(u.placement == "shard" for u in plan.units)
         if uses_dtensor:
@@ -417,7 +494,7 @@ class Simulator:
                     continue
                 n, r = entries[k]
                 kept = n - r
-                emit((_MEM, kept))
+                emit((_MEM, kept, OPTIMIZER))
                 managed[0] += kept
                 secs = comm.time("d2h", r) + comm.memcpy(kept)
                 ops.append(CommOp("copy_out", f"{k[0]}/{k[1]}", r, secs, 0, end_bytes=-n, stream=1))
@@ -430,8 +507,8 @@ class Simulator:
 
         def finish_out() -> None:
             released = False
-            for k, st in state.items():
-                if st == "out":
+            for k, st_ in state.items():
+                if st_ == "out":
                     emit((_WAIT, copy_ops[k]))
                     managed[0] -= entries[k][0]
                     state[k] = "offloaded"
@@ -446,7 +523,7 @@ class Simulator:
                 if state.get(k) != "offloaded":
                     continue
                 n, r = entries[k]
-                emit((_MEM, n))
+                emit((_MEM, n, OPTIMIZER))
                 managed[0] += n
                 secs = comm.time("h2d", r) + comm.memcpy(n - r)
                 ops.append(CommOp("copy_back", f"{k[0]}/{k[1]}", r, secs, 0, end_bytes=0, stream=1))
@@ -458,15 +535,15 @@ class Simulator:
                 offload_log.append(("copy-back start", managed[0]))
 
         def finish_back() -> None:
-            late = [k for k, st in state.items() if st in ("out", "offloaded")]
+            late = [k for k, st_ in state.items() if st_ in ("out", "offloaded")]
             if late:
                 copy_back(late)
             done = False
-            for k, st in state.items():
-                if st == "back":
+            for k, st_ in state.items():
+                if st_ == "back":
                     emit((_WAIT, copy_ops[k]))
                     kept = entries[k][0] - entries[k][1]
-                    emit((_MEM, -kept))
+                    emit((_MEM, -kept, OPTIMIZER))
                     managed[0] -= kept
                     state[k] = "resident"
                     done = True
@@ -478,8 +555,10 @@ class Simulator:
         for o in plan.offload:
             key = (o.param, o.state)
             if key in entries:
-                out_at.setdefault(o.out_after, []).append(key) if key not in out_at.get(o.out_after, []) else None
-                back_at.setdefault(o.back_from, []).append(key) if key not in back_at.get(o.back_from, []) else None
+                if key not in out_at.get(o.out_after, []):
+                    out_at.setdefault(o.out_after, []).append(key)
+                if key not in back_at.get(o.back_from, []):
+                    back_at.setdefault(o.back_from, []).append(key)
         managed[0] = sum(n for n, _ in entries.values())
 
         # The steady-state step. What the previous step leaves behind: persistent groups resident,
@@ -492,87 +571,131 @@ class Simulator:
             grp.refreshing = True
             persistent_full += grp.full_bytes
             if grp.recv_bytes:
-                emit((_MEM, grp.recv_bytes))
+                emit((_MEM, grp.recv_bytes, GATHERED))
             emit((_ISSUE, grp.op))
+        static[GATHERED] += persistent_full
         # ... and the copy-out of offloaded state the previous optimizer step started
         copy_out(out_at.get("step", []))
-        for bk in buckets:
-            bk.pending = sum(p in trainable for p in bk.params)
-        # forward
-        emit((_C, prof.pre_fwd_s, "forward", 0))
-        cursor = [0]
-        fire(fwd_sched, cursor, -1)
-        for u in self.order:
-            up = self.uprof.get(u)
-            if f"forward:{u}" in out_at:
-                copy_out(out_at[f"forward:{u}"])
-            for owner in self.uses[u]:
-                grp = group_of_unit.get(owner)
-                if grp is not None:
-                    ensure(grp)
-            fire(fwd_sched, cursor, pos[u])
-            if up is not None:
-                emit((_C, up.fwd_s + hook_s.get(u, 0.0), f"fwd {u}", up.fwd_peak_bytes))
-                emit((_MEM, up.act_bytes))
-            grp = group_of_unit.get(u)
-            if grp is not None and grp.residency == "after_forward" and grp.active_last == u:
-                free(grp)
-            # modules that only reuse other units' parameters (tied weights) run after this unit;
-            # a group freed after forward is gathered again for them, kept to the end of forward
-            for owner in self.site_uses.get(u, ()):
-                og = group_of_unit.get(owner)
-                if og is not None:
-                    ensure(og)
-        for grp in groups:
-            if grp.residency == "after_forward":
-                free(grp)
-        emit((_C, prof.post_fwd_s, "loss", prof.loss_fwd_peak_bytes))
-        emit((_MEM, prof.loss_act_bytes))
-        # backward
-        emit((_C, prof.pre_bwd_s, "loss backward", prof.loss_bwd_peak_bytes))
-        emit((_MEM, -prof.loss_act_bytes))
-        bcursor = [0]
-        fire(bwd_sched, bcursor, -1)
-        for u in rev:
-            up = self.uprof.get(u)
-            if f"backward:{u}" in back_at:
-                copy_back(back_at[f"backward:{u}"])
-            for owner in self.site_uses.get(u, ()):
-                og = group_of_unit.get(owner)
-                if og is not None:
-                    ensure(og)
-            for owner in self.uses[u]:
-                grp = group_of_unit.get(owner)
-                if grp is not None:
-                    ensure(grp)
-            fire(bwd_sched, bcursor, bpos[u])
-            if up is not None:
-                emit((_C, up.bwd_s + hook_s.get(u, 0.0), f"bwd {u}", up.bwd_peak_bytes))
-                emit((_MEM, -up.act_bytes))
-                for p in up.ready:
-                    if p in trainable:
-                        grad_ready(p)
-        emit((_C, prof.post_bwd_s, "backward", 0))
-        # flush: launch what is left in order (gradients that never arrived count as zeros), wait all
-        while launched[0] < len(buckets):
-            launch(buckets[launched[0]])
-            launched[0] += 1
-        while finished[0] < launched[0]:
-            finish(buckets[finished[0]])
-            finished[0] += 1
-        for grp in groups:
-            if grp.residency != "persistent":
-                free(grp)
+        held: set[str] = set()
+        for micro in range(micro_batches):
+            sync = micro == micro_batches - 1
+            active[0] = buckets if sync else [bk for bk in buckets if bk.every]
+            launched[0] = finished[0] = 0
+            for bk in buckets:
+                bk.pending = sum(p in trainable for p in bk.params)
+                bk.allocated = False
+                bk.deferred = 0
+            for grp in groups:
+                grp.grads_ready = 0
+            # forward
+            emit((_C, prof.pre_fwd_s, "forward", 0))
+            cursor = [0]
+            fire(fwd_sched, cursor, -1)
+            for u in self.order:
+                up = self.uprof.get(u)
+                if f"forward:{u}" in out_at and micro == 0:
+                    copy_out(out_at[f"forward:{u}"])
+                if u in block_first:  # a recomputed block keeps only its input until its backward
+                    emit((_MEM, prof.block_input_bytes.get(block_first[u], 0), ACTIVATIONS))
+                for owner in self.uses[u]:
+                    grp = group_of_unit.get(owner)
+                    if grp is not None:
+                        ensure(grp)
+                fire(fwd_sched, cursor, pos[u])
+                if up is not None:
+                    emit((_C, up.fwd_s + hook_s.get(u, 0.0), f"fwd {u}", up.fwd_peak_bytes))
+                    if u not in in_recomputed:
+                        emit((_MEM, up.act_bytes, ACTIVATIONS))
+                grp = group_of_unit.get(u)
+                if grp is not None and grp.residency == "after_forward" and grp.active_last == u:
+                    free(grp)
+                # modules that only reuse other units' parameters (tied weights) run after this unit;
+                # a group freed after forward is gathered again for them, kept to the end of forward
+                for owner in self.site_uses.get(u, ()):
+                    og = group_of_unit.get(owner)
+                    if og is not None:
+                        ensure(og)
+            for grp in groups:
+                if grp.residency == "after_forward":
+                    free(grp)
+            emit((_C, prof.post_fwd_s, "loss", prof.loss_fwd_peak_bytes))
+            emit((_MEM, prof.loss_act_bytes, ACTIVATIONS))
+            # backward
+            emit((_C, prof.pre_bwd_s, "loss backward", prof.loss_bwd_peak_bytes))
+            emit((_MEM, -prof.loss_act_bytes, ACTIVATIONS))
+            bcursor = [0]
+            fire(bwd_sched, bcursor, -1)
+            for u in rev:
+                up = self.uprof.get(u)
+                if f"backward:{u}" in back_at and sync:
+                    copy_back(back_at[f"backward:{u}"])
+                for owner in self.site_uses.get(u, ()):
+                    og = group_of_unit.get(owner)
+                    if og is not None:
+                        ensure(og)
+                # a recomputation here needs its units' parameters first
+                for r in recompute_at.get(u, ()):
+                    for owner in self.uses[r]:
+                        grp = group_of_unit.get(owner)
+                        if grp is not None:
+                            ensure(grp)
+                for owner in self.uses[u]:
+                    grp = group_of_unit.get(owner)
+                    if grp is not None:
+                        ensure(grp)
+                fire(bwd_sched, bcursor, need[u])
+                if u in block_anchor:  # the plan's recomputation: the block's forward runs again
+                    units = recomputed[block_anchor[u]]
+                    ups = [self.uprof[x] for x in units if x in self.uprof]
+                    emit((_C, sum(x.fwd_s for x in ups), f"recompute {block_anchor[u]}", max((x.fwd_peak_bytes for x in ups), default=0)))
+                    emit((_MEM, sum(x.act_bytes for x in ups), ACTIVATIONS))
+                if up is not None:
+                    emit((_C, up.bwd_s + hook_s.get(u, 0.0), f"bwd {u}", up.bwd_peak_bytes))
+                    emit((_MEM, -up.act_bytes, ACTIVATIONS))
+                    for p in up.ready:
+                        if p in trainable:
+                            grad_ready(p, sync)
+                if u in block_last_bwd:
+                    emit((_MEM, -prof.block_input_bytes.get(block_last_bwd[u], 0), ACTIVATIONS))
+            emit((_C, prof.post_bwd_s, "backward", 0))
+            # flush: launch what is left in order (gradients that never arrived count as zeros), wait all
+            act = active[0]
+            while launched[0] < len(act):
+                launch(act[launched[0]])
+                launched[0] += 1
+            while finished[0] < launched[0]:
+                finish(act[finished[0]])
+                finished[0] += 1
+            for grp in groups:
+                if grp.residency != "persistent":
+                    free(grp)
         # the sync point: every offloaded fragment is back before the step
         finish_back()
         # optimizer step (the next step's refresh and copy-out are issued after it), then zero_grad
-        emit((_MEM, opt_transient))
+        emit((_MEM, opt_transient, OPTIMIZER))
         emit((_C, opt_s, "optimizer", 0))
-        emit((_MEM, -opt_transient))
-        emit((_MEM, -sum(bk.out_bytes for bk in buckets if bk.op == "reduce_scatter")))
-        result = self._execute(prog, ops, static + persistent_full, record)
+        emit((_MEM, -opt_transient, OPTIMIZER))
+        for bk in buckets:
+            if bk.op == "reduce_scatter" and bk.out_live:
+                emit((_MEM, -bk.out_bytes, GRADIENTS))
+                bk.out_live = False
+        result = self._execute(prog, ops, static, record)
         result.offload_log = offload_log
         return result
+
+    def _cast(self, p: str) -> bool:
+        """A replicated parameter computed with in another dtype (a compute copy, mixed precision)."""
+        return self.param_dtype is not None and self.floating[p] and self.param_dtype.itemsize != self.itemsize[p]
+
+    def _recomputed_blocks(self, plan: Plan) -> dict[str, list[str]]:
+        """The plan's recomputed blocks and their units in forward order (blocks the model already
+        checkpoints itself are measured as such by the profile and not recomputed twice)."""
+        out: dict[str, list[str]] = {}
+        for b in plan.recompute:
+            units = [u for u in self.order if self.block_of.get(u) == b and u not in self.profile.recompute_anchor]
+            if units:
+                out[b] = units
+        return out
 
     def _offload_entries(self, plan: Plan, placement: dict[str, str]) -> dict[tuple[str, str], tuple[int, int]]:
         """(param, state) -> (bytes of the local state tensor on rank 0, bytes offloaded)."""
@@ -599,7 +722,7 @@ class Simulator:
         return result
 
     # ------------------------------------------------------------------------------------------
-    def _execute(self, prog: list[tuple], ops: list[CommOp], start_bytes: int, record: bool) -> SimResult:
+    def _execute(self, prog: list[tuple], ops: list[CommOp], static: list[int], record: bool) -> SimResult:
         copy_slow = (self.comm.compute_slowdown, self.comm.comm_slowdown)
         slow = [self.comm.slowdowns(op.kind, op.nbytes) if op.stream == 0 else copy_slow for op in ops]
         op_rc = [s[0] for s in slow]
@@ -610,10 +733,13 @@ class Simulator:
         qpos = [0, 0]
         cur = [-1, -1]
         rem = [0.0, 0.0]
+        start_bytes = sum(static)
         live = start_bytes
         peak = live
+        by_cat = list(static)
+        peak_cat = list(static)
         curve: list[tuple[float, int]] = [(0.0, live)] if record else []
-        timed: list[tuple[float, int]] = []  # memory changed by background ops: (time, delta)
+        timed: list[tuple[float, int, int]] = []  # memory changed by background ops: (time, delta, category)
         events: list[Event] = []
         compute_total = 0.0
         names = ("comm", "copy")
@@ -627,7 +753,7 @@ class Simulator:
                 op.start = now
                 rem[s] = op.seconds
                 if op.staging_bytes:
-                    timed.append((now, op.staging_bytes))
+                    timed.append((now, op.staging_bytes, COMM))
             else:
                 cur[s] = -1
 
@@ -635,9 +761,9 @@ class Simulator:
             op = ops[cur[s]]
             op.end = now
             if op.staging_bytes:
-                timed.append((now, -op.staging_bytes))
+                timed.append((now, -op.staging_bytes, COMM))
             if op.end_bytes:
-                timed.append((now, op.end_bytes))
+                timed.append((now, op.end_bytes, OPTIMIZER))
             if record:
                 events.append(Event(names[s], f"{op.kind} {op.label}", op.start, now))
             start_next(s, now)
@@ -656,22 +782,22 @@ class Simulator:
                 t += dt
                 end_current(s, t)
 
-        mem_log: list[tuple[float, int]] = []  # compute-thread allocations, in program order
+        mem_log: list[tuple[float, int, int]] = []  # compute-thread allocations, in program order
         for ins in prog:
             code = ins[0]
             if code == _MEM:
-                mem_log.append((t, ins[1]))
+                mem_log.append((t, ins[1], ins[2]))
             elif code == _C:
                 dur = ins[1]
                 if dur <= 0:
                     if ins[3]:  # a transient of no measurable duration still counts for the peak
-                        mem_log.extend(((t, ins[3]), (t, -ins[3])))
+                        mem_log.extend(((t, ins[3], ACTIVATIONS), (t, -ins[3], ACTIVATIONS)))
                     continue
                 compute_total += dur
                 seg_start = t
                 spike = ins[3]
                 if spike:
-                    mem_log.append((t, spike))
+                    mem_log.append((t, spike, ACTIVATIONS))
                 remaining = dur
                 while remaining > 0:
                     active = [s for s in (0, 1) if cur[s] >= 0]
@@ -697,7 +823,7 @@ class Simulator:
                     rem[s] = 0.0
                     end_current(s, t)
                 if spike:
-                    mem_log.append((t, -spike))
+                    mem_log.append((t, -spike, ACTIVATIONS))
                 if record:
                     events.append(Event("compute", ins[2], seg_start, t))
             elif code == _ISSUE:
@@ -711,19 +837,21 @@ class Simulator:
         # memory: compute-thread changes in program order, background changes merged by time
         if timed:
             timed.sort(key=lambda e: e[0])
-            merged: list[tuple[float, int]] = []
+            merged: list[tuple[float, int, int]] = []
             i = 0
-            for tt, d in mem_log:
-                while i < len(timed) and timed[i][0] < tt:
+            for entry in mem_log:
+                while i < len(timed) and timed[i][0] < entry[0]:
                     merged.append(timed[i])
                     i += 1
-                merged.append((tt, d))
+                merged.append(entry)
             merged.extend(timed[i:])
             mem_log = merged
-        for tt, d in mem_log:
+        for tt, d, cat in mem_log:
             live += d
+            by_cat[cat] += d
             if live > peak:
                 peak = live
+                peak_cat = list(by_cat)
             if record:
                 curve.append((tt, live))
         comm_s = sum(op.seconds for op in ops if op.stream == 0)
@@ -741,4 +869,5 @@ class Simulator:
             gathers=sum(1 for op in ops if op.kind == "all_gather"),
             reductions=sum(1 for op in ops if op.kind in ("all_reduce", "reduce_scatter")),
             copy_s=sum(op.seconds for op in ops if op.stream == 1),
+            breakdown={name: int(v) for name, v in zip(CATEGORY_NAMES, peak_cat)},
         )

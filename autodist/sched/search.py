@@ -26,7 +26,7 @@ from .space import Genome, PlanSpace
 
 MOVE_KINDS = (
     "bucket_merge", "bucket_split", "group_merge", "group_split", "residency", "window", "inflight", "placement",
-    "offload_add", "offload_remove", "offload_shift",
+    "offload_add", "offload_remove", "offload_shift", "recompute", "accumulate",
 )
 
 
@@ -59,6 +59,7 @@ class SearchResult:
     seeds: dict[str, SimResult]
     stopped_by: str
     smallest_peak: tuple[int, Genome] | None = None
+    smallest_peak_result: SimResult | None = None
     history: list[tuple[int, float]] = field(default_factory=list)  # (evaluation, best step time)
     # the built-in seed chosen over a searched plan predicted less than prefer_seed_within faster
     preferred_seed: str | None = None
@@ -72,6 +73,7 @@ class Searcher:
         self._memo: dict[Genome, SimResult] = {}
         self.evaluated = 0
         self.smallest_peak: tuple[int, Genome] | None = None
+        self.smallest_peak_result: SimResult | None = None
         self._t0 = time.perf_counter()
         self.time_limited = False  # a time limit cut some work: the result may vary with machine load
 
@@ -92,6 +94,7 @@ class Searcher:
             self.evaluated += 1
             if self.smallest_peak is None or r.peak_bytes < self.smallest_peak[0]:
                 self.smallest_peak = (r.peak_bytes, g)
+                self.smallest_peak_result = r
         return r
 
     def cost(self, g: Genome) -> float:
@@ -160,6 +163,39 @@ class Searcher:
                 g, best = cand, c
         return g
 
+    def recompute_greedily(self, g: Genome) -> Genome:
+        """For a plan over the budget: recompute blocks, the ones that free the most activation bytes
+        per second of recomputation first, until the plan fits; then give back recomputation that is
+        not needed (the least efficient first) while it still fits."""
+        sp = self.space
+        g = sp.normalize(g)
+        if self.evaluate(g).feasible or not sp.recompute_blocks:
+            return g
+
+        def efficiency(b: int) -> float:
+            name = sp.recompute_blocks[b]
+            return sp.block_act_bytes.get(name, 0) / max(sp.block_fwd_s.get(name, 0.0), 1e-9)
+
+        order = sorted(set(range(len(sp.recompute_blocks))) - g.recompute, key=efficiency, reverse=True)
+        chosen = set(g.recompute)
+        for b in order:
+            if not self._time_left(0.5):
+                break
+            chosen.add(b)
+            if self.evaluate(sp.with_recompute(g, chosen)).feasible:
+                break
+        g = sp.normalize(sp.with_recompute(g, chosen))
+        if not self.evaluate(g).feasible:
+            return g
+        for b in sorted(chosen, key=efficiency):
+            if not self._time_left(0.5):
+                break
+            cand = sp.normalize(sp.with_recompute(g, chosen - {b}))
+            if self.evaluate(cand).feasible:
+                chosen.discard(b)
+                g = cand
+        return g
+
     def offload_adaptively(self, g: Genome) -> Genome:
         """DeepCompile's adaptive offload (its Algorithm 2, in plan terms), for a plan over the
         budget: start from the least device memory offload can give — every optimizer-state tensor
@@ -209,6 +245,19 @@ class Searcher:
             out[f"{name}+unshard"] = self.unshard_selectively(out[f"{name}+prefetch"])
         if sp.fixed is not None and not out:
             out["fixed"] = sp.normalize(sp.ddp())
+        if sp.accum_steps > 1:  # FSDP2's default: reduce-scatter in every micro-batch
+            for name in [n for n in ("fsdp", "zero2") if n in out]:
+                g = out[name]
+                out[f"{name}+sharded-accumulation"] = sp.normalize(replace(g, accumulate=tuple(int(s_) for s_ in g.shard)))
+        if sp.recompute_blocks:
+            every = range(len(sp.recompute_blocks))
+            for name in list(out):
+                if self.evaluate(out[name]).feasible:
+                    continue
+                # the hand-tuned choices (checkpoint every block, every other block), and the greedy pass
+                out[f"{name}+recompute-all"] = sp.normalize(sp.with_recompute(out[name], every))
+                out[f"{name}+recompute-alternate"] = sp.normalize(sp.with_recompute(out[name], every[::2]))
+                out[f"{name}+recompute"] = self.recompute_greedily(out[name])
         if sp.state_names:
             for name in list(out):
                 if not self.evaluate(out[name]).feasible:
@@ -283,5 +332,6 @@ class Searcher:
             plan=plan, genome=best_g, result=result, evaluated=self.evaluated,
             seconds=time.perf_counter() - t0, seeds=seed_results,
             stopped_by=stopped_by + (" (greedy passes cut by the time budget)" if self.time_limited and stopped_by != "time budget" else ""),
-            smallest_peak=self.smallest_peak, history=history, preferred_seed=preferred,
+            smallest_peak=self.smallest_peak, smallest_peak_result=self.smallest_peak_result, history=history,
+            preferred_seed=preferred,
         )

@@ -13,7 +13,12 @@ trainable parameters in gradient-ready order.
 * ``bucket_start`` — positions in the ready order that start a new bucket (a change of op or dtype
   always starts one);
 * ``inflight`` — ``max_inflight_buckets`` (-1: no limit);
-* ``offload`` — offloaded fragments as (parameter, state, start, end, back_from unit index).
+* ``offload`` — offloaded fragments as (parameter, state, start, end, back_from unit index);
+* ``recompute`` — indices of recomputed blocks (``PlanSpace.blocks``: the model's blocks in forward
+  order, less those the model already checkpoints itself);
+* ``accumulate`` — per unit, 1 if a sharded unit accumulates sharded gradients over micro-batches
+  (reduced in every micro-batch), 0 if unsharded ones (reduced once); every unit of a gather group
+  takes its group's first unit's value, and only matters when a step has several micro-batches.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from ..cost.profile import Profile
 from ..plan import Bucket, GatherGroup, OffloadFragment, Plan, Prefetch, UnitPlan
 from ..structure import ModelStructure
 from .seeds import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_CAP_BYTES
@@ -40,6 +46,8 @@ class Genome:
     bucket_start: frozenset[int]
     inflight: int = -1
     offload: tuple[tuple[str, str, int, int, int], ...] = ()
+    recompute: frozenset[int] = frozenset()
+    accumulate: tuple[int, ...] = ()
 
 
 class PlanSpace:
@@ -54,9 +62,15 @@ class PlanSpace:
         *,
         fixed_placement: dict[str, str] | None = None,
         state_names: Sequence[str] = (),
+        grad_accum_steps: int = 1,
+        user_recomputed: Sequence[str] = (),
+        block_act_bytes: dict[str, int] | None = None,
+        block_fwd_s: dict[str, float] | None = None,
     ) -> None:
         """``state_names``: the optimizer's per-parameter state tensors (offload candidates; none:
-        no offload moves)."""
+        no offload moves). ``grad_accum_steps``: micro-batches per step. ``user_recomputed``: units
+        the model recomputes itself (their blocks are not recomputed again). ``block_act_bytes`` /
+        ``block_fwd_s``: what recomputing each block saves and costs (for the greedy pass)."""
         self.structure = structure
         self.state_names = tuple(state_names)
         self.world = world_size
@@ -77,6 +91,11 @@ class PlanSpace:
         self.window_choices: tuple[int, ...] = (0, 1, 2, 3)
         self.inflight_choices: tuple[int, ...] = INFLIGHT_CHOICES
         self.blocks = [next((u.block for u in structure.units if u.name == name), None) for name in self.units]
+        self.accum_steps = max(1, grad_accum_steps)
+        skip = {u.block for u in structure.units if u.name in set(user_recomputed)}
+        self.recompute_blocks = [b for b in dict.fromkeys(x for x in self.blocks if x is not None) if b not in skip]
+        self.block_act_bytes = dict(block_act_bytes or {})
+        self.block_fwd_s = dict(block_fwd_s or {})
 
     # ---- conversion ------------------------------------------------------------------------
     def normalize(self, g: Genome) -> Genome:
@@ -107,13 +126,28 @@ class PlanSpace:
             else:
                 res[i] = 0
                 win[i] = (0, 0)
-        # bucket breaks the op/dtype would force anyway are dropped, so equal plans have equal genomes
-        keys = [(shard[self.unit_of_ready[k]], self.structure.params[p].dtype) for k, p in enumerate(self.ready)]
+        acc = list(g.accumulate) if len(g.accumulate) == len(shard) else [0] * len(shard)
+        cur_acc = 0
+        for i, s_ in enumerate(shard):
+            if not s_ or self.accum_steps == 1:
+                acc[i] = 0
+            elif i in starts:
+                cur_acc = acc[i]
+            else:
+                acc[i] = cur_acc
+        # bucket breaks the op/dtype/accumulation would force anyway are dropped, so equal plans have
+        # equal genomes
+        keys = [self._bucket_key(shard, acc, k) for k in range(len(self.ready))]
         bstarts = frozenset(k for k in g.bucket_start if 0 < k < len(self.ready) and keys[k] == keys[k - 1])
+        recompute = frozenset(b for b in g.recompute if 0 <= b < len(self.recompute_blocks))
         return replace(
             g, shard=tuple(shard), residency=tuple(res), group_start=frozenset(starts), window=tuple(win),
-            bucket_start=bstarts,
+            bucket_start=bstarts, recompute=recompute, accumulate=tuple(acc),
         )
+
+    def _bucket_key(self, shard: Sequence[bool], acc: Sequence[int], k: int) -> tuple:
+        i = self.unit_of_ready[k]
+        return (shard[i], self.structure.params[self.ready[k]].dtype, acc[i] if acc else 0)
 
     def groups(self, g: Genome) -> list[list[int]]:
         out: list[list[int]] = []
@@ -130,8 +164,8 @@ class PlanSpace:
         """Bucket partition of the ready order (indices into ``self.ready``)."""
         out: list[list[int]] = []
         prev_key = None
-        for k, p in enumerate(self.ready):
-            key = (g.shard[self.unit_of_ready[k]], self.structure.params[p].dtype)
+        for k in range(len(self.ready)):
+            key = self._bucket_key(g.shard, g.accumulate, k)
             if not out or k in g.bucket_start or key != prev_key:
                 out.append([k])
             else:
@@ -142,7 +176,10 @@ class PlanSpace:
     def to_plan(self, g: Genome, *, provenance: dict | None = None) -> Plan:
         g = self.normalize(g)
         units = [
-            UnitPlan(u, list(self.unit_params[u]), "shard" if g.shard[i] else "replicate", RESIDENCIES[g.residency[i]])
+            UnitPlan(
+                u, list(self.unit_params[u]), "shard" if g.shard[i] else "replicate", RESIDENCIES[g.residency[i]],
+                accumulate="sharded" if g.accumulate and g.accumulate[i] else "unsharded",
+            )
             for i, u in enumerate(self.units)
         ]
         groups = []
@@ -173,6 +210,8 @@ class PlanSpace:
             buckets=buckets,
             offload=offload,
             max_inflight_buckets=None if g.inflight < 0 else g.inflight,
+            recompute=[self.recompute_blocks[b] for b in sorted(g.recompute)],
+            grad_accum_steps=self.accum_steps,
             fingerprint=self.structure.fingerprint(),
             provenance=dict(provenance or {}),
         )
@@ -269,7 +308,10 @@ class PlanSpace:
         starts = frozenset(i for i in range(n) if rng.random() < 0.4)
         window = tuple((rng.choice(self.window_choices), rng.choice(self.window_choices)) for _ in range(n))
         bstarts = frozenset(k for k in range(len(self.ready)) if rng.random() < 0.3)
-        return self.normalize(Genome(shard, residency, starts, window, bstarts, rng.choice(self.inflight_choices)))
+        inflight = rng.choice(self.inflight_choices)
+        recompute = frozenset(b for b in range(len(self.recompute_blocks)) if rng.random() < 0.3)
+        accumulate = tuple(int(rng.random() < 0.5) for _ in range(n))
+        return self.normalize(Genome(shard, residency, starts, window, bstarts, inflight, (), recompute, accumulate))
 
     def mutate(self, g: Genome, rng: random.Random, moves: int = 1) -> Genome:
         """Apply ``moves`` random moves (bucket merge/split, group merge/split, residency, window,
@@ -277,6 +319,9 @@ class PlanSpace:
         for _ in range(moves):
             g = self._move(g, rng)
         return self.normalize(g)
+
+    def with_recompute(self, g: Genome, blocks: Sequence[int]) -> Genome:
+        return replace(g, recompute=frozenset(blocks))
 
     def _move(self, g: Genome, rng: random.Random) -> Genome:
         kinds = ["bucket_merge", "bucket_split", "residency", "window", "inflight", "group_merge", "group_split"]
@@ -329,9 +374,45 @@ class PlanSpace:
             return replace(g, offload=tuple(o for o in g.offload if o != drop))
         if kind == "offload_shift" and g.offload:
             return self.shift_offload(g, rng.choice(g.offload), later=rng.random() < 0.5)
+        if kind == "recompute" and self.recompute_blocks:
+            b = rng.randrange(len(self.recompute_blocks))
+            return replace(g, recompute=g.recompute ^ {b})
+        if kind == "accumulate" and sharded and self.accum_steps > 1:
+            first = rng.choice(self.groups(g))[0]
+            acc = list(g.accumulate) if g.accumulate else [0] * n
+            acc[first] = 1 - acc[first]
+            return replace(g, accumulate=tuple(acc))
         if kind == "placement" and self.fixed is None:
             i = rng.randrange(n)
             shard = list(g.shard)
             shard[i] = not shard[i]
             return replace(g, shard=tuple(shard), group_start=g.group_start | {i})
         return g
+
+
+def space_for(
+    profile: Profile,
+    structure: ModelStructure,
+    world_size: int,
+    *,
+    fixed_placement: dict[str, str] | None = None,
+    grad_accum_steps: int | None = None,
+) -> PlanSpace:
+    """The plan space for a measured model: orders, optimizer state, micro-batches (given, else as
+    observed while profiling), and what recomputing each block saves (its units' activations less
+    the inputs it keeps) and costs (its forward again)."""
+    acts: dict[str, int] = {}
+    fwd: dict[str, float] = {}
+    block_of = {u.name: u.block for u in structure.units}
+    for up in profile.units:
+        b = block_of.get(up.name)
+        if b is not None:
+            acts[b] = acts.get(b, 0) + up.act_bytes
+            fwd[b] = fwd.get(b, 0.0) + up.fwd_s
+    saves = {b: max(0, a - profile.block_input_bytes.get(b, 0)) for b, a in acts.items()}
+    return PlanSpace(
+        structure, world_size, [u.name for u in profile.units], profile.ready_order,
+        fixed_placement=fixed_placement, state_names=profile.optimizer.state_names,
+        grad_accum_steps=grad_accum_steps or profile.grad_accum_steps,
+        user_recomputed=list(profile.recompute_anchor), block_act_bytes=saves, block_fwd_s=fwd,
+    )
