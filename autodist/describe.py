@@ -39,4 +39,21 @@ def describe_prediction(plan: Plan) -> str:
     kept = kept_seed(plan)
     if kept:
         text += f"; {kept}"
+    memory = describe_memory_levers(plan)
+    if memory:
+        text += f"; {memory}"
     return text
+
+
+def describe_memory_levers(plan: Plan) -> str:
+    """The plan's recomputation and gradient accumulation, in words (empty when it has neither)."""
+    parts = []
+    if plan.recompute:
+        shown = ", ".join(plan.recompute[:4]) + (f" and {len(plan.recompute) - 4} more" if len(plan.recompute) > 4 else "")
+        parts.append(f"recomputes {len(plan.recompute)} block(s) in backward ({shown})")
+    if plan.grad_accum_steps > 1:
+        sharded = [u for u in plan.units if u.placement == "shard"]
+        every = sum(u.accumulate == "sharded" for u in sharded)
+        how = f", {every} of {len(sharded)} sharded units reduce every micro-batch" if sharded else ""
+        parts.append(f"planned for {plan.grad_accum_steps} micro-batches per step{how}")
+    return "; ".join(parts)

@@ -168,10 +168,10 @@ class AutoDist(nn.Module):
             )
             logger.info(
                 "autodist: plan %s in force (source: %s; %d units, %d sharded, %d gather groups, %d buckets, "
-                "%d offload fragments; world size %d, budget %s)",
+                "%d offload fragments, %d blocks recomputed; world size %d, budget %s)",
                 resolved.label, source, len(resolved.units), len(resolved.sharded_units),
-                len(resolved.gather_groups), len(resolved.buckets), len(resolved.offload), self._comm.world_size,
-                format_bytes(self.budget_bytes),
+                len(resolved.gather_groups), len(resolved.buckets), len(resolved.offload), len(resolved.recompute),
+                self._comm.world_size, format_bytes(self.budget_bytes),
             )
         module.__dict__[_MANAGED] = True  # see _check_module_argument; removed by close()
 

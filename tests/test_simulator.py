@@ -284,3 +284,74 @@ def _runtime_and_simulated_order(plan_kw):
 def test_simulator_issues_collectives_in_the_runtimes_order(world2, plan_kw):
     runtime_order, sim_order = world2.run(_runtime_and_simulated_order, plan_kw)[0]
     assert runtime_order == sim_order
+
+
+def _replicated(**kw):
+    return Plan(
+        world_size=2,
+        units=[UnitPlan("u0", ["u0.w"]), UnitPlan("u1", ["u1.w"])],
+        buckets=[Bucket(["u1.w", "u0.w"], "all_reduce")],
+        **kw,
+    )
+
+
+# Static memory of the replicated plans: 2 parameters of 1000 bytes + one all-reduce bucket of
+# 2 x 1000 + 2 x 4 flag bytes = 2008 + Adam state 2 x 2000 = 8008.
+PROFILE_BLOCKS = Profile(
+    units=PROFILE.units, ready_order=PROFILE.ready_order, optimizer=PROFILE.optimizer,
+    block_input_bytes={"u0": 40, "u1": 40},
+)
+
+
+def test_recomputing_a_block_trades_its_activations_for_a_second_forward():
+    sim = Simulator(PROFILE_BLOCKS, STRUCTURE, COMM, world_size=2)
+    plain = sim.run(_replicated())
+    r = sim.run(_replicated(recompute=["u0"]), record=True)
+    # plain: fwd u0 0..10, fwd u1 10..20, bwd u1 20..40, bwd u0 40..60, all-reduce 60..64
+    assert plain.step_s == pytest.approx(64 * MS)
+    # recompute u0: its forward runs again at the start of its backward: bwd u1 20..40,
+    # recompute u0 40..50, bwd u0 50..70, all-reduce 70..74
+    assert r.step_s == pytest.approx(74 * MS)
+    assert "recompute u0" in _names(r, "compute")
+    # plain peak at the end of forward: 8008 + both activations 200 = 8208
+    assert plain.peak_bytes == 8208
+    # recompute: the block keeps its 40-byte input instead of its 100 bytes of activations; at the
+    # end of forward 8008 + 40 + 100 (u1) = 8148; at the recomputation 8008 + 40 + 100 (u0 again,
+    # u1's freed by its backward) = 8148
+    assert r.peak_bytes == 8148
+    assert r.breakdown["activations (incl. the loss)"] == 140
+
+
+def test_accumulating_over_micro_batches_holds_local_gradients_until_the_synchronising_one():
+    sim = Simulator(PROFILE_BLOCKS, STRUCTURE, COMM, world_size=2)
+    r = sim.run(_replicated(grad_accum_steps=2))
+    # micro-batch 0 (no_sync): 20 forward + 40 backward, no reduction; micro-batch 1 the same and
+    # the all-reduce (4): 124 ms
+    assert r.step_s == pytest.approx(124 * MS)
+    assert r.reductions == 1
+    # micro-batch 0's gradients (2 x 1000) are held until micro-batch 1 copies them into the bucket:
+    # peak at the end of micro-batch 1's forward: 8008 + 2000 + 200 = 10208
+    assert r.peak_bytes == 10208
+
+
+def test_sharded_accumulation_reduces_every_micro_batch_and_holds_no_full_gradient():
+    sim = Simulator(PROFILE_BLOCKS, STRUCTURE, COMM, world_size=2)
+
+    def plan(mode):
+        return Plan(
+            world_size=2,
+            units=[UnitPlan("u0", ["u0.w"], "shard", "after_backward", mode), UnitPlan("u1", ["u1.w"], "shard", "after_backward", mode)],
+            gather_groups=[GatherGroup(["u0"]), GatherGroup(["u1"])],
+            buckets=[Bucket(["u1.w"], "reduce_scatter"), Bucket(["u0.w"], "reduce_scatter")],
+            grad_accum_steps=3,
+        )
+
+    once, every = sim.run(plan("unsharded")), sim.run(plan("sharded"))
+    assert once.reductions == 2 and every.reductions == 6
+    # unsharded accumulation holds both full gradients (2 x 1000) from micro-batch 0 to the last one:
+    # peak at the end of the last forward: static 3000 + gathered 2 x 1000 (kept after forward)
+    # + held gradients 2000 + activations 200 = 7200
+    assert once.peak_bytes == 7200 and once.breakdown["gradients (buckets, unreduced, accumulated)"] == 2000
+    # sharded accumulation holds no full gradient: its peak is a reduction's buffers (static 3000 +
+    # inputs 2 x 1008 + outputs 2 x 504 + the accumulated outputs saved while overwritten 2 x 504)
+    assert every.peak_bytes == 3000 + 2016 + 1008 + 1008
