@@ -47,6 +47,26 @@ DEFAULT_MODELS = ["wide-mlp", "deep-mlp", "resnet18", "gpt"]
 # ----------------------------------------------------------------------------------------------
 # contenders
 # ----------------------------------------------------------------------------------------------
+def _skip_sync(model: nn.Module, last: bool) -> Any:
+    """Gradient accumulation the way each wrapper spells it: no communication before the last
+    micro-batch (DDP's and AutoDist's ``no_sync``, FSDP2's ``set_requires_gradient_sync``)."""
+    import contextlib
+
+    if hasattr(model, "set_requires_gradient_sync") and not isinstance(model, AutoDist):
+        model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync") and not last:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def _sync_every(model: nn.Module, last: bool) -> Any:
+    """FSDP2's default under gradient accumulation: reduce-scatter in every micro-batch."""
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 @dataclass
 class Contender:
     name: str
@@ -54,6 +74,7 @@ class Contender:
     close: Callable[[nn.Module], None] = lambda m: None
     takes_budget: bool = False
     after_step: Callable[[nn.Module], None] = lambda m: None
+    micro_batch: Callable[[nn.Module, bool], Any] = _skip_sync  # the context of one micro-batch
 
 
 def _ddp(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Module:
@@ -63,16 +84,27 @@ def _ddp(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Modul
 
 
 def _fsdp2(
-    reshard: bool = True, group: int = 1, prefetch: int | None = None, cpu_offload: bool = False
+    reshard: bool = True, group: int = 1, prefetch: int | None = None, cpu_offload: bool = False, checkpoint: bool = False
 ) -> Callable[..., nn.Module]:
     """``fully_shard`` on every ``group`` consecutive blocks (0: the whole model as one group),
-    then the root; ``prefetch``: explicit forward and backward prefetch of that many groups."""
+    then the root; ``prefetch``: explicit forward and backward prefetch of that many groups;
+    ``checkpoint``: every block checkpointed first, by hand (torchtitan's recipe: torch's
+    ``checkpoint_wrapper`` on each block, then ``fully_shard`` on the wrapped blocks)."""
 
     def wrap(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
         blocks = blocks_of(model)
+        if checkpoint:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                apply_activation_checkpointing,
+                checkpoint_wrapper,
+            )
+
+            targets = {id(b) for b in blocks}
+            apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in targets)
+            blocks = [m for m in model.modules() if type(m).__name__ == "CheckpointWrapper"]
         wrapped = []
         if group > 0:
             for i in range(0, len(blocks), group):
@@ -92,7 +124,10 @@ def _fsdp2(
 def _autodist(plan: str) -> Callable[..., nn.Module]:
     def wrap(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Module:
         if plan == "auto":
-            return AutoDist(model, plan="auto", example_inputs=example, cache_dir=args.cache_dir, memory_limit=args.memory_limit)
+            return AutoDist(
+                model, plan="auto", example_inputs=example, cache_dir=args.cache_dir, memory_limit=args.memory_limit,
+                grad_accum_steps=args.accum,
+            )
         return AutoDist(model, plan=plan, memory_limit=args.memory_limit)
 
     return wrap
@@ -149,8 +184,17 @@ CONTENDERS: dict[str, Contender] = {
         "autodist:offload-all-sync", _offload_all_sync, _close_autodist, takes_budget=True, after_step=_wait_offload
     ),
     "fsdp2:cpu-offload": Contender("fsdp2:cpu-offload", _fsdp2(True, cpu_offload=True)),
+    # the activation-memory scenario: FSDP2 with every block checkpointed by hand
+    "fsdp2:ckpt": Contender("fsdp2:ckpt", _fsdp2(True, checkpoint=True)),
+    "fsdp2:no-reshard:ckpt": Contender("fsdp2:no-reshard:ckpt", _fsdp2(False, checkpoint=True)),
+    # the accumulation scenario (--accum N): FSDP2 reduce-scattering every micro-batch (its default,
+    # "fsdp2" above skips sync until the last micro-batch)
+    "fsdp2:sync-every": Contender("fsdp2:sync-every", _fsdp2(True), micro_batch=_sync_every),
 }
-DEFAULT_CONTENDERS = [n for n in CONTENDERS if n not in ("autodist:offload-all-sync", "fsdp2:cpu-offload")]
+DEFAULT_CONTENDERS = [
+    n for n in CONTENDERS
+    if n not in ("autodist:offload-all-sync", "fsdp2:cpu-offload", "fsdp2:ckpt", "fsdp2:no-reshard:ckpt", "fsdp2:sync-every")
+]
 # FSDP2's own knobs, brute force: grouping (per block, per two blocks, whole model) x
 # reshard_after_forward x prefetch depth 1-3
 GRID = {
@@ -197,7 +241,10 @@ def run_contender(workload: Any, contender: Contender, batches: list, args: argp
         }
     try:
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
-            workload.loss(model(x), y).backward()
+            n = args.accum
+            for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):  # n micro-batches per optimizer step
+                with contender.micro_batch(model, i == n - 1):
+                    workload.loss(model(xm), ym).div(n).backward()
             opt.step()
             contender.after_step(model)
             opt.zero_grad(set_to_none=True)
@@ -249,7 +296,7 @@ def worker(args: argparse.Namespace) -> None:
     comm_only: dict[str, float] = {}
     for model_name in args.models:
         wl = workloads[model_name]
-        per_rank = args.batch or wl.default_batch
+        per_rank = (args.batch or wl.default_batch) * args.accum  # --accum N: N micro-batches of --batch
         gen = torch.Generator().manual_seed(1000 + rank)
         batches = [wl.batch(per_rank, gen) for _ in range(args.warmup + args.steps)]
         by_name = {n: Result(model_name, n) for n in names}
@@ -279,6 +326,7 @@ def worker(args: argparse.Namespace) -> None:
             "steps": args.steps,
             "passes": args.passes,
             "memory_limit": args.memory_limit,
+            "accum": args.accum,
             "allreduce_all_grads_s": comm_only,
             "results": [
                 {
@@ -361,6 +409,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=None, help="per-rank batch (default: per model)")
     ap.add_argument("--size", default="default", choices=["default", "tiny"], help="model sizes (tiny: for tests)")
     ap.add_argument("--memory-limit", default=None, help="budget for contenders that take one, e.g. 300MB")
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches (of --batch each) per optimizer step (default: 1)")
     ap.add_argument("--fsdp-grid", action="store_true", help="also run FSDP2's knob grid (18 configurations)")
     ap.add_argument("--grid-passes", type=int, default=1, help="passes over the grid (default: 1)")
     ap.add_argument("--cache-dir", default=None, help="AutoDist cache for plan=auto (default: a fresh temporary one)")
@@ -384,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     worker_args = [
         "--models", ",".join(args.models), "--contenders", ",".join(args.contenders),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--passes", str(args.passes),
-        "--size", args.size, "--grid-passes", str(args.grid_passes), "--cache-dir", args.cache_dir or os.path.join("{tmp}", "cache"),
+        "--size", args.size, "--grid-passes", str(args.grid_passes), "--accum", str(args.accum), "--cache-dir", args.cache_dir or os.path.join("{tmp}", "cache"),
     ]
     if args.fsdp_grid:
         worker_args.append("--fsdp-grid")
