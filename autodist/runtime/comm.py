@@ -265,10 +265,14 @@ class Comm:
             timeout = group_timeout(self.group)  # see [Note: inherited timeout]
             self.gather_pg = dist.new_group(ranks, timeout=timeout)
             self.reduce_pg = dist.new_group(ranks, timeout=timeout)
+            # the collective-order check runs on the host (gloo): on NCCL it neither synchronises the
+            # device nor waits on the step's critical path (see check_sequence)
+            self.check_pg = self.group if self.backend == "gloo" else dist.new_group(ranks, timeout=timeout, backend="gloo")
         else:
-            self.gather_pg = self.reduce_pg = self.group
+            self.gather_pg = self.reduce_pg = self.check_pg = self.group
         self.stats = CommStats()
         self.sequence = CollectiveSequence()
+        self._check: tuple | None = None  # a sequence check in flight: (work, tensor, entries, interleaving)
 
     def _record(self, kind: str, label: str) -> None:
         self.stats.record(kind, label)
@@ -342,28 +346,39 @@ class Comm:
                         t.copy_(flat[offset : offset + n].view_as(t))
                         offset += n
 
-    def check_sequence(self, *, interleaving: bool = False) -> None:
+    def check_sequence(self, *, interleaving: bool = False, wait: bool = True) -> None:
         """Compare this step's collective sequences across ranks (per process group; and their
         interleaving if ``interleaving``); raise on every rank if they differ (see [Note: checking
-        the collective order across ranks])."""
+        the collective order across ranks]). ``wait=False``: start the comparison (a host-side
+        all-reduce on ``check_pg``) and finish it at the next :meth:`finish_sequence_check`, so the
+        step does not wait for it (on NCCL: the next forward reports a divergence)."""
+        self.finish_sequence_check()
         seq = self.sequence
         if self.world_size == 1:
             seq.reset()
             return
         streams = CollectiveSequence.STREAMS if interleaving else CollectiveSequence.STREAMS[:2]
-        local = seq.digest(streams)
-        t = torch.tensor(local, dtype=torch.int64)
-        if self.backend == "nccl":  # pragma: no cover - CUDA only
-            t = t.cuda()
-        dist.all_reduce(t, group=self.group)
+        t = torch.tensor(seq.digest(streams), dtype=torch.int64)
+        work = dist.all_reduce(t, group=self.check_pg, async_op=True)
+        self._check = (work, t, list(seq.entries), interleaving)
+        seq.reset()
+        if wait:
+            self.finish_sequence_check()
+
+    def finish_sequence_check(self) -> None:
+        """Wait for a sequence check in flight and raise if the ranks diverged."""
+        if self._check is None:
+            return
+        work, t, entries, interleaving = self._check
+        self._check = None
+        work.wait()
         sums = t.tolist()
-        n, half = self.world_size, len(local) // 2
+        n, half = self.world_size, len(sums) // 2
         bad = [i // 4 for i in range(half) if n * sums[half + i] != sums[i] ** 2]
         if not bad:
-            seq.reset()
             return
-        everyone = self.all_gather_object(seq.entries)
-        seq.reset()
+        everyone: list[object] = [None] * n
+        dist.all_gather_object(everyone, entries, group=self.check_pg)
         first = next((r for r in range(n) if everyone[r] != everyone[0]), 1)
         a, b = everyone[0], everyone[first]
         i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
@@ -371,13 +386,13 @@ class Comm:
         what1 = b[i] if i < len(b) else "nothing more"
         if set(bad) == {2}:
             raise RankMismatchError(
-                f"ranks interleaved gathers and reductions differently in this step (collective #{i + 1} was {what0} "
+                f"ranks interleaved gathers and reductions differently in a step (collective #{i + 1} was {what0} "
                 f"on rank 0 but {what1} on rank {first}); {self.backend} needs one launch order on every rank or it "
                 "can deadlock. A parameter got its gradient on some ranks only: make every unit's control flow the "
                 "same on every rank, or use a plan that replicates everything."
             )
         raise RankMismatchError(
-            f"ranks issued different collectives in this step: collective #{i + 1} was {what0} on rank 0 but "
+            f"ranks issued different collectives in a step: collective #{i + 1} was {what0} on rank 0 but "
             f"{what1} on rank {first}. Sharded units must run in the same order on every rank (as with FSDP); "
             "a unit whose control flow depends on the rank must be replicated (make its placement 'replicate' "
             "in the plan), or make the control flow the same on every rank."
@@ -399,7 +414,8 @@ class Comm:
 
     def destroy(self) -> None:
         if self.world_size > 1:
-            for pg in (self.gather_pg, self.reduce_pg):
+            pgs = [self.gather_pg, self.reduce_pg] + ([self.check_pg] if self.check_pg is not self.group else [])
+            for pg in pgs:
                 try:
                     dist.destroy_process_group(pg)
                 except (ValueError, RuntimeError):  # already destroyed with the default group

@@ -482,6 +482,7 @@ class Engine:
 
     def close(self) -> None:
         """Remove all hooks; wait for anything in flight; bring offloaded state back."""
+        self.comm.finish_sequence_check()
         self.recompute.remove()
         self.offload.close()
         self.reducer.reset()
@@ -514,6 +515,7 @@ class Engine:
         return out
 
     def _begin_step(self) -> None:
+        self.comm.finish_sequence_check()
         step = self._step
         if step.expects_backward and not step.in_backward:
             # The previous forward's backward never ran (or ran without reaching our hooks).
@@ -833,7 +835,9 @@ class Engine:
         step.expects_backward = False
         step.in_backward = False
         if self.groups and self.check_collectives:
-            self.comm.check_sequence(interleaving=self.launch_policy == "sampled")
+            # on the CPU the divergent step raises from its own backward; on a GPU the comparison runs
+            # on the host beside the optimizer step and the next forward reports it
+            self.comm.check_sequence(interleaving=self.launch_policy == "sampled", wait=self.device.type == "cpu")
 
     def _release_after_step(self, *, drop_reductions: bool) -> None:
         if drop_reductions:

@@ -18,12 +18,19 @@ interruption mid-copy leaves every value either in ``T`` or in ``H``/``D``: ``st
 optimizer (and so DCP) always sees complete, correct state (a state-dict hook assembles offloaded
 tensors), and ``load_state_dict`` re-applies the offload to the newly loaded state.
 
-[Note: copy engines] On CUDA the copies run on a dedicated stream into pinned host memory, ordered
-with events (written for CUDA, not exercised on this CPU-only machine). On the CPU there is no
-"device" memory apart from the host's; the copies run on one background worker thread so they
-overlap compute (the GIL is released during tensor copies), and the runtime keeps two accounts —
-device pool and host pool — so that the mechanism and the memory accounting can be exercised and
-checked against the simulator. The real gain is on GPUs.
+[Note: copy engines] On CUDA the copies run on a dedicated stream into pinned host memory, the
+FSDP2 way: the copy stream first waits on an event recorded on the compute stream (the optimizer's
+kernels that wrote the state, or the allocation a copy-back writes into); each copy records an
+event on the copy stream; a buffer the copy reads or writes is kept referenced until that event has
+completed (polled with ``query()`` without blocking, or waited for), and the compute stream waits on
+the copy-back's event before the optimizer step — the host does not block for it. Memory the copy
+stream used is released only after its event completed, so the caching allocator never hands it to
+the compute stream while a copy still runs. (Written for CUDA; not exercised on this CPU-only
+machine: ``tools/gpu_check.py`` verifies it on a GPU.) On the CPU there is no "device" memory apart
+from the host's; the copies run on one background worker thread so they overlap compute (the GIL is
+released during tensor copies), and the runtime keeps two accounts — device pool and host pool — so
+that the mechanism and the memory accounting can be exercised and checked against the simulator.
+The real gain is on GPUs.
 """
 
 from __future__ import annotations
@@ -61,8 +68,7 @@ class _Entry:
     h: torch.Tensor | None = None  # host buffer of the offloaded elements
     d: torch.Tensor | None = None  # device buffer of the kept elements (only while offloaded)
     status: FragState = FragState.RESIDENT
-    pending: concurrent.futures.Future | None = None
-    event: object | None = None  # CUDA event of the last copy
+    pending: object | None = None  # the copy in flight (a handle of the copy engine)
     kept: list[tuple[int, int]] = field(default_factory=list)
 
     @property
@@ -90,6 +96,52 @@ class PoolAccount:
         self.log.append((event, self.device_bytes, self.host_bytes))
 
 
+class _ThreadCopies:
+    """CPU: copies on one background worker thread; a handle is a future."""
+
+    def __init__(self) -> None:
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="autodist-offload")
+
+    def start(self, fn) -> concurrent.futures.Future:
+        return self._worker.submit(fn)
+
+    def done(self, handle: concurrent.futures.Future) -> bool:
+        return handle.done()
+
+    def wait(self, handle: concurrent.futures.Future, *, host: bool) -> None:
+        handle.result()  # raises what the copy raised
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+
+class _StreamCopies:  # pragma: no cover - CUDA only, not exercised on this machine
+    """CUDA: copies on a dedicated stream, ordered after the compute stream's work so far; a handle
+    is the event recorded after the copy (see [Note: copy engines])."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+
+    def start(self, fn):
+        ready = torch.cuda.current_stream().record_event()  # the optimizer's writes / the allocation
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            fn()
+            return self.stream.record_event()
+
+    def done(self, handle) -> bool:
+        return handle.query()
+
+    def wait(self, handle, *, host: bool) -> None:
+        if host:
+            handle.synchronize()  # the host is about to release or read memory the copy used
+        else:
+            torch.cuda.current_stream().wait_event(handle)  # the compute stream reads what it wrote
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
 class OffloadManager:
     """Carries out a plan's offload fragments for the optimizers that own the managed parameters."""
 
@@ -112,12 +164,7 @@ class OffloadManager:
             if key not in self.back_at[f.back_from]:
                 self.back_at[f.back_from].append(key)
         self._lock = threading.Lock()
-        if device.type == "cuda":  # pragma: no cover - CUDA only, not exercised here
-            self._stream = torch.cuda.Stream(device)
-            self._worker = None
-        else:
-            self._stream = None
-            self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="autodist-offload")
+        self._copies = _StreamCopies(device) if device.type == "cuda" else _ThreadCopies()
         self.errors: list[BaseException] = []
 
     @property
@@ -174,15 +221,6 @@ class OffloadManager:
             )
 
     # ---- copies ---------------------------------------------------------------------------------
-    def _run(self, fn) -> concurrent.futures.Future:
-        if self._worker is not None:
-            return self._worker.submit(fn)
-        fut: concurrent.futures.Future = concurrent.futures.Future()  # pragma: no cover - CUDA
-        with torch.cuda.stream(self._stream):
-            fn()
-        fut.set_result(None)
-        return fut
-
     def copy_out(self, keys: Iterable[tuple[str, str]]) -> None:
         started = False
         for key in keys:
@@ -204,18 +242,14 @@ class OffloadManager:
                 for a, b in e.kept:
                     e.d[off : off + b - a].copy_(e.t[a:b])
                     off += b - a
-                if self._stream is not None:  # pragma: no cover - CUDA
-                    ev = torch.cuda.Event()
-                    ev.record(self._stream)
-                    e.event = ev
 
-            e.pending = self._run(work)
+            e.pending = self._copies.start(work)
         if started:
             self.account.mark("copy-out start")
 
     def poll(self) -> None:
         """Release the device storage of copy-outs that already completed (never blocks)."""
-        if any(e.status is FragState.OUT and e.pending is not None and e.pending.done() for e in self.entries.values()):
+        if any(e.status is FragState.OUT and e.pending is not None and self._copies.done(e.pending) for e in self.entries.values()):
             self.finish_out(only_done=True)
 
     def finish_out(self, *, only_done: bool = False) -> None:
@@ -225,10 +259,10 @@ class OffloadManager:
         for e in self.entries.values():
             if e.status is not FragState.OUT:
                 continue
-            if only_done and e.pending is not None and not e.pending.done():
+            if only_done and e.pending is not None and not self._copies.done(e.pending):
                 continue
             changed = True
-            self._wait(e)
+            self._wait(e, host=True)  # T's storage goes next: the copy reading it must be done
             if e.status is not FragState.OUT:
                 continue
             storage = e.t.untyped_storage()
@@ -263,7 +297,7 @@ class OffloadManager:
                     e.t[a:b].copy_(e.d[off : off + b - a])
                     off += b - a
 
-            e.pending = self._run(work)
+            e.pending = self._copies.start(work)
         if started:
             self.account.mark("copy-back start")
 
@@ -277,7 +311,7 @@ class OffloadManager:
             if e.status is not FragState.BACK:
                 continue
             changed = True
-            self._wait(e)
+            self._wait(e, host=False)  # the step (compute stream) waits for the copy, not the host
             if e.status is not FragState.BACK:
                 continue
             self.account.device_bytes -= e.kept_numel * e.t.element_size()
@@ -287,13 +321,11 @@ class OffloadManager:
         if changed:
             self.account.mark("copy-back done")
 
-    def _wait(self, e: _Entry) -> None:
+    def _wait(self, e: _Entry, *, host: bool = True) -> None:
         if e.pending is None:
             return
         try:
-            e.pending.result()
-            if e.event is not None:  # pragma: no cover - CUDA
-                torch.cuda.current_stream().wait_event(e.event)
+            self._copies.wait(e.pending, host=host)
         except BaseException as exc:  # the source is intact: undo and keep training correct
             self.errors.append(exc)
             logger.warning("autodist: an offload copy of %s/%s failed (%s); the state stays on the device", e.param, e.state, exc)
@@ -317,7 +349,7 @@ class OffloadManager:
         if e is None:
             return None
         if e.status in (FragState.OUT, FragState.BACK):
-            self._wait(e)
+            self._wait(e, host=True)
             if e.status is FragState.OUT:
                 self.finish_out()
             else:
@@ -337,8 +369,7 @@ class OffloadManager:
 
     def close(self) -> None:
         self.materialize_all()
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
+        self._copies.close()
 
 
 def _normalize(ranges: list[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
