@@ -420,6 +420,7 @@ def render_plan(plan: Plan, path: str) -> str:
         ("device", plan.device),
         ("budget", "-" if plan.budget_bytes is None else f"{format_bytes(plan.budget_bytes)} per rank"),
         ("schema version", plan.schema_version),
+        ("micro-batches per step", plan.grad_accum_steps),
         ("fingerprint", plan.fingerprint or "-"),
         ("source", plan.provenance.get("source", "-")),
     ]
@@ -435,8 +436,12 @@ def render_plan(plan: Plan, path: str) -> str:
     out += ["", f"units ({len(plan.units)})"]
     out.append(
         format_table(
-            ("unit", "placement", "residency", "params"),
-            [(u.name, u.placement, u.residency if u.placement == "shard" else "-", len(u.params)) for u in plan.units],
+            ("unit", "placement", "residency", "accumulate", "params"),
+            [
+                (u.name, u.placement, u.residency if u.placement == "shard" else "-",
+                 (u.accumulate if u.placement == "shard" else "local") if plan.grad_accum_steps > 1 else "-", len(u.params))
+                for u in plan.units
+            ],
         )
     )
 
@@ -465,6 +470,9 @@ def render_plan(plan: Plan, path: str) -> str:
             f"first {format_bytes(rb.first_cap_bytes)}"
         )
     out.append(f"  max_inflight_buckets: {_inflight(plan.max_inflight_buckets)}")
+
+    out += ["", f"recomputed blocks ({len(plan.recompute)})"]
+    out.append("  " + ", ".join(plan.recompute) if plan.recompute else "  none (activations are kept from forward to backward)")
 
     out += ["", f"offload fragments ({len(plan.offload)})"]
     if plan.offload:
