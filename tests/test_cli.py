@@ -8,6 +8,7 @@ its time importing torch, and two of them keep two cores busy.
 from __future__ import annotations
 
 import json
+import re
 import os
 import runpy
 import struct
