@@ -8,8 +8,8 @@ its time importing torch, and two of them keep two cores busy.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import runpy
 import struct
 import subprocess
