@@ -3,8 +3,11 @@
     python tools/simcheck.py --model gpt --plans 12 --json simcheck-gpt.json
 
 On 2 CPU ranks (re-launched under torchrun), for the model: profile it, sweep the comm model, then
-for each plan — the built-in ddp/fsdp/zero2 plans and random valid plans (seeded) — predict step
-time and peak memory with the simulator and measure them: the median step time over ``--steps``
+for each plan — the built-in ddp/fsdp/zero2 plans, random valid plans (seeded; they include
+recomputed blocks and, with ``--accum N``, accumulation choices), and the plans the search picks
+under no budget and under two tighter ones (``--searched``) — predict step time and peak memory with
+the simulator and measure them (``--accum N``: steps of N micro-batches, the first N-1 under
+``no_sync``): the median step time over ``--steps``
 steps (the slowest rank's time per step) and the peak tensor memory of one more step (the slowest
 rank's). Reports each plan, Spearman's rank correlation of predicted and measured step times, and
 the median absolute percentage error of time and of peak memory, as a table and (``--json``) as JSON
@@ -32,11 +35,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _launch import max_over_ranks, run_tool  # noqa: E402
 
 from autodist import AutoDist  # noqa: E402
+from autodist.cost.budget import format_bytes  # noqa: E402
 from autodist.cost.comm import sweep  # noqa: E402
 from autodist.cost.profile import Profile, slowest  # noqa: E402
 from autodist.cost.simulator import Simulator  # noqa: E402
 from autodist.memory import measure_step_peak  # noqa: E402
-from autodist.sched.space import PlanSpace  # noqa: E402
+from autodist.sched.search import SearchConfig, Searcher  # noqa: E402
+from autodist.sched.space import space_for  # noqa: E402
 from autodist.structure import discover  # noqa: E402
 from autodist.trace import profile_model  # noqa: E402
 from autodist.zoo import zoo  # noqa: E402
@@ -73,14 +78,14 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")
     wl = zoo(args.size)[args.model]
-    per_rank = args.batch or wl.default_batch
+    per_rank = (args.batch or wl.default_batch) * args.accum  # --accum N: N micro-batches of --batch
     gen = torch.Generator().manual_seed(1000 + rank)
     batches = [wl.batch(per_rank, gen) for _ in range(args.warmup + args.steps + 1)]
 
     torch.manual_seed(0)
     plain = wl.build()
     structure = discover(plain)
-    x0, y0 = batches[0]
+    x0, y0 = (t.chunk(args.accum)[0] for t in batches[0])
     prof = profile_model(plain, structure, (x0,), device=device, loss_fn=lambda out: wl.loss(out, y0))
     del plain
     profiles: list[str | None] = [None] * world
@@ -88,7 +93,7 @@ def worker(args: argparse.Namespace) -> None:
     prof = slowest([Profile.from_json(p) for p in profiles])
     comm = sweep(dist.group.WORLD, device)
 
-    space = PlanSpace(structure, world, [u.name for u in prof.units], prof.ready_order)
+    space = space_for(prof, structure, world, grad_accum_steps=args.accum)
     genomes = [("ddp", space.ddp()), ("fsdp", space.fsdp()), ("zero2", space.zero2())]
     rng = random.Random(args.seed)
     seen = {g for _, g in genomes}
@@ -100,6 +105,18 @@ def worker(args: argparse.Namespace) -> None:
             seen.add(g)
             genomes.append((f"random{len(genomes) - 2}", g))
     sim = Simulator(prof, structure, comm, world_size=world)
+    if args.searched:
+        # the plans the search picks: without a budget, and under two tighter ones (between the
+        # smallest peak the plan space reaches and the fastest plan's peak)
+        free = Searcher(space, sim, SearchConfig()).run()
+        floor = min(sim.run(space.to_plan(g)).peak_bytes for _, g in genomes)
+        budgets = [None] + [int(floor + f * (free.result.peak_bytes - floor)) for f in (0.6, 0.2)]
+        for b in budgets:
+            tight = Simulator(prof, structure, comm, world_size=world, budget_bytes=b)
+            found = free if b is None else Searcher(space, tight, SearchConfig()).run()
+            if found.result.feasible and found.genome not in seen:
+                seen.add(found.genome)
+                genomes.append((f"searched@{'none' if b is None else format_bytes(b).replace(' ', '')}", found.genome))
     plans, preds, sim_ms = [], [], []
     for name, genome in genomes:
         plans.append(space.to_plan(genome, provenance={"source": f"simcheck:{name}"}))
@@ -118,7 +135,13 @@ def worker(args: argparse.Namespace) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
-            wl.loss(model(x), y).backward()
+            n = args.accum
+            for k, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
+                if k < n - 1:
+                    with model.no_sync():
+                        wl.loss(model(xm), ym).div(n).backward()
+                else:
+                    wl.loss(model(xm), ym).div(n).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -168,6 +191,8 @@ def worker(args: argparse.Namespace) -> None:
             "measured_peak_bytes": peaks[i],
             "simulate_ms": sim_ms[i],
             "sharded_units": len(plans[i].sharded_units),
+            "recomputed_blocks": len(plans[i].recompute),
+            "searched": name.startswith("searched"),
             "gather_groups": len(plans[i].gather_groups),
             "buckets": len(plans[i].buckets),
         }
@@ -176,14 +201,30 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         pt = [r["predicted_step_s"] for r in rows]
         mt = [r["measured_step_s"] for r in rows]
+        def fidelity(sel: list[dict]) -> dict:
+            if not sel:
+                return {}
+            p_, m_ = [r["predicted_step_s"] for r in sel], [r["measured_step_s"] for r in sel]
+            return {
+                "plans": len(sel),
+                "spearman": spearman(p_, m_) if len(sel) > 2 else float("nan"),
+                "median_abs_pct_error_time": 100 * statistics.median(abs(p - m) / m for p, m in zip(p_, m_)),
+                "median_abs_pct_error_peak": 100 * statistics.median(
+                    abs(r["predicted_peak_bytes"] - r["measured_peak_bytes"]) / r["measured_peak_bytes"] for r in sel
+                ),
+            }
+
         payload = {
             "model": args.model,
             "world_size": world,
+            "accum": args.accum,
             "spearman": spearman(pt, mt),
             "median_abs_pct_error_time": 100 * statistics.median(abs(p - m) / m for p, m in zip(pt, mt)),
             "median_abs_pct_error_peak": 100 * statistics.median(
                 abs(r["predicted_peak_bytes"] - r["measured_peak_bytes"]) / r["measured_peak_bytes"] for r in rows
             ),
+            "random_and_builtin": fidelity([r for r in rows if not r["searched"]]),
+            "searched": fidelity([r for r in rows if r["searched"]]),
             "plans": rows,
             "comm_model": json.loads(comm.to_json()),
             "profile_compute_s": prof.compute_s,
@@ -194,19 +235,27 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def table(payload: dict) -> str:
-    lines = [f"{payload['model']}: {len(payload['plans'])} plans on {payload['world_size']} ranks"]
-    lines.append(f"  {'plan':<12}{'pred ms':>10}{'meas ms':>10}{'err':>8}{'pred MiB':>11}{'meas MiB':>11}{'err':>8}")
+    accum = f", {payload['accum']} micro-batches per step" if payload.get("accum", 1) > 1 else ""
+    lines = [f"{payload['model']}: {len(payload['plans'])} plans on {payload['world_size']} ranks{accum}"]
+    lines.append(f"  {'plan':<18}{'pred ms':>10}{'meas ms':>10}{'err':>8}{'pred MiB':>11}{'meas MiB':>11}{'err':>8}")
     for r in payload["plans"]:
         et = (r["predicted_step_s"] - r["measured_step_s"]) / r["measured_step_s"]
         ep = (r["predicted_peak_bytes"] - r["measured_peak_bytes"]) / r["measured_peak_bytes"]
         lines.append(
-            f"  {r['plan']:<12}{r['predicted_step_s'] * 1e3:>10.1f}{r['measured_step_s'] * 1e3:>10.1f}{et:>+8.0%}"
+            f"  {r['plan']:<18}{r['predicted_step_s'] * 1e3:>10.1f}{r['measured_step_s'] * 1e3:>10.1f}{et:>+8.0%}"
             f"{r['predicted_peak_bytes'] / 2**20:>11.1f}{r['measured_peak_bytes'] / 2**20:>11.1f}{ep:>+8.0%}"
         )
     lines.append(
-        f"  Spearman {payload['spearman']:.3f}   median |error| time {payload['median_abs_pct_error_time']:.1f}%"
+        f"  all plans: Spearman {payload['spearman']:.3f}   median |error| time {payload['median_abs_pct_error_time']:.1f}%"
         f"   peak {payload['median_abs_pct_error_peak']:.1f}%"
     )
+    for key, what in (("random_and_builtin", "built-in and random"), ("searched", "searched")):
+        f = payload.get(key) or {}
+        if f:
+            lines.append(
+                f"  {what} ({f['plans']}): Spearman {f['spearman']:.3f}   median |error| time "
+                f"{f['median_abs_pct_error_time']:.1f}%   peak {f['median_abs_pct_error_peak']:.1f}%"
+            )
     return "\n".join(lines)
 
 
@@ -220,6 +269,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--size", default="default", choices=["default", "tiny"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches (of --batch each) per step (default 1)")
+    ap.add_argument("--searched", action="store_true", help="also measure the plans the search picks (3 budgets)")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace-dir", default=None)
@@ -234,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     wargs = ["--model", args.model, "--plans", str(args.plans), "--steps", str(args.steps),
-             "--warmup", str(args.warmup), "--passes", str(args.passes), "--size", args.size, "--seed", str(args.seed)]
+             "--warmup", str(args.warmup), "--passes", str(args.passes), "--size", args.size, "--seed", str(args.seed),
+             "--accum", str(args.accum)]
+    if args.searched:
+        wargs.append("--searched")
     if args.batch is not None:
         wargs += ["--batch", str(args.batch)]
     if args.trace_dir:
