@@ -453,6 +453,7 @@ class AutoPlanner:
                 fwd_peak_bytes=last["pass"].out.get(u, 0),
                 bwd_peak_bytes=sum(self.structure.params[p].nbytes for p in last["attr"]["ready"].get(u, [])),
                 ready=last["attr"]["ready"].get(u, []),
+                input_requires_grad=last["pass"].input_grad.get(u, True),
             )
             for u in units_order
         ]

@@ -90,6 +90,7 @@ class _Pass:
     recompute: dict[str, str] = field(default_factory=dict)  # unit recomputed in backward -> anchor
     block_inputs: dict[str, int] = field(default_factory=dict)  # block -> bytes of its forward's inputs
     bwd_current: str = ""  # the unit whose backward runs (its pre-backward hook fired last)
+    input_grad: dict[str, bool] = field(default_factory=dict)  # unit -> a forward input requires grad
 
 
 class UnitTracer:
@@ -126,7 +127,7 @@ class UnitTracer:
                 self._handles.append(sub.register_forward_pre_hook(self._block(name), with_kwargs=True))
             if id(sub) in self.unit_of:
                 u = self.unit_of[id(sub)]
-                self._handles.append(sub.register_forward_pre_hook(self._enter(u)))
+                self._handles.append(sub.register_forward_pre_hook(self._enter(u), with_kwargs=True))
                 self._handles.append(sub.register_forward_hook(self._exit(u), always_call=True))
             elif any(p is not None for p in sub._parameters.values()):
                 self._handles.append(sub.register_forward_pre_hook(self._site(name)))
@@ -141,7 +142,7 @@ class UnitTracer:
 
     # -- hooks ----------------------------------------------------------------------------------
     def _enter(self, unit: str) -> Callable:
-        def hook(module: nn.Module, args: tuple) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             p = self._pass
             if p is None:
                 return
@@ -150,6 +151,8 @@ class UnitTracer:
                 return
             p.fwd.append((self.clock.mark(), "enter", unit))
             self._stack.append(unit)
+            if unit not in p.input_grad:
+                p.input_grad[unit] = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0])
 
         return hook
 
@@ -536,6 +539,7 @@ def profile_model(
             fwd_peak_bytes=peaks.get(u, (0, 0))[0],
             bwd_peak_bytes=peaks.get(u, (0, 0))[1],
             ready=results[-1]["ready"].get(u, []),
+            input_requires_grad=last.input_grad.get(u, True),
         )
         for u in order
     ]

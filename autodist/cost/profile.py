@@ -32,6 +32,9 @@ class UnitProfile:
     fwd_peak_bytes: int = 0
     bwd_peak_bytes: int = 0
     ready: list[str] = field(default_factory=list)
+    # whether the unit's forward receives a tensor that requires grad (then the end of its backward is
+    # signalled by its inputs' gradients; else by its parameters' — see runtime/backward.py)
+    input_requires_grad: bool = True
 
 
 @dataclass

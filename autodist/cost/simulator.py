@@ -25,11 +25,12 @@ waiting for their bucket, reduction inputs (launch to wait), and each segment's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..plan import Plan
+from ..schedule import ActionLog, TriggerCursor, backward_positions, freed_after_forward, group_label, triggers
 from ..structure import ModelStructure
 from .comm import CommModel
 from .profile import Profile
@@ -88,6 +89,7 @@ class SimResult:
     copy_s: float = 0.0
     offload_log: list[tuple[str, int]] = field(default_factory=list)  # (sync point, managed state bytes)
     breakdown: dict[str, int] = field(default_factory=dict)  # bytes by category at the peak
+    actions: ActionLog | None = None  # what the runtime will do, in its own vocabulary
 
     def summary(self) -> str:
         return (
@@ -115,6 +117,10 @@ class _Group:
     op: int = -1
     grads_ready: int = 0
     active_last: str = ""
+    pending_bwd: int = 0  # forwards (units) that used it this micro-batch and have not finished backward
+    untokened: bool = False  # used by a forward whose inputs need no gradient
+    untokened_open: bool = False  # ... whose parameters' gradients are not all in yet
+    fwd_done: set = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -133,6 +139,17 @@ class _Bucket:
     held: int = 0  # bytes of gradients accumulated outside the bucket over earlier micro-batches
     out_live: bool = False  # the reduce-scatter output (the sharded gradient) is allocated
     restore: bool = False  # a copy of the accumulated sharded gradient is held during the reduction
+
+
+def _distinct(groups) -> list:
+    """The distinct groups of an iterable (by identity), in order, without ``None``."""
+    seen: set[int] = set()
+    out = []
+    for g in groups:
+        if g is not None and id(g) not in seen:
+            seen.add(id(g))
+            out.append(g)
+    return out
 
 
 class Simulator:
@@ -310,6 +327,7 @@ class Simulator:
         prog: list[tuple] = []
         emit = prog.append
         comm = self.comm
+        log = ActionLog()  # the actions, in the runtime's vocabulary (autodist/schedule.py)
 
         ovh = comm.overhead
         per_gather = ovh.get("per_gather_s", 0.0)
@@ -324,6 +342,7 @@ class Simulator:
             ops.append(CommOp("all_gather", f"gather {grp.units[0]}", grp.msg_bytes, secs, int(t_ag * grp.msg_bytes)))
             grp.op = len(ops) - 1
             grp.state = "issued"
+            log.add("gather", group_label(grp.units))
             emit((_MEM, grp.full_bytes if not grp.recv_bytes else grp.recv_bytes, GATHERED))
             emit((_ISSUE, grp.op))
 
@@ -344,6 +363,7 @@ class Simulator:
             if grp.state == "gathered":
                 emit((_MEM, -grp.full_bytes, GATHERED))
                 grp.state = "sharded"
+                log.add("free", group_label(grp.units))
 
         launched = [0]
         finished = [0]
@@ -381,6 +401,7 @@ class Simulator:
                 secs = self._time("all_reduce", bk.msg_bytes)
                 ops.append(CommOp("all_reduce", f"bucket{bk.index}", bk.msg_bytes, secs, int(t_ar * bk.msg_bytes)))
             bk.opi = len(ops) - 1
+            log.add("reduce", bk.index)
             emit((_ISSUE, bk.opi))
 
         def launch_ready(sync_limit: int | None) -> None:
@@ -397,8 +418,11 @@ class Simulator:
             grp = group_of_param.get(p)
             if grp is not None:
                 grp.grads_ready += 1
-                if grp.all_trainable and grp.grads_ready == grp.trainable and grp.residency != "persistent":
-                    free(grp)
+                # a forward whose inputs need no gradient has no post-backward signal: its end is
+                # when all of its parameters' gradients are in (see runtime/backward.py)
+                if grp.untokened and grp.all_trainable and grp.grads_ready == grp.trainable:
+                    grp.untokened_open = False
+                    post_backward(grp)
             bk = bucket_of.get(p)
             if bk is None:
                 return
@@ -426,25 +450,15 @@ class Simulator:
             if launched[0] < len(act) and act[launched[0]] is bk and bk.pending == 0:
                 launch_ready(plan.max_inflight_buckets)
 
-        def entries(positions: dict[str, int], window_of, only_after_forward: bool) -> list[tuple[int, int, _Group]]:
-            out = []
-            for grp in groups:
-                if only_after_forward and grp.residency != "after_forward":
-                    continue
-                firsts = [positions[u] for u in grp.units if u in positions]
-                if not firsts:
-                    continue
-                first = min(firsts)
-                out.append((max(first - window_of(grp), -1), first, grp))
-            out.sort(key=lambda e: (e[0], e[1], e[2].index))
-            return out
+        def fire(cursor: TriggerCursor, p: int) -> None:
+            for gi in cursor.fire(p):
+                issue_gather(groups[gi])
 
-        def fire(sched: list[tuple[int, int, _Group]], cursor: list[int], p: int) -> None:
-            while cursor[0] < len(sched) and sched[cursor[0]][0] <= p:
-                _, first, grp = sched[cursor[0]]
-                cursor[0] += 1
-                if first >= p:
-                    issue_gather(grp)
+        def post_backward(grp: _Group) -> None:
+            """Free ``grp`` when no backward computation reads it any more (the runtime's rule:
+            every forward that used it has finished its backward)."""
+            if grp.residency != "persistent" and grp.pending_bwd <= 0 and not grp.untokened_open:
+                free(grp)
 
         # ---- recomputation: the plan's blocks and the model's own checkpointing ----------------
         rev = list(reversed(self.order))
@@ -464,10 +478,13 @@ class Simulator:
         block_anchor = {units[-1]: b for b, units in recomputed.items()}
         block_last_bwd = {units[0]: b for b, units in recomputed.items()}
         in_recomputed = {u for units in recomputed.values() for u in units}
-        need = {u: min(bpos[u], bpos.get(anchor_of.get(u, u), bpos[u])) for u in rev}
-
-        fwd_sched = entries(pos, lambda g: g.fw, False)
-        bwd_sched = entries(need, lambda g: g.bw, True)
+        _, need = backward_positions(self.order, anchor_of)
+        fwd_trig = triggers([g.units for g in groups], [g.fw for g in groups], pos, missing=len(pos))
+        late = [g for g in groups if g.residency == "after_forward"]
+        bwd_trig = [
+            replace(t, group=late[t.group].index)
+            for t in triggers([g.units for g in late], [g.bw for g in late], need)
+        ]
         opt_s = opt.step_seconds(local_tensors, local_master)
         uses_dtensor = any(u.placement == "shard" for u in plan.units)
         if uses_dtensor:
@@ -569,6 +586,7 @@ class Simulator:
             grp.op = len(ops) - 1
             grp.state = "issued"
             grp.refreshing = True
+            log.add("gather", group_label(grp.units))
             persistent_full += grp.full_bytes
             if grp.recv_bytes:
                 emit((_MEM, grp.recv_bytes, GATHERED))
@@ -587,28 +605,37 @@ class Simulator:
                 bk.deferred = 0
             for grp in groups:
                 grp.grads_ready = 0
-            # forward
+                grp.pending_bwd = 0
+                grp.untokened = grp.untokened_open = False
+                grp.fwd_done = set()
+            # forward (the runtime's rules: autodist/runtime/engine.py, autodist/schedule.py)
             emit((_C, prof.pre_fwd_s, "forward", 0))
-            cursor = [0]
-            fire(fwd_sched, cursor, -1)
+            fcur = TriggerCursor(fwd_trig)
+            fire(fcur, -1)
             for u in self.order:
                 up = self.uprof.get(u)
                 if f"forward:{u}" in out_at and micro == 0:
                     copy_out(out_at[f"forward:{u}"])
                 if u in block_first:  # a recomputed block keeps only its input until its backward
                     emit((_MEM, prof.block_input_bytes.get(block_first[u], 0), ACTIVATIONS))
-                for owner in self.uses[u]:
-                    grp = group_of_unit.get(owner)
-                    if grp is not None:
-                        ensure(grp)
-                fire(fwd_sched, cursor, pos[u])
+                used = _distinct(group_of_unit.get(o) for o in self.uses[u])
+                for grp in used:
+                    ensure(grp)
+                    # this forward's backward will end with its post-backward signal (or, when its
+                    # inputs need no gradient, with its parameters' gradients)
+                    if up is None or up.input_requires_grad:
+                        grp.pending_bwd += 1
+                    else:
+                        grp.untokened = grp.untokened_open = True
+                fire(fcur, pos[u])
                 if up is not None:
                     emit((_C, up.fwd_s + hook_s.get(u, 0.0), f"fwd {u}", up.fwd_peak_bytes))
                     if u not in in_recomputed:
                         emit((_MEM, up.act_bytes, ACTIVATIONS))
-                grp = group_of_unit.get(u)
-                if grp is not None and grp.residency == "after_forward" and grp.active_last == u:
-                    free(grp)
+                for grp in used:
+                    grp.fwd_done.update(self.uses[u])
+                    if grp.residency == "after_forward" and freed_after_forward(grp.units, grp.fwd_done, set(self.order)):
+                        free(grp)
                 # modules that only reuse other units' parameters (tied weights) run after this unit;
                 # a group freed after forward is gathered again for them, kept to the end of forward
                 for owner in self.site_uses.get(u, ()):
@@ -623,8 +650,8 @@ class Simulator:
             # backward
             emit((_C, prof.pre_bwd_s, "loss backward", prof.loss_bwd_peak_bytes))
             emit((_MEM, -prof.loss_act_bytes, ACTIVATIONS))
-            bcursor = [0]
-            fire(bwd_sched, bcursor, -1)
+            bcur = TriggerCursor(bwd_trig)
+            fire(bcur, -1)
             for u in rev:
                 up = self.uprof.get(u)
                 if f"backward:{u}" in back_at and sync:
@@ -633,17 +660,19 @@ class Simulator:
                     og = group_of_unit.get(owner)
                     if og is not None:
                         ensure(og)
-                # a recomputation here needs its units' parameters first
-                for r in recompute_at.get(u, ()):
-                    for owner in self.uses[r]:
-                        grp = group_of_unit.get(owner)
-                        if grp is not None:
-                            ensure(grp)
                 for owner in self.uses[u]:
                     grp = group_of_unit.get(owner)
                     if grp is not None:
                         ensure(grp)
-                fire(bwd_sched, bcursor, need[u])
+                fire(bcur, need[u])
+                # recomputations here (the plan's blocks, or the model's own checkpointing): each
+                # recomputed unit's forward runs again and needs its parameters
+                for r in recompute_at.get(u, ()):
+                    log.add("recompute", r)
+                    for owner in self.uses[r]:
+                        grp = group_of_unit.get(owner)
+                        if grp is not None:
+                            ensure(grp)
                 if u in block_anchor:  # the plan's recomputation: the block's forward runs again
                     units = recomputed[block_anchor[u]]
                     ups = [self.uprof[x] for x in units if x in self.uprof]
@@ -655,6 +684,12 @@ class Simulator:
                     for p in up.ready:
                         if p in trainable:
                             grad_ready(p, sync)
+                # the end of this unit's backward: groups no later backward reads are freed
+                for grp in _distinct(group_of_unit.get(o) for o in self.uses[u]):
+                    if up is None or up.input_requires_grad:
+                        grp.pending_bwd -= 1
+                        if not grp.untokened:
+                            post_backward(grp)
                 if u in block_last_bwd:
                     emit((_MEM, -prof.block_input_bytes.get(block_last_bwd[u], 0), ACTIVATIONS))
             emit((_C, prof.post_bwd_s, "backward", 0))
@@ -681,6 +716,7 @@ class Simulator:
                 bk.out_live = False
         result = self._execute(prog, ops, static, record)
         result.offload_log = offload_log
+        result.actions = log
         return result
 
     def _cast(self, p: str) -> bool:

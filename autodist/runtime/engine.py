@@ -46,7 +46,7 @@ same state when the control flow is the same. The end-of-backward collective-ord
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.optim.optimizer as optim_hooks
@@ -58,6 +58,7 @@ from torch.utils._pytree import tree_flatten
 
 from .._log import OnceLogger, logger
 from ..plan import Plan
+from ..schedule import ActionLog, TriggerCursor, backward_positions, freed_after_forward, triggers
 from ..structure import ModelStructure
 from .backward import attach_post_backward, in_backward, outside_dispatch_modes
 from .comm import Comm
@@ -116,25 +117,6 @@ class _ModuleSite:
         return bool(self.groups)
 
 
-class PrefetchSchedule:
-    """Gather groups ordered by the position that triggers them (see [Note: prefetch triggers]).
-
-    ``fire(pos)`` issues every group whose trigger is at or before ``pos`` and whose first use is
-    not yet behind: a group whose units were skipped this pass is not gathered for nothing.
-    """
-
-    def __init__(self, entries: list[tuple[int, int, GatherGroupRuntime]]) -> None:
-        self.entries = sorted(entries, key=lambda e: (e[0], e[1], e[2].index))
-        self.next = 0
-
-    def fire(self, pos: int) -> None:
-        while self.next < len(self.entries) and self.entries[self.next][0] <= pos:
-            _, first, group = self.entries[self.next]
-            self.next += 1
-            if first >= pos:
-                group.issue()
-
-
 @dataclass
 class _Step:
     """State of one forward/backward (a micro-batch)."""
@@ -144,9 +126,9 @@ class _Step:
     grad: bool = True
     fwd_sequence: list[str] = field(default_factory=list)
     seen_units: set[str] = field(default_factory=set)
-    fwd_schedule: PrefetchSchedule = field(default_factory=lambda: PrefetchSchedule([]))
+    fwd_schedule: TriggerCursor = field(default_factory=lambda: TriggerCursor([]))
     in_backward: bool = False
-    bwd_schedule: PrefetchSchedule = field(default_factory=lambda: PrefetchSchedule([]))
+    bwd_schedule: TriggerCursor = field(default_factory=lambda: TriggerCursor([]))
     bwd_pos: dict[str, int] = field(default_factory=dict)
     bwd_need: dict[str, int] = field(default_factory=dict)  # first backward use (recomputation anchors)
     bwd_current: str | None = None  # the unit whose backward is running
@@ -224,6 +206,8 @@ class Engine:
         self._anchors: dict[str, str | None] = {}  # learned recomputation anchors (previous step)
         self._last_seen: set[str] = set()
         self.observer = None  # plan="auto"'s step recorder while it profiles (autodist/lifecycle.py)
+        # the actions taken, in the schedule's vocabulary (autodist/schedule.py); None: not recorded
+        self.actions: ActionLog | None = None
         # optimizers seen stepping: True = over this model's parameters (hooks bound to it)
         self._optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._in_step: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # between pre and post hook
@@ -302,6 +286,10 @@ class Engine:
                 if ours:
                     self._adopt_optimizer(opt)
         self._install_reducer(plan)
+        for g in self.groups:
+            g.record = self._record
+        for b in self.reducer.buckets:
+            b.record = self._record
         self._compute_forward_triggers()
         self._install_hooks()
 
@@ -339,6 +327,8 @@ class Engine:
             self._build_buckets(plan), max_inflight=plan.max_inflight_buckets,
             launch_on_ready=self.launch_policy == "ready", settled=self._settled,
         )
+        for b in self.reducer.buckets:
+            b.record = self._record
         if not kept:
             return
         with torch.no_grad():
@@ -370,6 +360,16 @@ class Engine:
         self._step = _Step(gen=self._next_gen())
         self._configure(plan, windows)
         self.stats.plan_switches += 1
+
+    def _record(self, kind: str, what: object) -> None:
+        if self.actions is not None:
+            self.actions.add(kind, what)
+
+    def record_actions(self, on: bool = True) -> ActionLog | None:
+        """Start (or stop) recording the actions taken, from now on; returns the log (the runtime's
+        side of the schedule agreement test)."""
+        self.actions = ActionLog() if on else None
+        return self.actions
 
     def _remove_hooks(self) -> None:
         for h in self._handles + self._opt_global_handles:
@@ -425,11 +425,13 @@ class Engine:
     def _compute_forward_triggers(self) -> None:
         pos = {u: i for i, u in enumerate(self.unit_order)}
         self.unit_pos = pos
-        entries = []
-        for g in self.groups:
-            first = min(pos.get(u, len(pos)) for u in g.units)
-            entries.append((max(first - g.forward_window, -1), first, g))
-        self._fwd_entries = entries
+        self._fwd_triggers = triggers(
+            [g.units for g in self.groups], [g.forward_window for g in self.groups], pos, missing=len(pos)
+        )
+
+    def _fire(self, cursor: TriggerCursor, pos: int) -> None:
+        for gi in cursor.fire(pos):
+            self.groups[gi].issue()
 
     def _install_hooks(self) -> None:
         self._sites_of_param: dict[int, list[_ModuleSite]] = {}
@@ -504,7 +506,7 @@ class Engine:
             self.stats.recomputations += 1
             return self.module(*args, **kwargs)
         self._begin_step()
-        self._step.fwd_schedule.fire(-1)
+        self._fire(self._step.fwd_schedule, -1)
         if self.observer is not None:
             with self.observer.forward_context():
                 out = self.module(*args, **kwargs)
@@ -523,7 +525,7 @@ class Engine:
         grad = torch.is_grad_enabled()
         self._step = _Step(
             gen=self._next_gen(), sync=self.sync_enabled and grad, grad=grad,
-            fwd_schedule=PrefetchSchedule(self._fwd_entries),
+            fwd_schedule=TriggerCursor(self._fwd_triggers),
         )
         for mp in self.params.values():
             mp.reset_swaps()
@@ -540,7 +542,7 @@ class Engine:
         expected = self._last_seen or set(self.unit_order)
         for g in self.groups:
             g.reset_step()
-            g.fwd_pending = {u for u in g.units if u in expected}
+            g.fwd_expected = expected
         if self.broadcast_buffers and grad and self.sync_enabled and self.comm.world_size > 1:
             bufs = [b for b in self.module.buffers()]
             if bufs:
@@ -574,6 +576,8 @@ class Engine:
             return
         if self._order_learned:
             self.stats.order_deviations += 1
+            if self.actions is not None:
+                self.actions.deviation(f"forward order changed: {', '.join(seq[:4])}{', ...' if len(seq) > 4 else ''}")
             self.once.info(
                 "order",
                 "autodist: units ran in a different order than in the previous step (control flow changed); "
@@ -599,6 +603,8 @@ class Engine:
         if recompute:
             self._on_backward_start()
             self.stats.recomputations += site.unit is not None
+            if site.unit is not None and site.unit not in step.anchors:
+                self._record("recompute", site.unit)
             anchor_pos = -1
             for u in site.units:
                 step.anchors.setdefault(u, step.bwd_current)
@@ -624,16 +630,17 @@ class Engine:
         # next one allocates its own (FSDP2 orders them the same way).
         for g in site.groups:
             was_sharded = g.state is GroupState.SHARDED
-            if g.ensure():
+            if g.ensure() and not g.used:  # gathering again a group used earlier this step is planned
                 self._count_on_demand(g, recompute)
+            g.used = True
             if recompute and was_sharded and g.tokens_fired and not g.tokens_pending:
                 g.hold = True  # every signal already fired: nothing tells when this use ends
             g.active += 1
         if site.unit is not None:
             if recompute:
-                step.bwd_schedule.fire(anchor_pos)
+                self._fire(step.bwd_schedule, anchor_pos)
             else:
-                step.fwd_schedule.fire(self.unit_pos.get(site.unit, -1))
+                self._fire(step.fwd_schedule, self.unit_pos.get(site.unit, -1))
         if recompute and site.sharded:
             self.reducer.poll()
         for mp in site.swaps:
@@ -663,6 +670,8 @@ class Engine:
             return
         if g.forward_window > 0 and self._order_learned:
             self.stats.on_demand_forward += 1
+            if self.actions is not None:
+                self.actions.deviation(f"gathered {g.label} on demand in forward")
             self.once.info(
                 f"ondemand{g.index}",
                 "autodist: gather group %d (%s) was needed before its planned prefetch (control flow "
@@ -685,8 +694,8 @@ class Engine:
             g.active -= 1
             if recompute:
                 continue  # its backward follows at once: the post-backward signal frees
-            g.fwd_pending.difference_update(site.units)
-            if g.residency == "after_forward" and not g.fwd_pending and g.active == 0:
+            g.fwd_done.update(site.units)
+            if g.residency == "after_forward" and g.active == 0 and freed_after_forward(g.units, g.fwd_done, g.fwd_expected):
                 g.free()
         if (site.groups or site.unit is not None) and torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -707,7 +716,7 @@ class Engine:
                 if g.ensure():
                     self._count_on_demand(g, True)
             if site.unit is not None:
-                step.bwd_schedule.fire(step.bwd_need.get(site.unit, -1))
+                self._fire(step.bwd_schedule, step.bwd_need.get(site.unit, -1))
             if site.sharded:
                 self.reducer.poll()
 
@@ -761,24 +770,12 @@ class Engine:
         step.in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         # Backward order: reverse of this step's forward; recomputed units are first needed at their
-        # anchor (see [Note: prefetch triggers]).
-        order = list(reversed(step.fwd_sequence))
-        step.bwd_pos = {u: i for i, u in enumerate(order)}
-        need = dict(step.bwd_pos)
-        for u, anchor in self._anchors.items():
-            if u in need:
-                a = -1 if anchor is None else step.bwd_pos.get(anchor, need[u])
-                need[u] = min(need[u], a)
-        step.bwd_need = need
-        entries = []
-        for g in self.groups:
-            if g.residency != "after_forward":
-                continue
-            first = min((need[u] for u in g.units if u in need), default=None)
-            if first is not None:
-                entries.append((max(first - g.backward_window, -1), first, g))
-        step.bwd_schedule = PrefetchSchedule(entries)
-        step.bwd_schedule.fire(-1)  # the start of backward, whichever hook saw it first
+        # anchor (see [Note: prefetch triggers] in autodist/schedule.py).
+        step.bwd_pos, step.bwd_need = backward_positions(step.fwd_sequence, self._anchors)
+        late = [g for g in self.groups if g.residency == "after_forward"]
+        trig = triggers([g.units for g in late], [g.backward_window for g in late], step.bwd_need)
+        step.bwd_schedule = TriggerCursor([replace(t, group=late[t.group].index) for t in trig])
+        self._fire(step.bwd_schedule, -1)  # the start of backward, whichever hook saw it first
         # Parameters used by several forwards, one of them without gradients (reentrant activation
         # checkpointing), accumulate their gradient once per recomputed region: reduce them at the
         # end of backward, when their gradient is final.

@@ -24,6 +24,7 @@ saved reference must stay valid (see params.py).
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -101,12 +102,15 @@ class GatherGroupRuntime:
         self.state = GroupState.SHARDED
         self._inflight: list[InFlight] = []
         self._versions: tuple[int, ...] = ()
+        self.record: Callable[[str, object], None] | None = None  # the engine's action log, when on
         self.reset_step()
 
     def reset_step(self) -> None:
         """Per-step bookkeeping (see [Note: post-backward] in backward.py)."""
         self.active = 0  # modules using this group currently inside their forward
-        self.fwd_pending: set[str] = set()  # units expected to run forward and not done yet
+        self.used = False  # a module used it this step (gathering it again later is planned, e.g. tied weights)
+        self.fwd_done: set[str] = set()  # units that finished their forward this step
+        self.fwd_expected: set[str] = set(self.units)  # units expected to run forward (ran last step)
         self.grads_ready = 0  # trainable parameters whose gradient has been accumulated
         self.tokens_pending = 0  # post-backward signals attached and not fired
         self.tokens_fired = 0
@@ -157,6 +161,8 @@ class GatherGroupRuntime:
             for mp in self.params:
                 torch.autograd.graph.increment_version(mp.full)
         self.state = GroupState.GATHERING
+        if self.record is not None:
+            self.record("gather", self.label)
         return True
 
     def in_flight(self) -> list[InFlight]:
@@ -204,3 +210,5 @@ class GatherGroupRuntime:
             for mp in self.params:
                 mp.free_full()
             self.state = GroupState.SHARDED
+            if self.record is not None:
+                self.record("free", self.label)

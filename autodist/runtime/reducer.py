@@ -49,6 +49,7 @@ class BucketRuntime:
         self.op = op
         self.params = params
         self.every = False  # reduced in every micro-batch, also those that do not synchronise
+        self.record: Callable[[str, object], None] | None = None  # the engine's action log, when on
         self.dtype = reduce_dtype
         self.comm = comm
         self.device = device
@@ -285,6 +286,8 @@ class BucketRuntime:
             self.inflight = self.comm.reduce_scatter(self.buffer, inp.view(-1), self.label)
             self._input = None  # the InFlight owns it now
         self.launched = True
+        if self.record is not None:
+            self.record("reduce", self.index)
         return missing
 
     def finish(self) -> None:

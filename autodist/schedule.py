@@ -1,0 +1,125 @@
+"""One step's schedule: the rules that decide, from a plan and the order units run in, when each gather
+group is gathered and freed, what a recomputation needs, and in which order buckets are reduced.
+The runtime (``autodist/runtime/engine.py``) carries these rules out at its hooks; the simulator
+(``autodist/cost/simulator.py``) times the same rules — each rule is written once, here (DistIR's
+explicit program). Both also write the actions they take in one vocabulary (:class:`ActionLog`), so
+a test can check that what ran is what was simulated.
+
+[Note: prefetch triggers] A gather group with window ``w`` is issued when the unit ``w`` positions
+before its first use starts (position -1 is the start of the root forward or of the backward).
+Forward positions follow the previous step's observed unit order (the plan's order before the first
+step). Backward positions follow the reverse of *this* step's forward, except that a unit whose
+forward is recomputed is first needed where that recomputation happens (its *anchor*: the unit
+whose backward is running then — the last unit of a checkpointed block). Triggers fire in position
+order, so the issue order is a function of the plan and the control flow only, identical on every
+rank that runs the same control flow. A group whose first use is already behind when its trigger
+fires (its units were skipped) is not gathered for nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """Issue gather group ``group`` when position ``at`` is reached; it is first used at ``first``."""
+
+    at: int
+    first: int
+    group: int
+
+
+def triggers(
+    group_units: Sequence[Sequence[str]], windows: Sequence[int], positions: dict[str, int], *, missing: int | None = None
+) -> list[Trigger]:
+    """The prefetch triggers of groups whose units have ``positions`` (units without one are skipped;
+    ``missing``: the position to assume for them instead, e.g. after every known unit)."""
+    out = []
+    for gi, units in enumerate(group_units):
+        firsts = [positions[u] for u in units if u in positions]
+        if not firsts:
+            if missing is None:
+                continue
+            firsts = [missing]
+        first = min(firsts)
+        out.append(Trigger(max(first - windows[gi], -1), first, gi))
+    out.sort(key=lambda t: (t.at, t.first, t.group))
+    return out
+
+
+class TriggerCursor:
+    """Walks the triggers in position order: ``fire(pos)`` returns the groups to issue now."""
+
+    def __init__(self, trig: list[Trigger]) -> None:
+        self.trig = trig
+        self.next = 0
+
+    def fire(self, pos: int) -> list[int]:
+        out = []
+        while self.next < len(self.trig) and self.trig[self.next].at <= pos:
+            t = self.trig[self.next]
+            self.next += 1
+            if t.first >= pos:
+                out.append(t.group)
+        return out
+
+
+def backward_positions(forward_sequence: Sequence[str], anchors: dict[str, str | None]) -> tuple[dict[str, int], dict[str, int]]:
+    """(position of each unit's own backward, position where its parameters are first needed in
+    backward) for a forward that ran ``forward_sequence``; ``anchors``: recomputed unit -> the unit
+    whose backward runs when it is recomputed (``None``: the start of backward)."""
+    order = list(reversed(forward_sequence))
+    bpos = {u: i for i, u in enumerate(order)}
+    need = dict(bpos)
+    for u, anchor in anchors.items():
+        if u in need:
+            a = -1 if anchor is None else bpos.get(anchor, need[u])
+            need[u] = min(need[u], a)
+    return bpos, need
+
+
+def block_anchor(block_units: Sequence[str]) -> str:
+    """Where the plan's recomputation of a block happens: the backward of its last unit in forward
+    order, the first of its units backward reaches (non-reentrant checkpointing recomputes the whole
+    block at the first saved tensor it needs)."""
+    return block_units[-1]
+
+
+def freed_after_forward(group_units: Sequence[str], done: set[str], expected: set[str]) -> bool:
+    """An ``after_forward`` group is freed once every unit of it that runs this step has finished
+    its forward (units that did not run last step are not waited for)."""
+    return all(u in done for u in group_units if u in expected)
+
+
+def launchable(buckets_pending: Sequence[int], next_launch: int) -> int:
+    """How many buckets can launch now, from ``next_launch``: buckets launch in index order, each
+    once all of its gradients are in (``pending`` 0) — so every rank issues them in the same order."""
+    n = 0
+    while next_launch + n < len(buckets_pending) and buckets_pending[next_launch + n] == 0:
+        n += 1
+    return n
+
+
+@dataclass
+class ActionLog:
+    """The actions of a step in one vocabulary for the runtime and the simulator: ``("gather",
+    group units label)``, ``("free", label)``, ``("recompute", block)``, ``("reduce", bucket index)``,
+    ``("refresh", label)``. ``deviations`` counts units that ran other than planned (control flow)."""
+
+    actions: list[tuple[str, str]] = field(default_factory=list)
+    deviations: list[str] = field(default_factory=list)
+
+    def add(self, kind: str, what: object) -> None:
+        self.actions.append((kind, str(what)))
+
+    def deviation(self, what: str) -> None:
+        self.deviations.append(what)
+
+
+def group_label(units: Sequence[str]) -> str:
+    return units[0] if len(units) == 1 else f"{units[0]}..{units[-1]}"
+
+
+Recorder = Callable[[str, object], None]

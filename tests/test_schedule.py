@@ -1,0 +1,127 @@
+"""One schedule for the runtime and the simulator (issue 13): the actions the runtime takes in a
+step — gathers, frees, recomputations, reductions, in order — are the actions the simulator
+compiled for the same plan, for every kind of plan; and control flow that departs from the learned
+order is recorded as a deviation, not absorbed silently.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import models
+from autodist import AutoDist
+from autodist.cost.comm import CommModel
+from autodist.cost.simulator import Simulator
+from autodist.structure import discover
+from autodist.trace import profile_model
+from parity import make_plan, random_plan
+
+PLANS = {
+    "ddp": ("gpt", "ddp", 1),
+    "fsdp": ("gpt", "fsdp", 1),
+    "zero2": ("gpt", "zero2", 1),
+    "persistent": ("gpt", {"residency": "persistent", "grouping": "block"}, 1),
+    "per-unit-window2": ("gpt", {"grouping": "unit", "window": 2}, 1),
+    "window0-inflight": ("mlp", {"grouping": "unit", "window": 0, "buckets": "per_param"}, 1),
+    "mixed": ("mlp", {"placement": "mixed", "grouping": "unit"}, 1),
+    "recompute-all": ("gpt", {"grouping": "block", "recompute": "all"}, 1),
+    "user-checkpointing": ("gpt-ckpt-nonreentrant", "fsdp", 1),
+    "accumulate-unsharded": ("gpt", {"grouping": "block"}, 2),
+    "accumulate-sharded": ("gpt", {"grouping": "block", "accumulate": "sharded"}, 3),
+    "random0": ("gpt", {"random": 0}, 1),
+    "random1": ("gpt", {"random": 1}, 1),
+    "random2": ("mlp", {"random": 2}, 1),
+    "random3": ("gpt", {"random": 3}, 1),
+    "offload": ("gpt", "fsdp+offload", 1),
+}
+
+
+def runtime_and_simulated_actions(model_name: str, plan_spec, micro: int) -> tuple[list, list, list]:
+    world = dist.get_world_size()
+    gen = torch.Generator().manual_seed(0)
+    batches = [models.batch(model_name, 2, gen) for _ in range(2 * micro)]
+    base = models.make(model_name)
+    structure = discover(base)
+    profile = profile_model(
+        models.make(model_name), structure, (batches[0][0],), device=torch.device("cpu"),
+        loss_fn=lambda out: models.loss_fn(model_name, out, batches[0][1]),
+    )
+    if plan_spec == "fsdp+offload":  # every optimizer-state tensor on the host, back at the step
+        from dataclasses import replace as _replace
+
+        from autodist import OffloadFragment
+        from autodist.sched.seeds import fsdp_plan
+
+        plan = fsdp_plan(structure, world)
+        frags = [
+            OffloadFragment(p, "momentum_buffer", (0, -(-structure.params[p].shape[0] // world) * (structure.params[p].numel // structure.params[p].shape[0])), "step", "step")
+            for p in structure.trainable
+        ]
+        plan = _replace(plan, offload=frags)
+    elif isinstance(plan_spec, dict) and "random" in plan_spec:
+        plan = random_plan(base, world, plan_spec["random"])
+    elif isinstance(plan_spec, dict):
+        plan = make_plan(base, world, **plan_spec)
+    else:
+        plan = plan_spec
+    model = AutoDist(base, plan=plan)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    log = None
+    for step in range(2):
+        for m in range(micro):
+            x, y = batches[step * micro + m]
+            with model.no_sync() if m < micro - 1 else torch.enable_grad():
+                models.loss_fn(model_name, model(x), y).backward()
+        if step == 0:  # record from the first step's optimizer step (persistent refreshes) on
+            log = model.runtime.record_actions()
+        else:
+            model.runtime.record_actions(False)
+        opt.step()
+        opt.zero_grad()
+    in_force = model.plan
+    model.close()
+    comm = CommModel.analytic(world, bandwidth_bytes_s=1e10, latency_s=1e-5)
+    from dataclasses import replace
+
+    simulated = Simulator(profile, structure, comm, world_size=world).run(replace(in_force, grad_accum_steps=micro))
+    return log.actions, simulated.actions.actions, log.deviations
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_the_runtime_carries_out_the_simulated_schedule(world2, name):
+    for ran, simulated, deviations in world2.run(runtime_and_simulated_actions, *PLANS[name]):
+        assert not deviations
+        assert ran == simulated, "\n".join(
+            f"{i}: ran {a} simulated {b}" for i, (a, b) in enumerate(zip(ran + [None] * 99, simulated + [None] * 99)) if a != b
+        )[:2000]
+
+
+@pytest.mark.parametrize("name", ["fsdp", "random1", "accumulate-sharded", "recompute-all"])
+def test_the_runtime_carries_out_the_simulated_schedule_on_four_ranks(world4, name):
+    for ran, simulated, deviations in world4.run(runtime_and_simulated_actions, *PLANS[name]):
+        assert not deviations and ran == simulated
+
+
+def deviations_of_a_block_skipped_on_alternate_steps() -> list[list[str]]:
+    model = AutoDist(models.make("gpt-skip"), plan="fsdp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(4):
+        log = model.runtime.record_actions()
+        x, y = models.batch("gpt-skip", 2, gen)
+        models.loss_fn("gpt-skip", model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(list(log.deviations))
+    model.close()
+    return out
+
+
+def test_control_flow_that_departs_from_the_learned_order_is_recorded_as_a_deviation(world2):
+    for per_step in world2.run(deviations_of_a_block_skipped_on_alternate_steps):
+        assert not per_step[0]  # the first step has nothing learned to depart from
+        assert all(per_step[1:]), per_step  # every later step runs the other order
+        assert any("forward order changed" in d for d in per_step[1])
