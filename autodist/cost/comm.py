@@ -292,6 +292,9 @@ def _max_over_ranks(values: list[float], group: dist.ProcessGroup, device: torch
     return t.cpu().tolist()
 
 
+DISTURBED_SPREAD = 2.0  # a sweep whose typical call takes twice its 10th percentile ran on a busy host
+
+
 def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | None = None) -> CommModel:
     """Measure and fit the comm model on ``group`` (a collective: call on every rank); ``cfg``
     defaults to ``SweepConfig()``."""
@@ -333,6 +336,9 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
             durations[i] += _time_calls(fn, per_round[i], device, group)
     names = [(op, nb) for op, nb, _ in cases]
     times = [sorted(d)[len(d) // 10] for d in durations]  # the 10th percentile: see _time_calls
+    # how disturbed the host was: the median call against the 10th percentile, over the samples
+    spreads = sorted(sorted(d)[len(d) // 2] / max(t, 1e-9) for d, t in zip(durations, times))
+    spread = spreads[len(spreads) // 2] if spreads else 1.0
     times = _max_over_ranks(times, group, device)
     samples: dict[str, list[tuple[float, float]]] = {}
     for (op, nb), t in zip(names, times):
@@ -365,7 +371,11 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
         contention=contention,
         transient=transient,
         overhead=overhead,
-        meta={"sweep_seconds": time.perf_counter() - t_start, "torch": torch.__version__},
+        meta={
+            "sweep_seconds": time.perf_counter() - t_start, "torch": torch.__version__,
+            # median over samples of (median call / 10th percentile): ~1 on a quiet host
+            "spread": round(spread, 3), "disturbed": spread > DISTURBED_SPREAD,
+        },
     )
     comm.destroy()
     box = [model]
