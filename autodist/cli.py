@@ -511,8 +511,17 @@ def cmd_show(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------
 
 
+def _rank_threads() -> None:
+    """Profile as a rank computes under torchrun: with one intra-op thread (OMP_NUM_THREADS=1)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     import torch
+
+    _rank_threads()
 
     from .cost.budget import format_bytes, parse_memory_limit
     from .describe import describe_prediction
@@ -549,6 +558,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_timeline(args: argparse.Namespace) -> int:
+    _rank_threads()
     import torch
 
     from . import timeline
