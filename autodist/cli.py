@@ -564,9 +564,9 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     from . import timeline
     from .cost.simulator import Simulator
     from .errors import PlanError
+    from .measure.trace import profile_model
     from .plan import validate_plan
     from .structure import discover
-    from .trace import profile_model
 
     _check_comm_options(args)
     png = Path(args.out).suffix.lower() == ".png"

@@ -34,14 +34,15 @@ from ._log import logger
 from ._progress import progress
 from .cache import Cache, digest
 from .cost.budget import format_bytes
-from .cost.comm import CommModel, sweep
+from .cost.comm import CommModel
 from .cost.profile import OptimizerProfile, Profile, slowest
 from .cost.simulator import Simulator
 from .errors import AutoDistError, BudgetError
+from .measure.sweep import sweep
+from .measure.trace import UnitTracer, _attribute, _Clock, _Pass, float_output_bytes, loss_fields, profile_model
 from .plan import SCHEMA_VERSION, Plan, made_for
 from .sched.search import SearchConfig, Searcher, SearchResult
 from .sched.space import PlanSpace, space_for
-from .trace import UnitTracer, _attribute, _Clock, _Pass, float_output_bytes, loss_fields, profile_model
 
 PROFILE_STEPS = 3  # transparent profiling: the first step warms up, the next ones are measured
 
@@ -203,7 +204,7 @@ class AutoPlanner:
 
     # ---- planning ------------------------------------------------------------------------------
     def safe_plan(self) -> Plan:
-        from .sched.seeds import ddp_plan
+        from .builtins import ddp_plan
 
         hint = self.comm.broadcast_object(self.read("placements", self.placement_key()))
         space = PlanSpace(self.structure, self.world, [u.name for u in self.structure.units], list(reversed(self.structure.trainable)))

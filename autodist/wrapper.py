@@ -16,13 +16,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ._log import logger
+from .builtins import BUILTIN_PLANS, builtin_plan
 from .cost.budget import format_bytes, parse_memory_limit
 from .errors import AutoDistError, PlanError, RankMismatchError, mark_raised_on_every_rank, reported_once
 from .plan import Plan, validate_plan
 from .runtime.comm import Comm, init_distributed
 from .runtime.engine import Engine, MixedPrecision
 from .runtime.state import full_state_dict, load_full_state_dict
-from .sched.seeds import BUILTIN_PLANS, builtin_plan
 from .structure import ModelStructure, discover
 
 PLAN_CHOICES = ("auto",) + BUILTIN_PLANS

@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor
 
 import models
 from autodist import AutoDist, MixedPrecision
+from autodist.builtins import block_groups
 from autodist.plan import Bucket, GatherGroup, Plan, Prefetch, UnitPlan
-from autodist.sched.seeds import block_groups
 from autodist.structure import discover
 
 

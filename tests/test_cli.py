@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 import readme
+from autodist.builtins import fsdp_plan
 from autodist.cache import Cache
 from autodist.plan import load_plan, save_plan, validate_plan
-from autodist.sched.seeds import fsdp_plan
 from autodist.structure import discover
 from autodist.zoo import gpt
 

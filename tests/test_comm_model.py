@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autodist.cost.comm import CommModel, fit_op, sweep
+from autodist.cost.comm import CommModel, fit_op
+from autodist.measure.sweep import sweep
 
 
 def test_two_piece_fit_recovers_a_known_curve():

@@ -152,8 +152,8 @@ def _accounting(variant):
     simulator's for the same plan."""
     from autodist.cost.comm import CommModel
     from autodist.cost.simulator import Simulator
+    from autodist.measure.trace import profile_model
     from autodist.structure import discover
-    from autodist.trace import profile_model
 
     rank = dist.get_rank()
     plan = _offload_plan({"residency": "after_forward"}, "adamw", variant)

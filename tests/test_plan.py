@@ -7,7 +7,7 @@ import torch
 
 import models
 from autodist import AutoDist, Plan, PlanError, load_plan, save_plan, validate_plan
-from autodist.sched.seeds import ddp_plan, fsdp_plan, zero2_plan
+from autodist.builtins import ddp_plan, fsdp_plan, zero2_plan
 from autodist.structure import ROOT_UNIT, discover
 
 

@@ -3,8 +3,8 @@
 import torch
 from torch import nn
 
+from autodist.measure.trace import profile_model
 from autodist.structure import discover
-from autodist.trace import profile_model
 
 CPU = torch.device("cpu")
 

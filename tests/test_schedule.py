@@ -14,8 +14,8 @@ import models
 from autodist import AutoDist
 from autodist.cost.comm import CommModel
 from autodist.cost.simulator import Simulator
+from autodist.measure.trace import profile_model
 from autodist.structure import discover
-from autodist.trace import profile_model
 from parity import make_plan, random_plan
 
 PLANS = {
@@ -52,7 +52,7 @@ def runtime_and_simulated_actions(model_name: str, plan_spec, micro: int) -> tup
         from dataclasses import replace as _replace
 
         from autodist import OffloadFragment
-        from autodist.sched.seeds import fsdp_plan
+        from autodist.builtins import fsdp_plan
 
         plan = fsdp_plan(structure, world)
         frags = [

@@ -241,7 +241,7 @@ from parity import make_plan  # noqa: E402
 
 def _runtime_and_simulated_order(plan_kw):
     from autodist import AutoDist
-    from autodist.trace import profile_model
+    from autodist.measure.trace import profile_model
 
     rank = dist.get_rank()
     plain = models.make("mlp")

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import models
 from autodist import AutoDist, PlanError, RankMismatchError, save_plan
-from autodist.sched.seeds import ddp_plan, fsdp_plan
+from autodist.builtins import ddp_plan, fsdp_plan
 from autodist.structure import discover
 
 

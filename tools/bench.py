@@ -143,8 +143,8 @@ def _offload_all_sync(model: nn.Module, args: argparse.Namespace, example: tuple
     import dataclasses
 
     from autodist import OffloadFragment
+    from autodist.builtins import fsdp_plan
     from autodist.runtime.params import shard_geometry
-    from autodist.sched.seeds import fsdp_plan
     from autodist.structure import discover
 
     structure = discover(model)

@@ -91,8 +91,8 @@ def _offload(device, rank, world):
 
     import models
     from autodist import AutoDist, OffloadFragment
+    from autodist.builtins import fsdp_plan
     from autodist.runtime.params import shard_geometry
-    from autodist.sched.seeds import fsdp_plan
     from autodist.structure import discover
 
     def train(offload: bool):

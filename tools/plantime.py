@@ -28,12 +28,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _launch import relaunch  # noqa: E402
 
 from autodist import AutoDist  # noqa: E402
-from autodist.cost.comm import sweep  # noqa: E402
 from autodist.cost.simulator import Simulator  # noqa: E402
+from autodist.measure.sweep import sweep  # noqa: E402
+from autodist.measure.trace import profile_model  # noqa: E402
 from autodist.sched.search import SearchConfig, Searcher  # noqa: E402
 from autodist.sched.space import PlanSpace  # noqa: E402
 from autodist.structure import discover  # noqa: E402
-from autodist.trace import profile_model  # noqa: E402
 from autodist.zoo import MLP, zoo  # noqa: E402
 
 

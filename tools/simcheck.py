@@ -36,14 +36,14 @@ from _launch import max_over_ranks, run_tool  # noqa: E402
 
 from autodist import AutoDist  # noqa: E402
 from autodist.cost.budget import format_bytes  # noqa: E402
-from autodist.cost.comm import sweep  # noqa: E402
 from autodist.cost.profile import Profile, slowest  # noqa: E402
 from autodist.cost.simulator import Simulator  # noqa: E402
+from autodist.measure.sweep import sweep  # noqa: E402
+from autodist.measure.trace import profile_model  # noqa: E402
 from autodist.memory import measure_step_peak  # noqa: E402
 from autodist.sched.search import SearchConfig, Searcher  # noqa: E402
 from autodist.sched.space import space_for  # noqa: E402
 from autodist.structure import discover  # noqa: E402
-from autodist.trace import profile_model  # noqa: E402
 from autodist.zoo import zoo  # noqa: E402
 
 

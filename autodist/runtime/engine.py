@@ -850,7 +850,7 @@ class Engine:
         rb = self.plan.rebuild_buckets
         if rb is None:
             return
-        from ..sched.seeds import bucket_by_size
+        from ..builtins import bucket_by_size
 
         # Rank 0's observed order wins, so every rank builds identical buckets.
         order = self.comm.broadcast_object(list(dict.fromkeys(ready_order)))

@@ -27,10 +27,10 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from ..builtins import ddp_plan, fsdp_plan, zero2_plan
 from ..cost.profile import Profile
 from ..plan import Bucket, GatherGroup, OffloadFragment, Plan, Prefetch, UnitPlan
 from ..structure import ModelStructure
-from .seeds import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_CAP_BYTES
 
 RESIDENCIES = ("after_forward", "after_backward", "persistent")
 MEMORY_WINDOW = -1  # a window of "memory" (resolved by the simulator, see autodist/sched/search.py)
@@ -217,52 +217,35 @@ class PlanSpace:
         )
 
     # ---- seeds -----------------------------------------------------------------------------
-    def _size_breaks(self, shard: Sequence[bool], cap: int, first_cap: int) -> frozenset[int]:
-        """DDP's bucketing over the ready order (close a bucket once it reaches its cap)."""
-        starts = set()
-        size = 0
-        closed = 0
-        for k, p in enumerate(self.ready):
-            nbytes = self.structure.params[p].nbytes
-            if size == 0:
-                starts.add(k)
-            size += nbytes
-            if size >= (first_cap if closed == 0 else cap):
-                size = 0
-                closed += 1
-        return frozenset(starts)
+    def genome_of(self, plan: Plan) -> Genome:
+        """The genome of a plan (built-in plans are the seeds: their rules live in builtins.py)."""
+        n = len(self.units)
+        up = {u.name: u for u in plan.units}
+        shard = tuple(up[u].placement == "shard" for u in self.units)
+        residency = tuple(RESIDENCIES.index(up[u].residency) for u in self.units)
+        starts: set[int] = set()
+        window = [(0, 0)] * n
+        for g in plan.gather_groups:
+            first = min(self.index[u] for u in g.units)
+            starts.add(first)
+            window[first] = tuple(MEMORY_WINDOW if w == "memory" else int(w) for w in (g.prefetch.forward, g.prefetch.backward))
+        position = {p: k for k, p in enumerate(self.ready)}
+        bstarts = {min(position[p] for p in b.params if p in position) for b in plan.buckets if any(p in position for p in b.params)}
+        recompute = frozenset(self.recompute_blocks.index(b) for b in plan.recompute if b in self.recompute_blocks)
+        return self.normalize(Genome(
+            shard, residency, frozenset(starts), tuple(window), frozenset(bstarts),
+            -1 if plan.max_inflight_buckets is None else plan.max_inflight_buckets, (), recompute,
+            tuple(int(up[u].accumulate == "sharded") for u in self.units),
+        ))
 
     def ddp(self) -> Genome:
-        n = len(self.units)
-        shard = (False,) * n
-        return self.normalize(
-            Genome(shard, (0,) * n, frozenset(), ((1, 1),) * n,
-                   self._size_breaks(shard, DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_CAP_BYTES))
-        )
-
-    def _per_block(self, residency: int) -> Genome:
-        n = len(self.units)
-        starts = {i for i in range(n) if i == 0 or self.blocks[i] != self.blocks[i - 1]}
-        # FSDP2's root group (units outside blocks) is not resharded after forward
-        res = tuple(1 if self.blocks[i] is None and residency == 0 else residency for i in range(n))
-        g = Genome((True,) * n, res, frozenset(starts), ((1, 1),) * n, frozenset(), inflight=1)
-        g = self.normalize(g)
-        # one bucket per group: break the ready order where the owning group changes
-        group_of = {}
-        for gi, members in enumerate(self.groups(g)):
-            for i in members:
-                group_of[i] = gi
-        breaks = {
-            k for k in range(len(self.ready))
-            if k == 0 or group_of.get(self.unit_of_ready[k]) != group_of.get(self.unit_of_ready[k - 1])
-        }
-        return replace(g, bucket_start=frozenset(breaks))
+        return self.genome_of(ddp_plan(self.structure, self.world, ready_order=self.ready))
 
     def fsdp(self) -> Genome:
-        return self._per_block(0)
+        return self.genome_of(fsdp_plan(self.structure, self.world, unit_order=self.units))
 
     def zero2(self) -> Genome:
-        return self._per_block(1)
+        return self.genome_of(zero2_plan(self.structure, self.world, unit_order=self.units))
 
     # ---- offload -----------------------------------------------------------------------------
     def _state_numel(self, g: Genome, p: str) -> int:

@@ -1,14 +1,16 @@
-"""Built-in plans: the DDP, FSDP and ZeRO-2 conventions written as plans.
+"""Built-in plans: the DDP, FSDP and ZeRO-2 conventions written as plans, and the plan-construction
+rules they use (bucketing by size, grouping by block).
 
-They are both user-selectable baselines (``plan="ddp"``) and seeds for the search.
+They are user-selectable baselines (``plan="ddp"``), seeds for the search (``sched/space.py`` turns
+them into genomes), and the runtime's bucket rebuild — the one place these rules are written.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..plan import Bucket, BucketRebuild, GatherGroup, Plan, Prefetch, UnitPlan
-from ..structure import ModelStructure
+from .plan import Bucket, BucketRebuild, GatherGroup, Plan, Prefetch, UnitPlan
+from .structure import ModelStructure
 
 # torch DDP's defaults (torch/nn/parallel/distributed.py: bucket_cap_mb=25, first bucket 1 MiB).
 DDP_BUCKET_CAP_BYTES = 25 * 1024 * 1024

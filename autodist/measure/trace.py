@@ -27,9 +27,9 @@ from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
-from .cost.profile import OptimizerProfile, Profile, UnitProfile, estimated_loss_memory
-from .runtime.backward import in_backward
-from .structure import ModelStructure
+from ..cost.profile import OptimizerProfile, Profile, UnitProfile, estimated_loss_memory
+from ..runtime.backward import in_backward
+from ..structure import ModelStructure
 
 
 class _Clock:
@@ -443,7 +443,7 @@ def _memory_peaks(
                 key = 0 if phase == "fwd" else 1
                 peaks.setdefault(unit, [0, 0])[key] = max(peaks.get(unit, [0, 0])[key], seg_peak - start)
         else:
-            from .memory import trace_cpu_memory
+            from ..memory import trace_cpu_memory
 
             def run_and_end() -> None:
                 run()
@@ -659,7 +659,7 @@ def _step_transient(opt: torch.optim.Optimizer, device: torch.device) -> int:
         opt.step()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base
-    from .memory import trace_cpu_memory
+    from ..memory import trace_cpu_memory
 
     mem, _ = trace_cpu_memory(opt.step)
     return max((m for _, m in mem), default=0)
