@@ -75,6 +75,8 @@ class BucketRuntime:
                 self.buffer[o : o + mp.local_rows * mp.row_numel].view(mp.local.shape)
                 for o, mp in zip(self.offsets, params)
             ]
+        if op == "reduce_scatter":  # its collective writes it whole: storage from the first launch on
+            self.buffer.untyped_storage().resize_(0)
         self._grad_objs: list[torch.Tensor | None] = [None] * self.n
         self._saved: dict[int, torch.Tensor] = {}
         self.reset()
@@ -103,6 +105,7 @@ class BucketRuntime:
         mp = self.params[slot]
         if self.dtype != mp.dtype:
             return None
+        self._ensure_buffer()  # a view handed out as a gradient has storage behind it
         obj = self._grad_objs[slot]
         if obj is None:
             obj = self._grad_objs[slot] = mp.wrap_local_grad(self.views[slot])
