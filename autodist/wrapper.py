@@ -21,6 +21,7 @@ from .errors import AutoDistError, PlanError, RankMismatchError, mark_raised_on_
 from .plan import Plan, validate_plan
 from .runtime.comm import Comm, init_distributed
 from .runtime.engine import Engine, MixedPrecision
+from .runtime.materialize import Materializer, is_meta_model
 from .runtime.state import full_state_dict, load_full_state_dict
 from .sched.seeds import BUILTIN_PLANS, builtin_plan
 from .structure import ModelStructure, discover
@@ -49,7 +50,10 @@ class AutoDist(nn.Module):
     """Data-parallel training of ``module`` following a plan.
 
     Args:
-        module: the model, on the CPU or on this rank's device (it is moved to the device).
+        module: the model, on the CPU or on this rank's device (it is moved to the device), or built on
+            the meta device (``with torch.device("meta"): model = Net()``): it is then materialised and
+            initialised module by module, each rank keeping only what the plan places on it (see
+            ``param_init_fn``).
         plan: ``"auto"`` (profile, search, cache), a built-in baseline (``"ddp"``, ``"fsdp"``,
             ``"zero2"``), a :class:`Plan`, or the path of a plan JSON file (it must exist on rank 0;
             ranks where it does not exist use rank 0's copy).
@@ -65,6 +69,11 @@ class AutoDist(nn.Module):
             every forward that will synchronise gradients, as DDP does (default ``True``).
         log_every: log step time, throughput, peak memory and exposed communication on rank 0
             every this many steps (default ``None``: never; ``metrics()`` works regardless).
+        param_init_fn: for a model on the meta device, ``fn(module)`` initialises ``module``'s own
+            parameters and buffers in place; called with every module, children first. Default: each
+            module's ``reset_parameters()``. Every rank initialises on the host and keeps rank 0's
+            values, so the result after ``torch.manual_seed(s)`` is that of building the model on the
+            CPU after the same seed (see ``autodist/runtime/materialize.py`` for when that cannot hold).
 
     The wrapper behaves like the wrapped module: ``named_parameters()`` and ``state_dict()`` use the
     wrapped module's names (no ``module.`` prefix). ``state_dict()`` returns full tensors;
@@ -85,9 +94,18 @@ class AutoDist(nn.Module):
         mixed_precision: MixedPrecision | Any | None = None,
         broadcast_buffers: bool = True,
         log_every: int | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
         super().__init__()
         _check_module_argument(module)
+        meta = is_meta_model(module)
+        if param_init_fn is not None and not meta:
+            raise ValueError(
+                "param_init_fn initialises a model built on the meta device; this model's tensors are already "
+                "materialised: drop param_init_fn, or build the model under `with torch.device('meta'):`"
+            )
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise TypeError(f"param_init_fn must be callable with a module, got {type(param_init_fn).__name__}")
         mixed_precision = MixedPrecision.coerce(mixed_precision)
         _check_plan_argument(plan)
         if example_inputs is not None and not (isinstance(plan, str) and plan == "auto"):
@@ -104,21 +122,29 @@ class AutoDist(nn.Module):
             mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         devices = {p.device for p in module.parameters()} | {b.device for b in module.buffers()}
         if len(devices) > 1:
-            raise ValueError(f"all parameters and buffers must be on one device before wrapping; found {sorted(map(str, devices))}")
+            hint = " (a model built on the meta device must be built there whole)" if meta else ""
+            raise ValueError(
+                f"all parameters and buffers must be on one device before wrapping{hint}; found {sorted(map(str, devices))}"
+            )
         self.module = module
         self.device = device
         self.mesh = mesh
         self.budget_bytes = parse_memory_limit(memory_limit, device)
         self._comm = Comm(mesh.get_group())
         self._structure = discover(module)
+        self._meta = meta
+        # A meta-device model's initialisers are tried on fake tensors first: a tensor none of them
+        # writes is refused here, before anything is allocated.
+        materializer = self._agree(lambda: Materializer(module, param_init_fn)) if meta else None
         # A plan that can be resolved without running the model is checked before anything changes.
         resolved = None
         if not (isinstance(plan, str) and plan == "auto"):
             resolved = self._agree(lambda: self._resolve_plan(plan, example_inputs=None, cache_dir=None))
-        if devices and next(iter(devices)) != device:
-            logger.info("autodist: moving the model from %s to %s", next(iter(devices)), device)
-            module.to(device)
-        self._sync_initial_state()
+        if not meta:  # a meta-device model is materialised unit by unit once the engine has placed it
+            if devices and next(iter(devices)) != device:
+                logger.info("autodist: moving the model from %s to %s", next(iter(devices)), device)
+                module.to(device)
+            self._sync_initial_state()
         if resolved is None:
             resolved = self._agree(
                 lambda: self._resolve_plan(plan, example_inputs=example_inputs, cache_dir=cache_dir)
@@ -139,6 +165,10 @@ class AutoDist(nn.Module):
             broadcast_buffers=broadcast_buffers,
             budget_bytes=self.budget_bytes,
         )
+        if materializer is not None:
+            self._materialize(materializer)
+            if self._auto is not None:
+                self._agree(self._auto.profile_wrapped)
         from .metrics import StepMeter
 
         self._meter = StepMeter(
@@ -176,7 +206,7 @@ class AutoDist(nn.Module):
             from .lifecycle import AutoPlanner
 
             self._auto = AutoPlanner(self, cache_dir, explicit_budget=self._explicit_budget)
-            return self._auto.resolve(example_inputs)
+            return self._auto.resolve(example_inputs, meta=self._meta)
         return self._load_plan_file(os.fspath(plan))
 
     def _load_plan_file(self, path: str) -> Plan:
@@ -243,6 +273,24 @@ class AutoDist(nn.Module):
                 f"ranks disagree on the plan (hash on rank 0: {hashes[0]}; ranks {differing} differ). Every rank "
                 "must load the same plan file and wrap the same model."
             ))
+
+    def _materialize(self, materializer: Materializer) -> None:
+        """Initialise a meta-device model into the engine's managed parameters (see materialize.py)."""
+        report = materializer.run(
+            params=self._engine.params,
+            broadcast=lambda tensors: self._comm.broadcast_tensors(tensors, "materialize"),
+            device=self.device,
+        )
+        for mp in self._engine.params.values():
+            mp.register_visible()
+        self._engine.mark_stale()
+        if self._comm.rank == 0:
+            logger.info(
+                "autodist: materialised the model from the meta device on %s: %d tensors (%s) initialised by %d "
+                "initialiser calls, at most %s of them held in full at once (at %s)",
+                self.device, report.tensors, format_bytes(report.total_bytes), report.calls,
+                format_bytes(report.largest_live_bytes), report.largest_live_at,
+            )
 
     @torch.no_grad()
     def _sync_initial_state(self) -> None:
