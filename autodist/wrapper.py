@@ -67,8 +67,10 @@ class AutoDist(nn.Module):
         mixed_precision: :class:`MixedPrecision` (or torch's ``MixedPrecisionPolicy``).
         broadcast_buffers: broadcast buffers (BatchNorm statistics) from rank 0 at the start of
             every forward that will synchronise gradients, as DDP does (default ``True``).
-        log_every: log step time, throughput, peak memory and exposed communication on rank 0
-            every this many steps (default ``None``: never; ``metrics()`` works regardless).
+        log_every: log step time, throughput, peak tensor memory against the budget, resident memory
+            and exposed communication on rank 0 every this many steps (default ``None``: never;
+            ``metrics()`` works regardless). On CUDA it also lets AutoDist reset the allocator's
+            peak counter at each step, for per-step peaks (see ``autodist/metrics.py``).
         param_init_fn: for a model on the meta device, ``fn(module)`` initialises ``module``'s own
             parameters and buffers in place; called with every module, children first. Default: each
             module's ``reset_parameters()``. Every rank initialises on the host and keeps rank 0's
@@ -173,6 +175,7 @@ class AutoDist(nn.Module):
 
         self._meter = StepMeter(
             self._comm.stats, device, self.budget_bytes, self._comm.world_size, self._comm.rank, log_every,
+            live=self._held_tensors, host_state=self._host_state,
         )
         self._engine.step_listeners.append(self._meter.on_optimizer_step)
         # the last step is logged even if close() is never called
@@ -303,10 +306,22 @@ class AutoDist(nn.Module):
     # ---------------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
-            self._meter.on_forward(args, kwargs, sync=self._engine.sync_enabled)
-            if self._auto is not None:
+            if self._auto is not None:  # first: its planning (which may profile) is outside the step's memory window
                 self._auto.before_forward(args, kwargs)
+            self._meter.on_forward(args, kwargs, sync=self._engine.sync_enabled)
         return self._engine.forward(args, kwargs)
+
+    def _held_tensors(self) -> list[torch.Tensor]:
+        """The tensors this model holds between steps, for the CPU's tensor-memory baseline (the
+        meter adds the optimizers' state): the runtime's, the buffers, the gradients, offload buffers."""
+        eng = self._engine
+        grads = [mp.visible.grad for mp in eng.params.values() if mp.visible.grad is not None]
+        offload = [t for e in eng.offload.entries.values() for t in (e.h, e.d) if t is not None]
+        return [*eng.held_tensors(), *self.module.buffers(), *grads, *offload]
+
+    def _host_state(self) -> list[torch.Tensor]:
+        """The host buffers of offloaded optimizer state (the tensors that hold it)."""
+        return [e.h for e in self._engine.offload.entries.values() if e.h is not None]
 
     def metrics(self) -> dict[str, Any]:
         """The last completed step's metrics as a dict (empty before the first step ends), for your own
