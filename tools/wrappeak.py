@@ -90,7 +90,8 @@ def table(payload: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (unknown models or plans exit with status 2)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="gpt,wide-mlp", help="comma-separated zoo models (default: %(default)s)")
     ap.add_argument("--plans", default="fsdp,ddp", help="comma-separated built-in plans (default: %(default)s)")
@@ -102,6 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     args.plans = [p for p in args.plans.split(",") if p]
+    from autodist.sched.seeds import BUILTIN_PLANS
+
+    unknown = [m for m in args.models if m not in zoo()] + [p for p in args.plans if p not in BUILTIN_PLANS]
+    if unknown:
+        ap.error(f"unknown model or plan: {', '.join(unknown)} (models: {', '.join(zoo())}; plans: {', '.join(BUILTIN_PLANS)})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.worker:
         worker(args)
         return 0
