@@ -15,11 +15,15 @@ of which is torch itself) only under its own name:
   of a step for small models): the bytes of the tensors the model holds when the step starts
   (parameters and shards, gradients, optimizer state, buffers, gathered and bucket buffers: what
   ``live`` returns) plus the running total of what the step allocates and frees on this thread.
+  The profiler sees the free of a block only if the block was allocated while it was recording, so
+  the step before a measured one is recorded too (in a session of its own: no session spans the
+  gap between steps, where the user may start a profiler): what that step allocates and the
+  measured step frees (gradient buckets, optimizer state copied to the host) is then subtracted.
   The figure misses tensors the training loop holds outside the model that the step does not
-  allocate, and memory that the step frees but that was allocated before it started is still
-  counted (the profiler cannot see such frees), so it errs high by at most that. It is measured on
-  the steps that are logged and on steps 1, 2, 4, 8, ... (so a run that never logs still gets a
-  figure, and a budget check, at a vanishing cost); the other steps report the last measured one.
+  allocate, and still counts what the step frees that was allocated two or more steps earlier. It
+  is measured on steps 1, 2, 4, 8, ... (each with the step before): every plan in force gets a
+  figure and a budget check, at a cost that vanishes with the number of steps; the other steps
+  report the last measured one.
 
 Resident memory is read from ``/proc/self/status`` (``VmRSS``; Linux, else psutil).
 :class:`ResidentMeter` (the benchmark's) resets the high-water mark ``VmHWM`` through

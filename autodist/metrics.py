@@ -16,8 +16,8 @@ closed (``close()``), garbage-collected, or at interpreter exit, whichever comes
 ``model.metrics()`` returns the last completed step's values as a dict, for the user's own logger.
 
 Memory (see [Note: what peak memory means] in ``autodist/memory.py``): ``peak_bytes`` is tensor
-memory, measured on step ``peak_step`` (CUDA: every step; CPU: the logged steps and steps 1, 2, 4,
-8, ...); ``peak_scope`` says whether it is that step's own peak or, on CUDA without ``log_every``,
+memory, measured on step ``peak_step`` (CUDA: every step; CPU: steps 1, 2, 4, 8, ...);
+``peak_scope`` says whether it is that step's own peak or, on CUDA without ``log_every``,
 the process's peak so far (the allocator's counter is reset only when per-step figures are asked
 for, so a ``torch.cuda.max_memory_allocated`` of the user's is never clobbered otherwise).
 ``host_state_bytes`` is the optimizer state offloaded to host memory, measured from the buffers that
@@ -107,15 +107,18 @@ class StepMeter:
         *,
         live: Callable[[], Iterable[torch.Tensor]] = tuple,
         host_state: Callable[[], Iterable[torch.Tensor]] = tuple,
+        predicted_peak: Callable[[], int | None] = lambda: None,
     ) -> None:
         """``live``: the tensors the model holds between steps (parameters, gradients, buffers; the
-        optimizers' state is added here); ``host_state``: the buffers of offloaded optimizer state."""
+        optimizers' state is added here); ``host_state``: the buffers of offloaded optimizer state;
+        ``predicted_peak``: the plan's prediction, for the warning."""
         self.stats = stats
         self.device = device
         # per-step figures were asked for: the allocator's peak counter may be reset at each step
         self.probe = TensorPeakProbe(device, reset=log_every is not None)
         self.live = live
         self.host_state = host_state
+        self.predicted_peak = predicted_peak
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
         self.once = OnceLogger()
         self.peak: PeakReading | None = None
@@ -148,15 +151,18 @@ class StepMeter:
         self._counts = self._counts_now()
 
     def _measured(self, step: int) -> bool:
-        """Whether step ``step``'s tensor peak is measured: every step on CUDA; on the CPU (where it
-        costs a profiled step) the logged ones and 1, 2, 4, 8, ..."""
-        if self.device.type == "cuda":
-            return True
-        return step & (step - 1) == 0 or bool(self.log_every and step % self.log_every == 0)
+        """Whether step ``step``'s tensor peak is measured: every step on CUDA; on the CPU, where it
+        costs two profiled steps (see ``autodist/memory.py``), steps 1, 2, 4, 8, ..."""
+        return self.device.type == "cuda" or step & (step - 1) == 0
+
+    def _recorded(self, step: int) -> bool:
+        """Whether step ``step`` runs under the probe: the measured steps, and on the CPU the step
+        before each (so the measured step sees the frees of what it allocated)."""
+        return self._measured(step) or (self.device.type == "cpu" and self._measured(step + 1))
 
     def _live(self) -> list[torch.Tensor]:
         state = [t for opt in list(self.optimizers) for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
-        return [*self.live(), *state]
+        return [t for t in (*self.live(), *state) if t is not None]
 
     def on_forward(self, args: tuple, kwargs: dict, *, sync: bool) -> None:
         """A training forward (gradients enabled); ``sync``: its backward reduces gradients."""
@@ -165,7 +171,7 @@ class StepMeter:
             self._end(now)  # no torch.optim optimizer steps this model: a synchronised forward-backward is a step
         if self._start is None:
             self._begin(now)
-        if not self._open and not self._closed and self._measured(self.step + 1):
+        if not self._open and not self._closed and self._recorded(self.step + 1):
             self.probe.start(self._live)  # the step's memory window opens at its first forward
         self._open = True
         self._last_forward_synced = sync
@@ -186,6 +192,8 @@ class StepMeter:
         g, r = self._counts_now()
         self.step += 1
         reading = self.probe.stop()
+        if not self._measured(self.step):
+            reading = None  # recorded only so that the next step's figure is right
         if reading is not None:
             self.peak, self.peak_step = reading, self.step
         host = storage_bytes(self.host_state())
@@ -209,13 +217,15 @@ class StepMeter:
             reductions=r - self._counts[1],
         )
         if reading is not None and reading.new_high and on_device is not None and on_device > self.budget:
+            predicted = self.predicted_peak()
             self.once.warning(
                 "over budget",
-                "autodist: measured peak tensor memory %s at step %d on rank %d is above the budget %s (%.0f%%%s); "
-                "with plan='auto' and memory_limit set the plan is chosen to fit it: pass memory_limit, or use a "
-                "plan that shards more, a smaller batch, or more ranks",
+                "autodist: measured peak tensor memory %s at step %d on rank %d is above the budget %s (%.0f%%%s%s). "
+                "To fit: a smaller batch, more ranks, or a plan that shards or offloads more (plan='auto' plans "
+                "within memory_limit)",
                 format_bytes(on_device), self.step, self.rank, format_bytes(self.budget), 100 * on_device / self.budget,
-                ", the process's peak so far" if reading.scope == "process" else "",
+                "; the process's peak so far" if reading.scope == "process" else "",
+                f"; the plan predicted {format_bytes(predicted)}" if predicted else "",
             )
         self._open = False
         if self.log_every and self.step % self.log_every == 0:

@@ -176,6 +176,7 @@ class AutoDist(nn.Module):
         self._meter = StepMeter(
             self._comm.stats, device, self.budget_bytes, self._comm.world_size, self._comm.rank, log_every,
             live=self._held_tensors, host_state=self._host_state,
+            predicted_peak=lambda: self._engine.plan.predicted.get("peak_bytes"),
         )
         self._engine.step_listeners.append(self._meter.on_optimizer_step)
         # the last step is logged even if close() is never called

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from .comm import Comm, InFlight
+from .comm import Comm, InFlight, release
 from .params import ManagedParam
 
 # After-reduction action per parameter slot: make the slot the gradient; add it into the user's own
@@ -295,6 +295,8 @@ class BucketRuntime:
         """Wait for the collective and hand each parameter its reduced gradient."""
         assert self.inflight is not None, "finish() before launch()"
         self.inflight.wait()
+        if self.op == "reduce_scatter":
+            release(self.inflight.buffers[1])  # the input, this launch's own
         views = self.views
         used = [True] * self.n if self.all_local else (self.buffer[self.total :] > 0).tolist()
         with torch.no_grad():
