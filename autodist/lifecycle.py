@@ -12,6 +12,11 @@
   hooks, then profile → comm model → search twice on rank 0 (placement fixed, as it now is; and
   placement free, for the next launch) → switch every knob that can change between steps → store
   the free-placement plan for the next launch and log what it adds and the predicted gain.
+* **A model on the meta device** — it cannot run before it is materialised, and no rank should hold
+  it whole: the safe plan shards every unit (unless a placement is stored); with example inputs
+  (and no cached plan) the wrapper materialises it under that plan and :meth:`AutoPlanner.profile_wrapped`
+  profiles the wrapped model (gathering each unit as it runs) instead of the plain module, then
+  plans as transparent profiling does.
 
 Rank 0 searches and broadcasts; every rank checks the plan hash afterwards (``AutoDist``).
 """
@@ -113,6 +118,7 @@ class AutoPlanner:
         self._opt_handles: list[Any] = []
         self._sig = ""
         self._out_fp32 = 0  # float32 bytes of the outputs of the last recorded forward
+        self._wrapped_inputs: tuple | None = None  # a meta-device model's example inputs (profile_wrapped)
 
     # ---- keys ------------------------------------------------------------------------------
     def _machine(self) -> dict[str, Any]:
@@ -336,7 +342,7 @@ class AutoPlanner:
         then search with the placement fixed, switch, and store the plan with the best placement for
         the next launch, as transparent profiling does. A few forward/backward passes, no optimizer
         step; parameters, gradients, buffers and the random generator are left as found."""
-        inputs, self._wrapped_inputs = getattr(self, "_wrapped_inputs", None), None
+        inputs, self._wrapped_inputs = self._wrapped_inputs, None
         if inputs is None:
             return
         eng = self.w._engine

@@ -146,7 +146,10 @@ def _loose_root(with_init_fn: bool) -> object:
 
 def test_a_tensor_no_initialiser_writes_is_refused_with_its_name(world2):
     for message in world2.run(_loose_root, False):
-        assert "no initialiser writes 2 of its tensors: scale (LooseRoot), freqs (LooseRoot)" in message
+        assert (
+            "no initialiser writes 2 of its tensors: scale (LooseRoot: no reset_parameters()), "
+            "freqs (LooseRoot: no reset_parameters())"
+        ) in message
         assert "reset_parameters()" in message and "param_init_fn" in message
 
 

@@ -190,7 +190,7 @@ class Materializer:
         self.param_init_fn = param_init_fn
         self.entries = self._collect()
         self.calls = self._calls()
-        self._footprints = self._dry_run()
+        self._dry_run()
         self._check_every_tensor_written()
 
     # ---- planning -------------------------------------------------------------------------------
@@ -232,8 +232,7 @@ class Materializer:
                 fn = m._reset_parameters
             else:
                 continue
-            subtree_ids = {id(s) for s in m.modules()}
-            subtree = [i for i, e in enumerate(self.entries) if any(id(s) in subtree_ids for s, _ in e.sites)]
+            subtree = sorted({i for s in m.modules() for i, _ in direct.get(id(s), [])})
             foreign = [(i, attr) for i, attr in direct.get(id(m), []) if self.entries[i].owner is not m]
             calls.append(_Call(name, m, fn, subtree, foreign))
         return calls
@@ -278,12 +277,12 @@ class Materializer:
             fakes = [e.blank(torch.empty_strided) for e in self.entries]
         expected = dict(enumerate(fakes))
         footprints: list[set[int]] = []
+        keys = {i: _storage_key(f) for i, f in enumerate(fakes)}
+        by_key = {k: i for i, k in keys.items()}
         try:
             for e, f in zip(self.entries, fakes):
                 e.register(f)
             for call in self.calls:
-                keys = {i: _storage_key(f) for i, f in enumerate(fakes)}
-                by_key = {k: i for i, k in keys.items()}
                 recorder = _WriteRecorder(dry=True)
                 try:
                     with fake_mode, recorder, torch.no_grad(), self._scratch(call, torch.empty_strided):
@@ -293,8 +292,12 @@ class Materializer:
                 except Exception as exc:  # data-dependent initialisers cannot run on fake tensors
                     logger.debug("autodist: trial run of the initialiser of %r failed (%s); assuming it writes its subtree", call.name, exc)
                     found = set(call.subtree)
-                for e, f in zip(self.entries, fakes):  # undo replacements: each call sees the fakes
-                    e.register(f)
+                for i in found:  # undo replacements: each call sees the fakes
+                    self.entries[i].register(fakes[i])
+                    if _storage_key(fakes[i]) != keys[i]:  # its data was swapped
+                        del by_key[keys[i]]
+                        keys[i] = _storage_key(fakes[i])
+                        by_key[keys[i]] = i
                 footprints.append(found)
         finally:
             for e in self.entries:
@@ -311,27 +314,33 @@ class Materializer:
         missing = [e for e in self.entries if e.first < 0]
         if not missing:
             return
-        names = ", ".join(f"{e.name} ({type(e.sites[0][0]).__name__})" for e in missing[:6])
+        def why(e: _Entry) -> str:
+            if self.param_init_fn is not None:
+                return "param_init_fn does not write it"
+            owner = e.owner
+            if callable(getattr(owner, "reset_parameters", None)) or callable(getattr(owner, "_reset_parameters", None)):
+                return "its reset_parameters() does not write it"
+            return "no reset_parameters()"
+
+        names = ", ".join(f"{e.name} ({type(e.owner).__name__}: {why(e)})" for e in missing[:6])
         more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
-        how = (
-            "param_init_fn does not write them"
-            if self.param_init_fn is not None
-            else "by default each module that registers tensors is initialised by its reset_parameters(), "
-            "and these modules have none"
-        )
         raise InitError(
-            f"the model is on the meta device, but no initialiser writes {len(missing)} of its tensors: {names}{more} "
-            f"({how}). Give those modules a reset_parameters() that initialises them, or pass "
-            "param_init_fn=fn (called with every module, children first) that does; a buffer computed in "
-            "__init__ (rotary frequencies) must be computed there again."
+            f"the model is on the meta device, but no initialiser writes {len(missing)} of its tensors: {names}{more}. "
+            "By default each module that registers tensors is initialised by its reset_parameters(); give those "
+            "modules one that initialises them, or pass param_init_fn=fn (called with every module, children "
+            "first) that does. A buffer computed in __init__ (rotary frequencies) must be computed there again."
         )
 
     # ---- carrying out ---------------------------------------------------------------------------
     def held_bytes_profile(self) -> tuple[int, str]:
         """The most bytes of host copies held at once, and the call where that happens."""
-        best, at = 0, ""
+        delta = [0] * (len(self.calls) + 1)
+        for e in self.entries:
+            delta[e.first] += e.nbytes
+            delta[e.last + 1] -= e.nbytes
+        best, at, live = 0, "", 0
         for ci, call in enumerate(self.calls):
-            live = sum(e.nbytes for e in self.entries if e.first <= ci <= e.last)
+            live += delta[ci]
             if live > best:
                 best, at = live, call.name or "(root)"
         return best, at
@@ -350,13 +359,20 @@ class Materializer:
         for e in self.entries:
             e.register(e.original)
         meta_keys = {_storage_key(e.original): i for i, e in enumerate(self.entries)}
+        starting: dict[int, list[int]] = {}
+        ending: dict[int, list[int]] = {}
+        for i, e in enumerate(self.entries):
+            starting.setdefault(e.first, []).append(i)
+            ending.setdefault(e.last, []).append(i)
+        live: set[int] = set()
         for ci, call in enumerate(self.calls):
-            for e in (e for e in self.entries if e.first == ci):
+            for i in starting.get(ci, []):
+                e = self.entries[i]
                 kept = self._kept_storage(e, params, device)
                 e.live = kept if kept is not None else e.blank(torch.empty_strided)
                 e.aliased = kept is not None
                 e.register(e.live)
-            live = [i for i, e in enumerate(self.entries) if e.live is not None]
+                live.add(i)
             expected = {i: self.entries[i].live if self.entries[i].live is not None else self.entries[i].original for i in call.subtree}
             keys = {i: _storage_key(t) for i, t in expected.items()}
             recorder = _WriteRecorder(dry=False)
@@ -381,7 +397,8 @@ class Materializer:
                     e.written = True
             for i in replaced:
                 self._adopt(self.entries[i])
-            self._finish([e for e in self.entries if e.last == ci], params, broadcast, device)
+            self._finish([self.entries[i] for i in ending.get(ci, [])], params, broadcast, device)
+            live.difference_update(ending.get(ci, []))
         best, at = self.held_bytes_profile()
         return MaterializeReport(
             tensors=len(self.entries), calls=len(self.calls), total_bytes=sum(e.nbytes for e in self.entries),
