@@ -20,10 +20,13 @@ of which is torch itself) only under its own name:
   gap between steps, where the user may start a profiler): what that step allocates and the
   measured step frees (gradient buckets, optimizer state copied to the host) is then subtracted.
   The figure misses tensors the training loop holds outside the model that the step does not
-  allocate, and still counts what the step frees that was allocated two or more steps earlier. It
-  is measured on steps 1, 2, 4, 8, ... (each with the step before): every plan in force gets a
-  figure and a budget check, at a cost that vanishes with the number of steps; the other steps
-  report the last measured one.
+  allocate, and still counts what the step frees that was allocated two or more steps earlier.
+  A profiler session is process-visible (torch refuses to start another one on the thread while it
+  runs: a user's ``torch.profiler.profile()`` entered mid-step would fail), so the CPU figure is
+  measured only when per-step figures were asked for (``AutoDist(..., log_every=N)``), on steps 1,
+  2, 4, 8, ... (each with the step before): every plan in force gets a figure and a budget check,
+  at a cost that vanishes with the number of steps; other steps report the last measured one. No
+  session starts while another profiler runs.
 
 Resident memory is read from ``/proc/self/status`` (``VmRSS``; Linux, else psutil).
 :class:`ResidentMeter` (the benchmark's) resets the high-water mark ``VmHWM`` through

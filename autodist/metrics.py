@@ -16,8 +16,8 @@ closed (``close()``), garbage-collected, or at interpreter exit, whichever comes
 ``model.metrics()`` returns the last completed step's values as a dict, for the user's own logger.
 
 Memory (see [Note: what peak memory means] in ``autodist/memory.py``): ``peak_bytes`` is tensor
-memory, measured on step ``peak_step`` (CUDA: every step; CPU: steps 1, 2, 4, 8, ...);
-``peak_scope`` says whether it is that step's own peak or, on CUDA without ``log_every``,
+memory, measured on step ``peak_step`` (CUDA: every step; CPU: with ``log_every`` set, steps 1, 2,
+4, 8, ...; without it, never: ``None``); ``peak_scope`` says whether it is that step's own peak or, on CUDA without ``log_every``,
 the process's peak so far (the allocator's counter is reset only when per-step figures are asked
 for, so a ``torch.cuda.max_memory_allocated`` of the user's is never clobbered otherwise).
 ``host_state_bytes`` is the optimizer state offloaded to host memory, measured from the buffers that
@@ -152,8 +152,12 @@ class StepMeter:
 
     def _measured(self, step: int) -> bool:
         """Whether step ``step``'s tensor peak is measured: every step on CUDA; on the CPU, where it
-        costs two profiled steps (see ``autodist/memory.py``), steps 1, 2, 4, 8, ..."""
-        return self.device.type == "cuda" or step & (step - 1) == 0
+        costs two profiled steps (see ``autodist/memory.py``) and a profiler session the user's own
+        profiler cannot start during, only when per-step figures were asked for (``log_every``):
+        steps 1, 2, 4, 8, ..."""
+        if self.device.type == "cuda":
+            return True
+        return bool(self.log_every) and step & (step - 1) == 0
 
     def _recorded(self, step: int) -> bool:
         """Whether step ``step`` runs under the probe: the measured steps, and on the CPU the step

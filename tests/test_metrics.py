@@ -131,7 +131,7 @@ def test_peak_memory_is_the_models_tensor_memory_not_the_resident_set(world2):
 
 
 def test_a_measured_peak_above_the_budget_warns_once_with_both_figures(world2):
-    for rank, r in enumerate(world2.run(_train, 6, memory_limit="1KB")):
+    for rank, r in enumerate(world2.run(_train, 6, memory_limit="1KB", log_every=100)):
         assert len(r["warnings"]) == 1, r["warnings"]
         assert f"at step 1 on rank {rank} is above the budget 1000 B" in r["warnings"][0]
         peak = r["warnings"][0].split("measured peak tensor memory ")[1].split(" at step")[0]
@@ -139,7 +139,27 @@ def test_a_measured_peak_above_the_budget_warns_once_with_both_figures(world2):
 
 
 def test_a_peak_within_the_budget_does_not_warn(world2):
-    assert [r["warnings"] for r in world2.run(_train, 3, memory_limit="100MB")] == [[], []]
+    assert [r["warnings"] for r in world2.run(_train, 3, memory_limit="100MB", log_every=100)] == [[], []]
+
+
+def _profiler_started_mid_step():
+    model = AutoDist(models.make("mlp"), plan="ddp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(0))
+    for _ in range(3):
+        loss = models.loss_fn("mlp", model(x), y)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            loss.backward()
+            opt.step()
+        opt.zero_grad()
+    peak = model.metrics()["peak_bytes"]
+    model.close()
+    return peak
+
+
+def test_without_log_every_the_cpu_runs_no_profiler_of_its_own(world2):
+    # a profiler session of AutoDist's own would make the user's, entered mid-step, fail to start
+    assert world2.run(_profiler_started_mid_step) == [None, None]
 
 
 def _high_water_mark_kept():
