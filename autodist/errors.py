@@ -34,6 +34,11 @@ class RankMismatchError(AutoDistError):
 
 class PeerFailure(AutoDistError):
     """Another rank failed or exited while this one waited for a collective with it."""
+
+
+class InitError(AutoDistError, ValueError):
+    """A model built on the meta device cannot be initialised as asked (a tensor no initialiser
+    writes, an initialiser that writes outside what it was seen to write)."""
 def mark_raised_on_every_rank(error: BaseException) -> BaseException:
     """Record that every rank raises ``error`` (or one that names it) at this point: code that
     agreed on the failure first (a collective) says so, and only such errors are reported once."""

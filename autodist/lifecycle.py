@@ -12,6 +12,11 @@
   hooks, then profile → comm model → search twice on rank 0 (placement fixed, as it now is; and
   placement free, for the next launch) → switch every knob that can change between steps → store
   the free-placement plan for the next launch and log what it adds and the predicted gain.
+* **A model on the meta device** — it cannot run before it is materialised, and no rank should hold
+  it whole: the safe plan shards every unit (unless a placement is stored); with example inputs
+  (and no cached plan) the wrapper materialises it under that plan and :meth:`AutoPlanner.profile_wrapped`
+  profiles the wrapped model (gathering each unit as it runs) instead of the plain module, then
+  plans as transparent profiling does.
 
 Rank 0 searches and broadcasts; every rank checks the plan hash afterwards (``AutoDist``).
 """
@@ -39,7 +44,19 @@ from .cost.profile import OptimizerProfile, Profile, slowest
 from .cost.simulator import Simulator
 from .errors import AutoDistError, BudgetError
 from .measure.sweep import sweep
-from .measure.trace import UnitTracer, _attribute, _Clock, _Pass, float_output_bytes, loss_fields, profile_model
+from .measure.trace import (
+    UnitTracer,
+    _attribute,
+    _Clock,
+    _Pass,
+    _preserved,
+    _surrogate_loss,
+    estimate_optimizer,
+    float_output_bytes,
+    loss_fields,
+    model_loss,
+    profile_model,
+)
 from .plan import SCHEMA_VERSION, Plan, made_for
 from .sched.search import SearchConfig, Searcher, SearchResult
 from .sched.space import PlanSpace, space_for
@@ -103,6 +120,7 @@ class AutoPlanner:
         self._opt_handles: list[Any] = []
         self._sig = ""
         self._out_fp32 = 0  # float32 bytes of the outputs of the last recorded forward
+        self._wrapped_inputs: tuple | None = None  # a meta-device model's example inputs (profile_wrapped)
 
     # ---- keys ------------------------------------------------------------------------------
     def _machine(self) -> dict[str, Any]:
@@ -186,7 +204,9 @@ class AutoPlanner:
             return CommModel.from_json(text)
         if self.rank == 0:
             logger.info("autodist: measuring the communication cost model (a few seconds, once per machine)")
-        with progress("measuring the comm model", enabled=self.rank == 0):
+        # the sweep draws random tensors (and seeds its own overhead probe): the user's generator is kept
+        rng_devices = [self.device] if self.device.type == "cuda" else []
+        with progress("measuring the comm model", enabled=self.rank == 0), torch.random.fork_rng(devices=rng_devices):
             model = sweep(self.comm.group, self.device)
             if model.meta.get("disturbed"):  # retaken once; a second disturbed sweep is kept, flagged
                 if self.rank == 0:
@@ -203,7 +223,10 @@ class AutoPlanner:
         return model
 
     # ---- planning ------------------------------------------------------------------------------
-    def safe_plan(self) -> Plan:
+    def safe_plan(self, *, sharded: bool = False, profiled: str = "the first steps are") -> Plan:
+        """The plan to start with before a profile exists: the placement stored by the previous launch;
+        else everything sharded when ``sharded`` (a model on the meta device: no rank should ever
+        hold all its parameters) or when replicating would not fit in half the budget; else DDP's."""
         from .builtins import ddp_plan
 
         hint = self.comm.broadcast_object(self.read("placements", self.placement_key()))
@@ -213,6 +236,9 @@ class AutoPlanner:
             g = space.normalize(replace(g, shard=tuple(hint[u] == "shard" for u in space.units)))
             plan = space.to_plan(g, provenance={"source": "auto:safe start (stored placement)"})
             reason = "the placement stored by the previous launch"
+        elif sharded:
+            plan = space.to_plan(space.fsdp(), provenance={"source": "auto:safe start (sharded)"})
+            reason = "the model is on the meta device: its units are sharded, so no rank holds all its parameters"
         else:
             params = sum(p.nbytes for p in self.structure.params.values())
             # replicated: parameters + gradients + Adam's two moments
@@ -226,7 +252,7 @@ class AutoPlanner:
         plan.device = self.device.type
         self.stats.source = "safe start"
         if self.rank == 0:
-            logger.info("autodist: plan=auto: starting with a safe plan (%s) while the first steps are profiled", reason)
+            logger.info("autodist: plan=auto: starting with a safe plan (%s) while %s profiled", reason, profiled)
         return plan
 
     def search(self, profile: Profile, comm: CommModel, *, fixed: dict[str, str] | None) -> SearchResult:
@@ -291,10 +317,13 @@ class AutoPlanner:
         return now_plan, free_plan
 
     # ---- the two entry points ----------------------------------------------------------------
-    def resolve(self, example_inputs: Any, example_kwargs: dict[str, Any] | None = None) -> Plan:
+    def resolve(self, example_inputs: Any, example_kwargs: dict[str, Any] | None = None, *, meta: bool = False) -> Plan:
+        """The plan to wrap with. ``meta``: the model is on the meta device, so it cannot run before it
+        is placed and materialised: on a miss with example inputs the safe sharded plan is returned
+        and :meth:`profile_wrapped` profiles and plans once the wrapper has materialised it."""
         if example_inputs is None and example_kwargs is None:
             self.state = _State.START
-            return self.safe_plan()
+            return self.safe_plan(sharded=meta)
         if example_inputs is None:
             example_inputs = ()
         if not isinstance(example_inputs, tuple):
@@ -307,6 +336,9 @@ class AutoPlanner:
             self._log_chosen(plan)
             return plan
         self._sig = sig
+        if meta:
+            self._wrapped_inputs = (example_inputs, example_kwargs)
+            return self.safe_plan(sharded=True, profiled="the example inputs are")
         if self.rank == 0:
             logger.info("autodist: plan=auto: no cached plan for this model and input; profiling and searching")
         with progress("profiling the model", enabled=self.rank == 0):
@@ -316,6 +348,59 @@ class AutoPlanner:
         plan, _ = self.plan_now(prof, sig, fixed=None)
         self._log_chosen(plan)
         return plan
+
+    def profile_wrapped(self) -> None:
+        """A meta-device model wrapped with example inputs and no cached plan: profile the wrapped model
+        (under the sharded safe plan, gathering each unit on demand: no rank holds the whole model),
+        then search with the placement fixed, switch, and store the plan with the best placement for
+        the next launch, as transparent profiling does. A few forward/backward passes, no optimizer
+        step; parameters, gradients, buffers and the random generator are left as found."""
+        pending, self._wrapped_inputs = self._wrapped_inputs, None
+        if pending is None:
+            return
+        eng = self.w._engine
+        inputs = tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in pending[0])
+        kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in pending[1].items()}
+        if self.rank == 0:
+            logger.info("autodist: plan=auto: no cached plan for this model and input; profiling the wrapped model and searching")
+        with _preserved(self.w.module, self.device), progress("profiling the model", enabled=self.rank == 0):
+            self._start_recording()
+            try:
+                for i in range(PROFILE_STEPS):
+                    out = eng.forward(inputs, kwargs)
+                    loss = model_loss(out)
+                    loss = loss if loss is not None else _surrogate_loss(out)
+                    del out
+                    loss.backward()
+                    del loss
+                    self._finish_pass()
+                    for mp in eng.params.values():
+                        mp.visible.grad = None
+                    if i + 1 < PROFILE_STEPS:
+                        self._begin_pass()
+            finally:
+                self._tracer.close()
+                for h in self._opt_handles:
+                    h.remove()
+                eng.observer = None
+                self.state = _State.DONE
+        prof = self._profile_from_recording()
+        if not prof.optimizer.measured:
+            prof = replace(prof, optimizer=estimate_optimizer(self.device))
+        self.stats.profiles_measured += 1
+        prof = self._merge(prof)
+        now, free = self.plan_now(prof, self._sig, fixed={u.name: u.placement for u in eng.plan.units})
+        self._switch(now)
+        if self.rank == 0:
+            self._log_chosen(now)
+            more = [u.name for u, v in zip(free.units, now.units) if u.placement != v.placement]
+            if more:
+                logger.info(
+                    "autodist: the next launch will place %d unit(s) differently (e.g. %s) for a predicted %.1f ms "
+                    "step instead of %.1f ms; the plan is stored at %s",
+                    len(more), more[0], 1e3 * free.predicted.get("step_seconds", 0),
+                    1e3 * now.predicted.get("step_seconds", 0), self.stats.plan_path,
+                )
 
     def _merge(self, prof: Profile) -> Profile:
         texts = self.comm.all_gather_object(prof.to_json())

@@ -1,21 +1,49 @@
-"""Measuring memory on the device this rank computes on.
+"""Measuring memory: tensor memory (what the budget is about) and resident memory (its own thing).
 
-On CUDA the caching allocator's counters are exact. On the CPU there is no allocator with
-statistics, so the meter reads the process's resident set: ``VmHWM`` (the high-water mark) after
-resetting it through ``/proc/self/clear_refs``. Resident memory counts everything the process
-touches, so differences between two readings — not absolute values — are what a measurement
-reports. Linux only; elsewhere the CPU meter reports the current RSS from psutil and no peak.
+[Note: what peak memory means] AutoDist reports **tensor memory** against the budget everywhere — step
+logs, ``metrics()``, plans, ``tools/bench.py`` — and resident memory (the process's RSS, about 0.5 GiB
+of which is torch itself) only under its own name:
+
+* **CUDA**: the caching allocator's allocated bytes, ``torch.cuda.max_memory_allocated``. Its peak
+  counter is process-wide, and resetting it (``reset_peak_memory_stats``) clobbers a peak the user
+  reads with the same call, so :class:`TensorPeakProbe` resets it only when asked for per-step
+  figures (``AutoDist(..., log_every=N)``, as torchtitan's memory monitor does). Otherwise it reads
+  it without resetting: the figure is the process's peak so far (scope ``"process"``), and a step
+  that raised it is known to have reached it (``new_high``).
+* **CPU**: the host allocator keeps no statistics, so the peak of a step is measured with the torch
+  profiler's memory tracking (:func:`trace_cpu_memory`; its cost is an event per operation, 10-70%
+  of a step for small models): the bytes of the tensors the model holds when the step starts
+  (parameters and shards, gradients, optimizer state, buffers, gathered and bucket buffers: what
+  ``live`` returns) plus the running total of what the step allocates and frees on this thread.
+  The profiler sees the free of a block only if the block was allocated while it was recording, so
+  the step before a measured one is recorded too (in a session of its own: no session spans the
+  gap between steps, where the user may start a profiler): what that step allocates and the
+  measured step frees (gradient buckets, optimizer state copied to the host) is then subtracted.
+  The figure misses tensors the training loop holds outside the model that the step does not
+  allocate, and still counts what the step frees that was allocated two or more steps earlier.
+  A profiler session is process-visible (torch refuses to start another one on the thread while it
+  runs: a user's ``torch.profiler.profile()`` entered mid-step would fail), so the CPU figure is
+  measured only when per-step figures were asked for (``AutoDist(..., log_every=N)``), on steps 1,
+  2, 4, 8, ... (each with the step before): every plan in force gets a figure and a budget check,
+  at a cost that vanishes with the number of steps; other steps report the last measured one. No
+  session starts while another profiler runs.
+
+Resident memory is read from ``/proc/self/status`` (``VmRSS``; Linux, else psutil).
+:class:`ResidentMeter` (the benchmark's) resets the high-water mark ``VmHWM`` through
+``/proc/self/clear_refs``, which is process-wide: the library itself never does.
 
 [Note: glibc and freed tensors] glibc serves large allocations with ``mmap`` and returns them on
 ``free`` — but raises its threshold dynamically after the first large free, after which freed tensor
-memory may stay resident. Processes that measure peaks (``tools/bench.py``, ``tools/simcheck.py``)
-set ``MALLOC_MMAP_THRESHOLD_`` to fix the threshold, so resident memory follows live tensors.
+memory may stay resident. Processes that measure resident peaks (``tools/bench.py``,
+``tools/simcheck.py``) set ``MALLOC_MMAP_THRESHOLD_`` to fix the threshold, so resident memory
+follows live tensors.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -34,23 +62,25 @@ def _status_bytes(field: str) -> int | None:
     return None
 
 
-class MemoryMeter:
-    """``reset_peak()`` then ``peak()``: the most memory in use since the reset, in bytes."""
+def resident_bytes() -> int:
+    """The process's resident set now."""
+    rss = _status_bytes("VmRSS")
+    return rss if rss is not None else psutil.Process().memory_info().rss
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+
+class ResidentMeter:
+    """Resident memory (RSS) for tools: ``reset_peak()`` then ``peak()``, the most resident since the
+    reset (``VmHWM`` after writing ``/proc/self/clear_refs``: process-wide, never done by the library).
+    Linux only; elsewhere ``peak()`` is the current RSS."""
+
+    def __init__(self) -> None:
         self._proc_ok = os.path.exists("/proc/self/clear_refs")
 
     def current(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.memory_allocated(self.device)
-        rss = _status_bytes("VmRSS")
-        return rss if rss is not None else psutil.Process().memory_info().rss
+        return resident_bytes()
 
     def reset_peak(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        elif self._proc_ok:
+        if self._proc_ok:
             try:
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")
@@ -58,15 +88,101 @@ class MemoryMeter:
                 self._proc_ok = False
 
     def peak(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device)
         hwm = _status_bytes("VmHWM") if self._proc_ok else None
         return hwm if hwm is not None else self.current()
+
+
+@dataclass(frozen=True)
+class PeakReading:
+    """A measured tensor-memory peak. ``scope``: ``"step"`` (this window's own peak) or ``"process"``
+    (CUDA without a reset: the process's peak so far, at least this window's). ``new_high``: the
+    window reached the figure (always true for ``"step"``)."""
+
+    nbytes: int
+    scope: str
+    new_high: bool
+
+
+class TensorPeakProbe:
+    """Peak tensor memory over a window (a training step): ``start(live)`` … ``stop()``. See
+    [Note: what peak memory means]. ``reset``: CUDA may reset the allocator's peak counter at
+    ``start`` (per-step figures were asked for)."""
+
+    def __init__(self, device: torch.device, *, reset: bool) -> None:
+        self.device = device
+        self.reset = reset
+        self._trace: _CpuTrace | None = None
+        self._base = 0
+        self._before = 0
+        self.running = False
+
+    def start(self, live: Callable[[], Iterable[torch.Tensor]]) -> bool:
+        """Open a window; False when it cannot be measured (CPU: another profiler is running)."""
+        if self.running:
+            return True
+        if self.device.type == "cuda":
+            if self.reset:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self._before = torch.cuda.max_memory_allocated(self.device)
+            self.running = True
+            return True
+        if torch.autograd._profiler_enabled():
+            return False  # the user's profiler: measuring would fail to start, or stop theirs
+        self._base = storage_bytes(live())
+        self._trace = _CpuTrace()
+        self._trace.start()
+        self.running = True
+        return True
+
+    def stop(self) -> PeakReading | None:
+        if not self.running:
+            return None
+        self.running = False
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+            if self.reset:
+                return PeakReading(peak, "step", True)
+            return PeakReading(peak, "process", peak > self._before)
+        mem, _ = self._trace.stop()
+        self._trace = None
+        return PeakReading(self._base + max((m for _, m in mem), default=0), "step", True)
+
+
+class _CpuTrace:
+    """One session of the profiler's memory tracking on this thread, started and stopped by hand
+    (see :func:`trace_cpu_memory`)."""
+
+    def __init__(self, mark_prefix: str = "autodist::mark(") -> None:
+        self.mark_prefix = mark_prefix
+        self._legacy = all(hasattr(torch.autograd, n) for n in ("_enable_profiler_legacy", "_disable_profiler_legacy"))
+        self._prof = None
+
+    def start(self) -> None:
+        if self._legacy:
+            from torch._C._profiler import _ExperimentalConfig
+            from torch.autograd import ProfilerConfig, ProfilerState
+
+            config = ProfilerConfig(ProfilerState.CPU, False, True, False, False, False, _ExperimentalConfig())
+            torch.autograd._enable_profiler_legacy(config)
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+
+    def stop(self) -> tuple[list[tuple[float, int]], dict[str, float]]:
+        if self._legacy:
+            return _legacy_events(torch.autograd._disable_profiler_legacy(), self.mark_prefix)
+        self._prof.__exit__(None, None, None)
+        return _kineto_events(self._prof, self.mark_prefix)
 
 
 def trace_cpu_memory(fn: Callable[[], None], mark_prefix: str = "autodist::mark(") -> tuple[list[tuple[float, int]], dict[str, float]]:
     """Run ``fn`` under the torch profiler's memory tracking (host tensors allocated by this thread
     and by the threads torch runs its work on).
+
+    Frees made on other threads (a collective backend dropping its last reference to a message) are
+    not seen: free such buffers explicitly (``untyped_storage().resize_(0)``) where it matters.
 
     Returns the bytes allocated since ``fn`` started after every allocation or free, as
     ``(time_us, bytes)``, and the time of every ``record_function`` whose name starts with
@@ -82,20 +198,16 @@ def trace_cpu_memory(fn: Callable[[], None], mark_prefix: str = "autodist::mark(
     non-Kineto profiler (``ProfilerState.CPU``, what ``torch.autograd.profiler_legacy`` runs), which
     never starts Kineto: it is used while torch has it, ``torch.profiler`` otherwise.
     """
-    legacy = all(hasattr(torch.autograd, n) for n in ("_enable_profiler_legacy", "_disable_profiler_legacy"))
-    return (_trace_without_kineto if legacy else _trace_with_kineto)(fn, mark_prefix)
-
-
-def _trace_without_kineto(fn: Callable[[], None], mark_prefix: str) -> tuple[list[tuple[float, int]], dict[str, float]]:
-    from torch._C._profiler import _ExperimentalConfig
-    from torch.autograd import ProfilerConfig, ProfilerState
-
-    config = ProfilerConfig(ProfilerState.CPU, False, True, False, False, False, _ExperimentalConfig())
-    torch.autograd._enable_profiler_legacy(config)
+    trace = _CpuTrace(mark_prefix)
+    trace.start()
     try:
         fn()
     finally:
-        records = torch.autograd._disable_profiler_legacy()
+        mem, marks = trace.stop()
+    return mem, marks
+
+
+def _legacy_events(records: list, mark_prefix: str) -> tuple[list[tuple[float, int]], dict[str, float]]:
     events = [e for thread in records for e in thread]
     start = next((e for e in events if e.kind() == "mark" and e.name() == "__start_profile"), None)
     if start is None:
@@ -112,14 +224,10 @@ def _trace_without_kineto(fn: Callable[[], None], mark_prefix: str) -> tuple[lis
     return mem, marks
 
 
-def _trace_with_kineto(fn: Callable[[], None], mark_prefix: str) -> tuple[list[tuple[float, int]], dict[str, float]]:
+def _kineto_events(prof: object, mark_prefix: str) -> tuple[list[tuple[float, int]], dict[str, float]]:
     import json
     import tempfile
 
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)

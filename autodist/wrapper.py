@@ -22,6 +22,7 @@ from .errors import AutoDistError, PlanError, RankMismatchError, mark_raised_on_
 from .plan import Plan, validate_plan
 from .runtime.comm import Comm, init_distributed
 from .runtime.engine import Engine, MixedPrecision
+from .runtime.materialize import Materializer, is_meta_model
 from .runtime.state import full_state_dict, load_full_state_dict
 from .structure import ModelStructure, discover
 
@@ -49,7 +50,10 @@ class AutoDist(nn.Module):
     """Data-parallel training of ``module`` following a plan.
 
     Args:
-        module: the model, on the CPU or on this rank's device (it is moved to the device).
+        module: the model, on the CPU or on this rank's device (it is moved to the device), or built on
+            the meta device (``with torch.device("meta"): model = Net()``): it is then materialised and
+            initialised module by module, each rank keeping only what the plan places on it (see
+            ``param_init_fn``).
         plan: ``"auto"`` (profile, search, cache), a built-in baseline (``"ddp"``, ``"fsdp"``,
             ``"zero2"``), a :class:`Plan`, or the path of a plan JSON file (it must exist on rank 0;
             ranks where it does not exist use rank 0's copy).
@@ -69,8 +73,15 @@ class AutoDist(nn.Module):
         mixed_precision: :class:`MixedPrecision` (or torch's ``MixedPrecisionPolicy``).
         broadcast_buffers: broadcast buffers (BatchNorm statistics) from rank 0 at the start of
             every forward that will synchronise gradients, as DDP does (default ``True``).
-        log_every: log step time, throughput, peak memory and exposed communication on rank 0
-            every this many steps (default ``None``: never; ``metrics()`` works regardless).
+        log_every: log step time, throughput, peak tensor memory against the budget, resident memory
+            and exposed communication on rank 0 every this many steps (default ``None``: never;
+            ``metrics()`` works regardless). On CUDA it also lets AutoDist reset the allocator's
+            peak counter at each step, for per-step peaks (see ``autodist/metrics.py``).
+        param_init_fn: for a model on the meta device, ``fn(module)`` initialises ``module``'s own
+            parameters and buffers in place; called with every module, children first. Default: each
+            module's ``reset_parameters()``. Every rank initialises on the host and keeps rank 0's
+            values, so the result after ``torch.manual_seed(s)`` is that of building the model on the
+            CPU after the same seed (see ``autodist/runtime/materialize.py`` for when that cannot hold).
 
     The wrapper behaves like the wrapped module: ``named_parameters()`` and ``state_dict()`` use the
     wrapped module's names (no ``module.`` prefix). ``state_dict()`` returns full tensors;
@@ -93,9 +104,18 @@ class AutoDist(nn.Module):
         mixed_precision: MixedPrecision | Any | None = None,
         broadcast_buffers: bool = True,
         log_every: int | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
         super().__init__()
         _check_module_argument(module)
+        meta = is_meta_model(module)
+        if param_init_fn is not None and not meta:
+            raise ValueError(
+                "param_init_fn initialises a model built on the meta device; this model's tensors are already "
+                "materialised: drop param_init_fn, or build the model under `with torch.device('meta'):`"
+            )
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise TypeError(f"param_init_fn must be callable with a module, got {type(param_init_fn).__name__}")
         mixed_precision = MixedPrecision.coerce(mixed_precision)
         _check_plan_argument(plan)
         if (example_inputs is not None or example_kwargs is not None) and not (isinstance(plan, str) and plan == "auto"):
@@ -117,21 +137,29 @@ class AutoDist(nn.Module):
             mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         devices = {p.device for p in module.parameters()} | {b.device for b in module.buffers()}
         if len(devices) > 1:
-            raise ValueError(f"all parameters and buffers must be on one device before wrapping; found {sorted(map(str, devices))}")
+            hint = " (a model built on the meta device must be built there whole)" if meta else ""
+            raise ValueError(
+                f"all parameters and buffers must be on one device before wrapping{hint}; found {sorted(map(str, devices))}"
+            )
         self.module = module
         self.device = device
         self.mesh = mesh
         self.budget_bytes = parse_memory_limit(memory_limit, device)
         self._comm = Comm(mesh.get_group())
         self._structure = discover(module)
+        self._meta = meta
+        # A meta-device model's initialisers are tried on fake tensors first: a tensor none of them
+        # writes is refused here, before anything is allocated.
+        materializer = self._agree(lambda: Materializer(module, param_init_fn)) if meta else None
         # A plan that can be resolved without running the model is checked before anything changes.
         resolved = None
         if not (isinstance(plan, str) and plan == "auto"):
             resolved = self._agree(lambda: self._resolve_plan(plan, example_inputs=None, example_kwargs=None, cache_dir=None))
-        if devices and next(iter(devices)) != device:
-            logger.info("autodist: moving the model from %s to %s", next(iter(devices)), device)
-            module.to(device)
-        self._sync_initial_state()
+        if not meta:  # a meta-device model is materialised unit by unit once the engine has placed it
+            if devices and next(iter(devices)) != device:
+                logger.info("autodist: moving the model from %s to %s", next(iter(devices)), device)
+                module.to(device)
+            self._sync_initial_state()
         if resolved is None:
             resolved = self._agree(
                 lambda: self._resolve_plan(plan, example_inputs=example_inputs, example_kwargs=example_kwargs, cache_dir=cache_dir)
@@ -154,10 +182,16 @@ class AutoDist(nn.Module):
             broadcast_buffers=broadcast_buffers,
             budget_bytes=self.budget_bytes,
         )
+        if materializer is not None:
+            self._materialize(materializer)
+            if self._auto is not None:
+                self._agree(self._auto.profile_wrapped)
         from .metrics import StepMeter
 
         self._meter = StepMeter(
             self._comm.stats, device, self.budget_bytes, self._comm.world_size, self._comm.rank, log_every,
+            live=self._held_tensors, host_state=self._host_state,
+            predicted_peak=lambda: self._engine.plan.predicted.get("peak_bytes"),
         )
         self._engine.step_listeners.append(self._meter.on_optimizer_step)
         # the last step is logged even if close() is never called
@@ -191,7 +225,7 @@ class AutoDist(nn.Module):
             from .lifecycle import AutoPlanner
 
             self._auto = AutoPlanner(self, cache_dir, explicit_budget=self._explicit_budget)
-            return self._auto.resolve(example_inputs, example_kwargs)
+            return self._auto.resolve(example_inputs, example_kwargs, meta=self._meta)
         return self._load_plan_file(os.fspath(plan))
 
     def _load_plan_file(self, path: str) -> Plan:
@@ -285,6 +319,24 @@ class AutoDist(nn.Module):
                 "must load the same plan file and wrap the same model."
             ))
 
+    def _materialize(self, materializer: Materializer) -> None:
+        """Initialise a meta-device model into the engine's managed parameters (see materialize.py)."""
+        report = materializer.run(
+            params=self._engine.params,
+            broadcast=lambda tensors: self._comm.broadcast_tensors(tensors, "materialize"),
+            device=self.device,
+        )
+        for mp in self._engine.params.values():
+            mp.register_visible()
+        self._engine.mark_stale()
+        if self._comm.rank == 0:
+            logger.info(
+                "autodist: materialised the model from the meta device on %s: %d tensors (%s) initialised by %d "
+                "initialiser calls, at most %s of them held in full at once (at %s)",
+                self.device, report.tensors, format_bytes(report.total_bytes), report.calls,
+                format_bytes(report.largest_live_bytes), report.largest_live_at,
+            )
+
     @torch.no_grad()
     def _sync_initial_state(self) -> None:
         """Every rank starts from rank 0's parameters and buffers."""
@@ -296,10 +348,22 @@ class AutoDist(nn.Module):
     # ---------------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
-            self._meter.on_forward(args, kwargs, sync=self._engine.sync_enabled)
-            if self._auto is not None:
+            if self._auto is not None:  # first: its planning (which may profile) is outside the step's memory window
                 self._auto.before_forward(args, kwargs)
+            self._meter.on_forward(args, kwargs, sync=self._engine.sync_enabled)
         return self._engine.forward(args, kwargs)
+
+    def _held_tensors(self) -> list[torch.Tensor]:
+        """The tensors this model holds between steps, for the CPU's tensor-memory baseline (the
+        meter adds the optimizers' state): the runtime's, the buffers, the gradients, offload buffers."""
+        eng = self._engine
+        grads = [mp.visible.grad for mp in eng.params.values() if mp.visible.grad is not None]
+        offload = [t for e in eng.offload.entries.values() for t in (e.h, e.d) if t is not None]
+        return [*eng.held_tensors(), *self.module.buffers(), *grads, *offload]
+
+    def _host_state(self) -> list[torch.Tensor]:
+        """The host buffers of offloaded optimizer state (the tensors that hold it)."""
+        return [e.h for e in self._engine.offload.entries.values() if e.h is not None]
 
     def metrics(self) -> dict[str, Any]:
         """The last completed step's metrics as a dict (empty before the first step ends), for your own

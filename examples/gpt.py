@@ -58,7 +58,8 @@ def main() -> None:
         print(f"plan in force: {p.label} ({len(p.sharded_units)} of {len(p.units)} units sharded, "
               f"{len(p.buckets)} buckets, {len(p.offload)} offload fragments, {len(p.recompute)} blocks recomputed)")
         print(f"last step ({m['step']}): {m['step_seconds'] * 1e3:.1f} ms, {m['tokens_per_second']:,.0f} tokens/s, "
-              f"peak {m['peak_bytes'] / 2**30:.2f} GiB, exposed communication {m['exposed_comm_share']:.0%}")
+              f"peak tensor memory {m['peak_bytes'] / 2**30:.2f} GiB (measured at step {m['peak_step']}), "
+              f"resident {m['resident_bytes'] / 2**30:.2f} GiB, exposed communication {m['exposed_comm_share']:.0%}")
     dist.destroy_process_group()
 
 

@@ -268,8 +268,12 @@ MODELS = {
 }
 
 
-def make(name: str, seed: int = 0) -> nn.Module:
+def make(name: str, seed: int = 0, *, meta: bool = False) -> nn.Module:
+    """Model ``name`` built after ``torch.manual_seed(seed)``; ``meta``: on the meta device."""
     torch.manual_seed(seed)
+    if meta:
+        with torch.device("meta"):
+            return MODELS[name]()
     return MODELS[name]()
 
 

@@ -35,6 +35,7 @@ class Case:
     bf16: bool = False
     clip: float | None = None
     extra: dict = field(default_factory=dict)
+    meta: bool = False  # build the AutoDist model on the meta device (the reference on the CPU)
 
 
 def make_plan(
@@ -154,7 +155,8 @@ def _optimizer(name: str, params) -> torch.optim.Optimizer:
 def run_case(case: Case) -> dict[str, float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = models.make(case.model)
-    base = models.make(case.model)
+    rng_after_build = torch.get_rng_state()
+    base = models.make(case.model, meta=case.meta)
     if isinstance(case.plan, dict) and "random" in case.plan:
         plan = random_plan(base, world, case.plan["random"])
     elif isinstance(case.plan, dict):
@@ -163,6 +165,13 @@ def run_case(case: Case) -> dict[str, float]:
         plan = case.plan
     mpol = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.bf16 else None
     model = AutoDist(base, plan=plan, mixed_precision=mpol, **case.extra)
+    initial: dict[str, Any] = {}
+    if case.meta:  # materialised as the CPU build: the same values and the generator where it left it
+        sd = model.state_dict()
+        initial = {
+            "differing": [k for k, v in ref.state_dict().items() if not torch.equal(sd[k], v)],
+            "rng_as_after_cpu_build": torch.equal(torch.get_rng_state(), rng_after_build),
+        }
     opt = _optimizer(case.optim, model.parameters())
     ropt = _optimizer(case.optim, ref.parameters())
     gen = torch.Generator().manual_seed(1234)
@@ -229,6 +238,7 @@ def run_case(case: Case) -> dict[str, float]:
     worst["stats"].pop("log", None)
     worst["runtime"] = model.runtime.stats.__dict__.copy()
     worst["sharded_units"] = len(model.plan.sharded_units)
+    worst["initial"] = initial
     model.close()
     return worst
 

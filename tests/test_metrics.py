@@ -20,15 +20,15 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _train(steps, *, log_every=None, micro_batches=1, close=True):
+def _train(steps, *, log_every=None, micro_batches=1, close=True, memory_limit=None, plan="ddp"):
     lines = _Lines()
     log = logging.getLogger("autodist")
     old_level = log.level
     log.setLevel(logging.INFO)
     log.addHandler(lines)
     try:
-        model = AutoDist(models.make("mlp"), plan="ddp", log_every=log_every)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        model = AutoDist(models.make("mlp"), plan=plan, log_every=log_every, memory_limit=memory_limit)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         seen = []
         for _ in range(steps):
             for i in range(micro_batches):
@@ -47,7 +47,9 @@ def _train(steps, *, log_every=None, micro_batches=1, close=True):
         log.removeHandler(lines)
         log.setLevel(old_level)
     step_lines = [line.split("  ")[0] for line in lines.lines if line.startswith("autodist: step ")]
-    return {"seen": seen, "metrics": model.metrics(), "logged": step_lines}
+    warnings = [line for line in lines.lines if "above the budget" in line]
+    full_lines = [line for line in lines.lines if line.startswith("autodist: step ")]
+    return {"seen": seen, "metrics": model.metrics(), "logged": step_lines, "warnings": warnings, "lines": full_lines}
 
 
 def test_metrics_describe_the_step_that_just_ended(world2):
@@ -111,3 +113,85 @@ def _optimizer_of_another_model():
 def test_only_an_optimizer_over_the_models_parameters_ends_its_step(world2):
     for after_other, after_own in world2.run(_optimizer_of_another_model):
         assert (after_other, after_own) == (None, 1)
+
+
+# ---- memory: tensor memory against the budget, resident memory under its own name ----------------
+MLP_PARAM_BYTES = sum(p.numel() * 4 for p in models.make("mlp").parameters())
+
+
+def test_peak_memory_is_the_models_tensor_memory_not_the_resident_set(world2):
+    for r in world2.run(_train, 4, log_every=2):
+        m = r["metrics"]
+        # parameters, gradients and SGD's momentum at least; far below what the process has resident
+        assert 3 * MLP_PARAM_BYTES <= m["peak_bytes"] < 1 << 20 < m["resident_bytes"]
+        assert (m["peak_step"], m["peak_scope"], m["host_state_bytes"]) == (4, "step", 0)
+        assert m["budget_fraction"] == pytest.approx(m["peak_bytes"] / m["budget_bytes"])
+    line = world2.run(_train, 4, log_every=2)[0]["lines"][-1]
+    assert "  peak tensors " in line and " of budget)  resident " in line
+
+
+def test_a_measured_peak_above_the_budget_warns_once_with_both_figures(world2):
+    for rank, r in enumerate(world2.run(_train, 6, memory_limit="1KB", log_every=100)):
+        assert len(r["warnings"]) == 1, r["warnings"]
+        assert f"at step 1 on rank {rank} is above the budget 1000 B" in r["warnings"][0]
+        peak = r["warnings"][0].split("measured peak tensor memory ")[1].split(" at step")[0]
+        assert peak.endswith("KiB") and float(peak.split()[0]) > 3 * MLP_PARAM_BYTES / 1024
+
+
+def test_a_peak_within_the_budget_does_not_warn(world2):
+    assert [r["warnings"] for r in world2.run(_train, 3, memory_limit="100MB", log_every=100)] == [[], []]
+
+
+def _profiler_started_mid_step():
+    model = AutoDist(models.make("mlp"), plan="ddp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(0))
+    for _ in range(3):
+        loss = models.loss_fn("mlp", model(x), y)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            loss.backward()
+            opt.step()
+        opt.zero_grad()
+    peak = model.metrics()["peak_bytes"]
+    model.close()
+    return peak
+
+
+def test_without_log_every_the_cpu_runs_no_profiler_of_its_own(world2):
+    # a profiler session of AutoDist's own would make the user's, entered mid-step, fail to start
+    assert world2.run(_profiler_started_mid_step) == [None, None]
+
+
+def _high_water_mark_kept():
+    from autodist.memory import _status_bytes
+
+    big = torch.ones(64 << 20)  # 256 MiB resident, then freed: the process's high-water mark
+    del big
+    before = _status_bytes("VmHWM")
+    _train(3)
+    return before, _status_bytes("VmHWM")
+
+
+def test_the_process_peak_statistics_are_not_reset_by_training(world2):
+    for before, after in world2.run(_high_water_mark_kept):
+        assert after >= before
+
+
+def test_the_allocators_peak_counter_is_reset_only_when_per_step_figures_are_asked_for(monkeypatch):
+    from autodist.metrics import StepMeter
+    from autodist.runtime.comm import CommStats
+
+    resets = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: resets.append(device))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 7 << 20)
+    counts = {}
+    for log_every in (None, 5):
+        meter = StepMeter(CommStats(), torch.device("cuda", 0), 1 << 30, 1, 0, log_every)
+        before = len(resets)
+        for _ in range(3):
+            meter.on_forward((torch.zeros(2, 3),), {}, sync=True)
+            meter.on_optimizer_step(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+        counts[log_every] = len(resets) - before
+        scope = meter.as_dict()["peak_scope"]
+        assert meter.as_dict()["peak_bytes"] == 7 << 20 and scope == ("process" if log_every is None else "step")
+    assert counts == {None: 0, 5: 3}

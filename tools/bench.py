@@ -7,11 +7,23 @@
 The script re-launches itself under ``torchrun`` (``--nproc`` ranks) with glibc's mmap threshold
 fixed so resident memory follows live tensors (see ``autodist.memory``). Every contender trains the
 same model (same seed) on the same batches; contenders run one after another, in two passes in
-opposite orders, and the median step time over both passes is reported (the maximum over ranks for
-each step). ``compute`` is the model with no wrapper and no communication: every rank trains its own
-copy at the same time, so it is what the step costs when communication is free. Peak memory is the
-largest growth of the resident set over the contender's steps, above what the process held before
-the contender was built (maximum over ranks).
+opposite orders. A pass times all of a contender's timed steps as one wall-clock window that ends
+with a synchronisation waiting for everything the contender started asynchronously (AutoDist's
+persistent refreshes and offload copies, the device's queue), so no contender's work spills outside
+its window; the step time is the window over the number of steps (the maximum over ranks), and the
+median over passes is reported. ``compute`` is the model with no wrapper and no communication: every
+rank trains its own copy at the same time, so it is what the step costs when communication is free.
+
+Memory is measured in a separate, untimed pass per contender (see [Note: what peak memory means] in
+``autodist.memory``): the contender is built, wrapped and trained for three steps under the torch
+profiler's memory tracking (CUDA: the allocator's counters), and "peak tensors" is the most tensor
+memory held during those steps, the model's own state included (maximum over ranks). For contenders
+that offload optimizer state, "device pool" is the peak after the first step (when offloading has
+started) minus the bytes of the host buffers holding the offloaded state, measured from those
+tensors: what an accelerator would hold. "resident" is the growth of the process's resident set over
+the timed steps, above what it held before the contender was built: torch's own allocations,
+allocator caching and the host's page cache included, so it is shown apart and never compared with
+the budget.
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ from _launch import max_over_ranks, run_tool  # noqa: E402
 
 from autodist import AutoDist  # noqa: E402
 from autodist.cost.budget import format_bytes  # noqa: E402
-from autodist.memory import MemoryMeter  # noqa: E402
+from autodist.memory import ResidentMeter, storage_bytes, trace_cpu_memory  # noqa: E402
 from autodist.zoo import blocks_of, zoo  # noqa: E402
 
 DEFAULT_MODELS = ["wide-mlp", "deep-mlp", "resnet18", "gpt"]
@@ -214,8 +226,9 @@ GRID = {
 class Result:
     model: str
     contender: str
-    step_times: list[float] = field(default_factory=list)
-    peak_bytes: int = 0
+    step_times: list[float] = field(default_factory=list)  # per pass: the timed window over its steps
+    peak_bytes: int = 0  # tensor memory (the memory pass)
+    resident_bytes: int = 0  # growth of the resident set over the timed steps
     error: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -224,49 +237,112 @@ class Result:
         return statistics.median(self.step_times) if self.step_times else float("nan")
 
 
-def run_contender(workload: Any, contender: Contender, batches: list, args: argparse.Namespace, res: Result) -> None:
-    meter = MemoryMeter(torch.device("cpu"))
-    gc.collect()
-    base = meter.current()
+def _drain(model: nn.Module, device: torch.device) -> None:
+    """Wait for everything a contender started asynchronously: AutoDist's in-flight gathers
+    (persistent refreshes) and offload copies, and the device's queue (DDP's and FSDP2's streams)."""
+    if isinstance(model, AutoDist):
+        model.runtime.quiesce()
+        model.runtime.offload.finish_out()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _host_state_bytes(model: nn.Module) -> int:
+    """Bytes of the host buffers that hold AutoDist's offloaded optimizer state."""
+    if not isinstance(model, AutoDist):
+        return 0
+    return storage_bytes(e.h for e in model.runtime.offload.entries.values() if e.h is not None)
+
+
+def _build(workload: Any, contender: Contender, batches: list, args: argparse.Namespace):
     torch.manual_seed(0)
     model = contender.wrap(workload.build(), args, (batches[0][0],))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        n = args.accum
+        for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):  # n micro-batches per optimizer step
+            with contender.micro_batch(model, i == n - 1):
+                workload.loss(model(xm), ym).div(n).backward()
+        opt.step()
+        contender.after_step(model)
+        opt.zero_grad(set_to_none=True)
+
+    return model, opt, step
+
+
+def run_contender(workload: Any, contender: Contender, batches: list, args: argparse.Namespace, res: Result) -> None:
+    """One timed pass: warm-up steps, then the timed steps as one window ending with ``_drain``."""
+    device = torch.device("cpu")
+    resident = ResidentMeter()
+    gc.collect()
+    base = resident.current()
+    model, _, step = _build(workload, contender, batches, args)
     if isinstance(model, AutoDist) and model.plan.predicted:
-        res.extra = {
+        res.extra.update({
             "predicted_step_s": model.plan.predicted.get("step_seconds"),
             "predicted_peak_bytes": model.plan.predicted.get("peak_bytes"),
             "plan": model.plan.label,
             "sharded_units": len(model.plan.sharded_units),
             "search_seconds": model.plan.provenance.get("search_seconds"),
-        }
+        })
     try:
-        def step(x: torch.Tensor, y: torch.Tensor) -> None:
-            n = args.accum
-            for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):  # n micro-batches per optimizer step
-                with contender.micro_batch(model, i == n - 1):
-                    workload.loss(model(xm), ym).div(n).backward()
-            opt.step()
-            contender.after_step(model)
-            opt.zero_grad(set_to_none=True)
-
         for x, y in batches[: args.warmup]:
             step(x, y)
-        meter.reset_peak()
-        for x, y in batches[args.warmup :]:
-            dist.barrier()
-            t0 = time.perf_counter()
+        _drain(model, device)
+        resident.reset_peak()
+        timed = batches[args.warmup :]
+        dist.barrier()
+        t0 = time.perf_counter()
+        for x, y in timed:
             step(x, y)
-            res.step_times.append(max_over_ranks(time.perf_counter() - t0))
-        peak = int(max_over_ranks(meter.peak() - base))
+        _drain(model, device)
+        res.step_times.append(max_over_ranks(time.perf_counter() - t0) / len(timed))
+        grown = int(max_over_ranks(resident.peak() - base))
         # the smallest over passes: a first run also pays one-time allocations (thread pools, caches)
-        res.peak_bytes = peak if res.peak_bytes == 0 else min(res.peak_bytes, peak)
-        if isinstance(model, AutoDist) and model.runtime.offload.active:
-            # on the CPU the host pool is the same memory: what the device pool would hold is the
-            # measured peak minus the state kept on the host
-            res.extra["host_bytes"] = max(h for _, _, h in model.runtime.offload.account.log) if model.runtime.offload.account.log else 0
+        res.resident_bytes = grown if res.resident_bytes == 0 else min(res.resident_bytes, grown)
     finally:
         contender.close(model)
-        model = opt = None  # released before collecting (step() holds them too)
+        model = step = None  # released before collecting (step() holds the optimizer)
+        gc.collect()
+
+
+MEMORY_STEPS = 3
+
+
+def memory_pass(workload: Any, contender: Contender, batches: list, args: argparse.Namespace, res: Result) -> None:
+    """Build, wrap and train ``MEMORY_STEPS`` steps under the profiler's memory tracking (untimed);
+    record the tensor peak of the steps and, with offload, the device pool (see the module docstring)."""
+    held: dict[str, Any] = {}
+
+    def mark(name: str) -> None:
+        with torch.profiler.record_function(f"autodist::mark({name})"):
+            pass
+
+    def run() -> None:
+        model, opt, step = _build(workload, contender, batches, args)
+        held.update(model=model, opt=opt)
+        mark("steps")
+        for i, (x, y) in enumerate(batches[:MEMORY_STEPS]):
+            step(x, y)
+            mark(f"step {i + 1}")
+        _drain(model, torch.device("cpu"))
+
+    gc.collect()
+    try:
+        mem, marks = trace_cpu_memory(run)
+        steps, first = marks["autodist::mark(steps)"], marks["autodist::mark(step 1)"]
+        peak = max((m for ts, m in mem if ts >= steps), default=0)
+        res.peak_bytes = int(max_over_ranks(peak))
+        host = _host_state_bytes(held["model"])
+        if host:
+            pool = max((m for ts, m in mem if ts >= first), default=0) - host
+            res.extra["host_state_bytes"] = int(max_over_ranks(host))
+            res.extra["device_pool_bytes"] = int(max_over_ranks(pool))
+    finally:
+        if "model" in held:
+            contender.close(held["model"])
+        held.clear()
         gc.collect()
 
 
@@ -313,6 +389,12 @@ def worker(args: argparse.Namespace) -> None:
                     by_name[n].error = f"{type(e).__name__}: {e}"
                     if rank == 0:
                         print(f"[bench] {model_name} / {n} failed: {by_name[n].error}", file=sys.stderr)
+        for n, r in by_name.items():
+            if r.error is None:
+                try:
+                    memory_pass(wl, CONTENDERS.get(n) or GRID[n], batches, args, r)
+                except Exception as e:
+                    r.error = f"memory pass: {type(e).__name__}: {e}"
         results.extend(by_name.values())
         torch.manual_seed(0)
         grad_bytes = sum(p.numel() * p.element_size() for p in wl.build().parameters() if p.requires_grad)
@@ -335,6 +417,7 @@ def worker(args: argparse.Namespace) -> None:
                     "median_step_s": r.median,
                     "step_times_s": r.step_times,
                     "peak_bytes": r.peak_bytes,
+                    "resident_bytes": r.resident_bytes,
                     "error": r.error,
                     "extra": r.extra,
                 }
@@ -366,7 +449,7 @@ def table(payload: dict) -> str:
                 f"{comm * 1e3:.1f} ms) = {bound * 1e3:.1f} ms"
             )
         lines.append(
-            f"  {'contender':<30}{'step (ms)':>10}{'vs ddp':>8}{'vs fsdp2':>9}{'vs bound':>9}{'peak mem':>12}"
+            f"  {'contender':<30}{'step (ms)':>10}{'vs ddp':>8}{'vs fsdp2':>9}{'vs bound':>9}{'peak tensors':>14}{'resident':>12}"
         )
         for name, r in mine.items():
             if r["error"]:
@@ -380,12 +463,13 @@ def table(payload: dict) -> str:
             e = r.get("extra", {})
             if e.get("predicted_step_s"):
                 note = f"  (predicted {e['predicted_step_s'] * 1e3:.1f} ms; {e['sharded_units']} units sharded)"
-            if e.get("host_bytes"):
+            if e.get("host_state_bytes"):
                 note += (
-                    f"  [device pool {format_bytes(r['peak_bytes'] - e['host_bytes'])}: the peak minus "
-                    f"{format_bytes(e['host_bytes'])} of optimizer state on the host]"
+                    f"  [device pool {format_bytes(e['device_pool_bytes'])}: the tensor peak after step 1 minus "
+                    f"{format_bytes(e['host_state_bytes'])} of optimizer state in host buffers]"
                 )
-            lines.append(f"  {name:<30}{t * 1e3:>10.1f}{rd:>8}{rf:>9}{rb:>9}{format_bytes(r['peak_bytes']):>12}{note}")
+            peak, resident = format_bytes(r["peak_bytes"]), format_bytes(r.get("resident_bytes", 0))
+            lines.append(f"  {name:<30}{t * 1e3:>10.1f}{rd:>8}{rf:>9}{rb:>9}{peak:>14}{resident:>12}{note}")
         grid = {n: r for n, r in mine.items() if n.startswith("fsdp2[") and not r["error"]}
         auto = mine.get("autodist:auto")
         if grid and auto and not auto["error"]:

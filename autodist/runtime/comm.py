@@ -118,6 +118,14 @@ def failed_peers(group: dist.ProcessGroup | None, rank: int, world: int, timeout
         return None
 
 
+def release(*tensors: torch.Tensor) -> None:
+    """Free the storage of scratch buffers a waited-for collective used, now and on this thread: the
+    backend's own reference may otherwise keep them until its thread drops it, later than they are
+    dead and where memory tracking cannot see the free (see ``autodist.memory``)."""
+    for t in tensors:
+        t.untyped_storage().resize_(0)
+
+
 class InFlight:
     """An issued collective and the buffers it owns until someone waits on it."""
 
@@ -335,6 +343,11 @@ class Comm:
         src_global = dist.get_global_rank(self.reduce_pg, src) if self.reduce_pg is not dist.group.WORLD else src
         with record_function(f"autodist::broadcast({label})"):
             for group in by_dtype.values():
+                if len(group) == 1 and group[0].is_contiguous():  # no flat copy of a lone tensor
+                    self.stats.broadcasts += 1
+                    self._record("broadcast", label)
+                    dist.broadcast(group[0].detach(), src=src_global, group=self.reduce_pg)
+                    continue
                 flat = torch.cat([t.detach().reshape(-1) for t in group])
                 self.stats.broadcasts += 1
                 self._record("broadcast", label)
@@ -345,6 +358,8 @@ class Comm:
                         n = t.numel()
                         t.copy_(flat[offset : offset + n].view_as(t))
                         offset += n
+                # freed now, not whenever the backend's thread drops its reference to the message
+                flat.untyped_storage().resize_(0)
 
     def check_sequence(self, *, interleaving: bool = False, wait: bool = True) -> None:
         """Compare this step's collective sequences across ranks (per process group; and their

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .comm import Comm, InFlight
+from .comm import Comm, InFlight, release
 from .params import ManagedParam
 
 
@@ -182,6 +182,7 @@ class GatherGroupRuntime:
             for mp in lay.params:
                 mp.alloc_full()
             torch.split_with_sizes_copy(recv, lay.sizes, dim=1, out=[mp.full_padded_2d() for mp in lay.params])
+            release(recv, *(() if lay.contiguous_send is not None else inflight.buffers[1:]))
         self._inflight.clear()  # drops the buffers: they have been waited on
         self.state = GroupState.GATHERED
 

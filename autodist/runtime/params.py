@@ -84,8 +84,13 @@ class ManagedParam:
         self.sites: list[tuple[nn.Module, str]] = []
         self._swaps = 0
         self.accum: torch.Tensor | None = None  # unsharded gradient accumulated in the reduce dtype
+        # A parameter on the meta device has no values yet: its storage is allocated here and filled
+        # by ``load_full_`` (see autodist/runtime/materialize.py).
+        pending = original.is_meta
         data = original.detach()
-        if data.device != device:
+        if pending:
+            data = torch.empty(self.shape, dtype=self.dtype, device=device) if placement == "replicate" else None
+        elif data.device != device:
             data = data.to(device)
 
         if placement == "replicate":
@@ -93,7 +98,8 @@ class ManagedParam:
             self.row_numel = 0
             if not use_dtensor:
                 # Exactly DDP: the user's own Parameter object stays registered.
-                self.visible = original if original.device == device else nn.Parameter(data, original.requires_grad)
+                keep = original.device == device and not pending
+                self.visible = original if keep else nn.Parameter(data, original.requires_grad)
                 self._master = self.visible
             else:
                 self.visible = nn.Parameter(
@@ -130,7 +136,8 @@ class ManagedParam:
         else:
             self.shard_flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
         local = self.shard_flat[: self.local_rows * self.row_numel].view(self.local_rows, *self.shape[1:])
-        local.copy_(data[start:end])
+        if not pending:
+            local.copy_(data[start:end])
         self.local = local
         self.visible = nn.Parameter(
             DTensor.from_local(
@@ -207,6 +214,19 @@ class ManagedParam:
     def set_local_grad(self, grad: torch.Tensor) -> None:
         """Make ``grad`` (this rank's local part, master dtype) the visible gradient, without copying."""
         self.visible.grad = self.wrap_local_grad(grad)
+
+    @torch.no_grad()
+    def load_full_(self, value: torch.Tensor) -> None:
+        """Write this rank's part of the full tensor ``value`` (any device or dtype) into the local
+        storage the optimizer updates: the whole tensor if replicated, else the shard. Gathered and
+        compute-dtype copies are then stale (the caller marks them)."""
+        if tuple(value.shape) != self.shape:
+            raise ValueError(f"{self.name}: a value of shape {tuple(value.shape)} for a parameter of shape {self.shape}")
+        value = value.detach().to(device=self.local.device, dtype=self.dtype)
+        if self.sharded:
+            start = min(self.rank * self.padded_rows, self.rows)
+            value = value[start : start + self.local_rows]
+        self.local.copy_(value)
 
     # -- full (unsharded) storage -------------------------------------------------------------
     def alloc_full(self) -> None:

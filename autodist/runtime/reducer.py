@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from .comm import Comm, InFlight
+from .comm import Comm, InFlight, release
 from .params import ManagedParam
 
 # After-reduction action per parameter slot: make the slot the gradient; add it into the user's own
@@ -77,6 +77,8 @@ class BucketRuntime:
                 self.buffer[o : o + mp.local_rows * mp.row_numel].view(mp.local.shape)
                 for o, mp in zip(self.offsets, params)
             ]
+        if op == "reduce_scatter":  # its collective writes it whole: storage from the first launch on
+            self.buffer.untyped_storage().resize_(0)
         self._grad_objs: list[torch.Tensor | None] = [None] * self.n
         self._saved: dict[int, torch.Tensor] = {}
         self.reset()
@@ -105,6 +107,7 @@ class BucketRuntime:
         mp = self.params[slot]
         if self.dtype != mp.dtype:
             return None
+        self._ensure_buffer()  # a view handed out as a gradient has storage behind it
         obj = self._grad_objs[slot]
         if obj is None:
             obj = self._grad_objs[slot] = mp.wrap_local_grad(self.views[slot])
@@ -294,6 +297,8 @@ class BucketRuntime:
         """Wait for the collective and hand each parameter its reduced gradient."""
         assert self.inflight is not None, "finish() before launch()"
         self.inflight.wait()
+        if self.op == "reduce_scatter":
+            release(self.inflight.buffers[1])  # the input, this launch's own
         views = self.views
         used = [True] * self.n if self.all_local else (self.buffer[self.total :] > 0).tolist()
         with torch.no_grad():

@@ -78,12 +78,7 @@ def load_full_state_dict(
                 raise RuntimeError(
                     f"size mismatch for {key}: checkpoint has shape {tuple(value.shape)}, the model has {mp.shape}"
                 )
-            value = value.to(device=mp.local.device, dtype=mp.dtype)
-            if mp.sharded:
-                start = min(mp.rank * mp.padded_rows, mp.rows)
-                mp.local.copy_(value[start : start + mp.local_rows])
-            else:
-                mp.local.copy_(value)
+            mp.load_full_(value)
         else:
             target = target.to_local() if isinstance(target, DTensor) else target
             if tuple(value.shape) != tuple(target.shape):
