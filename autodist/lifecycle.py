@@ -491,7 +491,7 @@ class AutoPlanner:
         params = [p for g in opt.param_groups for p in g["params"] if id(p) in ours]
         if not params:
             return
-        from .memory import storage_bytes
+        from .measure.memory import storage_bytes
 
         local = storage_bytes(p for p in params)
         tensors = [(k, t) for p in params for k, t in opt.state.get(p, {}).items() if torch.is_tensor(t) and t.dim() > 0]

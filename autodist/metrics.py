@@ -15,7 +15,7 @@ thread spent blocked on collectives / step time); the last step is logged too, w
 closed (``close()``), garbage-collected, or at interpreter exit, whichever comes first.
 ``model.metrics()`` returns the last completed step's values as a dict, for the user's own logger.
 
-Memory (see [Note: what peak memory means] in ``autodist/memory.py``): ``peak_bytes`` is tensor
+Memory (see [Note: what peak memory means] in ``autodist/measure/memory.py``): ``peak_bytes`` is tensor
 memory, measured on step ``peak_step`` (CUDA: every step; CPU: with ``log_every`` set, steps 1, 2,
 4, 8, ...; without it, never: ``None``); ``peak_scope`` says whether it is that step's own peak or, on CUDA without ``log_every``,
 the process's peak so far (the allocator's counter is reset only when per-step figures are asked
@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten
 
 from ._log import OnceLogger, logger
 from .cost.budget import format_bytes
-from .memory import PeakReading, TensorPeakProbe, resident_bytes, storage_bytes
+from .measure.memory import PeakReading, TensorPeakProbe, resident_bytes, storage_bytes
 from .runtime.comm import CommStats
 
 
@@ -152,7 +152,7 @@ class StepMeter:
 
     def _measured(self, step: int) -> bool:
         """Whether step ``step``'s tensor peak is measured: every step on CUDA; on the CPU, where it
-        costs two profiled steps (see ``autodist/memory.py``) and a profiler session the user's own
+        costs two profiled steps (see ``autodist/measure/memory.py``) and a profiler session the user's own
         profiler cannot start during, only when per-step figures were asked for (``log_every``):
         steps 1, 2, 4, 8, ..."""
         if self.device.type == "cuda":

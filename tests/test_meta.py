@@ -77,7 +77,7 @@ def _stack() -> nn.Module:
 
 
 def _wrap_peak(on_meta: bool) -> dict:
-    from autodist.memory import trace_cpu_memory
+    from autodist.measure.memory import trace_cpu_memory
 
     held = {}
 

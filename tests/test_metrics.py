@@ -163,7 +163,7 @@ def test_without_log_every_the_cpu_runs_no_profiler_of_its_own(world2):
 
 
 def _high_water_mark_kept():
-    from autodist.memory import _status_bytes
+    from autodist.measure.memory import _status_bytes
 
     big = torch.ones(64 << 20)  # 256 MiB resident, then freed: the process's high-water mark
     del big

@@ -89,7 +89,7 @@ def test_tied_output_layer_is_recorded_as_a_site():
 
 
 def test_memory_trace_is_relative_to_its_own_session():
-    from autodist.memory import trace_cpu_memory
+    from autodist.measure.memory import trace_cpu_memory
 
     kept = []
     trace_cpu_memory(lambda: kept.append(torch.ones(1 << 20)))  # 4 MiB allocated inside ...
@@ -99,7 +99,7 @@ def test_memory_trace_is_relative_to_its_own_session():
 
 
 def test_measuring_memory_writes_nothing_to_the_terminal(capfd):
-    from autodist.memory import trace_cpu_memory
+    from autodist.measure.memory import trace_cpu_memory
 
     capfd.readouterr()
     mem, _ = trace_cpu_memory(lambda: torch.ones(1 << 18).sum())

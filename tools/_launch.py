@@ -12,7 +12,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from autodist.memory import MALLOC_ENV  # noqa: E402
+from autodist.measure.memory import MALLOC_ENV  # noqa: E402
 
 
 def relaunch(script: str, nproc: int, args: list[str]) -> int:

@@ -5,7 +5,7 @@
     python tools/bench.py --memory-limit 200MB      # a budget for every contender that takes one
 
 The script re-launches itself under ``torchrun`` (``--nproc`` ranks) with glibc's mmap threshold
-fixed so resident memory follows live tensors (see ``autodist.memory``). Every contender trains the
+fixed so resident memory follows live tensors (see ``autodist.measure.memory``). Every contender trains the
 same model (same seed) on the same batches; contenders run one after another, in two passes in
 opposite orders. A pass times all of a contender's timed steps as one wall-clock window that ends
 with a synchronisation waiting for everything the contender started asynchronously (AutoDist's
@@ -15,7 +15,7 @@ median over passes is reported. ``compute`` is the model with no wrapper and no 
 rank trains its own copy at the same time, so it is what the step costs when communication is free.
 
 Memory is measured in a separate, untimed pass per contender (see [Note: what peak memory means] in
-``autodist.memory``): the contender is built, wrapped and trained for three steps under the torch
+``autodist.measure.memory``): the contender is built, wrapped and trained for three steps under the torch
 profiler's memory tracking (CUDA: the allocator's counters), and "peak tensors" is the most tensor
 memory held during those steps, the model's own state included (maximum over ranks). For contenders
 that offload optimizer state, "device pool" is the peak after the first step (when offloading has
@@ -50,7 +50,7 @@ from _launch import max_over_ranks, run_tool  # noqa: E402
 
 from autodist import AutoDist  # noqa: E402
 from autodist.cost.budget import format_bytes  # noqa: E402
-from autodist.memory import ResidentMeter, storage_bytes, trace_cpu_memory  # noqa: E402
+from autodist.measure.memory import ResidentMeter, storage_bytes, trace_cpu_memory  # noqa: E402
 from autodist.zoo import blocks_of, zoo  # noqa: E402
 
 DEFAULT_MODELS = ["wide-mlp", "deep-mlp", "resnet18", "gpt"]

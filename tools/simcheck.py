@@ -38,9 +38,9 @@ from autodist import AutoDist  # noqa: E402
 from autodist.cost.budget import format_bytes  # noqa: E402
 from autodist.cost.profile import Profile, slowest  # noqa: E402
 from autodist.cost.simulator import Simulator  # noqa: E402
+from autodist.measure.memory import measure_step_peak  # noqa: E402
 from autodist.measure.sweep import sweep  # noqa: E402
 from autodist.measure.trace import profile_model  # noqa: E402
-from autodist.memory import measure_step_peak  # noqa: E402
 from autodist.sched.search import SearchConfig, Searcher  # noqa: E402
 from autodist.sched.space import space_for  # noqa: E402
 from autodist.structure import discover  # noqa: E402

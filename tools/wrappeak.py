@@ -5,7 +5,7 @@
 
 Each rank builds the model (after ``torch.manual_seed(0)``) and wraps it, once on the CPU and once
 under ``with torch.device("meta"):``, inside the torch profiler's memory tracking (tensors this
-thread allocates; see ``autodist.memory.trace_cpu_memory``). Reported per rank (the maximum over
+thread allocates; see ``autodist.measure.memory.trace_cpu_memory``). Reported per rank (the maximum over
 ranks): the peak above what was live before building, what the rank still holds once wrapping
 returns (its shards or replicas and gradient buffers), the model's full size and its largest unit.
 """
@@ -27,7 +27,7 @@ from _launch import max_over_ranks, run_tool  # noqa: E402
 
 from autodist import AutoDist  # noqa: E402
 from autodist.cost.budget import format_bytes  # noqa: E402
-from autodist.memory import trace_cpu_memory  # noqa: E402
+from autodist.measure.memory import trace_cpu_memory  # noqa: E402
 from autodist.structure import discover  # noqa: E402
 from autodist.zoo import zoo  # noqa: E402
 
@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     args.plans = [p for p in args.plans.split(",") if p]
-    from autodist.sched.seeds import BUILTIN_PLANS
+    from autodist.builtins import BUILTIN_PLANS
 
     unknown = [m for m in args.models if m not in zoo()] + [p for p in args.plans if p not in BUILTIN_PLANS]
     if unknown:

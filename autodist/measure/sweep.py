@@ -261,7 +261,7 @@ def _transient_bytes(comm: Any, device: torch.device) -> dict[str, float]:
             torch.cuda.synchronize(device)
             extra = torch.cuda.max_memory_allocated(device) - base
         else:
-            from ..memory import trace_cpu_memory
+            from .memory import trace_cpu_memory
 
             mem, _ = trace_cpu_memory(fn)
             extra = max((m for _, m in mem), default=0)

@@ -443,7 +443,7 @@ def _memory_peaks(
                 key = 0 if phase == "fwd" else 1
                 peaks.setdefault(unit, [0, 0])[key] = max(peaks.get(unit, [0, 0])[key], seg_peak - start)
         else:
-            from ..memory import trace_cpu_memory
+            from .memory import trace_cpu_memory
 
             def run_and_end() -> None:
                 run()
@@ -659,7 +659,7 @@ def _step_transient(opt: torch.optim.Optimizer, device: torch.device) -> int:
         opt.step()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base
-    from ..memory import trace_cpu_memory
+    from .memory import trace_cpu_memory
 
     mem, _ = trace_cpu_memory(opt.step)
     return max((m for _, m in mem), default=0)

@@ -121,7 +121,7 @@ def failed_peers(group: dist.ProcessGroup | None, rank: int, world: int, timeout
 def release(*tensors: torch.Tensor) -> None:
     """Free the storage of scratch buffers a waited-for collective used, now and on this thread: the
     backend's own reference may otherwise keep them until its thread drops it, later than they are
-    dead and where memory tracking cannot see the free (see ``autodist.memory``)."""
+    dead and where memory tracking cannot see the free (see ``autodist.measure.memory``)."""
     for t in tensors:
         t.untyped_storage().resize_(0)
 
