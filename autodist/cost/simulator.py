@@ -608,7 +608,9 @@ class Simulator:
                 grp.pending_bwd = 0
                 grp.untokened = grp.untokened_open = False
                 grp.fwd_done = set()
-            # forward (the runtime's rules: autodist/runtime/engine.py, autodist/schedule.py)
+            # forward (the runtime's rules: autodist/runtime/engine.py, autodist/schedule.py): the
+            # optimizer step's copy-outs are finished and released first
+            finish_out()
             emit((_C, prof.pre_fwd_s, "forward", 0))
             fcur = TriggerCursor(fwd_trig)
             fire(fcur, -1)
@@ -645,6 +647,7 @@ class Simulator:
             for grp in groups:
                 if grp.residency == "after_forward":
                     free(grp)
+            finish_out()  # copy-outs started at forward units
             emit((_C, prof.post_fwd_s, "loss", prof.loss_fwd_peak_bytes))
             emit((_MEM, prof.loss_act_bytes, ACTIVATIONS))
             # backward

@@ -538,7 +538,12 @@ class Engine:
         for b in self.reducer.buckets:
             b.release_if_unused()
         if self.offload.active:
-            self.offload.poll()  # copy-outs started after the last optimizer step release memory now
+            # [Note: when offloaded state leaves the device] the copy-outs the optimizer step started
+            # are finished here and their device memory released, at a point the simulator knows —
+            # not whenever a background copy happens to complete (a starved copy thread would leave
+            # the state on the device through the forward's peak). On CUDA the compute stream waits
+            # on the copies' events: the host does not block.
+            self.offload.finish_out()
         expected = self._last_seen or set(self.unit_order)
         for g in self.groups:
             g.reset_step()
@@ -553,6 +558,8 @@ class Engine:
 
     def _end_forward(self, out: object) -> None:
         step = self._step
+        if self.offload.active:
+            self.offload.finish_out()  # copy-outs started at a forward unit (see [Note: when offloaded state ...])
         tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         step.expects_backward = bool(tensors) and torch.is_grad_enabled()
         for g in self.groups:

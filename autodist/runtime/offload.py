@@ -262,7 +262,10 @@ class OffloadManager:
             if only_done and e.pending is not None and not self._copies.done(e.pending):
                 continue
             changed = True
-            self._wait(e, host=True)  # T's storage goes next: the copy reading it must be done
+            # T's storage goes next, so the copy reading it must be done: the host waits on the CPU;
+            # on CUDA the compute stream waits on the copy's event, and the caching allocator hands
+            # T's block only to later work of the compute stream (see [Note: copy engines])
+            self._wait(e, host=self.device.type != "cuda")
             if e.status is not FragState.OUT:
                 continue
             storage = e.t.untyped_storage()
