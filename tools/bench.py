@@ -17,7 +17,12 @@ rank trains its own copy at the same time, so it is what the step costs when com
 Memory is measured in a separate, untimed pass per contender (see [Note: what peak memory means] in
 ``autodist.measure.memory``): the contender is built, wrapped and trained for three steps under the torch
 profiler's memory tracking (CUDA: the allocator's counters), and "peak tensors" is the most tensor
-memory held during those steps, the model's own state included (maximum over ranks). For contenders
+memory held during those steps, the model's own state included (maximum over ranks; gloo frees some
+of its buffers on its own threads, where the tracking does not see it, so this figure errs high).
+"step peak" is one more step measured from its start: the tensors the model, its gradients and its
+optimizer hold when it starts (AutoDist's runtime buffers included; DDP's own gradient buckets are
+not visible and not counted) plus what the step allocates and frees — the figure the simulator
+predicts and the budget governs (offloaded state in host buffers is not in it). For contenders
 that offload optimizer state, "device pool" is the peak after the first step (when offloading has
 started) minus the bytes of the host buffers holding the offloaded state, measured from those
 tensors: what an accelerator would hold. "resident" is the growth of the process's resident set over
@@ -50,7 +55,7 @@ from _launch import max_over_ranks, run_tool  # noqa: E402
 
 from autodist import AutoDist  # noqa: E402
 from autodist.cost.budget import format_bytes  # noqa: E402
-from autodist.measure.memory import ResidentMeter, storage_bytes, trace_cpu_memory  # noqa: E402
+from autodist.measure.memory import ResidentMeter, measure_step_peak, storage_bytes, trace_cpu_memory  # noqa: E402
 from autodist.zoo import blocks_of, zoo  # noqa: E402
 
 DEFAULT_MODELS = ["wide-mlp", "deep-mlp", "resnet18", "gpt"]
@@ -284,6 +289,9 @@ def run_contender(workload: Any, contender: Contender, batches: list, args: argp
             "predicted_peak_bytes": model.plan.predicted.get("peak_bytes"),
             "plan": model.plan.label,
             "sharded_units": len(model.plan.sharded_units),
+            "recomputed_blocks": len(model.plan.recompute),
+            "offload_fragments": len(model.plan.offload),
+            "predicted_peak": model.plan.predicted.get("peak_bytes"),
             "search_seconds": model.plan.provenance.get("search_seconds"),
         })
     try:
@@ -321,7 +329,7 @@ def memory_pass(workload: Any, contender: Contender, batches: list, args: argpar
 
     def run() -> None:
         model, opt, step = _build(workload, contender, batches, args)
-        held.update(model=model, opt=opt)
+        held.update(model=model, opt=opt, step=step)
         mark("steps")
         for i, (x, y) in enumerate(batches[:MEMORY_STEPS]):
             step(x, y)
@@ -339,6 +347,21 @@ def memory_pass(workload: Any, contender: Contender, batches: list, args: argpar
             pool = max((m for ts, m in mem if ts >= first), default=0) - host
             res.extra["host_state_bytes"] = int(max_over_ranks(host))
             res.extra["device_pool_bytes"] = int(max_over_ranks(pool))
+        # One more step measured from its start (what the simulator predicts and the budget governs):
+        # the tensors held when it starts plus what it allocates and frees (see measure_step_peak);
+        # host buffers of offloaded state are not device memory and are not counted.
+        model, opt = held["model"], held["opt"]
+        x, y = batches[MEMORY_STEPS % len(batches)]
+
+        def live() -> list[torch.Tensor]:
+            out = [p.detach() for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+            out += [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
+            if isinstance(model, AutoDist):
+                out += list(model.runtime.held_tensors())
+            return out + [x, y]
+
+        step = held["step"]
+        res.extra["step_peak_bytes"] = int(max_over_ranks(measure_step_peak(lambda: step(x, y), torch.device("cpu"), live)))
     finally:
         if "model" in held:
             contender.close(held["model"])
@@ -449,7 +472,7 @@ def table(payload: dict) -> str:
                 f"{comm * 1e3:.1f} ms) = {bound * 1e3:.1f} ms"
             )
         lines.append(
-            f"  {'contender':<30}{'step (ms)':>10}{'vs ddp':>8}{'vs fsdp2':>9}{'vs bound':>9}{'peak tensors':>14}{'resident':>12}"
+            f"  {'contender':<30}{'step (ms)':>10}{'vs ddp':>8}{'vs fsdp2':>9}{'vs bound':>9}{'step peak':>12}{'peak tensors':>14}{'resident':>12}"
         )
         for name, r in mine.items():
             if r["error"]:
@@ -462,14 +485,21 @@ def table(payload: dict) -> str:
             note = ""
             e = r.get("extra", {})
             if e.get("predicted_step_s"):
-                note = f"  (predicted {e['predicted_step_s'] * 1e3:.1f} ms; {e['sharded_units']} units sharded)"
+                note = f"  (predicted {e['predicted_step_s'] * 1e3:.1f} ms; {e['sharded_units']} units sharded"
+                if e.get("recomputed_blocks"):
+                    note += f", {e['recomputed_blocks']} blocks recomputed"
+                if e.get("offload_fragments"):
+                    note += f", {e['offload_fragments']} offload fragments"
+                note += ")"
             if e.get("host_state_bytes"):
                 note += (
                     f"  [device pool {format_bytes(e['device_pool_bytes'])}: the tensor peak after step 1 minus "
                     f"{format_bytes(e['host_state_bytes'])} of optimizer state in host buffers]"
                 )
             peak, resident = format_bytes(r["peak_bytes"]), format_bytes(r.get("resident_bytes", 0))
-            lines.append(f"  {name:<30}{t * 1e3:>10.1f}{rd:>8}{rf:>9}{rb:>9}{peak:>14}{resident:>12}{note}")
+            sp = e.get("step_peak_bytes")
+            sp = format_bytes(sp) if sp else "-"
+            lines.append(f"  {name:<30}{t * 1e3:>10.1f}{rd:>8}{rf:>9}{rb:>9}{sp:>12}{peak:>14}{resident:>12}{note}")
         grid = {n: r for n, r in mine.items() if n.startswith("fsdp2[") and not r["error"]}
         auto = mine.get("autodist:auto")
         if grid and auto and not auto["error"]:
