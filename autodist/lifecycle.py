@@ -183,7 +183,7 @@ class AutoPlanner:
             return None
         plan = Plan.from_json(text)
         peak = plan.predicted.get("peak_bytes")
-        if peak is not None and peak > self.w.budget_bytes:
+        if peak is not None and peak > SearchConfig().planning_budget(self.w.budget_bytes):
             if self.rank == 0:
                 logger.info(
                     "autodist: cached plan %s predicts %s, over this launch's budget %s; planning again",
@@ -257,7 +257,7 @@ class AutoPlanner:
 
     def search(self, profile: Profile, comm: CommModel, *, fixed: dict[str, str] | None) -> SearchResult:
         sim = Simulator(
-            profile, self.structure, comm, world_size=self.world, budget_bytes=self.w.budget_bytes,
+            profile, self.structure, comm, world_size=self.world, budget_bytes=SearchConfig().planning_budget(self.w.budget_bytes),
             param_dtype=self.mp.param_dtype if self.mp else None, reduce_dtype=self.mp.reduce_dtype if self.mp else None,
         )
         space = space_for(profile, self.structure, self.world, fixed_placement=fixed, grad_accum_steps=self.w.grad_accum_steps)
@@ -721,8 +721,10 @@ def budget_error(budget: int, result: SearchResult, structure: Any, plan: Plan |
     if not largest.startswith("activations"):
         fixes.append("use mixed precision (MixedPrecision(param_dtype=torch.bfloat16))")
     fixes.append(f"or raise memory_limit above {format_bytes(peak)} if the device has room")
+    headroom = SearchConfig().memory_headroom
     return BudgetError(
-        f"no plan fits the budget of {format_bytes(budget)} per rank: the smallest predicted peak is "
+        f"no plan fits the budget of {format_bytes(budget)} per rank (plans are kept {headroom:.0%} below it, the "
+        f"simulator's measured error): the smallest predicted peak is "
         f"{format_bytes(peak)}{' (' + ', '.join(how) + ')' if how else ''}, made of {made_of}. "
         f"To fit: {'; '.join(fixes)}."
     )
@@ -747,7 +749,7 @@ def plan_offline(
     device = device or torch.device("cpu")
     structure = discover(module)
     prof = profile_model(module, structure, example_inputs, device=device, example_kwargs=example_kwargs)
-    sim = Simulator(prof, structure, comm, world_size=world_size, budget_bytes=budget_bytes)
+    sim = Simulator(prof, structure, comm, world_size=world_size, budget_bytes=(config or SearchConfig()).planning_budget(budget_bytes))
     space = space_for(prof, structure, world_size, grad_accum_steps=grad_accum_steps)
     result = Searcher(space, sim, config or SearchConfig()).run()
     if not result.result.feasible:
