@@ -1,7 +1,7 @@
 """The on-disk cache of profiles, comm models and plans.
 
 Location: ``cache_dir`` if given, else ``$AUTODIST_CACHE_DIR``, else ``$XDG_CACHE_HOME/autodist``,
-else ``~/.cache/autodist``. Three kinds of entry live apart, so that a new budget re-plans without
+else ``~/.cache/autodist``. The kinds of entry live apart, so that a new budget re-plans without
 re-profiling and a new model reuses the machine's comm model:
 
 * ``profiles/<key>.json`` — a :class:`~autodist.cost.profile.Profile`, keyed by model structure,
@@ -11,7 +11,9 @@ re-profiling and a new model reuses the machine's comm model:
 * ``plans/<key>.json`` — a plan, keyed by everything that decides it (the profile key, world size,
   backend, budget, optimizer kind, mixed precision, plan schema version); and
   ``placements/<key>.json`` — the placement of the last plan stored for a model, world size and
-  budget, which a launch without example inputs uses at wrap time (placement cannot change later).
+  budget, which a launch without example inputs uses at wrap time (placement cannot change later);
+* ``fidelity/<key>.json`` — the simulator's error measured by ``autodist check`` on this machine,
+  keyed like the comm model; the search takes its margins from it (``cost/fidelity.py``).
 
 Writes are atomic (temporary file + rename) under an exclusive ``fcntl`` lock; only rank 0 writes.
 A corrupt, truncated or stale entry is reported once, removed and treated as a miss — it never
@@ -32,7 +34,7 @@ from typing import Any, TypeVar
 
 from ._log import OnceLogger, logger
 
-KINDS = ("profiles", "comm", "plans", "placements")
+KINDS = ("profiles", "comm", "plans", "placements", "fidelity")
 T = TypeVar("T")
 
 

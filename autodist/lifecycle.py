@@ -40,6 +40,7 @@ from ._progress import progress
 from .cache import Cache, digest
 from .cost.budget import format_bytes
 from .cost.comm import CommModel
+from .cost.fidelity import FidelityRecord
 from .cost.profile import OptimizerProfile, Profile, slowest
 from .cost.simulator import Simulator
 from .errors import AutoDistError, BudgetError
@@ -50,12 +51,12 @@ from .measure.trace import (
     _Clock,
     _Pass,
     _preserved,
-    _surrogate_loss,
     estimate_optimizer,
     float_output_bytes,
     loss_fields,
     model_loss,
     profile_model,
+    surrogate_loss,
 )
 from .plan import SCHEMA_VERSION, Plan, made_for
 from .sched.search import SearchConfig, Searcher, SearchResult
@@ -121,6 +122,7 @@ class AutoPlanner:
         self._sig = ""
         self._out_fp32 = 0  # float32 bytes of the outputs of the last recorded forward
         self._wrapped_inputs: tuple | None = None  # a meta-device model's example inputs (profile_wrapped)
+        self._search_cfg: SearchConfig | None = None  # rank 0's (search_config)
 
     # ---- keys ------------------------------------------------------------------------------
     def _machine(self) -> dict[str, Any]:
@@ -145,6 +147,8 @@ class AutoPlanner:
             {
                 "profile": self.profile_key(sig), **self._machine(), "budget": self._budget_key(),
                 "optimizer": optimizer_kind, "schema": SCHEMA_VERSION, "grad_accum_steps": self.w.grad_accum_steps,
+                # a plan searched with other margins (a machine `autodist check` measured since) is planned again
+                "margins": [round(self.search_config().prefer_seed_within, 4), round(self.search_config().memory_headroom, 4)],
                 "mixed_precision": None if self.mp is None else [str(self.mp.param_dtype), str(self.mp.reduce_dtype)],
             }
         )
@@ -164,6 +168,7 @@ class AutoPlanner:
             "profiles": profile_entry,
             "comm": lambda text: comm_entry(text, self._machine()),
             "placements": lambda text: placement_entry(text, self.structure),
+            "fidelity": FidelityRecord.from_json,
         }
         return self.cache.get(kind, key, parsers[kind])
 
@@ -171,25 +176,32 @@ class AutoPlanner:
         prof = self.read("profiles", self.profile_key(sig))
         return prof.optimizer.kind if prof is not None and prof.optimizer.measured else "Adam"
 
+    def search_config(self) -> SearchConfig:
+        """The search's margins (rank 0, which searches): from this machine's fidelity record when
+        ``autodist check`` left one, else the defaults (see [Note: margins from measured error])."""
+        if self._search_cfg is None:
+            self._search_cfg = SearchConfig.for_machine(self.read("fidelity", self.comm_key()))
+        return self._search_cfg
+
     def lookup(self, sig: str) -> Plan | None:
         key = text = None
         if self.rank == 0:
             key = self.plan_key(sig, self._optimizer_kind(sig))
             plan = self.read("plans", key)
+            peak = plan.predicted.get("peak_bytes") if plan is not None else None
+            limit = self.search_config().planning_budget(self.w.budget_bytes)
+            if peak is not None and limit is not None and peak > limit:
+                logger.info(
+                    "autodist: cached plan %s predicts %s, over this launch's budget %s less its headroom; planning again",
+                    key, format_bytes(peak), format_bytes(self.w.budget_bytes),
+                )
+                plan = None
             text = plan.to_json() if plan is not None else None
         # every rank must agree on hit or miss (their caches may differ): rank 0 decides
         key, text = self.comm.broadcast_object((key, text))
         if text is None:
             return None
         plan = Plan.from_json(text)
-        peak = plan.predicted.get("peak_bytes")
-        if peak is not None and peak > SearchConfig().planning_budget(self.w.budget_bytes):
-            if self.rank == 0:
-                logger.info(
-                    "autodist: cached plan %s predicts %s, over this launch's budget %s; planning again",
-                    key, format_bytes(peak), format_bytes(self.w.budget_bytes),
-                )
-            return None
         self.stats.cache_hits += 1
         self.stats.plan_key = key
         self.stats.plan_path = str(self.cache.path("plans", key))
@@ -257,11 +269,11 @@ class AutoPlanner:
 
     def search(self, profile: Profile, comm: CommModel, *, fixed: dict[str, str] | None) -> SearchResult:
         sim = Simulator(
-            profile, self.structure, comm, world_size=self.world, budget_bytes=SearchConfig().planning_budget(self.w.budget_bytes),
+            profile, self.structure, comm, world_size=self.world, budget_bytes=self.search_config().planning_budget(self.w.budget_bytes),
             param_dtype=self.mp.param_dtype if self.mp else None, reduce_dtype=self.mp.reduce_dtype if self.mp else None,
         )
         space = space_for(profile, self.structure, self.world, fixed_placement=fixed, grad_accum_steps=self.w.grad_accum_steps)
-        result = Searcher(space, sim, SearchConfig()).run()
+        result = Searcher(space, sim, self.search_config()).run()
         self.stats.searches += 1
         self.stats.search_seconds += result.seconds
         self._annotate(result, profile)
@@ -295,7 +307,8 @@ class AutoPlanner:
                 if not now.result.feasible:
                     payload = {"error": str(self._budget_error(now))}
                 else:
-                    payload = {"now": now.plan.to_json(), "free": free.plan.to_json(), "seconds": time.perf_counter() - t0}
+                    key = self.plan_key(sig, profile.optimizer.kind if profile.optimizer.measured else "Adam")
+                    payload = {"now": now.plan.to_json(), "free": free.plan.to_json(), "seconds": time.perf_counter() - t0, "key": key}
             except Exception as e:  # never leave the other ranks waiting for a broadcast
                 payload = {"failure": f"{type(e).__name__}: {e}"}
         payload = self.comm.broadcast_object(payload)
@@ -305,7 +318,7 @@ class AutoPlanner:
             raise BudgetError(payload["error"])
         now_plan = Plan.from_json(payload["now"])
         free_plan = Plan.from_json(payload["free"])
-        key = self.plan_key(sig, profile.optimizer.kind if profile.optimizer.measured else "Adam")
+        key = payload["key"]  # rank 0's: the key holds rank 0's margins
         path = self.cache.put("plans", key, free_plan.to_json())
         self.cache.put("profiles", self.profile_key(sig), profile.to_json())
         self.cache.put(
@@ -369,7 +382,7 @@ class AutoPlanner:
                 for i in range(PROFILE_STEPS):
                     out = eng.forward(inputs, kwargs)
                     loss = model_loss(out)
-                    loss = loss if loss is not None else _surrogate_loss(out)
+                    loss = loss if loss is not None else surrogate_loss(out)
                     del out
                     loss.backward()
                     del loss
@@ -684,7 +697,7 @@ def search_provenance(result: SearchResult, source: str) -> dict[str, Any]:
     """What a searched plan records about how it was found."""
     from . import __version__
 
-    cfg = SearchConfig()
+    cfg = result.config
     prov = {
         "source": source, "search": "backtracking", "alpha": cfg.alpha, "beta": cfg.beta,
         "evaluated": result.evaluated, "search_seconds": round(result.seconds, 3), "stopped_by": result.stopped_by,
@@ -694,7 +707,8 @@ def search_provenance(result: SearchResult, source: str) -> dict[str, Any]:
         # the plan is the built-in seed, kept over a searched plan predicted less than this much faster
         prov["source"] = f"{source} (kept {result.preferred_seed})"
         prov["preferred_seed"] = result.preferred_seed
-        prov["prefer_seed_within"] = cfg.prefer_seed_within
+        prov["prefer_seed_within"] = round(cfg.prefer_seed_within, 4)
+        prov["margin_source"] = cfg.margin_source
     return prov
 
 
@@ -721,7 +735,7 @@ def budget_error(budget: int, result: SearchResult, structure: Any, plan: Plan |
     if not largest.startswith("activations"):
         fixes.append("use mixed precision (MixedPrecision(param_dtype=torch.bfloat16))")
     fixes.append(f"or raise memory_limit above {format_bytes(peak)} if the device has room")
-    headroom = SearchConfig().memory_headroom
+    headroom = result.config.memory_headroom
     return BudgetError(
         f"no plan fits the budget of {format_bytes(budget)} per rank (plans are kept {headroom:.0%} below it, the "
         f"simulator's measured error): the smallest predicted peak is "

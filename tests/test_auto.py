@@ -137,8 +137,47 @@ def test_a_kept_built_in_plan_is_named_in_the_label_and_provenance():
     from types import SimpleNamespace
 
     from autodist.lifecycle import search_provenance
+    from autodist.sched.search import SearchConfig
 
-    kept = search_provenance(SimpleNamespace(evaluated=5, seconds=0.1, stopped_by="stall", preferred_seed="ddp"), "auto:search")
-    found = search_provenance(SimpleNamespace(evaluated=5, seconds=0.1, stopped_by="stall", preferred_seed=None), "auto:search")
-    assert kept["source"] == "auto:search (kept ddp)" and kept["prefer_seed_within"] == 0.03
+    cfg = SearchConfig(prefer_seed_within=0.07, margin_source="measured here")
+    kept = search_provenance(SimpleNamespace(evaluated=5, seconds=0.1, stopped_by="stall", preferred_seed="ddp", config=cfg), "auto:search")
+    found = search_provenance(SimpleNamespace(evaluated=5, seconds=0.1, stopped_by="stall", preferred_seed=None, config=cfg), "auto:search")
+    assert kept["source"] == "auto:search (kept ddp)" and kept["prefer_seed_within"] == 0.07
+    assert kept["margin_source"] == "measured here"
     assert found["source"] == "auto:search" and "preferred_seed" not in found
+
+
+def _margins_from_the_machine_record(cache_dir, record_text):
+    from autodist.cache import comm_cache_key
+
+    if dist.get_rank() == 0:
+        Cache(cache_dir).put("fidelity", comm_cache_key(dist.get_world_size(), "cpu", "cpu", "gloo"), record_text)
+    dist.barrier()
+    x, _ = models.batch("mlp", 4, torch.Generator().manual_seed(0))
+    try:
+        AutoDist(models.make("mlp"), plan="auto", example_inputs=(x,), cache_dir=cache_dir, memory_limit=2000)
+    except BudgetError as e:
+        impossible = str(e)
+    budget = 40_000  # the default margins use 89% of it (measured), a 25% headroom at most 75%
+    m = AutoDist(models.make("mlp"), plan="auto", example_inputs=(x,), cache_dir=cache_dir, memory_limit=budget)
+    peak = m.plan.predicted["peak_bytes"]
+    m.close()
+    return impossible, peak / budget
+
+
+def test_the_search_takes_its_margins_from_the_machine_fidelity_record(world2):
+    from autodist.cost.fidelity import FidelityRecord
+
+    # as `autodist check` leaves it: peaks measured up to 25% above prediction on this machine
+    record = FidelityRecord(
+        median_abs_error_time=0.2, spearman=0.9, max_peak_excess=0.25, plans=9, model="m:f", measured_at=time.time()
+    )
+    with tempfile.TemporaryDirectory() as d:
+        for impossible, used in world2.run(_margins_from_the_machine_record, d, record.to_json()):
+            assert "plans are kept 25% below it" in impossible
+            assert used <= 0.75
+    # a corrupt record is reported, removed, and the defaults apply
+    with tempfile.TemporaryDirectory() as d:
+        for impossible, used in world2.run(_margins_from_the_machine_record, d, '{"median_abs_error_time": "x"'):
+            assert "plans are kept 6% below it" in impossible
+            assert 0.75 < used <= 0.94
