@@ -43,7 +43,7 @@ from .cost.comm import CommModel
 from .cost.fidelity import FidelityRecord
 from .cost.profile import OptimizerProfile, Profile, slowest
 from .cost.simulator import Simulator
-from .errors import AutoDistError, BudgetError
+from .errors import AutoDistError, BudgetError, mark_raised_on_every_rank, reported_once
 from .measure.sweep import sweep
 from .measure.trace import (
     UnitTracer,
@@ -312,10 +312,14 @@ class AutoPlanner:
             except Exception as e:  # never leave the other ranks waiting for a broadcast
                 payload = {"failure": f"{type(e).__name__}: {e}"}
         payload = self.comm.broadcast_object(payload)
-        if "failure" in payload:
-            raise SearchFailed(f"the search on rank 0 failed: {payload['failure']}")
-        if "error" in payload:
-            raise BudgetError(payload["error"])
+        if "failure" in payload or "error" in payload:
+            # every rank raises it (they all got the payload): reported once, as at wrap time
+            err: AutoDistError = (
+                SearchFailed(f"the search on rank 0 failed: {payload['failure']}") if "failure" in payload else BudgetError(payload["error"])
+            )
+            if self.world > 1:
+                raise reported_once(mark_raised_on_every_rank(err), rank=self.rank)  # type: ignore[arg-type]
+            raise err
         now_plan = Plan.from_json(payload["now"])
         free_plan = Plan.from_json(payload["free"])
         key = payload["key"]  # rank 0's: the key holds rank 0's margins

@@ -102,6 +102,32 @@ def test_impossible_budget_says_smallest_peak_and_what_helps(world2):
             assert "launch more ranks" in msg and "raise memory_limit above" in msg
 
 
+def _impossible_budget_at_the_switch(cache_dir):
+    m = AutoDist(models.make("mlp"), plan="auto", cache_dir=cache_dir, memory_limit=2000)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(0))
+    for step in range(8):
+        try:
+            models.loss_fn("mlp", m(x), y).backward()
+        except BudgetError as e:
+            return step, str(e), isinstance(e, SystemExit), e.code
+        opt.step()
+        opt.zero_grad()
+    return None
+
+
+def test_a_budget_nothing_fits_found_at_the_switch_raises_on_every_rank_reported_once(world2):
+    # no example inputs: the safe plan trains while the first steps are profiled; the search at the
+    # switch finds nothing within the budget, and every rank raises before the next step computes
+    with tempfile.TemporaryDirectory() as d:
+        results = world2.run(_impossible_budget_at_the_switch, d)
+    assert all(r is not None for r in results), results
+    (step0, msg0, exit0, code0), (step1, msg1, exit1, code1) = results
+    assert step0 == step1 and msg0 == msg1 and "no plan fits the budget of 1.95 KiB" in msg0
+    # uncaught, rank 0 prints the message without a traceback and rank 1 exits quietly
+    assert exit0 and exit1 and code0 == f"autodist.errors.BudgetError: {msg0}" and code1 == 1
+
+
 def _chosen_lines(cache_dir):
     lines = []
     handler = logging.Handler(logging.INFO)
