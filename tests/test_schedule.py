@@ -27,6 +27,7 @@ PLANS = {
     "window0-inflight": ("mlp", {"grouping": "unit", "window": 0, "buckets": "per_param"}, 1),
     "mixed": ("mlp", {"placement": "mixed", "grouping": "unit"}, 1),
     "recompute-all": ("gpt", {"grouping": "block", "recompute": "all"}, 1),
+    "recompute-unit-blocks": ("mlp", {"placement": "mixed", "grouping": "unit", "recompute": "all"}, 1),
     "user-checkpointing": ("gpt-ckpt-nonreentrant", "fsdp", 1),
     "accumulate-unsharded": ("gpt", {"grouping": "block"}, 2),
     "accumulate-sharded": ("gpt", {"grouping": "block", "accumulate": "sharded"}, 3),

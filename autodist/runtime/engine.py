@@ -151,7 +151,8 @@ class RuntimeStats:
     order_deviations: int = 0
     on_demand_forward: int = 0
     on_demand_backward: int = 0
-    recomputations: int = 0
+    recomputations: int = 0  # forwards of managed units run again in backward (any checkpointing)
+    recomputed_blocks: int = 0  # forwards of blocks the plan recomputes, run again in backward
     plan_switches: int = 0
     unused_param_steps: int = 0
     persistent_refreshes: int = 0
@@ -277,7 +278,7 @@ class Engine:
         self.launch_policy = policy if self.groups else "ready"
         if getattr(self, "recompute", None) is not None:
             self.recompute.remove()
-        self.recompute = BlockRecompute(self.module, plan.recompute)
+        self.recompute = BlockRecompute(self.module, plan.recompute, on_recompute=self._count_recomputed_block)
         previous = getattr(self, "offload", None)
         self.offload = OffloadManager(plan.offload, self.params, self.device)
         if previous is not None:
@@ -313,6 +314,9 @@ class Engine:
                 self.groups[gi].forward_window = w
             if g.prefetch.backward == "memory":
                 self.groups[gi].backward_window = w
+
+    def _count_recomputed_block(self) -> None:
+        self.stats.recomputed_blocks += 1
 
     def _install_reducer(self, plan: Plan) -> None:
         """New buckets for ``plan``; gradients held in the old buckets move into the new ones."""
