@@ -45,6 +45,7 @@ same state when the control flow is the same. The end-of-backward collective-ord
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field, replace
 
@@ -58,7 +59,15 @@ from torch.utils._pytree import tree_flatten
 
 from .._log import OnceLogger, logger
 from ..plan import Plan
-from ..schedule import ActionLog, TriggerCursor, backward_positions, freed_after_forward, triggers
+from ..schedule import (
+    ActionLog,
+    TriggerCursor,
+    backward_positions,
+    freed_after_forward,
+    memory_windows,
+    resident_state_bytes,
+    triggers,
+)
 from ..structure import ModelStructure
 from .backward import attach_post_backward, in_backward, outside_dispatch_modes
 from .comm import Comm
@@ -295,25 +304,22 @@ class Engine:
         self._install_hooks()
 
     def _resolve_memory_windows(self, plan: Plan, given: dict[int, tuple[int, int]]) -> None:
-        """Windows of ``"memory"`` the caller did not resolve (with a simulator, see
-        ``autodist/lifecycle.py``) get a static estimate: as many groups ahead as fit in half the
-        budget left after the resident state (the other half is for activations)."""
+        """Windows of ``"memory"`` the caller did not give, by the rule the simulator times
+        (``autodist/schedule.py``, [Note: memory windows])."""
         if not any("memory" in (g.prefetch.forward, g.prefetch.backward) for g in plan.gather_groups):
             return
-        resident = sum(mp.local.numel() * mp.local.element_size() * 4 for mp in self.params.values())
-        resident += sum(g.full_bytes for g in self.groups if g.residency == "persistent")
-        headroom = max(0, (self.budget_bytes or 0) - resident) // 2
-        sizes = [g.full_bytes for g in self.groups]
+        resident = resident_state_bytes(
+            [(mp.shard_numel if mp.sharded else math.prod(mp.shape)) * mp.dtype.itemsize for mp in self.params.values()],
+            [g.full_bytes for g in self.groups if g.residency == "persistent"],
+        )
+        windows = memory_windows([g.full_bytes for g in self.groups], resident, self.budget_bytes)
         for gi, g in enumerate(plan.gather_groups):
             if gi in given:
                 continue
-            w = 1
-            while w < 8 and gi - w >= 0 and sum(sizes[gi - w : gi + 1]) <= headroom:
-                w += 1
             if g.prefetch.forward == "memory":
-                self.groups[gi].forward_window = w
+                self.groups[gi].forward_window = windows[gi]
             if g.prefetch.backward == "memory":
-                self.groups[gi].backward_window = w
+                self.groups[gi].backward_window = windows[gi]
 
     def _count_recomputed_block(self) -> None:
         self.stats.recomputed_blocks += 1
