@@ -42,11 +42,13 @@ def test_user_checkpointed_blocks_match_single_process_under_every_plan(world2, 
 
 
 def test_user_checkpointed_blocks_on_four_ranks(world4):
-    names = ["fsdp-reentrant", "fsdp-nonreentrant", "random-selective"]
+    names = ["fsdp-reentrant", "fsdp-nonreentrant", "random-selective", "planned-gpt", "planned-mlp-mixed"]
     cases = [
         Case(model="gpt-ckpt-reentrant", plan="fsdp", per_rank=2),
         Case(model="gpt-ckpt-nonreentrant", plan="fsdp", per_rank=2),
         Case(model="gpt-ckpt-selective", plan={"random": 3}, per_rank=2),
+        Case(model="gpt", plan={"grouping": "block", "recompute": "all"}, per_rank=2),
+        Case(model="mlp", plan={"placement": "mixed", "grouping": "unit", "recompute": "all"}, per_rank=2),
     ]
     _check_all(world4.run(run_cases, cases, timeout=400), names, ATOL)
 
