@@ -40,6 +40,7 @@ from ._progress import progress
 from .cache import Cache, digest
 from .cost.budget import format_bytes
 from .cost.comm import CommModel
+from .cost.learned import Estimator, estimator_entry
 from .cost.profile import OptimizerProfile, Profile, slowest
 from .cost.simulator import Simulator
 from .errors import AutoDistError, BudgetError
@@ -164,6 +165,7 @@ class AutoPlanner:
             "profiles": profile_entry,
             "comm": lambda text: comm_entry(text, self._machine()),
             "placements": lambda text: placement_entry(text, self.structure),
+            "estimators": lambda text: estimator_entry(text, self._machine()),
         }
         return self.cache.get(kind, key, parsers[kind])
 
@@ -255,13 +257,48 @@ class AutoPlanner:
             logger.info("autodist: plan=auto: starting with a safe plan (%s) while %s profiled", reason, profiled)
         return plan
 
+    def estimator(self) -> Estimator | None:
+        """The learned estimator stored for this machine, if ``plan="auto"`` may use it (rank 0;
+        see [Note: when plan="auto" uses the learned estimator])."""
+        if self.rank != 0:
+            return None
+        found = self.read("estimators", self.comm_key())  # checked even where it cannot be used
+        if found is None:
+            return None
+        entry, estimator = found
+        if not entry.helps:
+            self.cache.once.info(
+                "estimator-unhelpful",
+                "autodist: the learned estimator stored for this machine did not beat the analytic simulator on "
+                "held-out models; planning with the analytic simulator",
+            )
+        elif estimator is None:
+            self.cache.once.info(
+                "estimator-no-gnn",
+                "autodist: a learned estimator is stored for this machine; pip install 'autodist[gnn]' to plan with it",
+            )
+        return estimator if entry.helps else None
+
     def search(self, profile: Profile, comm: CommModel, *, fixed: dict[str, str] | None) -> SearchResult:
-        sim = Simulator(
-            profile, self.structure, comm, world_size=self.world, budget_bytes=self.w.budget_bytes,
-            param_dtype=self.mp.param_dtype if self.mp else None, reduce_dtype=self.mp.reduce_dtype if self.mp else None,
-        )
+        kw = {
+            "world_size": self.world, "budget_bytes": self.w.budget_bytes,
+            "param_dtype": self.mp.param_dtype if self.mp else None, "reduce_dtype": self.mp.reduce_dtype if self.mp else None,
+        }
+        sim = Simulator(profile, self.structure, comm, **kw)
         space = space_for(profile, self.structure, self.world, fixed_placement=fixed, grad_accum_steps=self.w.grad_accum_steps)
-        result = Searcher(space, sim, SearchConfig()).run()
+        searcher = Searcher(space, sim, SearchConfig())
+        result = searcher.run()
+        estimator = self.estimator()
+        if estimator is not None:
+            # [Note: when plan="auto" uses the learned estimator] Only a stored estimator whose
+            # held-out validation met HELPS_RULE (autodist/cost/learned.py), and only to rank the
+            # search's finalists: the analytic simulator searches (thousands of plans), the
+            # corrected one chooses among the best of them and the built-in seeds.
+            result = searcher.refine(result, Simulator(profile, self.structure, comm, estimator=estimator, **kw))
+            logger.info(
+                "autodist: the learned estimator ranked the search's finalists: predicted step %.2f ms (analytic %.2f ms)",
+                result.result.step_s * 1e3, (result.result.analytic_step_s or result.result.step_s) * 1e3,
+            )
         self.stats.searches += 1
         self.stats.search_seconds += result.seconds
         self._annotate(result, profile)
@@ -277,6 +314,8 @@ class AutoPlanner:
             "peak_bytes": r.peak_bytes,
             "vs": {name: s.step_s / r.step_s for name, s in result.seeds.items() if s.feasible and r.step_s > 0},
         }
+        if r.analytic_step_s is not None:  # the learned estimator corrected the prediction
+            result.plan.predicted["analytic_step_seconds"] = r.analytic_step_s
         result.plan.provenance = search_provenance(result, "auto:search")
 
     def _budget_error(self, result: SearchResult) -> BudgetError:
@@ -690,6 +729,8 @@ def search_provenance(result: SearchResult, source: str) -> dict[str, Any]:
         "evaluated": result.evaluated, "search_seconds": round(result.seconds, 3), "stopped_by": result.stopped_by,
         "autodist_version": __version__, "torch_version": torch.__version__,
     }
+    if result.refined:
+        prov["estimator"] = "learned: the finalists ranked by the simulator with the learned estimator"
     if result.preferred_seed:
         # the plan is the built-in seed, kept over a searched plan predicted less than this much faster
         prov["source"] = f"{source} (kept {result.preferred_seed})"
