@@ -1,6 +1,7 @@
 """The learned estimator: the schedule graph built from a compiled step, its targets, how corrections
-retime a step, the cache entry that stores it, the measured timelines it learns from — and, where
-torch_geometric is installed, that training reduces the error and is deterministic.
+retime a step, the cache entry that stores it, the measured timelines it learns from, the tools that
+collect them and train it (a smoke run on tiny models) — and, where torch_geometric is installed,
+that training reduces the error and is deterministic.
 
 The hand case is test_simulator.py's: two units of one 1000-byte parameter each, 10 ms forward and
 20 ms backward each, all-gather 2 ms, reduce-scatter 3 ms, all-reduce 4 ms; sharded after forward
@@ -11,13 +12,16 @@ bwd u0 44..64, reduce-scatter bucket1 [64,67], waited at the end of backward.
 """
 
 import contextlib
+import importlib.util
 import json
 import logging
 import math
 import random
+import sys
 import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,6 +114,14 @@ def test_a_section_holds_every_compute_instruction_the_runtime_runs_at_its_hook(
     assert _feature(g, "bwd u1", "share_copy_in") == pytest.approx(2 / 23)
 
 
+def test_a_units_sections_carry_its_parameters_and_how_the_plan_holds_them():
+    g = _graph(_plan(residency="persistent"))
+    assert _feature(g, "fwd u0", "unit_ln_params") == pytest.approx(math.log(2))  # one parameter
+    assert _feature(g, "bwd u1", "unit_ln_mib") == pytest.approx(math.log1p(1000 / 2**20))
+    assert (_feature(g, "fwd u0", "unit_sharded"), _feature(g, "fwd u0", "unit_persistent")) == (1.0, 1.0)
+    assert _feature(g, "fwd u0", "unit_after_forward") == 0.0 and _feature(g, "loss", "unit_sharded") == 0.0
+
+
 # ---- targets and corrections ---------------------------------------------------------------------
 def test_targets_are_log_ratios_of_measured_to_analytic_durations_from_a_floor():
     g = _graph()
@@ -158,6 +170,20 @@ def test_corrections_scale_sections_and_operations_and_the_step_is_timed_again()
 def test_a_section_the_analytic_model_thinks_free_gets_the_time_predicted_from_the_floor():
     r = Simulator(PROFILE, STRUCTURE, COMM, world_size=2, estimator=_Fixed({"optimizer": math.log(10)})).run(_plan())
     assert r.step_s == pytest.approx(67 * MS + 10 * learned.FLOOR_S)
+
+
+def test_refining_the_search_with_an_estimator_picks_what_the_estimator_predicts_fastest():
+    from autodist.sched.search import SearchConfig, Searcher
+    from autodist.sched.space import space_for
+
+    searcher = Searcher(space_for(PROFILE, STRUCTURE, 2), Simulator(PROFILE, STRUCTURE, COMM, world_size=2), SearchConfig(stall=50))
+    found = searcher.run()
+    assert [b.op for b in found.plan.buckets] == ["all_reduce"]  # analytically, one all-reduce (ddp) is fastest
+    slow_all_reduce = Simulator(PROFILE, STRUCTURE, COMM, world_size=2, estimator=_Fixed({"all_reduce": math.log(20)}))
+    refined = searcher.refine(found, slow_all_reduce)
+    assert refined.refined and all(b.op == "reduce_scatter" for b in refined.plan.buckets)
+    assert refined.result.step_s == min(r.step_s for r in refined.seeds.values())
+    assert refined.seeds["ddp"].step_s > refined.seeds["ddp"].analytic_step_s  # the seeds were timed again too
 
 
 # ---- the cache entry ------------------------------------------------------------------------------
@@ -353,6 +379,92 @@ def test_a_measured_step_has_exactly_the_simulated_events(world2, plan_kw):
     measured, simulated, parts_fit = world2.run(_measured_names, plan_kw)[0]
     assert measured == simulated
     assert parts_fit  # sections and waits never add up to more than the step
+
+
+# ---- the tools: tools/collect_timelines.py and tools/train_estimator.py ----------------------------
+ROOT = Path(__file__).resolve().parents[1]
+TINY_COLLECTION = [
+    "--models", "deep-mlp,wide-mlp", "--size", "tiny", "--plans", "1", "--no-searched", "--warmup", "1", "--steps", "1",
+    "--quiet-wait", "0",
+]
+
+
+def _tool(name):
+    """tools/<name>.py as a module (in a pool worker too: the tools put their folder on sys.path)."""
+    key = f"{name}_under_test"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, ROOT / "tools" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+def _collect(path):
+    from autodist.cost.comm import CommModel
+
+    tool = _tool("collect_timelines")
+    comm = CommModel.analytic(2, bandwidth_bytes_s=1e9, latency_s=50e-6, backend="gloo")  # no sweep: seconds, not minutes
+    return tool.collect(tool.parse_args(TINY_COLLECTION), comm, path)
+
+
+@pytest.fixture(scope="module")
+def timelines(world2, tmp_path_factory):
+    """Two tiny zoo models' built-in plans and one random plan each, measured on two ranks."""
+    path = tmp_path_factory.mktemp("timelines") / "timelines.jsonl"
+    summary = world2.run(_collect, str(path))[0]
+    return path, summary
+
+
+def test_collecting_writes_a_model_record_then_a_record_per_plan_with_every_event_measured(timelines):
+    path, summary = timelines
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {m: (s["plans"], s["errors"]) for m, s in summary.items()} == {"deep-mlp": (4, []), "wide-mlp": (4, [])}
+    assert [(r["record"], r["model"]) for r in records if r["record"] == "model"] == [("model", "deep-mlp"), ("model", "wide-mlp")]
+    plans = [r for r in records if r["record"] == "plan"]
+    assert [(r["model"], r["plan_name"]) for r in plans] == [
+        (m, p) for m in ("deep-mlp", "wide-mlp") for p in ("ddp", "fsdp", "zero2", "random1")
+    ]
+    for r in plans:
+        assert r["unmatched_measured"] == [] and r["unmeasured"] == [], (r["model"], r["plan_name"])
+        assert all(e["measured_s"] >= 0 and e["samples"] == 2 for e in r["events"])  # one step on each of two ranks
+        assert r["measured_step_s"] > 0 and r["predicted_step_s"] > 0
+
+
+def test_training_reads_the_last_collection_of_each_model_and_leaves_out_plans_measured_on_a_busy_host(tmp_path):
+    lines = [
+        {"record": "model", "model": "gpt", "size": "tiny", "batch": 1},
+        {"record": "plan", "model": "gpt", "size": "tiny", "plan_name": "old"},
+        {"record": "model", "model": "gpt", "size": "tiny", "batch": 2},
+        {"record": "plan", "model": "gpt", "size": "tiny", "plan_name": "ddp"},
+        {"record": "plan", "model": "gpt", "size": "tiny", "plan_name": "fsdp", "disturbed": True},
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    tool = _tool("train_estimator")
+    models, plans = tool.load([str(path)])
+    assert models["gpt:tiny"]["batch"] == 2 and [p["plan_name"] for p in plans["gpt:tiny"]] == ["ddp"]
+    assert [p["plan_name"] for p in tool.load([str(path)], keep_disturbed=True)[1]["gpt:tiny"]] == ["ddp", "fsdp"]
+
+
+@needs_gnn
+def test_training_evaluates_on_held_out_models_and_stores_the_estimator_where_plan_auto_reads_it(timelines, tmp_path):
+    path, _ = timelines
+    threads = torch.get_num_threads()
+    try:
+        rc = _tool("train_estimator").main([  # --keep-disturbed: the suite shares the host's cores with its other tests
+            "--data", str(path), "--epochs", "5", "--keep-disturbed", "--store", "--cache-dir", str(tmp_path / "cache"),
+            "--json", str(tmp_path / "eval.json"),
+        ])
+    finally:
+        torch.set_num_threads(threads)  # the tool runs on one thread
+    assert rc == 0
+    payload = json.loads((tmp_path / "eval.json").read_text())
+    assert {k: r["trained_on"] for k, r in payload["held_out"].items()} == {"deep-mlp:tiny": ["wide-mlp:tiny"], "wide-mlp:tiny": ["deep-mlp:tiny"]}
+    assert payload["stored"] == str(Cache(tmp_path / "cache").path("estimators", comm_cache_key(2, "cpu", "cpu", "gloo")))
+    entry, estimator = estimator_entry(Path(payload["stored"]).read_text(), MACHINE)
+    assert estimator is not None and entry.helps == payload["helps"]
+    assert (entry.provenance["models"], entry.provenance["plans"]) == (["deep-mlp:tiny", "wide-mlp:tiny"], 8)
 
 
 # ---- training (torch_geometric) --------------------------------------------------------------------

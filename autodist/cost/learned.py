@@ -21,19 +21,20 @@ timed (with the comm model's contention) and as given (the profile's or the comm
 contention); message bytes; what a section's time is made of (computation, bookkeeping, copies,
 recomputation); how much of it the analytic timeline overlaps with gathers, reductions and copies,
 and how many bytes those move; for an operation, how much compute overlaps it, how long it queued
-and how much of it the compute thread waited for; its position in the step; and the plan's analytic
-step time and compute share. Nothing names the model, so the estimator can be used on models it
-never saw (and is evaluated on such: ``tools/train_estimator.py``).
+and how much of it the compute thread waited for; for a unit's section, its parameters (how many,
+how large) and how the plan holds them (sharded, persistent, freed after forward); its position in
+the step; and the plan's analytic step time and compute share. Nothing names the model, so the
+estimator can be used on models it never saw (and is evaluated on such: ``tools/train_estimator.py``).
 
 **The target** of a node is ``log(measured / analytic)`` (clipped to ±``CLIP``): the wall-clock
 duration a step on this machine took (``autodist/measure/steptrace.py``) over the duration the
 analytic simulator gave it (at least ``FLOOR_S``, so that a section the analytic model thinks
 free — the end of backward — can still be corrected).
 
-**The correction** (:meth:`Estimator.corrections`): each node's analytic duration times
-``exp(prediction)`` — a compute section's instructions scaled together, an operation's duration
-scaled — after which the simulator times the step again with its usual rules. Node kinds the
-training data never measured keep their analytic duration.
+**The correction** (:meth:`Estimator.corrections`): each node takes ``exp(prediction) *
+max(analytic, FLOOR_S)`` — a compute section's instructions scaled together, an operation's
+duration scaled — after which the simulator times the step again with its usual rules. Node kinds
+the training data never measured keep their analytic duration.
 
 The network (``torch_geometric``, the ``gnn`` extra) is a few relation-wise GraphSAGE layers with
 residual connections and an MLP head. Everything else here — the graph, the targets, the cache
@@ -56,10 +57,14 @@ from torch import nn
 from ..plan import Plan
 from .simulator import Program, SimResult, Simulator
 
-FEATURE_SCHEMA = 1
+# 2: the unit parameter features (unit_*), and targets and ln_queued relative to a 100 us floor
+FEATURE_SCHEMA = 2
 ENTRY_SCHEMA = 1
-FLOOR_S = 2e-5  # the least analytic duration a target is relative to (20 us: below the timer's use here)
-CLIP = 3.0  # targets and predictions are clipped to [-CLIP, CLIP] in log space (a factor of ~20)
+# The least duration a target is taken relative to (the analytic side of the ratio) and an error
+# is judged against (the measured side, event_errors): 100 us. A unit's hooks alone take tens of
+# microseconds on a CPU; relative errors of shorter events say little.
+FLOOR_S = 1e-4
+CLIP = 4.0  # targets and predictions are clipped to [-CLIP, CLIP] in log space (a factor of ~55)
 
 SECTION_KINDS = ("forward", "fwd", "loss", "loss backward", "bwd", "backward", "optimizer")
 OP_KINDS = ("all_gather", "refresh", "all_reduce", "reduce_scatter", "copy_out", "copy_back")
@@ -69,8 +74,9 @@ NUMERIC = (
     "ln_ms_analytic", "ln_ms_given", "contention", "ln_mib", "share_compute", "share_bookkeeping",
     "share_copy_out", "share_copy_in", "share_recompute", "ln_issues", "ln_waits", "waited_share",
     "overlap_gather", "overlap_reduce", "overlap_copy", "ln_mib_concurrent", "ln_ops_concurrent",
-    "overlap_compute", "ln_queued", "exposed_share", "start", "end", "plan_ln_ms_step", "plan_compute_share",
-    "plan_ln_ops",
+    "overlap_compute", "ln_queued", "exposed_share", "start", "end",
+    "unit_ln_params", "unit_ln_mib", "unit_sharded", "unit_persistent", "unit_after_forward",
+    "plan_ln_ms_step", "plan_compute_share", "plan_ln_ops",
 )
 FEATURES = tuple(f"kind={k}" for k in KINDS) + NUMERIC
 MIB = float(1 << 20)
@@ -218,6 +224,19 @@ def schedule_graph(program: Program, analytic: SimResult) -> ScheduleGraph:
             "start": at[i0] / step, "end": at[i1] / step,
         })
     n_sections = len(names)
+    # the unit a section belongs to: its parameters and how the plan holds them
+    if program.plan is not None:
+        units = {u.name: u for u in program.plan.units}
+        for name, row in zip(names, rows):
+            base = name.split(" @m")[0]
+            u = units.get(base.split(" ", 1)[1]) if base.startswith(("fwd ", "bwd ")) else None
+            if u is None:
+                continue
+            row["unit_ln_params"] = math.log1p(len(u.params))
+            row["unit_ln_mib"] = math.log1p(sum(program.param_bytes.get(p, 0) for p in u.params) / MIB)
+            row["unit_sharded"] = float(u.placement == "shard")
+            row["unit_persistent"] = float(u.placement == "shard" and u.residency == "persistent")
+            row["unit_after_forward"] = float(u.placement == "shard" and u.residency == "after_forward")
 
     # operations: one node each, named by what the runtime calls them
     seen: dict[tuple[str, str], int] = {}
@@ -334,7 +353,7 @@ def targets(graph: ScheduleGraph, measured: dict[str, float]) -> tuple[torch.Ten
         m = measured.get(name)
         if m is None or not math.isfinite(m):
             continue
-        ratio = max(m, 1e-7) / max(float(graph.analytic_s[i]), FLOOR_S)
+        ratio = max(m, 1e-6) / max(float(graph.analytic_s[i]), FLOOR_S)
         y[i] = max(-CLIP, min(CLIP, math.log(ratio)))
         mask[i] = True
     return y, mask
@@ -381,7 +400,7 @@ def gnn_available() -> bool:
 @dataclass
 class NetConfig:
     """The network's shape. Defaults: three layers reach a collective's issuing, waiting and
-    overlapping sections and their neighbours; 48 units are plenty for ~25 features and train in
+    overlapping sections and their neighbours; 48 units are plenty for ~40 features and train in
     seconds on a CPU."""
 
     hidden: int = 48
@@ -525,14 +544,17 @@ class Estimator:
 # evaluation
 # ------------------------------------------------------------------------------------------------
 def event_errors(graph: ScheduleGraph, y: torch.Tensor, mask: torch.Tensor, log_ratio: torch.Tensor | None) -> list[float]:
-    """Relative errors |predicted - measured| / measured of the measured nodes: of the analytic
-    durations (``log_ratio`` None) or of the corrected ones."""
+    """Relative errors |predicted - measured| / max(measured, FLOOR_S) of the measured nodes
+    (``y`` from :func:`targets`): of the analytic durations (``log_ratio`` None) or of the corrected
+    ones. Events measured shorter than ``FLOOR_S`` are judged against ``FLOOR_S``: a collective
+    that completed while another ran (on the other process group) measures ~0 in one queue."""
     out = []
     for i in torch.nonzero(mask).flatten().tolist():
-        base = max(float(graph.analytic_s[i]), FLOOR_S)
+        analytic = float(graph.analytic_s[i])
+        base = max(analytic, FLOOR_S)
         measured = base * math.exp(float(y[i]))
-        predicted = float(graph.analytic_s[i]) if log_ratio is None else base * math.exp(float(log_ratio[i]))
-        out.append(abs(predicted - measured) / measured)
+        predicted = analytic if log_ratio is None else base * math.exp(float(log_ratio[i]))
+        out.append(abs(predicted - measured) / max(measured, FLOOR_S))
     return out
 
 

@@ -110,7 +110,9 @@ class Program:
     backward"``, ``"bwd <unit>"``, ``"backward"`` (the end of backward: the flush), ``"optimizer"``
     (with `` @m<k>`` for micro-batch k > 0). The instructions from one section's index to the
     next are what the runtime does at that position: the names a measured step is cut into
-    (``autodist/measure/steptrace.py``) and the compute nodes of the learned estimator's graph."""
+    (``autodist/measure/steptrace.py``) and the compute nodes of the learned estimator's graph.
+    ``plan`` and ``param_bytes`` (each parameter's full size in its compute dtype) let the graph
+    describe a section's unit."""
 
     prog: list[tuple]
     ops: list[CommOp]
@@ -118,6 +120,8 @@ class Program:
     actions: ActionLog
     offload_log: list[tuple[str, int]]
     sections: list[tuple[int, str]]
+    plan: Plan | None = None
+    param_bytes: dict[str, int] = field(default_factory=dict)
 
 
 class DurationEstimator(Protocol):
@@ -787,7 +791,7 @@ class Simulator:
             if bk.op == "reduce_scatter" and bk.out_live:
                 emit((_MEM, -bk.out_bytes, GRADIENTS))
                 bk.out_live = False
-        return Program(prog, ops, static, log, offload_log, sections)
+        return Program(prog, ops, static, log, offload_log, sections, plan, self.compute_bytes)
 
     def _cast(self, p: str) -> bool:
         """A replicated parameter computed with in another dtype (a compute copy, mixed precision)."""
