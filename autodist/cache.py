@@ -1,4 +1,4 @@
-"""The on-disk cache of profiles, comm models, plans and learned estimators.
+"""The on-disk cache of profiles, comm models, plans, fidelity records and learned estimators.
 
 Location: ``cache_dir`` if given, else ``$AUTODIST_CACHE_DIR``, else ``$XDG_CACHE_HOME/autodist``,
 else ``~/.cache/autodist``. The kinds of entry live apart, so that a new budget re-plans without
@@ -12,8 +12,10 @@ re-profiling and a new model reuses the machine's comm model:
   backend, budget, optimizer kind, mixed precision, plan schema version);
 * ``placements/<key>.json`` — the placement of the last plan stored for a model, world size and
   budget, which a launch without example inputs uses at wrap time (placement cannot change later);
+* ``fidelity/<key>.json`` — the simulator's error measured by ``autodist check`` on this machine,
+  keyed like the comm model; the search takes its margins from it (``cost/fidelity.py``);
 * ``estimators/<key>.json`` — the learned estimator trained on this machine's measured timelines
-  (``tools/train_estimator.py``), with its provenance and validation, under its comm model's key.
+  (``tools/train_estimator.py``), with its provenance and validation, keyed like the comm model.
 
 Writes are atomic (temporary file + rename) under an exclusive ``fcntl`` lock; only rank 0 writes.
 A corrupt, truncated or stale entry is reported once, removed and treated as a miss — it never
@@ -34,7 +36,7 @@ from typing import Any, TypeVar
 
 from ._log import OnceLogger, logger
 
-KINDS = ("profiles", "comm", "plans", "placements", "estimators")
+KINDS = ("profiles", "comm", "plans", "placements", "fidelity", "estimators")
 T = TypeVar("T")
 
 

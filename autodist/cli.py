@@ -8,6 +8,8 @@ report the environment.
     autodist timeline PLAN.json -o OUT.json|OUT.png --model MODULE:FACTORY --input-shape 8,128
                   [--input-dtype DTYPE] [--input-high N] [--interconnect NAME | --bandwidth GBPS --latency US]
                   [--cache-dir DIR] [--width PX] [--height PX]
+    autodist check --model MODULE:FACTORY --input-shape 8,128 [--input-dtype DTYPE] [--input-high N]
+                  [--nproc N] [--plans N] [--steps N] [--accum N] [--json OUT.json] [--no-record] [--cache-dir DIR]
     autodist cache list|show KEY|clear [--kind KIND]|path [--cache-dir DIR]
     autodist env
     autodist --version
@@ -244,6 +246,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_comm_options(tl)
     tl.add_argument("--width", type=_positive_int, metavar="PX", help=f"PNG width in pixels (default {PNG_SIZE[0]})")
     tl.add_argument("--height", type=_positive_int, metavar="PX", help=f"PNG height in pixels (default {PNG_SIZE[1]})")
+
+    check = sub.add_parser(
+        "check", help="measure the simulator's predictions against real steps of your model",
+        description="Launch --nproc ranks here (torchrun), profile the model, and run a handful of plans (the "
+        "built-in ones, random ones and the ones the search picks under three budgets): predicted vs measured "
+        "step time and peak memory, on one screen. The measured error is stored for this machine: plan=\"auto\" "
+        "then takes its margins from it (how much faster a searched plan must be predicted than a built-in one, "
+        "and how far below the budget plans are kept).",
+    )
+    _add_model_options(check)
+    check.add_argument("--nproc", type=_positive_int, default=2, metavar="N", help="ranks to launch (default 2)")
+    check.add_argument("--plans", type=_positive_int, default=6, metavar="N", help="built-in and random plans (default 6; 3 searched plans are added)")
+    check.add_argument("--steps", type=_positive_int, default=4, metavar="N", help="timed steps per plan and pass (default 4)")
+    check.add_argument("--accum", type=_positive_int, default=1, metavar="N", help="micro-batches (of --input-shape each) per step (default 1)")
+    check.add_argument("--json", metavar="OUT.json", help="also write every figure as JSON")
+    check.add_argument("--no-record", action="store_true", help="do not store the measured error for this machine")
+    _add_cache_dir(check)
+    check.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    check.add_argument("--out", help=argparse.SUPPRESS)
 
     cache = sub.add_parser(
         "cache", help="list, show or clear cached profiles, comm models and plans",
@@ -534,8 +555,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     comm, comm_source = _comm_model(args, args.world_size)
     model = _build_model(args.model)
     x = _example_input(model, args)
+    config = _search_config(args.cache_dir, args.world_size)
     try:
-        plan, result, _ = plan_offline(model, (x,), world_size=args.world_size, budget_bytes=budget, comm=comm)
+        plan, result, _ = plan_offline(model, (x,), world_size=args.world_size, budget_bytes=budget, comm=comm, config=config)
     except BudgetError as e:
         raise CommandError(f"{_budget_line(e)}; raise --memory-limit or plan for more ranks") from None
     try:
@@ -550,6 +572,208 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"AutoDist(model, plan={str(args.out)!r})."
     )
     return 0
+
+
+def _search_config(cache_dir: str | None, world: int) -> Any:
+    """The search's margins for ``world`` CPU ranks on this machine (its fidelity record, else the defaults)."""
+    from .cache import Cache, comm_cache_key
+    from .cost.fidelity import FidelityRecord
+    from .sched.search import SearchConfig
+
+    cache = Cache(cache_dir, writer=False)
+    return SearchConfig.for_machine(cache.get("fidelity", comm_cache_key(world, "cpu", "cpu", "gloo"), FidelityRecord.from_json))
+
+
+# ------------------------------------------------------------------------------------------------
+# check
+# ------------------------------------------------------------------------------------------------
+
+
+def _check_args(args: argparse.Namespace) -> list[str]:
+    """The arguments the ranks of ``autodist check`` get (the parent's, less --json and --nproc, which
+    torchrun's own parser would take for an abbreviation of its --nproc-per-node)."""
+    out = ["--model", args.model, "--input-shape", ",".join(map(str, args.input_shape)), "--input-dtype", args.input_dtype,
+           "--plans", str(args.plans), "--steps", str(args.steps), "--accum", str(args.accum)]
+    if args.input_high is not None:
+        out += ["--input-high", str(args.input_high)]
+    if args.no_record:
+        out.append("--no-record")
+    if args.cache_dir:
+        out += ["--cache-dir", os.path.abspath(args.cache_dir)]
+    return out
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    if args.worker:
+        return _check_worker(args)
+    import subprocess
+    import tempfile
+
+    from .measure.memory import MALLOC_ENV
+
+    _rank_threads()
+    _example_input(_build_model(args.model), args)  # a bad --model or input fails here, once, before any rank starts
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "check.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+               "-m", "autodist.cli", "check", "--worker", "--out", out, *_check_args(args)]
+        # the ranks compute with one thread each, as under torchrun; glibc's mmap threshold is fixed so
+        # that freed tensors leave the process (see [Note: glibc and freed tensors])
+        env = dict(os.environ, OMP_NUM_THREADS="1", **MALLOC_ENV)
+        # torch's C++ warnings (the profiler's about blocks allocated before it started) are not the user's business
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
+        rc = subprocess.run(cmd, env=env).returncode
+        if rc != 0 or not os.path.exists(out):
+            raise CommandError(f"the {args.nproc} ranks failed (exit code {rc}); their output is above")
+        with open(out) as f:
+            payload = json.load(f)
+    _say(render_check(payload))
+    if args.json:
+        try:
+            Path(args.json).write_text(json.dumps(payload, indent=1))
+        except OSError as e:
+            raise CommandError(f"cannot write {args.json}: {e.strerror or e}") from None
+    return 0
+
+
+def _check_worker(args: argparse.Namespace) -> int:
+    """One rank of ``autodist check`` (launched by torchrun)."""
+    import torch
+    import torch.distributed as dist
+
+    from . import AutoDist
+    from .cache import Cache, comm_cache_key
+    from .cost.fidelity import FidelityRecord
+    from .cost.profile import Profile, slowest
+    from .cost.simulator import Simulator
+    from .measure.fidelity import Checked, measure_plans, plans_to_check, summarize
+    from .measure.sweep import sweep
+    from .measure.trace import model_loss, profile_model, surrogate_loss
+    from .sched.search import SearchConfig
+    from .sched.space import space_for
+    from .structure import discover
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        backend, device_name = "nccl", torch.cuda.get_device_name(device)
+    else:
+        device, backend, device_name = torch.device("cpu"), "gloo", "cpu"
+        _rank_threads()
+    dist.init_process_group(backend)
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = _build_model(args.model)
+        structure = discover(model)
+        _example_input(model, args)
+        # distinct data per rank and step; a step is --accum micro-batches of --input-shape
+        gen = torch.Generator().manual_seed(1000 + rank)
+        shape = (args.input_shape[0] * args.accum, *args.input_shape[1:])
+        dtype = getattr(torch, args.input_dtype)
+        warmup, passes = 2, 2
+
+        def batch() -> torch.Tensor:
+            if dtype.is_floating_point:
+                return torch.randn(shape, generator=gen).to(dtype).to(device)
+            high = DEFAULT_INPUT_HIGH if args.input_high is None else args.input_high
+            return torch.randint(0, high, shape, generator=gen, dtype=dtype).to(device)
+
+        batches = [(batch(), None) for _ in range(warmup + args.steps + 1)]
+
+        def loss(out: Any, _target: Any) -> torch.Tensor:
+            own = model_loss(out)  # the model's own loss (Hugging Face with labels), else the mean of its outputs
+            return own if own is not None else surrogate_loss(out)
+
+        x0 = batches[0][0].chunk(args.accum)[0]
+        prof = profile_model(model.to(device), structure, (x0,), device=device, loss_fn=lambda out: loss(out, None))
+        del model
+        profiles: list[str | None] = [None] * world
+        dist.all_gather_object(profiles, prof.to_json())
+        prof = slowest([Profile.from_json(p) for p in profiles])
+        comm = sweep(dist.group.WORLD, device)
+        space = space_for(prof, structure, world, grad_accum_steps=args.accum)
+        sim = Simulator(prof, structure, comm, world_size=world)
+        chosen = plans_to_check(space, sim, args.plans, profile=prof, structure=structure, comm=comm, world=world)
+        checks = [
+            Checked(name, space.to_plan(g, provenance={"source": f"autodist check:{name}"}), sim.run(space.to_plan(g)), searched)
+            for name, g, searched in chosen
+        ]
+
+        def wrap(plan: Any) -> Any:
+            return AutoDist(_build_model(args.model), plan=plan)  # the factory is seeded the same each time
+
+        def progress(c: Checked) -> None:
+            if rank == 0:
+                print(f"[autodist check] {c.name}: predicted {c.predicted.step_s * 1e3:.1f} ms, measured "
+                      f"{c.measured_step_s * 1e3:.1f} ms", file=sys.stderr, flush=True)
+
+        measure_plans(checks, wrap, batches, loss, device=device, accum=args.accum, steps=args.steps, warmup=warmup,
+                      passes=passes, progress=progress)
+        if rank == 0:
+            rows = [c.row() for c in checks]
+            overall = summarize(rows)
+            record = FidelityRecord.from_summary(overall, args.model)
+            stored = None
+            if not args.no_record:
+                path = Cache(args.cache_dir).put("fidelity", comm_cache_key(world, device.type, device_name, backend), record.to_json())
+                stored = str(path) if path else None
+            cfg = SearchConfig.for_machine(record)
+            payload = {
+                "model": args.model, "world_size": world, "device": device_name, "backend": backend,
+                "input_shape": list(args.input_shape), "accum": args.accum, "steps": args.steps, "passes": passes,
+                "plans": rows, "all": overall,
+                "builtin_and_random": summarize([r for r in rows if not r["searched"]]),
+                "searched": summarize([r for r in rows if r["searched"]]),
+                "margins": {"prefer_seed_within": cfg.prefer_seed_within, "memory_headroom": cfg.memory_headroom,
+                            "default_prefer_seed_within": SearchConfig().prefer_seed_within,
+                            "default_memory_headroom": SearchConfig().memory_headroom},
+                "record_path": stored,
+            }
+            with open(args.out, "w") as f:
+                json.dump(payload, f, indent=1, default=lambda v: None)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def render_check(payload: dict[str, Any]) -> str:
+    """``autodist check``'s report: one row per plan, the fidelity figures, and what they change."""
+    accum = f", {payload['accum']} micro-batches per step" if payload.get("accum", 1) > 1 else ""
+    out = [
+        f"autodist check: {payload['model']} on {payload['world_size']} ranks ({payload['device']}, {payload['backend']}), "
+        f"input {','.join(map(str, payload['input_shape']))}{accum}; {payload['steps']} timed steps x {payload['passes']} passes per plan",
+        "",
+    ]
+    rows = []
+    for r in payload["plans"]:
+        et = (r["predicted_step_s"] - r["measured_step_s"]) / r["measured_step_s"]
+        ep = (r["predicted_peak_bytes"] - r["measured_peak_bytes"]) / max(1, r["measured_peak_bytes"])
+        rows.append((r["plan"], f"{r['predicted_step_s'] * 1e3:.1f}", f"{r['measured_step_s'] * 1e3:.1f}", f"{et:+.0%}",
+                     f"{r['predicted_peak_bytes'] / 2**20:.1f}", f"{r['measured_peak_bytes'] / 2**20:.1f}", f"{ep:+.0%}"))
+    out.append(format_table(("plan", "pred ms", "meas ms", "error", "pred MiB", "meas MiB", "error"), rows))
+    out.append("")
+
+    def line(what: str, f: dict[str, Any]) -> str:
+        sp = f["spearman"]
+        rank = "n/a (fewer than 3 plans)" if sp is None or sp != sp else f"{sp:.2f}"
+        return (f"  {what} ({f['plans']}): step time Spearman {rank}, median |error| {f['median_abs_pct_error_time']:.1f}%; "
+                f"peak median |error| {f['median_abs_pct_error_peak']:.1f}%, at most {max(0.0, f['max_pct_peak_excess']):.1f}% above prediction")
+
+    out.append(line("all plans", payload["all"]))
+    for key, what in (("builtin_and_random", "built-in and random"), ("searched", "searched")):
+        if payload.get(key):
+            out.append(line(what, payload[key]))
+    m = payload["margins"]
+    out.append("")
+    where = (f"Stored for this machine in {payload['record_path']}: plan=\"auto\" on {payload['world_size']} ranks here now"
+             if payload.get("record_path") else f"Not stored (--no-record); stored, it would make plan=\"auto\" on {payload['world_size']} ranks here")
+    out.append(
+        f"{where} keeps a built-in plan unless a searched one is predicted {m['prefer_seed_within']:.1%} faster (default "
+        f"{m['default_prefer_seed_within']:.0%}), and plans {m['memory_headroom']:.1%} below the memory budget (default "
+        f"{m['default_memory_headroom']:.0%}; never less)."
+    )
+    return "\n".join(out)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -734,7 +958,9 @@ def cmd_env(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------
 
 
-COMMANDS = {"show": cmd_show, "plan": cmd_plan, "timeline": cmd_timeline, "cache": cmd_cache, "env": cmd_env}
+COMMANDS = {
+    "show": cmd_show, "plan": cmd_plan, "timeline": cmd_timeline, "check": cmd_check, "cache": cmd_cache, "env": cmd_env,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -40,10 +40,11 @@ from ._progress import progress
 from .cache import Cache, digest
 from .cost.budget import format_bytes
 from .cost.comm import CommModel
+from .cost.fidelity import FidelityRecord
 from .cost.learned import Estimator, estimator_entry
 from .cost.profile import OptimizerProfile, Profile, slowest
 from .cost.simulator import Simulator
-from .errors import AutoDistError, BudgetError
+from .errors import AutoDistError, BudgetError, mark_raised_on_every_rank, reported_once
 from .measure.sweep import sweep
 from .measure.trace import (
     UnitTracer,
@@ -51,12 +52,12 @@ from .measure.trace import (
     _Clock,
     _Pass,
     _preserved,
-    _surrogate_loss,
     estimate_optimizer,
     float_output_bytes,
     loss_fields,
     model_loss,
     profile_model,
+    surrogate_loss,
 )
 from .plan import SCHEMA_VERSION, Plan, made_for
 from .sched.search import SearchConfig, Searcher, SearchResult
@@ -122,6 +123,8 @@ class AutoPlanner:
         self._sig = ""
         self._out_fp32 = 0  # float32 bytes of the outputs of the last recorded forward
         self._wrapped_inputs: tuple | None = None  # a meta-device model's example inputs (profile_wrapped)
+        self._search_cfg: SearchConfig | None = None  # rank 0's (search_config)
+        self._estimator: tuple[Estimator | None, str | None] | None = None  # rank 0's (estimator)
 
     # ---- keys ------------------------------------------------------------------------------
     def _machine(self) -> dict[str, Any]:
@@ -146,7 +149,12 @@ class AutoPlanner:
             {
                 "profile": self.profile_key(sig), **self._machine(), "budget": self._budget_key(),
                 "optimizer": optimizer_kind, "schema": SCHEMA_VERSION, "grad_accum_steps": self.w.grad_accum_steps,
+                # a plan searched with other margins (a machine `autodist check` measured since) is planned again
+                "margins": [round(self.search_config().prefer_seed_within, 4), round(self.search_config().memory_headroom, 4)],
                 "mixed_precision": None if self.mp is None else [str(self.mp.param_dtype), str(self.mp.reduce_dtype)],
+                # a plan the learned estimator ranked is kept apart from the analytic one (and from
+                # another estimator's); without one, the key is what it always was
+                **({"estimator": self.estimator_id()} if self.estimator_id() is not None else {}),
             }
         )
 
@@ -165,6 +173,7 @@ class AutoPlanner:
             "profiles": profile_entry,
             "comm": lambda text: comm_entry(text, self._machine()),
             "placements": lambda text: placement_entry(text, self.structure),
+            "fidelity": FidelityRecord.from_json,
             "estimators": lambda text: estimator_entry(text, self._machine()),
         }
         return self.cache.get(kind, key, parsers[kind])
@@ -173,25 +182,32 @@ class AutoPlanner:
         prof = self.read("profiles", self.profile_key(sig))
         return prof.optimizer.kind if prof is not None and prof.optimizer.measured else "Adam"
 
+    def search_config(self) -> SearchConfig:
+        """The search's margins (rank 0, which searches): from this machine's fidelity record when
+        ``autodist check`` left one, else the defaults (see [Note: margins from measured error])."""
+        if self._search_cfg is None:
+            self._search_cfg = SearchConfig.for_machine(self.read("fidelity", self.comm_key()))
+        return self._search_cfg
+
     def lookup(self, sig: str) -> Plan | None:
         key = text = None
         if self.rank == 0:
             key = self.plan_key(sig, self._optimizer_kind(sig))
             plan = self.read("plans", key)
+            peak = plan.predicted.get("peak_bytes") if plan is not None else None
+            limit = self.search_config().planning_budget(self.w.budget_bytes)
+            if peak is not None and limit is not None and peak > limit:
+                logger.info(
+                    "autodist: cached plan %s predicts %s, over this launch's budget %s less its headroom; planning again",
+                    key, format_bytes(peak), format_bytes(self.w.budget_bytes),
+                )
+                plan = None
             text = plan.to_json() if plan is not None else None
         # every rank must agree on hit or miss (their caches may differ): rank 0 decides
         key, text = self.comm.broadcast_object((key, text))
         if text is None:
             return None
         plan = Plan.from_json(text)
-        peak = plan.predicted.get("peak_bytes")
-        if peak is not None and peak > self.w.budget_bytes:
-            if self.rank == 0:
-                logger.info(
-                    "autodist: cached plan %s predicts %s, over this launch's budget %s; planning again",
-                    key, format_bytes(peak), format_bytes(self.w.budget_bytes),
-                )
-            return None
         self.stats.cache_hits += 1
         self.stats.plan_key = key
         self.stats.plan_path = str(self.cache.path("plans", key))
@@ -258,13 +274,22 @@ class AutoPlanner:
         return plan
 
     def estimator(self) -> Estimator | None:
-        """The learned estimator stored for this machine, if ``plan="auto"`` may use it (rank 0;
-        see [Note: when plan="auto" uses the learned estimator])."""
-        if self.rank != 0:
-            return None
+        """The learned estimator stored for this machine, if ``plan="auto"`` may use it (rank 0,
+        read once; see [Note: when plan="auto" uses the learned estimator])."""
+        if self._estimator is None:
+            self._estimator = self._read_estimator() if self.rank == 0 else (None, None)
+        return self._estimator[0]
+
+    def estimator_id(self) -> str | None:
+        """What tells the estimator in use (None: none) from another: a digest of its provenance
+        (when, on what and how it was trained)."""
+        self.estimator()  # read once
+        return self._estimator[1] if self._estimator is not None else None
+
+    def _read_estimator(self) -> tuple[Estimator | None, str | None]:
         found = self.read("estimators", self.comm_key())  # checked even where it cannot be used
         if found is None:
-            return None
+            return None, None
         entry, estimator = found
         if not entry.helps:
             self.cache.once.info(
@@ -272,28 +297,31 @@ class AutoPlanner:
                 "autodist: the learned estimator stored for this machine did not beat the analytic simulator on "
                 "held-out models; planning with the analytic simulator",
             )
-        elif estimator is None:
+            return None, None
+        if estimator is None:
             self.cache.once.info(
                 "estimator-no-gnn",
                 "autodist: a learned estimator is stored for this machine; pip install 'autodist[gnn]' to plan with it",
             )
-        return estimator if entry.helps else None
+            return None, None
+        return estimator, digest(entry.provenance)
 
     def search(self, profile: Profile, comm: CommModel, *, fixed: dict[str, str] | None) -> SearchResult:
         kw = {
-            "world_size": self.world, "budget_bytes": self.w.budget_bytes,
+            "world_size": self.world, "budget_bytes": self.search_config().planning_budget(self.w.budget_bytes),
             "param_dtype": self.mp.param_dtype if self.mp else None, "reduce_dtype": self.mp.reduce_dtype if self.mp else None,
         }
         sim = Simulator(profile, self.structure, comm, **kw)
         space = space_for(profile, self.structure, self.world, fixed_placement=fixed, grad_accum_steps=self.w.grad_accum_steps)
-        searcher = Searcher(space, sim, SearchConfig())
+        searcher = Searcher(space, sim, self.search_config())
         result = searcher.run()
         estimator = self.estimator()
         if estimator is not None:
             # [Note: when plan="auto" uses the learned estimator] Only a stored estimator whose
             # held-out validation met HELPS_RULE (autodist/cost/learned.py), and only to rank the
             # search's finalists: the analytic simulator searches (thousands of plans), the
-            # corrected one chooses among the best of them and the built-in seeds.
+            # corrected one chooses among the best of them and the built-in seeds, under the same
+            # budget and margins (the search config's, from this machine's fidelity record).
             result = searcher.refine(result, Simulator(profile, self.structure, comm, estimator=estimator, **kw))
             logger.info(
                 "autodist: the learned estimator ranked the search's finalists: predicted step %.2f ms (analytic %.2f ms)",
@@ -334,17 +362,22 @@ class AutoPlanner:
                 if not now.result.feasible:
                     payload = {"error": str(self._budget_error(now))}
                 else:
-                    payload = {"now": now.plan.to_json(), "free": free.plan.to_json(), "seconds": time.perf_counter() - t0}
+                    key = self.plan_key(sig, profile.optimizer.kind if profile.optimizer.measured else "Adam")
+                    payload = {"now": now.plan.to_json(), "free": free.plan.to_json(), "seconds": time.perf_counter() - t0, "key": key}
             except Exception as e:  # never leave the other ranks waiting for a broadcast
                 payload = {"failure": f"{type(e).__name__}: {e}"}
         payload = self.comm.broadcast_object(payload)
-        if "failure" in payload:
-            raise SearchFailed(f"the search on rank 0 failed: {payload['failure']}")
-        if "error" in payload:
-            raise BudgetError(payload["error"])
+        if "failure" in payload or "error" in payload:
+            # every rank raises it (they all got the payload): reported once, as at wrap time
+            err: AutoDistError = (
+                SearchFailed(f"the search on rank 0 failed: {payload['failure']}") if "failure" in payload else BudgetError(payload["error"])
+            )
+            if self.world > 1:
+                raise reported_once(mark_raised_on_every_rank(err), rank=self.rank)  # type: ignore[arg-type]
+            raise err
         now_plan = Plan.from_json(payload["now"])
         free_plan = Plan.from_json(payload["free"])
-        key = self.plan_key(sig, profile.optimizer.kind if profile.optimizer.measured else "Adam")
+        key = payload["key"]  # rank 0's: the key holds rank 0's margins
         path = self.cache.put("plans", key, free_plan.to_json())
         self.cache.put("profiles", self.profile_key(sig), profile.to_json())
         self.cache.put(
@@ -408,7 +441,7 @@ class AutoPlanner:
                 for i in range(PROFILE_STEPS):
                     out = eng.forward(inputs, kwargs)
                     loss = model_loss(out)
-                    loss = loss if loss is not None else _surrogate_loss(out)
+                    loss = loss if loss is not None else surrogate_loss(out)
                     del out
                     loss.backward()
                     del loss
@@ -723,7 +756,7 @@ def search_provenance(result: SearchResult, source: str) -> dict[str, Any]:
     """What a searched plan records about how it was found."""
     from . import __version__
 
-    cfg = SearchConfig()
+    cfg = result.config
     prov = {
         "source": source, "search": "backtracking", "alpha": cfg.alpha, "beta": cfg.beta,
         "evaluated": result.evaluated, "search_seconds": round(result.seconds, 3), "stopped_by": result.stopped_by,
@@ -735,7 +768,8 @@ def search_provenance(result: SearchResult, source: str) -> dict[str, Any]:
         # the plan is the built-in seed, kept over a searched plan predicted less than this much faster
         prov["source"] = f"{source} (kept {result.preferred_seed})"
         prov["preferred_seed"] = result.preferred_seed
-        prov["prefer_seed_within"] = cfg.prefer_seed_within
+        prov["prefer_seed_within"] = round(cfg.prefer_seed_within, 4)
+        prov["margin_source"] = cfg.margin_source
     return prov
 
 
@@ -762,8 +796,10 @@ def budget_error(budget: int, result: SearchResult, structure: Any, plan: Plan |
     if not largest.startswith("activations"):
         fixes.append("use mixed precision (MixedPrecision(param_dtype=torch.bfloat16))")
     fixes.append(f"or raise memory_limit above {format_bytes(peak)} if the device has room")
+    headroom = result.config.memory_headroom
     return BudgetError(
-        f"no plan fits the budget of {format_bytes(budget)} per rank: the smallest predicted peak is "
+        f"no plan fits the budget of {format_bytes(budget)} per rank (plans are kept {headroom:.0%} below it, the "
+        f"simulator's measured error): the smallest predicted peak is "
         f"{format_bytes(peak)}{' (' + ', '.join(how) + ')' if how else ''}, made of {made_of}. "
         f"To fit: {'; '.join(fixes)}."
     )
@@ -788,7 +824,7 @@ def plan_offline(
     device = device or torch.device("cpu")
     structure = discover(module)
     prof = profile_model(module, structure, example_inputs, device=device, example_kwargs=example_kwargs)
-    sim = Simulator(prof, structure, comm, world_size=world_size, budget_bytes=budget_bytes)
+    sim = Simulator(prof, structure, comm, world_size=world_size, budget_bytes=(config or SearchConfig()).planning_budget(budget_bytes))
     space = space_for(prof, structure, world_size, grad_accum_steps=grad_accum_steps)
     result = Searcher(space, sim, config or SearchConfig()).run()
     if not result.result.feasible:

@@ -238,6 +238,7 @@ def run_case(case: Case) -> dict[str, float]:
     worst["stats"].pop("log", None)
     worst["runtime"] = model.runtime.stats.__dict__.copy()
     worst["sharded_units"] = len(model.plan.sharded_units)
+    worst["grad_accum_steps"] = model.plan.grad_accum_steps
     worst["initial"] = initial
     model.close()
     return worst

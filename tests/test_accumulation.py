@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import models
 from autodist import AutoDist, MixedPrecision
-from parity import Case, check, make_plan, run_cases
+from parity import Case, check, make_plan, run_case, run_cases
 
 ATOL = 2e-5
 COMBOS = [
@@ -48,6 +48,43 @@ def test_accumulation_with_recomputation_and_mixed_placement(world2):
     results = world2.run(run_cases, cases, timeout=400)
     for i in range(len(cases)):
         check([r[i] for r in results], atol=ATOL)
+
+
+def test_auto_observes_accumulation_and_plans_for_it(world2):
+    # no grad_accum_steps given: the backward passes under no_sync between optimizer steps during the
+    # first (transparent) steps tell the planner, whose plan then trains like the reference
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        results = world2.run(
+            run_case, Case(model="mlp", plan="auto", steps=6, accumulate=3, optim="adamw", extra={"cache_dir": d, "memory_limit": "40KB"})
+        )
+    check(results, atol=ATOL)
+    assert all(r["runtime"]["plan_switches"] == 1 and r["grad_accum_steps"] == 3 for r in results)
+
+
+def _over_budget_warnings(plan, limit):
+    import logging
+
+    lines = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("autodist").addHandler(handler)
+    try:
+        AutoDist(models.make("mlp"), plan=plan, memory_limit=limit).close()
+    finally:
+        logging.getLogger("autodist").removeHandler(handler)
+    return [line for line in lines if "is predicted to need" in line]
+
+
+def test_an_explicit_plan_over_an_explicit_budget_warns_with_its_predicted_peak(world2):
+    over = world2.run(_over_budget_warnings, "ddp", 20_000)
+    assert len(over[0]) == 1 and not over[1]  # rank 0 says it, once
+    assert "plan builtin:ddp is predicted to need" in over[0][0] and "over the budget of 19.53 KiB" in over[0][0]
+    assert "parameters" in over[0][0] and "plan='auto'" in over[0][0]
+    # the same plan within a budget that holds it, and a sharded plan within the first budget: no warning
+    assert world2.run(_over_budget_warnings, "ddp", "1GB") == [[], []]
+    assert world2.run(_over_budget_warnings, "fsdp", 60_000) == [[], []]
 
 
 def test_accumulation_on_four_ranks(world4):

@@ -94,11 +94,38 @@ def test_impossible_budget_says_smallest_peak_and_what_helps(world2):
     with tempfile.TemporaryDirectory() as d:
         for msg in world2.run(_impossible_budget, d):
             assert msg is not None
-            assert "no plan fits the budget of 1.95 KiB per rank: the smallest predicted peak is" in msg
+            assert "no plan fits the budget of 1.95 KiB per rank (plans are kept 6% below it" in msg
+            assert "the smallest predicted peak is" in msg
             # the breakdown of that peak, and what would help
             for part in ("made of", "parameters (shards", "optimizer state"):
                 assert part in msg, msg
             assert "launch more ranks" in msg and "raise memory_limit above" in msg
+
+
+def _impossible_budget_at_the_switch(cache_dir):
+    m = AutoDist(models.make("mlp"), plan="auto", cache_dir=cache_dir, memory_limit=2000)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(0))
+    for step in range(8):
+        try:
+            models.loss_fn("mlp", m(x), y).backward()
+        except BudgetError as e:
+            return step, str(e), isinstance(e, SystemExit), e.code
+        opt.step()
+        opt.zero_grad()
+    return None
+
+
+def test_a_budget_nothing_fits_found_at_the_switch_raises_on_every_rank_reported_once(world2):
+    # no example inputs: the safe plan trains while the first steps are profiled; the search at the
+    # switch finds nothing within the budget, and every rank raises before the next step computes
+    with tempfile.TemporaryDirectory() as d:
+        results = world2.run(_impossible_budget_at_the_switch, d)
+    assert all(r is not None for r in results), results
+    (step0, msg0, exit0, code0), (step1, msg1, exit1, code1) = results
+    assert step0 == step1 and msg0 == msg1 and "no plan fits the budget of 1.95 KiB" in msg0
+    # uncaught, rank 0 prints the message without a traceback and rank 1 exits quietly
+    assert exit0 and exit1 and code0 == f"autodist.errors.BudgetError: {msg0}" and code1 == 1
 
 
 def _chosen_lines(cache_dir):
@@ -136,8 +163,48 @@ def test_a_kept_built_in_plan_is_named_in_the_label_and_provenance():
     from types import SimpleNamespace
 
     from autodist.lifecycle import search_provenance
+    from autodist.sched.search import SearchConfig
 
-    kept = search_provenance(SimpleNamespace(evaluated=5, seconds=0.1, stopped_by="stall", preferred_seed="ddp"), "auto:search")
-    found = search_provenance(SimpleNamespace(evaluated=5, seconds=0.1, stopped_by="stall", preferred_seed=None), "auto:search")
-    assert kept["source"] == "auto:search (kept ddp)" and kept["prefer_seed_within"] == 0.03
+    cfg = SearchConfig(prefer_seed_within=0.07, margin_source="measured here")
+    searched = {"evaluated": 5, "seconds": 0.1, "stopped_by": "stall", "config": cfg, "refined": False}
+    kept = search_provenance(SimpleNamespace(**searched, preferred_seed="ddp"), "auto:search")
+    found = search_provenance(SimpleNamespace(**searched, preferred_seed=None), "auto:search")
+    assert kept["source"] == "auto:search (kept ddp)" and kept["prefer_seed_within"] == 0.07
+    assert kept["margin_source"] == "measured here"
     assert found["source"] == "auto:search" and "preferred_seed" not in found
+
+
+def _margins_from_the_machine_record(cache_dir, record_text):
+    from autodist.cache import comm_cache_key
+
+    if dist.get_rank() == 0:
+        Cache(cache_dir).put("fidelity", comm_cache_key(dist.get_world_size(), "cpu", "cpu", "gloo"), record_text)
+    dist.barrier()
+    x, _ = models.batch("mlp", 4, torch.Generator().manual_seed(0))
+    try:
+        AutoDist(models.make("mlp"), plan="auto", example_inputs=(x,), cache_dir=cache_dir, memory_limit=2000)
+    except BudgetError as e:
+        impossible = str(e)
+    budget = 40_000  # the default margins use 89% of it (measured), a 25% headroom at most 75%
+    m = AutoDist(models.make("mlp"), plan="auto", example_inputs=(x,), cache_dir=cache_dir, memory_limit=budget)
+    peak = m.plan.predicted["peak_bytes"]
+    m.close()
+    return impossible, peak / budget
+
+
+def test_the_search_takes_its_margins_from_the_machine_fidelity_record(world2):
+    from autodist.cost.fidelity import FidelityRecord
+
+    # as `autodist check` leaves it: peaks measured up to 25% above prediction on this machine
+    record = FidelityRecord(
+        median_abs_error_time=0.2, spearman=0.9, max_peak_excess=0.25, plans=9, model="m:f", measured_at=time.time()
+    )
+    with tempfile.TemporaryDirectory() as d:
+        for impossible, used in world2.run(_margins_from_the_machine_record, d, record.to_json()):
+            assert "plans are kept 25% below it" in impossible
+            assert used <= 0.75
+    # a corrupt record is reported, removed, and the defaults apply
+    with tempfile.TemporaryDirectory() as d:
+        for impossible, used in world2.run(_margins_from_the_machine_record, d, '{"median_abs_error_time": "x"'):
+            assert "plans are kept 6% below it" in impossible
+            assert 0.75 < used <= 0.94

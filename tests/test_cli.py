@@ -105,7 +105,7 @@ def assert_one_line_error(run: Run, prog: str = "autodist") -> None:
 def test_every_subcommand_has_help_and_the_command_has_a_version(cli: Cli) -> None:
     from autodist import __version__
 
-    commands = [["show"], ["plan"], ["timeline"], ["cache"], ["env"]]
+    commands = [["show"], ["plan"], ["timeline"], ["check"], ["cache"], ["env"]]
     *helps, version = cli.run_all(*[[*c, "--help"] for c in commands], ["--version"])
     for command, run in zip(commands, helps):
         assert run.returncode == 0, run
@@ -143,6 +143,52 @@ def test_bad_arguments_exit_2_with_one_line_saying_what_was_wrong(cli: Cli, tmp_
     assert "--out" in no_out.stderr
     assert_one_line_error(bad_shape, "autodist plan:")
     assert "--input-shape" in bad_shape.stderr and "'abc'" in bad_shape.stderr
+
+
+# ---- check ------------------------------------------------------------------------------------
+
+
+def test_check_measures_the_simulator_on_a_user_model_and_the_search_takes_its_margins(
+    cli: Cli, tmp_path: Path, cache_dir: Path
+) -> None:
+    from autodist.cli import _search_config
+    from autodist.cost.fidelity import FidelityRecord
+    from autodist.sched.search import SearchConfig
+
+    out = tmp_path / "check.json"
+    run = cli.run("check", "--model", "tinymodel:build", "--input-shape", "4,16", "--plans", "3", "--steps", "2", "--json", out)
+    assert run.returncode == 0, run
+    payload = json.loads(out.read_text())
+    names = [r["plan"] for r in payload["plans"]]
+    assert names[:3] == ["ddp", "fsdp", "zero2"] and any(n.startswith("searched@") for n in names)
+    for r in payload["plans"]:
+        assert r["measured_step_s"] > 0 and r["measured_peak_bytes"] > 0 and r["predicted_peak_bytes"] > 0
+        assert re.search(rf"^  {re.escape(r['plan'])} +{r['predicted_step_s'] * 1e3:.1f} +{r['measured_step_s'] * 1e3:.1f} ", run.stdout, re.M), run.stdout
+    assert "all plans (" in run.stdout and "Stored for this machine in" in run.stdout
+    # the record holds the measured error, and the search on this machine now uses it
+    files = list((cache_dir / "fidelity").glob("*.json"))
+    assert len(files) == 1
+    record = FidelityRecord.from_json(files[0].read_text())
+    errors = sorted(abs(r["predicted_step_s"] - r["measured_step_s"]) / r["measured_step_s"] for r in payload["plans"])
+    n = len(errors)
+    assert record.median_abs_error_time == pytest.approx((errors[(n - 1) // 2] + errors[n // 2]) / 2)
+    excess = max((r["measured_peak_bytes"] - r["predicted_peak_bytes"]) / r["predicted_peak_bytes"] for r in payload["plans"])
+    assert record.max_peak_excess == pytest.approx(max(0.0, excess))
+    cfg = _search_config(str(cache_dir), 2)
+    assert cfg.prefer_seed_within == pytest.approx(min(0.5, record.median_abs_error_time))
+    assert cfg.memory_headroom == pytest.approx(min(0.5, max(SearchConfig().memory_headroom, record.max_peak_excess)))
+    assert _search_config(str(tmp_path / "elsewhere"), 2) == SearchConfig()
+
+
+def test_check_refuses_a_bad_model_before_launching_ranks(cli: Cli) -> None:
+    missing, bad_shape = cli.run_all(
+        ["check", "--model", "nosuchmodule:build", "--input-shape", "4,16"],
+        ["check", "--model", "tinymodel:build", "--input-shape", "4,17"],
+    )
+    assert_one_line_error(missing, "autodist check:")
+    assert "nosuchmodule" in missing.stderr
+    assert_one_line_error(bad_shape, "autodist check:")
+    assert "--input-shape" in bad_shape.stderr
 
 
 # ---- show -------------------------------------------------------------------------------------

@@ -311,6 +311,40 @@ def test_plan_auto_reports_a_corrupt_estimator_once_and_plans_without_it():
     assert "estimator" not in m.plan.provenance and m.plan.predicted.get("analytic_step_seconds") is None
 
 
+def _launches(cache_dir, entry=None):
+    """plan="auto" on the mlp twice, the second time with ``entry`` stored for this machine:
+    (plan key, where the plan came from, the plan) of each launch."""
+    from autodist import AutoDist
+
+    x, _ = models.batch("mlp", 4, torch.Generator().manual_seed(0))
+    out = []
+    for stored in (None, entry):
+        if stored is not None:
+            stored = replace(stored, machine={**MACHINE, "world": 1})  # this process alone
+            Cache(cache_dir).put("estimators", comm_cache_key(1, "cpu", "cpu", "gloo"), stored.to_json())
+        m = AutoDist(models.make("mlp"), plan="auto", example_inputs=(x,), cache_dir=cache_dir)
+        m.close()
+        out.append((m._auto.stats.plan_key, m._auto.stats.source, m.plan))
+    return out
+
+
+def test_plan_auto_keeps_its_analytic_plan_when_the_stored_estimator_did_not_help():
+    unhelpful = {"gpt": {**HELD_OUT["gpt"], "estimator": {"median_abs_pct_error_time": 13.0, "spearman": 0.7}}}
+    with tempfile.TemporaryDirectory() as d:
+        (key, source, plan), (key_after, source_after, plan_after) = _launches(d, _entry(unhelpful))
+        usable = Cache(d).path("estimators", comm_cache_key(1, "cpu", "cpu", "gloo")).exists()  # an unusable one is removed
+    assert usable and (source, source_after, key_after) == ("search", "cache", key)
+    assert plan_after.to_json() == plan.to_json() and "estimator" not in plan_after.provenance
+
+
+@needs_gnn
+def test_plan_auto_ranks_its_finalists_with_a_helpful_estimator_and_caches_that_plan_apart():
+    with tempfile.TemporaryDirectory() as d:
+        (key, _, _), (key_ranked, source, plan) = _launches(d, _entry())
+    assert source == "search" and key_ranked != key  # not the analytic plan cached by the first launch
+    assert "estimator" in plan.provenance and plan.predicted["analytic_step_seconds"] > 0
+
+
 # ---- measured timelines ---------------------------------------------------------------------------
 def _timed_collectives(on):
     from autodist.runtime.comm import Comm

@@ -145,6 +145,18 @@ def test_random_plans_are_valid():
         validate_plan(space.to_plan(space.mutate(space.random(rng), rng, moves=5)), STRUCTURE, world_size=2)
 
 
+def test_random_plans_of_a_model_with_fewer_units_than_the_widest_window_are_valid():
+    # found by `autodist check` on a two-layer model: a window of 3 units on a 2-unit model
+    from autodist.plan import validate_plan
+
+    structure = discover(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)))
+    assert len(structure.units) < 3
+    space = PlanSpace(structure, 2, [u.name for u in structure.units], list(reversed(structure.trainable)))
+    rng = random.Random(0)
+    for _ in range(200):
+        validate_plan(space.to_plan(space.mutate(space.random(rng), rng, moves=5)), structure, world_size=2)
+
+
 def _space_with_offload():
     space = _space()
     space.state_names = ("exp_avg", "exp_avg_sq")

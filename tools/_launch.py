@@ -12,6 +12,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from autodist.measure.fidelity import max_over_ranks  # noqa: E402,F401  (the tools' import of it)
 from autodist.measure.memory import MALLOC_ENV  # noqa: E402
 
 
@@ -43,12 +44,3 @@ def run_tool(script: str, nproc: int, worker_args: list[str], table: Callable[[d
         with open(json_path, "w") as f:
             json.dump(payload, f, indent=1)
     return 0
-
-
-def max_over_ranks(x: float) -> float:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()

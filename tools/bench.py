@@ -261,7 +261,7 @@ def _host_state_bytes(model: nn.Module) -> int:
 
 def _build(workload: Any, contender: Contender, batches: list, args: argparse.Namespace):
     torch.manual_seed(0)
-    model = contender.wrap(workload.build(), args, (batches[0][0],))
+    model = contender.wrap(workload.build(), args, (batches[0][0].chunk(args.accum)[0],))  # one micro-batch
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:

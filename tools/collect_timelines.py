@@ -37,7 +37,6 @@ import datetime
 import gc
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -49,19 +48,18 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _launch import max_over_ranks, run_tool  # noqa: E402
+from _launch import run_tool  # noqa: E402
 
 from autodist import AutoDist  # noqa: E402
-from autodist.cost.budget import format_bytes  # noqa: E402
 from autodist.cost.comm import CommModel  # noqa: E402
 from autodist.cost.learned import collective_name, graph_of  # noqa: E402
 from autodist.cost.profile import Profile, slowest  # noqa: E402
 from autodist.cost.simulator import Simulator  # noqa: E402
+from autodist.measure.fidelity import max_over_ranks, plans_to_check  # noqa: E402
 from autodist.measure.steptrace import StepTracer  # noqa: E402
 from autodist.measure.sweep import sweep  # noqa: E402
 from autodist.measure.trace import profile_model  # noqa: E402
 from autodist.plan import Plan  # noqa: E402
-from autodist.sched.search import SearchConfig, Searcher  # noqa: E402
 from autodist.sched.space import space_for  # noqa: E402
 from autodist.structure import discover  # noqa: E402
 from autodist.zoo import zoo  # noqa: E402
@@ -80,31 +78,21 @@ def runnable(space, structure, g):
     return space.normalize(dataclasses.replace(g, recompute=keep)), dropped
 
 
-def plans_for(space, sim: Simulator, structure, prof: Profile, comm, world: int, n_random: int, seed: int, searched: bool) -> list[tuple[str, str, object, list[str]]]:
-    """(name, source, genome, recomputed blocks dropped: see ``runnable``): the built-in plans,
-    ``n_random`` random ones, the searched ones."""
-    genomes = [("ddp", "builtin", space.ddp()), ("fsdp", "builtin", space.fsdp()), ("zero2", "builtin", space.zero2())]
-    seen = {g for _, _, g in genomes}
-    rng = random.Random(seed)
-    tries = 0
-    while len(genomes) < 3 + n_random and tries < 1000:
-        tries += 1
-        g, _ = runnable(space, structure, space.random(rng))
-        if g not in seen:
-            seen.add(g)
-            genomes.append((f"random{len(genomes) - 2}", "random", g))
-    if searched:
-        free = Searcher(space, sim, SearchConfig()).run()
-        floor = min(sim.run(space.to_plan(g)).peak_bytes for _, _, g in genomes)
-        for b in [None] + [int(floor + f * (free.result.peak_bytes - floor)) for f in (0.6, 0.2)]:
-            tight = Simulator(prof, structure, comm, world_size=world, budget_bytes=b)
-            found = free if b is None else Searcher(space, tight, SearchConfig()).run()
-            if found.result.feasible and found.genome not in seen:
-                seen.add(found.genome)
-                genomes.append((f"searched@{'none' if b is None else format_bytes(b).replace(' ', '')}", "searched", found.genome))
-    out = []
-    for name, source, g in genomes:
+def plans_for(space, sim: Simulator, structure, prof: Profile, comm: CommModel, world: int, n_random: int, seed: int,
+              searched: bool) -> list[tuple[str, str, object, list[str]]]:
+    """(name, source, genome, recomputed blocks dropped: see ``runnable``): the plans ``autodist
+    check`` measures (:func:`autodist.measure.fidelity.plans_to_check`: the built-in plans,
+    ``n_random`` random ones, the searched ones), each made runnable; one that became a plan
+    already listed is left out."""
+    out, seen = [], set()
+    checks = plans_to_check(space, sim, 3 + n_random, seed=seed, searched=searched, profile=prof, structure=structure,
+                            comm=comm, world=world)
+    for name, g, was_searched in checks:
         g, dropped = runnable(space, structure, g)
+        if g in seen:
+            continue
+        seen.add(g)
+        source = "searched" if was_searched else "builtin" if name in ("ddp", "fsdp", "zero2") else "random"
         out.append((name, source, g, dropped))
     return out
 

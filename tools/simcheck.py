@@ -18,13 +18,11 @@ with keys ``spearman``, ``median_abs_pct_error_time``, ``median_abs_pct_error_pe
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import random
-import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -32,41 +30,18 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _launch import max_over_ranks, run_tool  # noqa: E402
+from _launch import run_tool  # noqa: E402
 
 from autodist import AutoDist  # noqa: E402
-from autodist.cost.budget import format_bytes  # noqa: E402
 from autodist.cost.profile import Profile, slowest  # noqa: E402
 from autodist.cost.simulator import Simulator  # noqa: E402
-from autodist.measure.memory import measure_step_peak  # noqa: E402
+from autodist.measure.fidelity import Checked, measure_plans, plans_to_check, summarize  # noqa: E402
 from autodist.measure.sweep import sweep  # noqa: E402
 from autodist.measure.trace import profile_model  # noqa: E402
-from autodist.sched.search import SearchConfig, Searcher  # noqa: E402
+from autodist.plan import Plan  # noqa: E402
 from autodist.sched.space import space_for  # noqa: E402
 from autodist.structure import discover  # noqa: E402
 from autodist.zoo import zoo  # noqa: E402
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    def ranks(v: list[float]) -> list[float]:
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    va = sum((x - ma) ** 2 for x in ra) ** 0.5
-    vb = sum((y - mb) ** 2 for y in rb) ** 0.5
-    return cov / (va * vb) if va and vb else float("nan")
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -94,137 +69,56 @@ def worker(args: argparse.Namespace) -> None:
     comm = sweep(dist.group.WORLD, device)
 
     space = space_for(prof, structure, world, grad_accum_steps=args.accum)
-    genomes = [("ddp", space.ddp()), ("fsdp", space.fsdp()), ("zero2", space.zero2())]
-    rng = random.Random(args.seed)
-    seen = {g for _, g in genomes}
-    tries = 0
-    while len(genomes) < args.plans and tries < 1000:
-        tries += 1
-        g = space.random(rng)
-        if g not in seen:
-            seen.add(g)
-            genomes.append((f"random{len(genomes) - 2}", g))
     sim = Simulator(prof, structure, comm, world_size=world)
-    if args.searched:
-        # the plans the search picks: without a budget, and under two tighter ones (between the
-        # smallest peak the plan space reaches and the fastest plan's peak)
-        free = Searcher(space, sim, SearchConfig()).run()
-        floor = min(sim.run(space.to_plan(g)).peak_bytes for _, g in genomes)
-        budgets = [None] + [int(floor + f * (free.result.peak_bytes - floor)) for f in (0.6, 0.2)]
-        for b in budgets:
-            tight = Simulator(prof, structure, comm, world_size=world, budget_bytes=b)
-            found = free if b is None else Searcher(space, tight, SearchConfig()).run()
-            if found.result.feasible and found.genome not in seen:
-                seen.add(found.genome)
-                genomes.append((f"searched@{'none' if b is None else format_bytes(b).replace(' ', '')}", found.genome))
-    plans, preds, sim_ms = [], [], []
-    for name, genome in genomes:
-        plans.append(space.to_plan(genome, provenance={"source": f"simcheck:{name}"}))
+    chosen = plans_to_check(
+        space, sim, args.plans, seed=args.seed, searched=args.searched, profile=prof, structure=structure, comm=comm, world=world
+    )
+    checks, sim_ms = [], []
+    for name, genome, searched in chosen:
+        plan = space.to_plan(genome, provenance={"source": f"simcheck:{name}"})
         t0 = time.perf_counter()
-        preds.append(sim.run(plans[-1], record=bool(args.trace_dir)))
+        checks.append(Checked(name, plan, sim.run(plan, record=bool(args.trace_dir)), searched))
         sim_ms.append((time.perf_counter() - t0) * 1e3)
-    times: list[list[float]] = [[] for _ in genomes]
-    peaks: list[int] = [0] * len(genomes)
 
-    def measure(i: int, first: bool) -> None:
-        """Time ``args.steps`` steps of plan ``i``; on the first pass also its peak (and trace)."""
-        name, plan, pred = genomes[i][0], plans[i], preds[i]
-        gc.collect()
+    def wrap(plan: Plan) -> AutoDist:
         torch.manual_seed(0)
-        model = AutoDist(wl.build(), plan=plan)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        return AutoDist(wl.build(), plan=plan)
 
-        def step(x: torch.Tensor, y: torch.Tensor) -> None:
-            n = args.accum
-            for k, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
-                if k < n - 1:
-                    with model.no_sync():
-                        wl.loss(model(xm), ym).div(n).backward()
-                else:
-                    wl.loss(model(xm), ym).div(n).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    def traces(i: int, one_step: Callable[[], None]) -> None:
+        """The simulated and the measured step of plan ``i`` as Chrome traces and PNGs."""
+        name, pred = checks[i].name, checks[i].predicted
+        os.makedirs(args.trace_dir, exist_ok=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as p:
+            one_step()
+        if rank == 0:
+            from autodist import timeline as tl
 
-        for x, y in batches[: args.warmup]:
-            step(x, y)
-        for x, y in batches[args.warmup : args.warmup + args.steps]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(x, y)
-            times[i].append(max_over_ranks(time.perf_counter() - t0))
-        xm, ym = batches[-1]
-        if first and args.trace_dir:
-            os.makedirs(args.trace_dir, exist_ok=True)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as p:
-                step(xm, ym)
-            if rank == 0:
-                from autodist import timeline as tl
+            p.export_chrome_trace(os.path.join(args.trace_dir, f"{name}.measured.trace.json"))
+            measured_tl = tl.from_profiler_trace(os.path.join(args.trace_dir, f"{name}.measured.trace.json"), f"{name}: measured")
+            sim_tl = tl.from_simulation(pred, f"{name}: simulated")
+            tl.to_chrome_trace(sim_tl, os.path.join(args.trace_dir, f"{name}.simulated.trace.json"))
+            tl.to_png(sim_tl, os.path.join(args.trace_dir, f"{name}.simulated.png"))
+            tl.to_png(measured_tl, os.path.join(args.trace_dir, f"{name}.measured.png"))
 
-                p.export_chrome_trace(os.path.join(args.trace_dir, f"{name}.measured.trace.json"))
-                measured_tl = tl.from_profiler_trace(os.path.join(args.trace_dir, f"{name}.measured.trace.json"), f"{name}: measured")
-                sim_tl = tl.from_simulation(pred, f"{name}: simulated")
-                tl.to_chrome_trace(sim_tl, os.path.join(args.trace_dir, f"{name}.simulated.trace.json"))
-                tl.to_png(sim_tl, os.path.join(args.trace_dir, f"{name}.simulated.png"))
-                tl.to_png(measured_tl, os.path.join(args.trace_dir, f"{name}.measured.png"))
-        if first:
+    def progress(c: Checked) -> None:
+        if rank == 0:
+            print(f"[simcheck] {args.model} {c.name}: predicted {c.predicted.step_s * 1e3:.1f} ms, measured "
+                  f"{c.measured_step_s * 1e3:.1f} ms", file=sys.stderr, flush=True)
 
-            def live() -> list[torch.Tensor]:
-                held = list(model.runtime.held_tensors()) + [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
-                return held + [p.grad for p in model.parameters() if p.grad is not None] + [xm, ym]
-
-            peaks[i] = int(max_over_ranks(measure_step_peak(lambda: step(xm, ym), device, live)))
-        model.close()
-
-    # Passes alternate the order of the plans, so a slow drift of the host touches every plan alike.
-    for p in range(args.passes):
-        for i in range(len(genomes)) if p % 2 == 0 else reversed(range(len(genomes))):
-            measure(i, first=p == 0)
-            if rank == 0 and p == args.passes - 1:
-                print(f"[simcheck] {args.model} {genomes[i][0]}: predicted {preds[i].step_s * 1e3:.1f} ms, measured "
-                      f"{statistics.median(times[i]) * 1e3:.1f} ms", file=sys.stderr, flush=True)
-    rows = [
-        {
-            "plan": name,
-            "predicted_step_s": preds[i].step_s,
-            "measured_step_s": statistics.median(times[i]),
-            "predicted_peak_bytes": preds[i].peak_bytes,
-            "measured_peak_bytes": peaks[i],
-            "simulate_ms": sim_ms[i],
-            "sharded_units": len(plans[i].sharded_units),
-            "recomputed_blocks": len(plans[i].recompute),
-            "searched": name.startswith("searched"),
-            "gather_groups": len(plans[i].gather_groups),
-            "buckets": len(plans[i].buckets),
-        }
-        for i, (name, _) in enumerate(genomes)
-    ]
+    measure_plans(
+        checks, wrap, batches, wl.loss, device=device, accum=args.accum, steps=args.steps, warmup=args.warmup,
+        passes=args.passes, after_warmup=traces if args.trace_dir else None, progress=progress,
+    )
+    rows = [dict(c.row(), simulate_ms=ms) for c, ms in zip(checks, sim_ms)]
     if rank == 0:
-        pt = [r["predicted_step_s"] for r in rows]
-        mt = [r["measured_step_s"] for r in rows]
-        def fidelity(sel: list[dict]) -> dict:
-            if not sel:
-                return {}
-            p_, m_ = [r["predicted_step_s"] for r in sel], [r["measured_step_s"] for r in sel]
-            return {
-                "plans": len(sel),
-                "spearman": spearman(p_, m_) if len(sel) > 2 else float("nan"),
-                "median_abs_pct_error_time": 100 * statistics.median(abs(p - m) / m for p, m in zip(p_, m_)),
-                "median_abs_pct_error_peak": 100 * statistics.median(
-                    abs(r["predicted_peak_bytes"] - r["measured_peak_bytes"]) / r["measured_peak_bytes"] for r in sel
-                ),
-            }
-
+        overall = summarize(rows)
         payload = {
             "model": args.model,
             "world_size": world,
             "accum": args.accum,
-            "spearman": spearman(pt, mt),
-            "median_abs_pct_error_time": 100 * statistics.median(abs(p - m) / m for p, m in zip(pt, mt)),
-            "median_abs_pct_error_peak": 100 * statistics.median(
-                abs(r["predicted_peak_bytes"] - r["measured_peak_bytes"]) / r["measured_peak_bytes"] for r in rows
-            ),
-            "random_and_builtin": fidelity([r for r in rows if not r["searched"]]),
-            "searched": fidelity([r for r in rows if r["searched"]]),
+            **{k: overall[k] for k in ("spearman", "median_abs_pct_error_time", "median_abs_pct_error_peak", "max_pct_peak_excess")},
+            "random_and_builtin": summarize([r for r in rows if not r["searched"]]),
+            "searched": summarize([r for r in rows if r["searched"]]),
             "plans": rows,
             "comm_model": json.loads(comm.to_json()),
             "profile_compute_s": prof.compute_s,

@@ -30,13 +30,12 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from simcheck import spearman  # noqa: E402
-
 from autodist.cache import Cache, comm_cache_key  # noqa: E402
 from autodist.cost import learned  # noqa: E402
 from autodist.cost.comm import CommModel  # noqa: E402
 from autodist.cost.profile import Profile  # noqa: E402
 from autodist.cost.simulator import Simulator  # noqa: E402
+from autodist.measure.fidelity import spearman  # noqa: E402
 from autodist.plan import Plan  # noqa: E402
 from autodist.structure import discover  # noqa: E402
 from autodist.zoo import zoo  # noqa: E402

@@ -492,6 +492,10 @@ class Simulator:
             bk = bucket_of.get(p)
             if bk is None:
                 return
+            if p in held:
+                # a gradient accumulated over earlier micro-batches: this micro-batch's gradient is a
+                # new tensor until autograd adds it in (the first one is taken as it is)
+                emit((_C, 0.0, f"accumulate {p}", self.compute_bytes[p]))
             if not (sync or bk.every):
                 # no reduction in this micro-batch: the gradient accumulates locally (in the reduce
                 # dtype for sharded or cast parameters) until the synchronising backward

@@ -276,10 +276,12 @@ class _OwnOrSurrogateLoss:
     def __call__(self, out: object) -> torch.Tensor:
         loss = model_loss(out)
         self.own = loss is not None
-        return loss if loss is not None else _surrogate_loss(out)
+        return loss if loss is not None else surrogate_loss(out)
 
 
-def _surrogate_loss(out: object) -> torch.Tensor:
+def surrogate_loss(out: object) -> torch.Tensor:
+    """A stand-in when the model returns no loss: the sum of the means of its floating-point outputs
+    that require grad (every output's backward runs, as a real loss's would)."""
     floats = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
     if not floats:
         raise ValueError("the model's output has no floating-point tensor that requires grad; cannot profile backward")

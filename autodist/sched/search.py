@@ -20,6 +20,7 @@ import random
 import time
 from dataclasses import dataclass, field, replace
 
+from ..cost.fidelity import DEFAULT_MEMORY_HEADROOM, DEFAULT_SEED_MARGIN, FidelityRecord
 from ..cost.simulator import SimResult, Simulator
 from ..plan import Plan
 from .space import Genome, PlanSpace
@@ -43,10 +44,27 @@ class SearchConfig:
     time_budget_s: float = 10.0
     seed: int = 0
     # A searched plan must be predicted this much faster than the fastest feasible built-in seed
-    # (ddp, fsdp, zero2) to be chosen over it. The simulator's step-time error is ~10% (measured
-    # by tools/simcheck.py), so a smaller predicted gain is within its noise, and the seed is a
-    # configuration whose behaviour is known. 0 turns this off (the pure optimum of the model).
-    prefer_seed_within: float = 0.03
+    # (ddp, fsdp, zero2) to be chosen over it; plans are searched within the budget less
+    # memory_headroom of it. Both are the simulator's measured error: by default what
+    # tools/simcheck.py measured on the zoo models, on a machine `autodist check` has measured its
+    # own (see [Note: margins from measured error] in cost/fidelity.py and for_machine). A
+    # prefer_seed_within of 0 turns the preference off (the pure optimum of the model).
+    prefer_seed_within: float = DEFAULT_SEED_MARGIN
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM
+    margin_source: str = "the simulator's error measured by tools/simcheck.py on the zoo models"
+
+    @classmethod
+    def for_machine(cls, record: FidelityRecord | None) -> SearchConfig:
+        """The search's margins from this machine's measured fidelity, else the defaults."""
+        if record is None:
+            return cls()
+        return cls(
+            prefer_seed_within=record.seed_margin, memory_headroom=record.memory_headroom,
+            margin_source=f"the simulator's error measured by {record.source} on {record.model} on this machine",
+        )
+
+    def planning_budget(self, budget: int | None) -> int | None:
+        return None if budget is None else int(budget * (1 - self.memory_headroom))
 
 
 @dataclass
@@ -63,6 +81,7 @@ class SearchResult:
     history: list[tuple[int, float]] = field(default_factory=list)  # (evaluation, best step time)
     # the built-in seed chosen over a searched plan predicted less than prefer_seed_within faster
     preferred_seed: str | None = None
+    config: SearchConfig = field(default_factory=SearchConfig)  # what the search ran with
     refined: bool = False  # the finalists were ranked again with another simulator (Searcher.refine)
 
 
@@ -334,7 +353,7 @@ class Searcher:
             seconds=time.perf_counter() - t0, seeds=seed_results,
             stopped_by=stopped_by + (" (greedy passes cut by the time budget)" if self.time_limited and stopped_by != "time budget" else ""),
             smallest_peak=self.smallest_peak, smallest_peak_result=self.smallest_peak_result, history=history,
-            preferred_seed=preferred,
+            preferred_seed=preferred, config=cfg,
         )
 
     def refine(self, result: SearchResult, sim: Simulator, *, finalists: int = 16) -> SearchResult:
@@ -342,7 +361,8 @@ class Searcher:
         slow to evaluate thousands of plans): the ``finalists`` fastest feasible plans this search
         evaluated, the plan it chose and the built-in seeds are simulated with ``sim``, and the
         fastest feasible one wins — a built-in seed still kept unless a plan beats it by more than
-        ``prefer_seed_within``. Call after :meth:`run`."""
+        ``prefer_seed_within`` (this search's margin: the analytic simulator's measured error, a
+        conservative one for ``sim``). ``sim`` should have the search's budget. Call after :meth:`run`."""
         feasible = [(self.cost(g), i, g) for i, g in enumerate(self._memo) if math.isfinite(self.cost(g))]
         chosen = [g for _, _, g in sorted(feasible)[:finalists]]
         seeds = {name: self.space.normalize(g) for name, g in self._seeds.items()}

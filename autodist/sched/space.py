@@ -88,7 +88,8 @@ class PlanSpace:
         )
         self.fixed = fixed_placement  # placement can no longer change (the user holds the parameters)
         # the values moves choose from (a search over a small space can narrow them)
-        self.window_choices: tuple[int, ...] = (0, 1, 2, 3)
+        # (a window counts units: one longer than the model is refused by the plan's validation)
+        self.window_choices: tuple[int, ...] = tuple(w for w in (0, 1, 2, 3) if w <= len(self.units))
         self.inflight_choices: tuple[int, ...] = INFLIGHT_CHOICES
         self.blocks = [next((u.block for u in structure.units if u.name == name), None) for name in self.units]
         self.accum_steps = max(1, grad_accum_steps)
@@ -114,7 +115,8 @@ class PlanSpace:
                 starts.add(i)
             prev_sharded = s
         res = list(g.residency)
-        win = list(g.window)
+        n_units = len(self.units)
+        win = [tuple(w if w == MEMORY_WINDOW else min(w, n_units) for w in pair) for pair in g.window]
         current = 0
         for i, s in enumerate(shard):
             if s:

@@ -1,0 +1,213 @@
+"""Measuring the simulator against real steps: for a set of plans on a model, the predicted step time
+and peak against the measured ones. ``autodist check`` runs it on a user's model and
+``tools/simcheck.py`` on the zoo's; both call the functions here, on every rank of a process group.
+
+A plan's step time is the median over its timed steps of the slowest rank's wall clock (a barrier
+before each step); its peak is the slowest rank's tensor peak over one more step
+(:func:`~autodist.measure.memory.measure_step_peak`). The plans are measured in passes of alternating
+order, so that a slow drift of the host touches every plan alike.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..cost.budget import format_bytes
+from ..cost.simulator import SimResult, Simulator
+from ..plan import Plan
+from ..sched.search import SearchConfig, Searcher
+from ..sched.space import Genome, PlanSpace
+from .memory import measure_step_peak
+
+Batch = tuple[Any, Any]  # (input, target); the target may be None when the loss needs none
+
+
+@dataclass
+class Checked:
+    """One plan: its prediction and what was measured."""
+
+    name: str
+    plan: Plan
+    predicted: SimResult
+    searched: bool = False
+    times: list[float] = field(default_factory=list)  # seconds per step, the slowest rank's
+    peak_bytes: int = 0
+
+    @property
+    def measured_step_s(self) -> float:
+        return statistics.median(self.times)
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "plan": self.name, "predicted_step_s": self.predicted.step_s, "measured_step_s": self.measured_step_s,
+            "predicted_peak_bytes": self.predicted.peak_bytes, "measured_peak_bytes": self.peak_bytes,
+            "searched": self.searched, "sharded_units": len(self.plan.sharded_units),
+            "recomputed_blocks": len(self.plan.recompute), "offload_fragments": len(self.plan.offload),
+            "gather_groups": len(self.plan.gather_groups), "buckets": len(self.plan.buckets),
+        }
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation (ties share their mean rank); nan when either side is constant."""
+
+    def ranks(v: Sequence[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = sum((x - ma) ** 2 for x in ra) ** 0.5
+    vb = sum((y - mb) ** 2 for y in rb) ** 0.5
+    return cov / (va * vb) if va and vb else float("nan")
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Fidelity over ``rows`` (as :meth:`Checked.row` writes them): rank correlation of step times,
+    median absolute percentage errors of time and peak, and the largest percentage by which a
+    measured peak exceeded its prediction (what the memory headroom must cover)."""
+    if not rows:
+        return {}
+    pt, mt = [r["predicted_step_s"] for r in rows], [r["measured_step_s"] for r in rows]
+    pp, mp = [r["predicted_peak_bytes"] for r in rows], [r["measured_peak_bytes"] for r in rows]
+    return {
+        "plans": len(rows),
+        "spearman": spearman(pt, mt) if len(rows) > 2 else float("nan"),
+        "median_abs_pct_error_time": 100 * statistics.median(abs(p - m) / m for p, m in zip(pt, mt)),
+        "median_abs_pct_error_peak": 100 * statistics.median(abs(p - m) / m for p, m in zip(pp, mp)),
+        "max_pct_peak_excess": 100 * max((m - p) / p for p, m in zip(pp, mp)),
+    }
+
+
+def plans_to_check(
+    space: PlanSpace, sim: Simulator, n: int, *, seed: int = 0, searched: bool = True,
+    profile: Any = None, structure: Any = None, comm: Any = None, world: int = 1,
+) -> list[tuple[str, Genome, bool]]:
+    """``(name, genome, searched)``: the built-in plans (ddp, fsdp, zero2), random valid plans up to
+    ``n`` in all, then (``searched``) the plans the search picks without a budget and under two
+    tighter ones — 60% and 20% of the way from the smallest peak among the others to the unbudgeted
+    pick's peak (``profile``, ``structure``, ``comm`` and ``world`` build those budgets' simulators)."""
+    out: list[tuple[str, Genome, bool]] = [("ddp", space.ddp(), False), ("fsdp", space.fsdp(), False), ("zero2", space.zero2(), False)]
+    seen = {g for _, g, _ in out}
+    rng = random.Random(seed)
+    tries = 0
+    while len(out) < n and tries < 1000:
+        tries += 1
+        g = space.random(rng)
+        if g not in seen:
+            seen.add(g)
+            out.append((f"random{len(out) - 2}", g, False))
+    if searched:
+        free = Searcher(space, sim, SearchConfig()).run()
+        floor = min(sim.run(space.to_plan(g)).peak_bytes for _, g, _ in out)
+        budgets = [None] + [int(floor + f * (free.result.peak_bytes - floor)) for f in (0.6, 0.2)]
+        for b in budgets:
+            if b is None:
+                found = free
+            else:
+                tight = Simulator(profile, structure, comm, world_size=world, budget_bytes=b)
+                found = Searcher(space, tight, SearchConfig()).run()
+            if found.result.feasible and found.genome not in seen:
+                seen.add(found.genome)
+                out.append((f"searched@{'none' if b is None else format_bytes(b).replace(' ', '')}", found.genome, True))
+    return out
+
+
+def max_over_ranks(x: float) -> float:
+    """The largest ``x`` over the ranks (every rank gets it)."""
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def measure_plans(
+    checks: list[Checked],
+    wrap: Callable[[Plan], nn.Module],
+    batches: Sequence[Batch],
+    loss: Callable[[Any, Any], torch.Tensor],
+    *,
+    device: torch.device,
+    accum: int = 1,
+    steps: int = 6,
+    warmup: int = 2,
+    passes: int = 2,
+    close: Callable[[nn.Module], None] = lambda m: m.close(),  # type: ignore[attr-defined]
+    after_warmup: Callable[[int, Callable[[], None]], None] | None = None,
+    progress: Callable[[Checked], None] | None = None,
+) -> None:
+    """Measure each of ``checks`` in place: ``wrap(plan)`` builds the wrapped model (same seed each
+    time), AdamW trains it on ``batches`` (``warmup`` + ``steps`` + 1 of them), a step being
+    ``accum`` micro-batches, all but the last under ``no_sync``. ``after_warmup(i, one_step)`` runs
+    on the first pass after warm-up (simcheck draws traces there); ``progress`` after each plan's
+    last pass."""
+
+    def measure(i: int, first: bool) -> None:
+        c = checks[i]
+        gc.collect()
+        model = wrap(c.plan)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step(x: Any, y: Any) -> None:
+            xs = x.chunk(accum) if accum > 1 else (x,)
+            ys = y.chunk(accum) if accum > 1 and y is not None else (y,) * len(xs)
+            for k, (xm, ym) in enumerate(zip(xs, ys)):
+                if k < len(xs) - 1:
+                    with model.no_sync():  # type: ignore[attr-defined]
+                        loss(model(xm), ym).div(len(xs)).backward()
+                else:
+                    loss(model(xm), ym).div(len(xs)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        try:
+            for x, y in batches[:warmup]:
+                step(x, y)
+            for x, y in batches[warmup : warmup + steps]:
+                dist.barrier()
+                t0 = time.perf_counter()
+                step(x, y)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                c.times.append(max_over_ranks(time.perf_counter() - t0))
+            xl, yl = batches[-1]
+            if first and after_warmup is not None:
+                after_warmup(i, lambda: step(xl, yl))
+            if first:
+
+                def live() -> list[torch.Tensor]:
+                    held = list(model.runtime.held_tensors())  # type: ignore[attr-defined]
+                    held += [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
+                    inputs = [t for t in (xl, yl) if isinstance(t, torch.Tensor)]
+                    return held + [p.grad for p in model.parameters() if p.grad is not None] + inputs
+
+                c.peak_bytes = int(max_over_ranks(measure_step_peak(lambda: step(xl, yl), device, live)))
+        finally:
+            close(model)
+
+    for p in range(passes):
+        for i in range(len(checks)) if p % 2 == 0 else reversed(range(len(checks))):
+            c = checks[i]
+            if p == 0:
+                c.times.clear()
+            measure(i, first=p == 0)
+            if p == passes - 1 and progress is not None:
+                progress(c)
