@@ -14,6 +14,14 @@ whose backward is running then — the last unit of a checkpointed block). Trigg
 order, so the issue order is a function of the plan and the control flow only, identical on every
 rank that runs the same control flow. A group whose first use is already behind when its trigger
 fires (its units were skipped) is not gathered for nothing.
+
+[Note: memory windows] A plan may ask for a window of ``"memory"``: prefetch as far ahead as the
+budget allows. Before a step runs, each such group gets the longest window (at most
+``MAX_MEMORY_WINDOW``) for which it and the groups before it fit in half of what the budget leaves
+after the resident state (parameters, gradients and two optimizer-state tensors per parameter, as
+held locally, and the full tensors of persistent groups); the other half is for activations. The
+rule sees only figures every rank shares (padded shard sizes, the agreed budget), so every rank
+issues the same gathers in the same order.
 """
 
 from __future__ import annotations
@@ -47,6 +55,30 @@ def triggers(
         out.append(Trigger(max(first - windows[gi], -1), first, gi))
     out.sort(key=lambda t: (t.at, t.first, t.group))
     return out
+
+
+MAX_MEMORY_WINDOW = 8
+
+
+def memory_windows(group_bytes: Sequence[int], resident_bytes: int, budget_bytes: int | None) -> list[int]:
+    """The window a ``"memory"`` prefetch of each gather group gets (see [Note: memory windows]):
+    ``group_bytes`` are the groups' full (gathered) sizes in plan order, ``resident_bytes`` what
+    stays allocated between steps (:func:`resident_state_bytes`)."""
+    headroom = max(0, (budget_bytes or 0) - resident_bytes) // 2
+    out = []
+    for gi in range(len(group_bytes)):
+        w = 1
+        while w < MAX_MEMORY_WINDOW and gi - w >= 0 and sum(group_bytes[gi - w : gi + 1]) <= headroom:
+            w += 1
+        out.append(w)
+    return out
+
+
+def resident_state_bytes(local_param_bytes: Sequence[int], persistent_full_bytes: Sequence[int]) -> int:
+    """What the [Note: memory windows] rule counts as resident: each parameter's local storage
+    (its padded shard, or the whole tensor when replicated) four times — the parameter, its
+    gradient, two optimizer-state tensors — and the full tensors persistent groups keep."""
+    return 4 * sum(local_param_bytes) + sum(persistent_full_bytes)
 
 
 class TriggerCursor:

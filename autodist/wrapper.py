@@ -144,8 +144,10 @@ class AutoDist(nn.Module):
         self.module = module
         self.device = device
         self.mesh = mesh
-        self.budget_bytes = parse_memory_limit(memory_limit, device)
         self._comm = Comm(mesh.get_group())
+        # One budget for every rank: the tightest one's. The default (what each device has free)
+        # differs between ranks, and every rank must derive the same plan and prefetch windows.
+        self.budget_bytes = min(self._comm.all_gather_object(self._agree(lambda: parse_memory_limit(memory_limit, device))))
         self._structure = discover(module)
         self._meta = meta
         # A meta-device model's initialisers are tried on fake tensors first: a tensor none of them

@@ -42,11 +42,13 @@ def test_user_checkpointed_blocks_match_single_process_under_every_plan(world2, 
 
 
 def test_user_checkpointed_blocks_on_four_ranks(world4):
-    names = ["fsdp-reentrant", "fsdp-nonreentrant", "random-selective"]
+    names = ["fsdp-reentrant", "fsdp-nonreentrant", "random-selective", "planned-gpt", "planned-mlp-mixed"]
     cases = [
         Case(model="gpt-ckpt-reentrant", plan="fsdp", per_rank=2),
         Case(model="gpt-ckpt-nonreentrant", plan="fsdp", per_rank=2),
         Case(model="gpt-ckpt-selective", plan={"random": 3}, per_rank=2),
+        Case(model="gpt", plan={"grouping": "block", "recompute": "all"}, per_rank=2),
+        Case(model="mlp", plan={"placement": "mixed", "grouping": "unit", "recompute": "all"}, per_rank=2),
     ]
     _check_all(world4.run(run_cases, cases, timeout=400), names, ATOL)
 
@@ -135,3 +137,27 @@ def test_hugging_face_gradient_checkpointing_matches_single_process(world2, arch
     pytest.importorskip("transformers", reason="transformers is not installed (optional; CI need not install it)")
     for worst in world2.run(hf_gradient_checkpointing, arch, plan, reentrant, timeout=300):
         assert worst <= 1e-5, worst
+
+
+# ---- recomputation the plan asks for --------------------------------------------------------------
+PLANNED = {
+    # gpt: blocks hold several units
+    "gpt-fsdp": Case(model="gpt", plan={"grouping": "block", "recompute": "all"}),
+    "gpt-persistent": Case(model="gpt", plan={"residency": "persistent", "grouping": "block", "recompute": "all"}),
+    "gpt-per-unit-window2": Case(model="gpt", plan={"grouping": "unit", "window": 2, "recompute": "all"}),
+    "gpt-replicated": Case(model="gpt", plan={"placement": "replicate", "recompute": "all"}),
+    # mlp: each block is one unit that owns its parameters (the recomputation must swap them in itself)
+    "mlp-mixed": Case(model="mlp", plan={"placement": "mixed", "grouping": "unit", "recompute": "all"}),
+    "mlp-after-backward": Case(model="mlp", plan={"residency": "after_backward", "grouping": "unit", "recompute": "all"}),
+    "mlp-persistent-adamw": Case(model="mlp", plan={"residency": "persistent", "recompute": "all"}, optim="adamw"),
+    "mlp-replicated": Case(model="mlp", plan={"placement": "replicate", "recompute": "all"}),
+}
+
+
+def test_blocks_the_plan_recomputes_match_single_process(world2):
+    names = list(PLANNED)
+    results = world2.run(run_cases, [PLANNED[n] for n in names], timeout=400)
+    _check_all(results, names, ATOL)
+    for per_rank in results:
+        counts = {n: r["runtime"]["recomputed_blocks"] for n, r in zip(names, per_rank)}
+        assert all(c > 0 for c in counts.values()), counts

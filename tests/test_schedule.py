@@ -27,6 +27,7 @@ PLANS = {
     "window0-inflight": ("mlp", {"grouping": "unit", "window": 0, "buckets": "per_param"}, 1),
     "mixed": ("mlp", {"placement": "mixed", "grouping": "unit"}, 1),
     "recompute-all": ("gpt", {"grouping": "block", "recompute": "all"}, 1),
+    "recompute-unit-blocks": ("mlp", {"placement": "mixed", "grouping": "unit", "recompute": "all"}, 1),
     "user-checkpointing": ("gpt-ckpt-nonreentrant", "fsdp", 1),
     "accumulate-unsharded": ("gpt", {"grouping": "block"}, 2),
     "accumulate-sharded": ("gpt", {"grouping": "block", "accumulate": "sharded"}, 3),
@@ -35,10 +36,11 @@ PLANS = {
     "random2": ("mlp", {"random": 2}, 1),
     "random3": ("gpt", {"random": 3}, 1),
     "offload": ("gpt", "fsdp+offload", 1),
+    "memory-windows": ("gpt", {"grouping": "unit", "window": "memory"}, 1, 1_000_000),
 }
 
 
-def runtime_and_simulated_actions(model_name: str, plan_spec, micro: int) -> tuple[list, list, list]:
+def runtime_and_simulated_actions(model_name: str, plan_spec, micro: int, budget: int | None = None) -> tuple[list, list, list]:
     world = dist.get_world_size()
     gen = torch.Generator().manual_seed(0)
     batches = [models.batch(model_name, 2, gen) for _ in range(2 * micro)]
@@ -66,7 +68,8 @@ def runtime_and_simulated_actions(model_name: str, plan_spec, micro: int) -> tup
         plan = make_plan(base, world, **plan_spec)
     else:
         plan = plan_spec
-    model = AutoDist(base, plan=plan)
+    model = AutoDist(base, plan=plan, memory_limit=budget)
+    windows = [(g.forward_window, g.backward_window) for g in model.runtime.groups]
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     log = None
     for step in range(2):
@@ -85,13 +88,16 @@ def runtime_and_simulated_actions(model_name: str, plan_spec, micro: int) -> tup
     comm = CommModel.analytic(world, bandwidth_bytes_s=1e10, latency_s=1e-5)
     from dataclasses import replace
 
-    simulated = Simulator(profile, structure, comm, world_size=world).run(replace(in_force, grad_accum_steps=micro))
-    return log.actions, simulated.actions.actions, log.deviations
+    sim = Simulator(profile, structure, comm, world_size=world, budget_bytes=model.budget_bytes if budget else None)
+    simulated = sim.run(replace(in_force, grad_accum_steps=micro))
+    return log.actions, simulated.actions.actions, log.deviations, windows
 
 
 @pytest.mark.parametrize("name", list(PLANS))
 def test_the_runtime_carries_out_the_simulated_schedule(world2, name):
-    for ran, simulated, deviations in world2.run(runtime_and_simulated_actions, *PLANS[name]):
+    for ran, simulated, deviations, windows in world2.run(runtime_and_simulated_actions, *PLANS[name]):
+        if name == "memory-windows":  # the budget gives the groups different windows
+            assert len(set(windows)) > 1, windows
         assert not deviations
         assert ran == simulated, "\n".join(
             f"{i}: ran {a} simulated {b}" for i, (a, b) in enumerate(zip(ran + [None] * 99, simulated + [None] * 99)) if a != b
@@ -100,7 +106,7 @@ def test_the_runtime_carries_out_the_simulated_schedule(world2, name):
 
 @pytest.mark.parametrize("name", ["fsdp", "random1", "accumulate-sharded", "recompute-all"])
 def test_the_runtime_carries_out_the_simulated_schedule_on_four_ranks(world4, name):
-    for ran, simulated, deviations in world4.run(runtime_and_simulated_actions, *PLANS[name]):
+    for ran, simulated, deviations, _ in world4.run(runtime_and_simulated_actions, *PLANS[name]):
         assert not deviations and ran == simulated
 
 

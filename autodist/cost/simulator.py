@@ -31,7 +31,16 @@ from typing import Protocol
 import torch
 
 from ..plan import Plan
-from ..schedule import ActionLog, TriggerCursor, backward_positions, freed_after_forward, group_label, triggers
+from ..schedule import (
+    ActionLog,
+    TriggerCursor,
+    backward_positions,
+    freed_after_forward,
+    group_label,
+    memory_windows,
+    resident_state_bytes,
+    triggers,
+)
 from ..structure import ModelStructure
 from .comm import CommModel
 from .profile import Profile
@@ -328,11 +337,12 @@ class Simulator:
         # ---- groups ------------------------------------------------------------------------
         groups: list[_Group] = []
         group_of_unit: dict[str, _Group] = {}
+        by_memory = self._memory_windows(plan)
         for gi, g in enumerate(plan.gather_groups):
             params = [p for un in g.units for p in unit_plan[un].params]
             full = sum(self.full_padded_bytes[p] for p in params)
-            fw = g.prefetch.forward if g.prefetch.forward != "memory" else 1
-            bw = g.prefetch.backward if g.prefetch.backward != "memory" else 1
+            fw = g.prefetch.forward if g.prefetch.forward != "memory" else by_memory[gi]
+            bw = g.prefetch.backward if g.prefetch.backward != "memory" else by_memory[gi]
             grp = _Group(
                 gi, list(g.units), params, unit_plan[g.units[0]].residency, int(fw), int(bw),
                 full_bytes=full, recv_bytes=full if len(params) > 1 else 0, msg_bytes=full,
@@ -796,6 +806,21 @@ class Simulator:
                 emit((_MEM, -bk.out_bytes, GRADIENTS))
                 bk.out_live = False
         return Program(prog, ops, static, log, offload_log, sections, plan, self.compute_bytes)
+
+    def _memory_windows(self, plan: Plan) -> list[int]:
+        """The windows ``"memory"`` prefetches get, by the runtime's rule ([Note: memory windows] in
+        ``autodist/schedule.py``) against this simulator's budget."""
+        if not any("memory" in (g.prefetch.forward, g.prefetch.backward) for g in plan.gather_groups):
+            return [1] * len(plan.gather_groups)
+        unit_plan = {u.name: u for u in plan.units}
+        sharded = {p for u in plan.units if u.placement == "shard" for p in u.params}
+        group_params = [[p for un in g.units for p in unit_plan[un].params] for g in plan.gather_groups]
+        group_bytes = [sum(self.compute_bytes[p] for p in ps) for ps in group_params]
+        resident = resident_state_bytes(
+            [(self.shard_numel[p] if p in sharded else self.numel[p]) * self.itemsize[p] for p in self.numel],
+            [b for g, b in zip(plan.gather_groups, group_bytes) if unit_plan[g.units[0]].residency == "persistent"],
+        )
+        return memory_windows(group_bytes, resident, self.budget)
 
     def _cast(self, p: str) -> bool:
         """A replicated parameter computed with in another dtype (a compute copy, mixed precision)."""

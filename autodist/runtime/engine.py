@@ -45,6 +45,7 @@ same state when the control flow is the same. The end-of-backward collective-ord
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field, replace
 
@@ -58,7 +59,15 @@ from torch.utils._pytree import tree_flatten
 
 from .._log import OnceLogger, logger
 from ..plan import Plan
-from ..schedule import ActionLog, TriggerCursor, backward_positions, freed_after_forward, triggers
+from ..schedule import (
+    ActionLog,
+    TriggerCursor,
+    backward_positions,
+    freed_after_forward,
+    memory_windows,
+    resident_state_bytes,
+    triggers,
+)
 from ..structure import ModelStructure
 from .backward import attach_post_backward, in_backward, outside_dispatch_modes
 from .comm import Comm
@@ -151,7 +160,8 @@ class RuntimeStats:
     order_deviations: int = 0
     on_demand_forward: int = 0
     on_demand_backward: int = 0
-    recomputations: int = 0
+    recomputations: int = 0  # forwards of managed units run again in backward (any checkpointing)
+    recomputed_blocks: int = 0  # forwards of blocks the plan recomputes, run again in backward
     plan_switches: int = 0
     unused_param_steps: int = 0
     persistent_refreshes: int = 0
@@ -277,7 +287,7 @@ class Engine:
         self.launch_policy = policy if self.groups else "ready"
         if getattr(self, "recompute", None) is not None:
             self.recompute.remove()
-        self.recompute = BlockRecompute(self.module, plan.recompute)
+        self.recompute = BlockRecompute(self.module, plan.recompute, on_recompute=self._count_recomputed_block)
         previous = getattr(self, "offload", None)
         self.offload = OffloadManager(plan.offload, self.params, self.device)
         if previous is not None:
@@ -294,25 +304,25 @@ class Engine:
         self._install_hooks()
 
     def _resolve_memory_windows(self, plan: Plan, given: dict[int, tuple[int, int]]) -> None:
-        """Windows of ``"memory"`` the caller did not resolve (with a simulator, see
-        ``autodist/lifecycle.py``) get a static estimate: as many groups ahead as fit in half the
-        budget left after the resident state (the other half is for activations)."""
+        """Windows of ``"memory"`` the caller did not give, by the rule the simulator times
+        (``autodist/schedule.py``, [Note: memory windows])."""
         if not any("memory" in (g.prefetch.forward, g.prefetch.backward) for g in plan.gather_groups):
             return
-        resident = sum(mp.local.numel() * mp.local.element_size() * 4 for mp in self.params.values())
-        resident += sum(g.full_bytes for g in self.groups if g.residency == "persistent")
-        headroom = max(0, (self.budget_bytes or 0) - resident) // 2
-        sizes = [g.full_bytes for g in self.groups]
+        resident = resident_state_bytes(
+            [(mp.shard_numel if mp.sharded else math.prod(mp.shape)) * mp.dtype.itemsize for mp in self.params.values()],
+            [g.full_bytes for g in self.groups if g.residency == "persistent"],
+        )
+        windows = memory_windows([g.full_bytes for g in self.groups], resident, self.budget_bytes)
         for gi, g in enumerate(plan.gather_groups):
             if gi in given:
                 continue
-            w = 1
-            while w < 8 and gi - w >= 0 and sum(sizes[gi - w : gi + 1]) <= headroom:
-                w += 1
             if g.prefetch.forward == "memory":
-                self.groups[gi].forward_window = w
+                self.groups[gi].forward_window = windows[gi]
             if g.prefetch.backward == "memory":
-                self.groups[gi].backward_window = w
+                self.groups[gi].backward_window = windows[gi]
+
+    def _count_recomputed_block(self) -> None:
+        self.stats.recomputed_blocks += 1
 
     def _install_reducer(self, plan: Plan) -> None:
         """New buckets for ``plan``; gradients held in the old buckets move into the new ones."""

@@ -27,26 +27,36 @@ from .backward import in_backward
 _MISSING = object()
 
 
-def _recomputed(forward: Callable[..., Any]) -> Callable[..., Any]:
+def _recomputed(block: nn.Module, forward: Callable[..., Any], on_recompute: Callable[[], None]) -> Callable[..., Any]:
+    def again(*args: Any, **kwargs: Any) -> Any:
+        if in_backward():
+            on_recompute()
+            # The recomputation goes through the block's ``__call__``, so its own hooks run as they
+            # did in forward (a block that owns parameters itself is gathered and swapped in, as
+            # when a model checkpoints a whole module); ``run`` below then calls ``forward``.
+            return block(*args, **kwargs)
+        return forward(*args, **kwargs)
+
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled() or in_backward():
-            return forward(*args, **kwargs)  # no graph to save (eval, or a recomputation around it)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            return forward(*args, **kwargs)  # no graph to save (eval, or the recomputation itself)
+        return checkpoint(again, *args, use_reentrant=False, **kwargs)
 
     return run
 
 
 class BlockRecompute:
-    """Recompute the forward of ``blocks`` (module names) of ``module`` during backward."""
+    """Recompute the forward of ``blocks`` (module names) of ``module`` during backward;
+    ``on_recompute`` is called each time one runs again."""
 
-    def __init__(self, module: nn.Module, blocks: list[str]) -> None:
+    def __init__(self, module: nn.Module, blocks: list[str], on_recompute: Callable[[], None] = lambda: None) -> None:
         self.blocks = list(blocks)
         self._patched: list[tuple[nn.Module, object]] = []
         for name in self.blocks:
             block = module.get_submodule(name)
             previous = block.__dict__.get("forward", _MISSING)
-            block.forward = _recomputed(block.forward)
+            block.forward = _recomputed(block, block.forward, on_recompute)
             self._patched.append((block, previous))
 
     def remove(self) -> None:
