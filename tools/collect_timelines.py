@@ -19,10 +19,6 @@ over steps of the slowest rank's, as ``tools/simcheck.py`` measures it). A line 
 holds what recompiles the plans: the profile, the comm model and the workload's name and size.
 Lines are appended as plans finish, so an interrupted run keeps what it measured.
 
-Plans never recompute a block that is itself a unit (wide-mlp's and deep-mlp's Linear layers): the
-runtime recomputes such a block without its module hooks and fails in backward (see ``runnable``);
-a plan's record lists the blocks dropped.
-
 A busy host stretches every event of a plan (the cores are shared): a fixed computation is timed
 before and after each plan (``host_probe``); a plan measured while it ran more than 25% slower than
 its fastest is measured again after waiting for quiet (at most ``--quiet-wait`` seconds), and
@@ -32,7 +28,6 @@ flagged ``disturbed`` if it still was.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import gc
 import json
@@ -60,41 +55,22 @@ from autodist.measure.steptrace import StepTracer  # noqa: E402
 from autodist.measure.sweep import sweep  # noqa: E402
 from autodist.measure.trace import profile_model  # noqa: E402
 from autodist.plan import Plan  # noqa: E402
-from autodist.sched.space import space_for  # noqa: E402
+from autodist.sched.space import Genome, space_for  # noqa: E402
 from autodist.structure import discover  # noqa: E402
 from autodist.zoo import zoo  # noqa: E402
 
 
-def runnable(space, structure, g):
-    """``g`` without recomputing blocks that are themselves units: the runtime recomputes such a
-    block without its module hooks (its parameters are neither gathered nor swapped in) and fails
-    in backward ("mixed torch.Tensor and DTensor"; wide-mlp and deep-mlp, whose blocks are their
-    Linear units). Returns (genome, the blocks dropped)."""
-    units = {u.module_name for u in structure.units}
-    dropped = sorted(space.recompute_blocks[b] for b in g.recompute if space.recompute_blocks[b] in units)
-    if not dropped:
-        return g, []
-    keep = frozenset(b for b in g.recompute if space.recompute_blocks[b] not in units)
-    return space.normalize(dataclasses.replace(g, recompute=keep)), dropped
-
-
 def plans_for(space, sim: Simulator, structure, prof: Profile, comm: CommModel, world: int, n_random: int, seed: int,
-              searched: bool) -> list[tuple[str, str, object, list[str]]]:
-    """(name, source, genome, recomputed blocks dropped: see ``runnable``): the plans ``autodist
-    check`` measures (:func:`autodist.measure.fidelity.plans_to_check`: the built-in plans,
-    ``n_random`` random ones, the searched ones), each made runnable; one that became a plan
-    already listed is left out."""
-    out, seen = [], set()
+              searched: bool) -> list[tuple[str, str, Genome]]:
+    """(name, source, genome): the plans ``autodist check`` measures
+    (:func:`autodist.measure.fidelity.plans_to_check`): the built-in plans, ``n_random`` random
+    ones, the searched ones."""
     checks = plans_to_check(space, sim, 3 + n_random, seed=seed, searched=searched, profile=prof, structure=structure,
                             comm=comm, world=world)
-    for name, g, was_searched in checks:
-        g, dropped = runnable(space, structure, g)
-        if g in seen:
-            continue
-        seen.add(g)
-        source = "searched" if was_searched else "builtin" if name in ("ddp", "fsdp", "zero2") else "random"
-        out.append((name, source, g, dropped))
-    return out
+    return [
+        (name, "searched" if was_searched else "builtin" if name in ("ddp", "fsdp", "zero2") else "random", g)
+        for name, g, was_searched in checks
+    ]
 
 
 def probe() -> float:
@@ -215,7 +191,7 @@ def collect_model(name: str, args: argparse.Namespace, comm: CommModel, out: Tex
         out.flush()
     errors = []
     baseline = min(probe() for _ in range(3))
-    for plan_name, source, genome, dropped in genomes:
+    for plan_name, source, genome in genomes:
         t_plan = time.perf_counter()
         plan = space.to_plan(genome, provenance={"source": f"collect_timelines:{plan_name}"})
         # [Note: a busy host] another job on the cores stretches every event of a plan; a probe
@@ -239,7 +215,7 @@ def collect_model(name: str, args: argparse.Namespace, comm: CommModel, out: Tex
             continue
         record = plan_record(sim, plan, everyone, times)
         record.update({
-            "model": name, "size": args.size, "plan_name": plan_name, "source": source, "dropped_recompute": dropped,
+            "model": name, "size": args.size, "plan_name": plan_name, "source": source,
             "seconds": time.perf_counter() - t_plan,
             "host_probe": {"baseline_s": baseline, "before_s": before, "after_s": after, "attempts": attempts},
             "disturbed": max(before, after) > 1.25 * baseline,
