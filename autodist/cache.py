@@ -1,4 +1,4 @@
-"""The on-disk cache of profiles, comm models and plans.
+"""The on-disk cache of profiles, comm models, plans, fidelity records and learned estimators.
 
 Location: ``cache_dir`` if given, else ``$AUTODIST_CACHE_DIR``, else ``$XDG_CACHE_HOME/autodist``,
 else ``~/.cache/autodist``. The kinds of entry live apart, so that a new budget re-plans without
@@ -9,11 +9,13 @@ re-profiling and a new model reuses the machine's comm model:
 * ``comm/<key>.json`` — a :class:`~autodist.cost.comm.CommModel`, keyed by backend, world size,
   device name and torch version;
 * ``plans/<key>.json`` — a plan, keyed by everything that decides it (the profile key, world size,
-  backend, budget, optimizer kind, mixed precision, plan schema version); and
-  ``placements/<key>.json`` — the placement of the last plan stored for a model, world size and
+  backend, budget, optimizer kind, mixed precision, plan schema version);
+* ``placements/<key>.json`` — the placement of the last plan stored for a model, world size and
   budget, which a launch without example inputs uses at wrap time (placement cannot change later);
 * ``fidelity/<key>.json`` — the simulator's error measured by ``autodist check`` on this machine,
-  keyed like the comm model; the search takes its margins from it (``cost/fidelity.py``).
+  keyed like the comm model; the search takes its margins from it (``cost/fidelity.py``);
+* ``estimators/<key>.json`` — the learned estimator trained on this machine's measured timelines
+  (``tools/train_estimator.py``), with its provenance and validation, keyed like the comm model.
 
 Writes are atomic (temporary file + rename) under an exclusive ``fcntl`` lock; only rank 0 writes.
 A corrupt, truncated or stale entry is reported once, removed and treated as a miss — it never
@@ -34,7 +36,7 @@ from typing import Any, TypeVar
 
 from ._log import OnceLogger, logger
 
-KINDS = ("profiles", "comm", "plans", "placements", "fidelity")
+KINDS = ("profiles", "comm", "plans", "placements", "fidelity", "estimators")
 T = TypeVar("T")
 
 

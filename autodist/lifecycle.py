@@ -41,6 +41,7 @@ from .cache import Cache, digest
 from .cost.budget import format_bytes
 from .cost.comm import CommModel
 from .cost.fidelity import FidelityRecord
+from .cost.learned import Estimator, estimator_entry
 from .cost.profile import OptimizerProfile, Profile, slowest
 from .cost.simulator import Simulator
 from .errors import AutoDistError, BudgetError, mark_raised_on_every_rank, reported_once
@@ -123,6 +124,7 @@ class AutoPlanner:
         self._out_fp32 = 0  # float32 bytes of the outputs of the last recorded forward
         self._wrapped_inputs: tuple | None = None  # a meta-device model's example inputs (profile_wrapped)
         self._search_cfg: SearchConfig | None = None  # rank 0's (search_config)
+        self._estimator: tuple[Estimator | None, str | None] | None = None  # rank 0's (estimator)
 
     # ---- keys ------------------------------------------------------------------------------
     def _machine(self) -> dict[str, Any]:
@@ -150,6 +152,9 @@ class AutoPlanner:
                 # a plan searched with other margins (a machine `autodist check` measured since) is planned again
                 "margins": [round(self.search_config().prefer_seed_within, 4), round(self.search_config().memory_headroom, 4)],
                 "mixed_precision": None if self.mp is None else [str(self.mp.param_dtype), str(self.mp.reduce_dtype)],
+                # a plan the learned estimator ranked is kept apart from the analytic one (and from
+                # another estimator's); without one, the key is what it always was
+                **({"estimator": self.estimator_id()} if self.estimator_id() is not None else {}),
             }
         )
 
@@ -169,6 +174,7 @@ class AutoPlanner:
             "comm": lambda text: comm_entry(text, self._machine()),
             "placements": lambda text: placement_entry(text, self.structure),
             "fidelity": FidelityRecord.from_json,
+            "estimators": lambda text: estimator_entry(text, self._machine()),
         }
         return self.cache.get(kind, key, parsers[kind])
 
@@ -267,13 +273,60 @@ class AutoPlanner:
             logger.info("autodist: plan=auto: starting with a safe plan (%s) while %s profiled", reason, profiled)
         return plan
 
+    def estimator(self) -> Estimator | None:
+        """The learned estimator stored for this machine, if ``plan="auto"`` may use it (rank 0,
+        read once; see [Note: when plan="auto" uses the learned estimator])."""
+        if self._estimator is None:
+            self._estimator = self._read_estimator() if self.rank == 0 else (None, None)
+        return self._estimator[0]
+
+    def estimator_id(self) -> str | None:
+        """What tells the estimator in use (None: none) from another: a digest of its provenance
+        (when, on what and how it was trained)."""
+        self.estimator()  # read once
+        return self._estimator[1] if self._estimator is not None else None
+
+    def _read_estimator(self) -> tuple[Estimator | None, str | None]:
+        found = self.read("estimators", self.comm_key())  # checked even where it cannot be used
+        if found is None:
+            return None, None
+        entry, estimator = found
+        if not entry.helps:
+            self.cache.once.info(
+                "estimator-unhelpful",
+                "autodist: the learned estimator stored for this machine did not beat the analytic simulator on "
+                "held-out models; planning with the analytic simulator",
+            )
+            return None, None
+        if estimator is None:
+            self.cache.once.info(
+                "estimator-no-gnn",
+                "autodist: a learned estimator is stored for this machine; pip install 'autodist[gnn]' to plan with it",
+            )
+            return None, None
+        return estimator, digest(entry.provenance)
+
     def search(self, profile: Profile, comm: CommModel, *, fixed: dict[str, str] | None) -> SearchResult:
-        sim = Simulator(
-            profile, self.structure, comm, world_size=self.world, budget_bytes=self.search_config().planning_budget(self.w.budget_bytes),
-            param_dtype=self.mp.param_dtype if self.mp else None, reduce_dtype=self.mp.reduce_dtype if self.mp else None,
-        )
+        kw = {
+            "world_size": self.world, "budget_bytes": self.search_config().planning_budget(self.w.budget_bytes),
+            "param_dtype": self.mp.param_dtype if self.mp else None, "reduce_dtype": self.mp.reduce_dtype if self.mp else None,
+        }
+        sim = Simulator(profile, self.structure, comm, **kw)
         space = space_for(profile, self.structure, self.world, fixed_placement=fixed, grad_accum_steps=self.w.grad_accum_steps)
-        result = Searcher(space, sim, self.search_config()).run()
+        searcher = Searcher(space, sim, self.search_config())
+        result = searcher.run()
+        estimator = self.estimator()
+        if estimator is not None:
+            # [Note: when plan="auto" uses the learned estimator] Only a stored estimator whose
+            # held-out validation met HELPS_RULE (autodist/cost/learned.py), and only to rank the
+            # search's finalists: the analytic simulator searches (thousands of plans), the
+            # corrected one chooses among the best of them and the built-in seeds, under the same
+            # budget and margins (the search config's, from this machine's fidelity record).
+            result = searcher.refine(result, Simulator(profile, self.structure, comm, estimator=estimator, **kw))
+            logger.info(
+                "autodist: the learned estimator ranked the search's finalists: predicted step %.2f ms (analytic %.2f ms)",
+                result.result.step_s * 1e3, (result.result.analytic_step_s or result.result.step_s) * 1e3,
+            )
         self.stats.searches += 1
         self.stats.search_seconds += result.seconds
         self._annotate(result, profile)
@@ -289,6 +342,8 @@ class AutoPlanner:
             "peak_bytes": r.peak_bytes,
             "vs": {name: s.step_s / r.step_s for name, s in result.seeds.items() if s.feasible and r.step_s > 0},
         }
+        if r.analytic_step_s is not None:  # the learned estimator corrected the prediction
+            result.plan.predicted["analytic_step_seconds"] = r.analytic_step_s
         result.plan.provenance = search_provenance(result, "auto:search")
 
     def _budget_error(self, result: SearchResult) -> BudgetError:
@@ -707,6 +762,8 @@ def search_provenance(result: SearchResult, source: str) -> dict[str, Any]:
         "evaluated": result.evaluated, "search_seconds": round(result.seconds, 3), "stopped_by": result.stopped_by,
         "autodist_version": __version__, "torch_version": torch.__version__,
     }
+    if result.refined:
+        prov["estimator"] = "learned: the finalists ranked by the simulator with the learned estimator"
     if result.preferred_seed:
         # the plan is the built-in seed, kept over a searched plan predicted less than this much faster
         prov["source"] = f"{source} (kept {result.preferred_seed})"

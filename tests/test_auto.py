@@ -166,8 +166,9 @@ def test_a_kept_built_in_plan_is_named_in_the_label_and_provenance():
     from autodist.sched.search import SearchConfig
 
     cfg = SearchConfig(prefer_seed_within=0.07, margin_source="measured here")
-    kept = search_provenance(SimpleNamespace(evaluated=5, seconds=0.1, stopped_by="stall", preferred_seed="ddp", config=cfg), "auto:search")
-    found = search_provenance(SimpleNamespace(evaluated=5, seconds=0.1, stopped_by="stall", preferred_seed=None, config=cfg), "auto:search")
+    searched = {"evaluated": 5, "seconds": 0.1, "stopped_by": "stall", "config": cfg, "refined": False}
+    kept = search_provenance(SimpleNamespace(**searched, preferred_seed="ddp"), "auto:search")
+    found = search_provenance(SimpleNamespace(**searched, preferred_seed=None), "auto:search")
     assert kept["source"] == "auto:search (kept ddp)" and kept["prefer_seed_within"] == 0.07
     assert kept["margin_source"] == "measured here"
     assert found["source"] == "auto:search" and "preferred_seed" not in found

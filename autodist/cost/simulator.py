@@ -26,6 +26,7 @@ waiting for their bucket, reduction inputs (launch to wait), and each segment's 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 
@@ -99,6 +100,7 @@ class SimResult:
     offload_log: list[tuple[str, int]] = field(default_factory=list)  # (sync point, managed state bytes)
     breakdown: dict[str, int] = field(default_factory=dict)  # bytes by category at the peak
     actions: ActionLog | None = None  # what the runtime will do, in its own vocabulary
+    analytic_step_s: float | None = None  # with an estimator: the analytic model's step time before correction
 
     def summary(self) -> str:
         return (
@@ -106,6 +108,47 @@ class SimResult:
             f"exposed {self.exposed_comm_s * 1e3:.1f}), peak {self.peak_bytes / 2**20:.1f} MiB"
             + ("" if self.feasible else " — over budget")
         )
+
+
+@dataclass
+class Program:
+    """A plan compiled for one step (what :meth:`Simulator.compile` returns and ``_execute`` times):
+    the compute thread's instructions, the background operations they issue, the static memory,
+    the actions in the runtime's vocabulary, and ``sections``: ``(index into prog, name)`` where the
+    compute thread reaches a hook position — ``"forward"``, ``"fwd <unit>"``, ``"loss"``, ``"loss
+    backward"``, ``"bwd <unit>"``, ``"backward"`` (the end of backward: the flush), ``"optimizer"``
+    (with `` @m<k>`` for micro-batch k > 0). The instructions from one section's index to the
+    next are what the runtime does at that position: the names a measured step is cut into
+    (``autodist/measure/steptrace.py``) and the compute nodes of the learned estimator's graph.
+    ``plan`` and ``param_bytes`` (each parameter's full size in its compute dtype) let the graph
+    describe a section's unit."""
+
+    prog: list[tuple]
+    ops: list[CommOp]
+    static: list[int]
+    actions: ActionLog
+    offload_log: list[tuple[str, int]]
+    sections: list[tuple[int, str]]
+    plan: Plan | None = None
+    param_bytes: dict[str, int] = field(default_factory=dict)
+
+
+class DurationEstimator(Protocol):
+    """Corrects a compiled step's durations (``autodist.cost.learned.Estimator``): given the program
+    and its analytic timing (``record=True``), the new duration of compute instructions (by index
+    into ``program.prog``; the others keep theirs) and of every operation (``program.ops`` order)."""
+
+    def corrections(self, program: Program, analytic: SimResult) -> tuple[dict[int, float], list[float]]: ...
+
+
+def scaled(program: Program, durations: dict[int, float], op_seconds: list[float]) -> tuple[list[tuple], list[CommOp]]:
+    """``program``'s instructions and operations with the given durations, ready to be timed again."""
+    prog = list(program.prog)
+    for i, d in durations.items():
+        code, _, name, spike = prog[i]
+        prog[i] = (code, d, name, spike)
+    ops = [replace(op, seconds=sec, start=-1.0, end=-1.0) for op, sec in zip(program.ops, op_seconds)]
+    return prog, ops
 
 
 @dataclass(slots=True)
@@ -174,7 +217,10 @@ class Simulator:
         budget_bytes: int | None = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        estimator: DurationEstimator | None = None,
     ) -> None:
+        """``estimator``: corrects the analytic durations of a compiled step before it is timed
+        (``autodist.cost.learned.Estimator``; see :meth:`run`). Default: the analytic model alone."""
         self.profile = profile
         self.structure = structure
         self.comm = comm
@@ -182,6 +228,7 @@ class Simulator:
         self.budget = budget_bytes
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
+        self.estimator = estimator
         self.order = [u.name for u in profile.units]
         known = set(self.order)
         self.order += [u.name for u in structure.units if u.name not in known]
@@ -257,6 +304,24 @@ class Simulator:
 
     # ------------------------------------------------------------------------------------------
     def run(self, plan: Plan, *, record: bool = False) -> SimResult:
+        """Predict one step of ``plan``. With an estimator, the step is timed twice: analytically,
+        then with each compute section's and each operation's duration scaled by the estimator's
+        correction of what the first timing predicted (``analytic_step_s`` keeps the first)."""
+        program = self.compile(plan)
+        if self.estimator is None:
+            result = self._execute(program.prog, program.ops, program.static, record)
+        else:
+            analytic = self._execute(program.prog, program.ops, program.static, True)
+            durations, op_seconds = self.estimator.corrections(program, analytic)
+            prog, ops = scaled(program, durations, op_seconds)
+            result = self._execute(prog, ops, program.static, record)
+            result.analytic_step_s = analytic.step_s
+        result.offload_log = program.offload_log
+        result.actions = program.actions
+        return result
+
+    def compile(self, plan: Plan) -> Program:
+        """The program of one steady-state step of ``plan`` (see the module docstring)."""
         prof = self.profile
         st = self.structure
         world = self.world
@@ -338,6 +403,7 @@ class Simulator:
         emit = prog.append
         comm = self.comm
         log = ActionLog()  # the actions, in the runtime's vocabulary (autodist/schedule.py)
+        sections: list[tuple[int, str]] = []  # (index into prog, hook position): see Program
 
         ovh = comm.overhead
         per_gather = ovh.get("per_gather_s", 0.0)
@@ -611,6 +677,7 @@ class Simulator:
         held: set[str] = set()
         for micro in range(micro_batches):
             sync = micro == micro_batches - 1
+            at = f" @m{micro}" if micro else ""
             active[0] = buckets if sync else [bk for bk in buckets if bk.every]
             launched[0] = finished[0] = 0
             for bk in buckets:
@@ -624,11 +691,13 @@ class Simulator:
                 grp.fwd_done = set()
             # forward (the runtime's rules: autodist/runtime/engine.py, autodist/schedule.py): the
             # optimizer step's copy-outs are finished and released first
+            sections.append((len(prog), f"forward{at}"))
             finish_out()
             emit((_C, prof.pre_fwd_s, "forward", 0))
             fcur = TriggerCursor(fwd_trig)
             fire(fcur, -1)
             for u in self.order:
+                sections.append((len(prog), f"fwd {u}{at}"))
                 up = self.uprof.get(u)
                 if f"forward:{u}" in out_at and micro == 0:
                     copy_out(out_at[f"forward:{u}"])
@@ -658,6 +727,7 @@ class Simulator:
                     og = group_of_unit.get(owner)
                     if og is not None:
                         ensure(og)
+            sections.append((len(prog), f"loss{at}"))
             for grp in groups:
                 if grp.residency == "after_forward":
                     free(grp)
@@ -665,11 +735,13 @@ class Simulator:
             emit((_C, prof.post_fwd_s, "loss", prof.loss_fwd_peak_bytes))
             emit((_MEM, prof.loss_act_bytes, ACTIVATIONS))
             # backward
+            sections.append((len(prog), f"loss backward{at}"))
             emit((_C, prof.pre_bwd_s, "loss backward", prof.loss_bwd_peak_bytes))
             emit((_MEM, -prof.loss_act_bytes, ACTIVATIONS))
             bcur = TriggerCursor(bwd_trig)
             fire(bcur, -1)
             for u in rev:
+                sections.append((len(prog), f"bwd {u}{at}"))
                 up = self.uprof.get(u)
                 if f"backward:{u}" in back_at and sync:
                     copy_back(back_at[f"backward:{u}"])
@@ -709,6 +781,7 @@ class Simulator:
                             post_backward(grp)
                 if u in block_last_bwd:
                     emit((_MEM, -prof.block_input_bytes.get(block_last_bwd[u], 0), ACTIVATIONS))
+            sections.append((len(prog), f"backward{at}"))
             emit((_C, prof.post_bwd_s, "backward", 0))
             # flush: launch what is left in order (gradients that never arrived count as zeros), wait all
             act = active[0]
@@ -722,6 +795,7 @@ class Simulator:
                 if grp.residency != "persistent":
                     free(grp)
         # the sync point: every offloaded fragment is back before the step
+        sections.append((len(prog), "optimizer"))
         finish_back()
         # optimizer step (the next step's refresh and copy-out are issued after it), then zero_grad
         emit((_MEM, opt_transient, OPTIMIZER))
@@ -731,10 +805,7 @@ class Simulator:
             if bk.op == "reduce_scatter" and bk.out_live:
                 emit((_MEM, -bk.out_bytes, GRADIENTS))
                 bk.out_live = False
-        result = self._execute(prog, ops, static, record)
-        result.offload_log = offload_log
-        result.actions = log
-        return result
+        return Program(prog, ops, static, log, offload_log, sections, plan, self.compute_bytes)
 
     def _memory_windows(self, plan: Plan) -> list[int]:
         """The windows ``"memory"`` prefetches get, by the runtime's rule ([Note: memory windows] in

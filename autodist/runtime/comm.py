@@ -78,8 +78,30 @@ class CollectiveSequence:
 
 
 @dataclass
+class CollectiveTiming:
+    """When one asynchronous collective was issued and when the backend completed it
+    (``time.perf_counter`` seconds; ``done`` is set by the backend's completion callback)."""
+
+    label: str  # "all_gather(<group>)", "reduce_scatter(bucket<i>)", "all_reduce(bucket<i>)"
+    nbytes: int  # the message: the largest buffer the collective reads or writes
+    issued: float
+    done: float | None = None
+    # the work, while neither a completion callback (not every gloo collective has one) nor a wait
+    # has set ``done``: a measuring tool polls it (``autodist.measure.steptrace``)
+    work: dist.Work | None = field(default=None, repr=False)
+
+    def completed(self, at: float) -> None:
+        """Completed at ``at`` (a completion callback, a wait that returned, a poll that found it
+        done: the earliest counts)."""
+        self.done = at if self.done is None else min(self.done, at)
+        self.work = None
+
+
+@dataclass
 class CommStats:
-    """Counts of what the runtime issued, for observability and tests."""
+    """Counts of what the runtime issued, for observability and tests. ``timeline``: when a list,
+    every asynchronous collective issued appends its :class:`CollectiveTiming` (off by default:
+    a measuring tool turns it on, ``autodist/measure/steptrace.py``)."""
 
     all_gathers: int = 0
     on_demand_gathers: int = 0
@@ -90,6 +112,7 @@ class CommStats:
     gathered_bytes: int = 0
     reduced_bytes: int = 0
     log: list[tuple[str, str]] | None = field(default=None, repr=False)
+    timeline: list[CollectiveTiming] | None = field(default=None, repr=False)
 
     def record(self, kind: str, label: str) -> None:
         if self.log is not None:
@@ -129,7 +152,7 @@ def release(*tensors: torch.Tensor) -> None:
 class InFlight:
     """An issued collective and the buffers it owns until someone waits on it."""
 
-    __slots__ = ("work", "buffers", "label", "waited", "stats", "comm")
+    __slots__ = ("work", "buffers", "label", "waited", "stats", "comm", "timing")
 
     def __init__(
         self, work: dist.Work | None, buffers: tuple[torch.Tensor, ...], label: str, stats: CommStats | None = None,
@@ -141,6 +164,14 @@ class InFlight:
         self.waited = work is None
         self.stats = stats
         self.comm = comm
+        self.timing = None
+        if stats is not None and stats.timeline is not None and work is not None:
+            self.timing = timing = CollectiveTiming(label, max(t.numel() * t.element_size() for t in buffers), time.perf_counter())
+            stats.timeline.append(timing)
+            try:
+                work.get_future().add_done_callback(lambda _: timing.completed(time.perf_counter()))
+            except RuntimeError:  # "getFuture not implemented" (gloo's list reduce-scatter)
+                timing.work = work
 
     def wait(self) -> None:
         if not self.waited:
@@ -153,6 +184,8 @@ class InFlight:
                     raise self._peer_failure(e) from e
             if self.stats is not None:
                 self.stats.wait_seconds += time.perf_counter() - t0
+            if self.timing is not None:  # a wait that blocked returns at completion
+                self.timing.completed(time.perf_counter())
             self.waited = True
 
     def _peer_failure(self, error: BaseException) -> PeerFailure:

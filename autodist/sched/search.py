@@ -82,6 +82,7 @@ class SearchResult:
     # the built-in seed chosen over a searched plan predicted less than prefer_seed_within faster
     preferred_seed: str | None = None
     config: SearchConfig = field(default_factory=SearchConfig)  # what the search ran with
+    refined: bool = False  # the finalists were ranked again with another simulator (Searcher.refine)
 
 
 class Searcher:
@@ -287,7 +288,7 @@ class Searcher:
         cfg = self.cfg
         rng = random.Random(cfg.seed)
         t0 = self._t0 = time.perf_counter()
-        seeds = self.seeds()
+        seeds = self._seeds = self.seeds()
         seed_results = {name: self.evaluate(g) for name, g in seeds.items()}
         heap: list[tuple[float, int, Genome]] = []
         tie = 0
@@ -353,4 +354,38 @@ class Searcher:
             stopped_by=stopped_by + (" (greedy passes cut by the time budget)" if self.time_limited and stopped_by != "time budget" else ""),
             smallest_peak=self.smallest_peak, smallest_peak_result=self.smallest_peak_result, history=history,
             preferred_seed=preferred, config=cfg,
+        )
+
+    def refine(self, result: SearchResult, sim: Simulator, *, finalists: int = 16) -> SearchResult:
+        """Rank the search's finalists again with ``sim`` (the learned estimator's simulator, too
+        slow to evaluate thousands of plans): the ``finalists`` fastest feasible plans this search
+        evaluated, the plan it chose and the built-in seeds are simulated with ``sim``, and the
+        fastest feasible one wins — a built-in seed still kept unless a plan beats it by more than
+        ``prefer_seed_within`` (this search's margin: the analytic simulator's measured error, a
+        conservative one for ``sim``). ``sim`` should have the search's budget. Call after :meth:`run`."""
+        feasible = [(self.cost(g), i, g) for i, g in enumerate(self._memo) if math.isfinite(self.cost(g))]
+        chosen = [g for _, _, g in sorted(feasible)[:finalists]]
+        seeds = {name: self.space.normalize(g) for name, g in self._seeds.items()}
+        again: dict[Genome, SimResult] = {}
+        for g in [result.genome, *chosen, *seeds.values()]:
+            if g not in again:
+                again[g] = sim.run(self.space.to_plan(g))
+
+        def cost(g: Genome) -> float:
+            r = again[g]
+            return r.step_s + 1e-12 * len(g.offload) if r.feasible else math.inf
+
+        best = min(again, key=cost)
+        preferred = None
+        if math.isfinite(cost(best)) and self.cfg.prefer_seed_within > 0:
+            known = [(cost(seeds[n]), n) for n in ("ddp", "fsdp", "zero2") if n in seeds and math.isfinite(cost(seeds[n]))]
+            if known:
+                c, n = min(known)
+                if c <= cost(best) * (1 + self.cfg.prefer_seed_within) and seeds[n] != best:
+                    best, preferred = seeds[n], n
+        if not math.isfinite(cost(best)):  # nothing feasible under ``sim``: keep the search's choice
+            best = result.genome
+        return replace(
+            result, plan=self.space.to_plan(best), genome=best, result=again[best],
+            seeds={name: again[g] for name, g in seeds.items()}, preferred_seed=preferred, refined=True,
         )

@@ -1,0 +1,732 @@
+"""The learned estimator: a graph network over a compiled step that corrects the analytic durations
+the simulator gets wrong (DESIGN.md section 12; DisCo's GNN estimator).
+
+**The graph** (:func:`schedule_graph`) is built from a plan's compiled program
+(:meth:`Simulator.compile <autodist.cost.simulator.Simulator.compile>`) and its analytic timing,
+as plain tensors (no graph library needed). Nodes are the step's actions:
+
+* one *compute section* per hook position (``Program.sections``: the forward's start, each unit's
+  forward, the loss, the loss's backward, each unit's backward with its recomputation, the end of
+  backward, the optimizer step), holding every compute instruction the runtime runs there (the
+  unit's computation, gather bookkeeping, receive-buffer copy-outs, bucket copy-ins);
+* one node per collective and per offload copy.
+
+Edges, by relation: ``next``/``prev`` (order on the compute thread, and on each queue), ``issue``
+(a section → the operation it issues) and ``issued`` (back), ``wait`` (an operation → the section
+that first waits for it) and ``waited`` (back), and ``overlap`` (a section and an operation that
+run at the same time in the analytic timeline, both ways).
+
+Node features (``FEATURES``, schema ``FEATURE_SCHEMA``): the node's kind; its analytic duration as
+timed (with the comm model's contention) and as given (the profile's or the comm model's, before
+contention); message bytes; what a section's time is made of (computation, bookkeeping, copies,
+recomputation); how much of it the analytic timeline overlaps with gathers, reductions and copies,
+and how many bytes those move; for an operation, how much compute overlaps it, how long it queued
+and how much of it the compute thread waited for; for a unit's section, its parameters (how many,
+how large) and how the plan holds them (sharded, persistent, freed after forward); its position in
+the step; and the plan's analytic step time and compute share. Nothing names the model, so the
+estimator can be used on models it never saw (and is evaluated on such: ``tools/train_estimator.py``).
+
+**The target** of a node is ``log(measured / analytic)`` (clipped to ±``CLIP``): the wall-clock
+duration a step on this machine took (``autodist/measure/steptrace.py``) over the duration the
+analytic simulator gave it (at least ``FLOOR_S``, so that a section the analytic model thinks
+free — the end of backward — can still be corrected).
+
+**The correction** (:meth:`Estimator.corrections`): each node takes ``exp(prediction) *
+max(analytic, FLOOR_S)`` — a compute section's instructions scaled together, an operation's
+duration scaled — after which the simulator times the step again with its usual rules. Node kinds
+the training data never measured keep their analytic duration.
+
+The network (``torch_geometric``, the ``gnn`` extra) is a few relation-wise GraphSAGE layers with
+residual connections and an MLP head. Everything else here — the graph, the targets, the cache
+entry — works without it.
+"""
+
+from __future__ import annotations
+
+import base64
+import bisect
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..plan import Plan
+from .simulator import Program, SimResult, Simulator
+
+# 2: the unit parameter features (unit_*), and targets and ln_queued relative to a 100 us floor
+FEATURE_SCHEMA = 2
+ENTRY_SCHEMA = 1
+# The least duration a target is taken relative to (the analytic side of the ratio) and an error
+# is judged against (the measured side, event_errors): 100 us. A unit's hooks alone take tens of
+# microseconds on a CPU; relative errors of shorter events say little.
+FLOOR_S = 1e-4
+CLIP = 4.0  # targets and predictions are clipped to [-CLIP, CLIP] in log space (a factor of ~55)
+
+SECTION_KINDS = ("forward", "fwd", "loss", "loss backward", "bwd", "backward", "optimizer")
+OP_KINDS = ("all_gather", "refresh", "all_reduce", "reduce_scatter", "copy_out", "copy_back")
+KINDS = SECTION_KINDS + OP_KINDS
+RELATIONS = ("next", "prev", "issue", "issued", "wait", "waited", "overlap")
+NUMERIC = (
+    "ln_ms_analytic", "ln_ms_given", "contention", "ln_mib", "share_compute", "share_bookkeeping",
+    "share_copy_out", "share_copy_in", "share_recompute", "ln_issues", "ln_waits", "waited_share",
+    "overlap_gather", "overlap_reduce", "overlap_copy", "ln_mib_concurrent", "ln_ops_concurrent",
+    "overlap_compute", "ln_queued", "exposed_share", "start", "end",
+    "unit_ln_params", "unit_ln_mib", "unit_sharded", "unit_persistent", "unit_after_forward",
+    "plan_ln_ms_step", "plan_compute_share", "plan_ln_ops",
+)
+FEATURES = tuple(f"kind={k}" for k in KINDS) + NUMERIC
+MIB = float(1 << 20)
+
+
+def _ln_ms(seconds: float) -> float:
+    return math.log(max(seconds, 1e-6) * 1e3)
+
+
+def _section_kind(name: str) -> str:
+    base = name.split(" @m")[0]
+    if base.startswith("fwd "):
+        return "fwd"
+    if base.startswith("bwd "):
+        return "bwd"
+    return base
+
+
+def _op_kind(kind: str, label: str) -> str:
+    return "refresh" if kind == "all_gather" and label.startswith("refresh ") else kind
+
+
+def collective_name(kind: str, ident: str, occurrence: int) -> str:
+    """The node name of an operation: ``"all_gather layers.0"``, ``"all_reduce bucket3 #1"`` for
+    the second of its kind and ident in a step."""
+    return f"{kind} {ident}" + (f" #{occurrence}" if occurrence else "")
+
+
+def op_ident(kind: str, label: str) -> str:
+    """What a simulated operation's runtime counterpart is called: the first unit of a gather group,
+    ``bucket<i>``, or the offloaded state."""
+    if kind == "all_gather":
+        return label.split(" ", 1)[1]
+    return label
+
+
+@dataclass
+class ScheduleGraph:
+    """One compiled step as a graph. Per node: ``names`` (a section's name, or ``"<kind> <ident>"``
+    with ``" #<n>"`` for the n-th repeat), ``kinds`` (``KINDS``), ``x`` (``FEATURES``), ``analytic_s``
+    (the analytic duration, timed), ``instructions`` (a section's compute instructions, indices into
+    ``program.prog``) and ``op`` (an operation's index into ``program.ops``, else -1)."""
+
+    names: list[str]
+    kinds: list[str]
+    x: torch.Tensor
+    edges: dict[str, torch.Tensor]
+    analytic_s: torch.Tensor
+    instructions: list[list[int]]
+    op: list[int]
+    step_s: float
+    start_s: list[float] = field(default_factory=list)  # when each node starts and ends, analytically
+    end_s: list[float] = field(default_factory=list)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.names)
+
+
+def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+def schedule_graph(program: Program, analytic: SimResult) -> ScheduleGraph:
+    """The graph of ``program`` timed as ``analytic`` (a ``Simulator._execute`` result with
+    ``record=True``: its compute events are the program's compute instructions of positive
+    duration, in order; its operations' ``start``/``end`` are set)."""
+    from .simulator import _C, _ISSUE, _WAIT  # the program's opcodes
+
+    prog, ops = program.prog, program.ops
+    step = max(analytic.step_s, 1e-9)
+    compute_events = iter([e for e in analytic.events if e.stream == "compute"])
+    # replay the compute thread's clock: when each instruction starts and ends
+    t = 0.0
+    span: dict[int, tuple[float, float]] = {}
+    at: list[float] = []
+    for i, ins in enumerate(prog):
+        at.append(t)
+        if ins[0] == _C and ins[1] > 0:
+            ev = next(compute_events)
+            span[i] = (ev.start, ev.end)
+            t = ev.end
+        elif ins[0] == _WAIT:
+            t = max(t, ops[ins[1]].end)
+    at.append(t)
+
+    names: list[str] = []
+    kinds: list[str] = []
+    rows: list[dict[str, float]] = []
+    instructions: list[list[int]] = []
+    op_of: list[int] = []
+    analytic_s: list[float] = []
+    start_s: list[float] = []
+    end_s: list[float] = []
+    busy_spans: list[list[tuple[float, float]]] = []
+    issued_by: dict[int, int] = {}
+    waited_by: dict[int, int] = {}
+    issue_time: dict[int, float] = {}
+    wait_time: dict[int, float] = {}
+    # the preamble (a persistent refresh, a copy-out the previous step started) joins the first section
+    bounds = [(0 if k == 0 else i, name) for k, (i, name) in enumerate(program.sections)] + [(len(prog), "")]
+    for (i0, name), (i1, _) in zip(bounds, bounds[1:]):
+        node = len(names)
+        parts = {"compute": 0.0, "bookkeeping": 0.0, "copy_out": 0.0, "copy_in": 0.0, "recompute": 0.0}
+        mine, spans, issues, waits = [], [], 0, 0
+        for i in range(i0, i1):
+            ins = prog[i]
+            if ins[0] == _C:
+                mine.append(i)
+                label = ins[2]
+                part = (
+                    "bookkeeping" if label == "gather bookkeeping" else "copy_out" if label == "copy-out"
+                    else "copy_in" if label == "bucket copy-in" else "recompute" if label.startswith("recompute ")
+                    else "compute"
+                )
+                parts[part] += max(ins[1], 0.0)
+                if i in span:
+                    spans.append(span[i])
+            elif ins[0] == _ISSUE:
+                issues += 1
+                issued_by.setdefault(ins[1], node)
+                issue_time.setdefault(ins[1], at[i])
+            elif ins[0] == _WAIT:
+                waits += 1
+                if ins[1] not in waited_by:
+                    waited_by[ins[1]] = node
+                    wait_time[ins[1]] = at[i]
+        given = sum(parts.values())
+        busy = sum(b - a for a, b in spans)
+        elapsed = at[i1] - at[i0]
+        names.append(name)
+        kinds.append(_section_kind(name))
+        instructions.append(mine)
+        op_of.append(-1)
+        analytic_s.append(busy)
+        start_s.append(at[i0])
+        end_s.append(at[i1])
+        busy_spans.append(spans)
+        rows.append({
+            "ln_ms_analytic": _ln_ms(busy), "ln_ms_given": _ln_ms(given),
+            "contention": min(busy / given - 1.0, 5.0) if given > 0 else 0.0,
+            **{f"share_{k}": (v / given if given > 0 else 0.0) for k, v in parts.items()},
+            "ln_issues": math.log1p(issues), "ln_waits": math.log1p(waits),
+            "waited_share": (elapsed - busy) / elapsed if elapsed > 0 else 0.0,
+            "start": at[i0] / step, "end": at[i1] / step,
+        })
+    n_sections = len(names)
+    # the unit a section belongs to: its parameters and how the plan holds them
+    if program.plan is not None:
+        units = {u.name: u for u in program.plan.units}
+        for name, row in zip(names, rows):
+            base = name.split(" @m")[0]
+            u = units.get(base.split(" ", 1)[1]) if base.startswith(("fwd ", "bwd ")) else None
+            if u is None:
+                continue
+            row["unit_ln_params"] = math.log1p(len(u.params))
+            row["unit_ln_mib"] = math.log1p(sum(program.param_bytes.get(p, 0) for p in u.params) / MIB)
+            row["unit_sharded"] = float(u.placement == "shard")
+            row["unit_persistent"] = float(u.placement == "shard" and u.residency == "persistent")
+            row["unit_after_forward"] = float(u.placement == "shard" and u.residency == "after_forward")
+
+    # operations: one node each, named by what the runtime calls them
+    seen: dict[tuple[str, str], int] = {}
+    for k, op in enumerate(ops):
+        ident = op_ident(op.kind, op.label)
+        n = seen.get((op.kind, ident), 0)
+        seen[(op.kind, ident)] = n + 1
+        names.append(collective_name(op.kind, ident, n))
+        kinds.append(_op_kind(op.kind, op.label))
+        instructions.append([])
+        op_of.append(k)
+        dur = max(op.end - op.start, 0.0)
+        analytic_s.append(dur)
+        start_s.append(op.start)
+        end_s.append(op.end)
+        issued = issue_time.get(k, op.start)
+        waited = wait_time.get(k)
+        exposed = _overlap(waited, max(waited, op.end), op.start, op.end) if waited is not None else 0.0
+        rows.append({
+            "ln_ms_analytic": _ln_ms(dur), "ln_ms_given": _ln_ms(op.seconds),
+            "contention": min(dur / op.seconds - 1.0, 5.0) if op.seconds > 0 else 0.0,
+            "ln_mib": math.log1p(op.nbytes / MIB),
+            "ln_queued": math.log1p(max(op.start - issued, 0.0) / max(dur, FLOOR_S)),
+            "exposed_share": exposed / dur if dur > 0 else 0.0,
+            "start": op.start / step, "end": op.end / step,
+        })
+
+    # what runs at the same time (analytic timeline): sections' busy spans against operations
+    edges: dict[str, list[tuple[int, int]]] = {r: [] for r in RELATIONS}
+    all_spans = sorted((a, b, node) for node, spans in enumerate(busy_spans) for a, b in spans)
+    starts = [s[0] for s in all_spans]
+    group = {"all_gather": "overlap_gather", "all_reduce": "overlap_reduce", "reduce_scatter": "overlap_reduce",
+             "copy_out": "overlap_copy", "copy_back": "overlap_copy"}
+    concurrent_bytes = [0.0] * n_sections
+    concurrent_ops = [0] * n_sections
+    for k, op in enumerate(ops):
+        node = n_sections + k
+        if op.end <= op.start:
+            continue
+        covered = 0.0
+        touched: set[int] = set()
+        j = max(0, bisect.bisect_right(starts, op.start) - 1)
+        while j < len(all_spans) and all_spans[j][0] < op.end:
+            a, b, sec = all_spans[j]
+            ov = _overlap(a, b, op.start, op.end)
+            if ov > 0:
+                covered += ov
+                touched.add(sec)
+                row = rows[sec]
+                row[group[op.kind]] = row.get(group[op.kind], 0.0) + ov / max(analytic_s[sec], 1e-12)
+                concurrent_bytes[sec] += op.nbytes * ov / (op.end - op.start)
+            j += 1
+        rows[node]["overlap_compute"] = covered / (op.end - op.start)
+        for sec in sorted(touched):
+            concurrent_ops[sec] += 1
+            edges["overlap"] += [(sec, node), (node, sec)]
+    for sec in range(n_sections):
+        rows[sec]["ln_mib_concurrent"] = math.log1p(concurrent_bytes[sec] / MIB)
+        rows[sec]["ln_ops_concurrent"] = math.log1p(concurrent_ops[sec])
+    # operations overlapping each other (a collective and an offload copy, on their two queues)
+    copies = [o for o in ops if o.stream == 1]
+    for k, op in enumerate(ops):
+        others = [o for o in (copies if op.stream == 0 else ops) if o.stream != op.stream and _overlap(o.start, o.end, op.start, op.end) > 0]
+        rows[n_sections + k]["ln_ops_concurrent"] = math.log1p(len(others))
+
+    # order and dependencies
+    for sec in range(1, n_sections):
+        edges["next"].append((sec - 1, sec))
+        edges["prev"].append((sec, sec - 1))
+    for stream in (0, 1):
+        queue = sorted((op.start, k) for k, op in enumerate(ops) if op.stream == stream)
+        for (_, a), (_, b) in zip(queue, queue[1:]):
+            edges["next"].append((n_sections + a, n_sections + b))
+            edges["prev"].append((n_sections + b, n_sections + a))
+    for k, sec in issued_by.items():
+        edges["issue"].append((sec, n_sections + k))
+        edges["issued"].append((n_sections + k, sec))
+    for k, sec in waited_by.items():
+        edges["wait"].append((n_sections + k, sec))
+        edges["waited"].append((sec, n_sections + k))
+
+    plan_row = {
+        "plan_ln_ms_step": _ln_ms(analytic.step_s),
+        "plan_compute_share": analytic.compute_s / step,
+        "plan_ln_ops": math.log1p(len(ops)),
+    }
+    x = torch.zeros(len(names), len(FEATURES), dtype=torch.float32)
+    col = {f: i for i, f in enumerate(FEATURES)}
+    for i, (kind, row) in enumerate(zip(kinds, rows)):
+        x[i, col[f"kind={kind}"]] = 1.0
+        for key, v in {**row, **plan_row}.items():
+            x[i, col[key]] = float(v)
+    return ScheduleGraph(
+        names=names, kinds=kinds, x=x,
+        edges={r: torch.tensor(e, dtype=torch.long).reshape(-1, 2).t().contiguous() for r, e in edges.items()},
+        analytic_s=torch.tensor(analytic_s, dtype=torch.float64), instructions=instructions, op=op_of,
+        step_s=analytic.step_s, start_s=start_s, end_s=end_s,
+    )
+
+
+def graph_of(sim: Simulator, plan: Plan) -> tuple[Program, SimResult, ScheduleGraph]:
+    """``plan`` compiled by ``sim``, timed analytically (whatever estimator ``sim`` has), and its graph."""
+    program = sim.compile(plan)
+    analytic = sim._execute(program.prog, program.ops, program.static, True)
+    return program, analytic, schedule_graph(program, analytic)
+
+
+def targets(graph: ScheduleGraph, measured: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, mask)``: ``log(measured / max(analytic, FLOOR_S))`` clipped to ±CLIP for the nodes
+    ``measured`` names (seconds), and which nodes have one."""
+    y = torch.zeros(graph.num_nodes, dtype=torch.float32)
+    mask = torch.zeros(graph.num_nodes, dtype=torch.bool)
+    for i, name in enumerate(graph.names):
+        m = measured.get(name)
+        if m is None or not math.isfinite(m):
+            continue
+        ratio = max(m, 1e-6) / max(float(graph.analytic_s[i]), FLOOR_S)
+        y[i] = max(-CLIP, min(CLIP, math.log(ratio)))
+        mask[i] = True
+    return y, mask
+
+
+def corrected_durations(graph: ScheduleGraph, program: Program, log_ratio: torch.Tensor, kinds: Sequence[str]) -> tuple[dict[int, float], list[float]]:
+    """The durations to time ``program`` with: each node of a kind in ``kinds`` gets
+    ``exp(log_ratio) * max(analytic, FLOOR_S)``; other nodes keep theirs."""
+    from .simulator import _C
+
+    keep = set(kinds)
+    durations: dict[int, float] = {}
+    op_seconds = [op.seconds for op in program.ops]
+    for i in range(graph.num_nodes):
+        if graph.kinds[i] not in keep:
+            continue
+        r = math.exp(max(-CLIP, min(CLIP, float(log_ratio[i]))))
+        analytic = float(graph.analytic_s[i])
+        if graph.op[i] >= 0:
+            k = graph.op[i]
+            op_seconds[k] = program.ops[k].seconds * r if analytic >= FLOOR_S else max(program.ops[k].seconds, FLOOR_S) * r
+            continue
+        mine = [j for j in graph.instructions[i] if program.prog[j][0] == _C]
+        if not mine:
+            continue
+        for j in mine:
+            durations[j] = max(program.prog[j][1], 0.0) * r
+        if analytic < FLOOR_S:  # too small to scale: the section takes what was predicted for FLOOR_S
+            durations[mine[-1]] += r * (FLOOR_S - analytic)
+    return durations, op_seconds
+
+
+# ------------------------------------------------------------------------------------------------
+# the network (torch_geometric)
+# ------------------------------------------------------------------------------------------------
+def gnn_available() -> bool:
+    try:
+        import torch_geometric  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class NetConfig:
+    """The network's shape. Defaults: three layers reach a collective's issuing, waiting and
+    overlapping sections and their neighbours; 48 units are plenty for ~40 features and train in
+    seconds on a CPU."""
+
+    hidden: int = 48
+    layers: int = 3
+    relations: tuple[str, ...] = RELATIONS
+    features: int = len(FEATURES)
+
+
+def build_net(config: NetConfig) -> nn.Module:
+    """The graph network (needs ``torch_geometric``: ``pip install 'autodist[gnn]'``)."""
+    try:
+        from torch_geometric.nn import SAGEConv
+    except ImportError as e:
+        raise ImportError("the learned estimator needs torch_geometric: pip install 'autodist[gnn]'") from e
+
+    class ScheduleNet(nn.Module):
+        """Relation-wise GraphSAGE (mean of neighbours per relation, summed, plus the node's own
+        transform), residual, then an MLP head predicting each node's log(measured/analytic)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            h = config.hidden
+            self.inp = nn.Sequential(nn.Linear(config.features, h), nn.ReLU())
+            self.convs = nn.ModuleList(
+                nn.ModuleDict({r: SAGEConv(h, h, root_weight=False) for r in config.relations}) for _ in range(config.layers)
+            )
+            self.own = nn.ModuleList(nn.Linear(h, h) for _ in range(config.layers))
+            self.head = nn.Sequential(nn.Linear(h, h), nn.ReLU(), nn.Linear(h, 1))
+
+        def forward(self, x: torch.Tensor, edges: dict[str, torch.Tensor]) -> torch.Tensor:
+            h = self.inp(x)
+            for convs, own in zip(self.convs, self.own):
+                m = own(h)
+                for r, conv in convs.items():
+                    m = m + conv(h, edges[r])
+                h = h + torch.relu(m)
+            return self.head(h).squeeze(-1)
+
+    return ScheduleNet()
+
+
+@dataclass
+class Sample:
+    """One measured step: its graph, targets and mask, and where it came from."""
+
+    graph: ScheduleGraph
+    y: torch.Tensor
+    mask: torch.Tensor
+    model: str = ""
+    plan: str = ""
+
+
+def _batch(graphs: Sequence[ScheduleGraph]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The disjoint union of ``graphs``: stacked features and offset edges."""
+    xs, edges, offset = [], {r: [] for r in RELATIONS}, 0
+    for g in graphs:
+        xs.append(g.x)
+        for r in RELATIONS:
+            edges[r].append(g.edges[r] + offset)
+        offset += g.num_nodes
+    return torch.cat(xs), {r: torch.cat(e, dim=1) for r, e in edges.items()}
+
+
+@dataclass
+class TrainConfig:
+    """Training knobs. Adam with a little weight decay on a Huber loss in log space (robust to the
+    few events a disturbed host stretched), full batch; the seed fixes initialisation and order."""
+
+    epochs: int = 400
+    lr: float = 3e-3
+    weight_decay: float = 1e-4
+    huber_delta: float = 0.3
+    seed: int = 0
+    net: NetConfig = field(default_factory=NetConfig)
+
+
+@dataclass
+class Trained:
+    """A trained network with what it needs to be applied: its config, the feature normalisation,
+    and the node kinds it was trained on (the only ones it corrects)."""
+
+    net: nn.Module
+    config: NetConfig
+    mean: torch.Tensor
+    std: torch.Tensor
+    kinds: list[str]
+    losses: list[float] = field(default_factory=list)
+
+    def predict(self, graph: ScheduleGraph) -> torch.Tensor:
+        with torch.no_grad():
+            out = self.net((graph.x - self.mean) / self.std, graph.edges)
+        return out.clamp(-CLIP, CLIP)
+
+
+def train(samples: Sequence[Sample], config: TrainConfig | None = None) -> Trained:
+    """Fit a network to ``samples`` (deterministic for a given seed and inputs)."""
+    cfg = config or TrainConfig()
+    if not samples:
+        raise ValueError("no training samples")
+    x, edges = _batch([s.graph for s in samples])
+    y = torch.cat([s.y for s in samples])
+    mask = torch.cat([s.mask for s in samples])
+    if not mask.any():
+        raise ValueError("the training samples have no measured node")
+    mean = x.mean(0)
+    std = x.std(0).clamp_min(1e-3)
+    xn = (x - mean) / std
+    kinds = sorted({s.graph.kinds[i] for s in samples for i in range(s.graph.num_nodes) if s.mask[i]})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        net = build_net(cfg.net)
+        opt = torch.optim.Adam(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        loss_fn = nn.HuberLoss(delta=cfg.huber_delta)
+        losses = []
+        for _ in range(cfg.epochs):
+            opt.zero_grad()
+            loss = loss_fn(net(xn, edges)[mask], y[mask])
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    net.eval()
+    return Trained(net, cfg.net, mean, std, kinds, losses)
+
+
+# ------------------------------------------------------------------------------------------------
+# the estimator the simulator uses
+# ------------------------------------------------------------------------------------------------
+class Estimator:
+    """``Simulator(..., estimator=Estimator(trained))``: corrects each compiled step's durations
+    (see :class:`autodist.cost.simulator.DurationEstimator`)."""
+
+    def __init__(self, trained: Trained) -> None:
+        self.trained = trained
+
+    def corrections(self, program: Program, analytic: SimResult) -> tuple[dict[int, float], list[float]]:
+        graph = schedule_graph(program, analytic)
+        return corrected_durations(graph, program, self.trained.predict(graph), self.trained.kinds)
+
+
+# ------------------------------------------------------------------------------------------------
+# evaluation
+# ------------------------------------------------------------------------------------------------
+def event_errors(graph: ScheduleGraph, y: torch.Tensor, mask: torch.Tensor, log_ratio: torch.Tensor | None) -> list[float]:
+    """Relative errors |predicted - measured| / max(measured, FLOOR_S) of the measured nodes
+    (``y`` from :func:`targets`): of the analytic durations (``log_ratio`` None) or of the corrected
+    ones. Events measured shorter than ``FLOOR_S`` are judged against ``FLOOR_S``: a collective
+    that completed while another ran (on the other process group) measures ~0 in one queue."""
+    out = []
+    for i in torch.nonzero(mask).flatten().tolist():
+        analytic = float(graph.analytic_s[i])
+        base = max(analytic, FLOOR_S)
+        measured = base * math.exp(float(y[i]))
+        predicted = analytic if log_ratio is None else base * math.exp(float(log_ratio[i]))
+        out.append(abs(predicted - measured) / max(measured, FLOOR_S))
+    return out
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    v = sorted(values)
+    if not v:
+        return float("nan")
+    k = (len(v) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def error_summary(errors: Sequence[float]) -> dict[str, float]:
+    """Median, 90th percentile, and share within 14% (DisCo's figure: 90% of events within 14%)."""
+    return {
+        "events": len(errors),
+        "median_pct": 100 * quantile(errors, 0.5),
+        "p90_pct": 100 * quantile(errors, 0.9),
+        "within_14pct": (sum(e <= 0.14 for e in errors) / len(errors)) if errors else float("nan"),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# the cache entry: weights, provenance, validation (stored beside the comm model, per machine)
+# ------------------------------------------------------------------------------------------------
+HELPS_RULE = (
+    "used by plan='auto' only if, in leave-one-model-out validation, it lowered the median absolute "
+    "step-time error on every held-out model and lowered no held-out model's Spearman by more than 0.05"
+)
+
+
+def helps(validation: dict[str, dict[str, Any]]) -> bool:
+    """The rule ``plan="auto"`` applies (``HELPS_RULE``) to the held-out results ``validation``:
+    model -> {"analytic": {"median_abs_pct_error_time", "spearman"}, "estimator": {...}}."""
+    if not validation:
+        return False
+    for r in validation.values():
+        a, e = r["analytic"], r["estimator"]
+        if not e["median_abs_pct_error_time"] < a["median_abs_pct_error_time"]:
+            return False
+        if math.isfinite(a["spearman"]) and not e["spearman"] >= a["spearman"] - 0.05:
+            return False
+    return True
+
+
+def _encode(t: torch.Tensor) -> dict[str, Any]:
+    t = t.detach().to(torch.float32).contiguous()
+    return {"shape": list(t.shape), "data": base64.b64encode(t.numpy().tobytes()).decode("ascii")}
+
+
+def _decode(d: Any, where: str) -> torch.Tensor:
+    if not isinstance(d, dict) or not isinstance(d.get("shape"), list) or not isinstance(d.get("data"), str):
+        raise ValueError(f"{where} is not a tensor ({{shape, data}})")
+    shape = d["shape"]
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        raise ValueError(f"{where}.shape = {shape!r:.60} is not a list of sizes")
+    raw = base64.b64decode(d["data"].encode("ascii"), validate=True)
+    if len(raw) != 4 * math.prod(shape):
+        raise ValueError(f"{where} holds {len(raw)} bytes, not {4 * math.prod(shape)} for shape {shape}")
+    t = torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape).clone()
+    if not torch.isfinite(t).all():
+        raise ValueError(f"{where} holds values that are not finite")
+    return t
+
+
+@dataclass
+class EstimatorEntry:
+    """What the cache stores: the trained network's weights and everything needed to apply and to
+    trust it — its config, normalisation and kinds, the machine it was measured on, provenance
+    (training models, plans, events, date, torch / torch_geometric versions, feature schema) and
+    the held-out validation with the verdict of ``HELPS_RULE``."""
+
+    config: NetConfig
+    mean: list[float]
+    std: list[float]
+    kinds: list[str]
+    weights: dict[str, torch.Tensor]
+    machine: dict[str, Any]
+    provenance: dict[str, Any]
+    validation: dict[str, Any]
+    helps: bool
+    feature_schema: int = FEATURE_SCHEMA
+    schema_version: int = ENTRY_SCHEMA
+
+    @classmethod
+    def of(cls, trained: Trained, *, machine: dict[str, Any], provenance: dict[str, Any], validation: dict[str, Any]) -> EstimatorEntry:
+        return cls(
+            config=trained.config, mean=trained.mean.tolist(), std=trained.std.tolist(), kinds=list(trained.kinds),
+            weights={k: v.detach().clone() for k, v in trained.net.state_dict().items()}, machine=dict(machine),
+            provenance=dict(provenance), validation=dict(validation), helps=helps(validation),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "schema_version": self.schema_version, "feature_schema": self.feature_schema,
+            "features": list(FEATURES),
+            "config": {"hidden": self.config.hidden, "layers": self.config.layers, "relations": list(self.config.relations),
+                       "features": self.config.features},
+            "mean": self.mean, "std": self.std, "kinds": self.kinds,
+            "weights": {k: _encode(v) for k, v in sorted(self.weights.items())},
+            "machine": self.machine, "provenance": self.provenance, "validation": self.validation,
+            "helps": self.helps, "rule": HELPS_RULE,
+        }, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> EstimatorEntry:
+        """Parse and check an entry; anything unexpected raises ``ValueError`` (or ``TypeError``)."""
+        d = json.loads(text)
+        if not isinstance(d, dict):
+            raise ValueError("an estimator entry is a JSON object")
+        if d.get("schema_version") != ENTRY_SCHEMA:
+            raise ValueError(f"estimator schema_version {d.get('schema_version')!r} is not {ENTRY_SCHEMA}")
+        if d.get("feature_schema") != FEATURE_SCHEMA or d.get("features") != list(FEATURES):
+            raise ValueError(f"estimator features (schema {d.get('feature_schema')!r}) are not this version's ({FEATURE_SCHEMA})")
+        c = d.get("config")
+        if not isinstance(c, dict):
+            raise ValueError("estimator config is not an object")
+        for k in ("hidden", "layers", "features"):
+            if not isinstance(c.get(k), int) or isinstance(c.get(k), bool) or c[k] <= 0:
+                raise ValueError(f"estimator config.{k} = {c.get(k)!r} is not a positive integer")
+        if c["features"] != len(FEATURES):
+            raise ValueError(f"estimator config.features = {c['features']} is not {len(FEATURES)}")
+        relations = c.get("relations")
+        if not isinstance(relations, list) or not relations or not set(relations) <= set(RELATIONS):
+            raise ValueError(f"estimator config.relations = {relations!r:.80} are not among {RELATIONS}")
+        config = NetConfig(hidden=c["hidden"], layers=c["layers"], relations=tuple(relations), features=c["features"])
+        vectors = {}
+        for k in ("mean", "std"):
+            v = d.get(k)
+            if not isinstance(v, list) or len(v) != len(FEATURES) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v
+            ):
+                raise ValueError(f"estimator {k} is not {len(FEATURES)} finite numbers")
+            vectors[k] = [float(x) for x in v]
+        if min(vectors["std"]) <= 0:
+            raise ValueError("estimator std has a value that is not positive")
+        kinds = d.get("kinds")
+        if not isinstance(kinds, list) or not set(kinds) <= set(KINDS):
+            raise ValueError(f"estimator kinds = {kinds!r:.80} are not among {KINDS}")
+        w = d.get("weights")
+        if not isinstance(w, dict) or not w:
+            raise ValueError("estimator weights are missing")
+        weights = {k: _decode(v, f"estimator weights.{k}") for k, v in w.items()}
+        for k in ("machine", "provenance", "validation"):
+            if not isinstance(d.get(k), dict):
+                raise ValueError(f"estimator {k} is not an object")
+        if not isinstance(d.get("helps"), bool):
+            raise ValueError(f"estimator helps = {d.get('helps')!r} is not true or false")
+        return cls(
+            config=config, mean=vectors["mean"], std=vectors["std"], kinds=kinds, weights=weights, machine=d["machine"],
+            provenance=d["provenance"], validation=d["validation"], helps=d["helps"],
+        )
+
+    def trained(self) -> Trained:
+        """The network with these weights (needs torch_geometric). Weights that do not fit the
+        network this config builds raise ``ValueError``."""
+        net = build_net(self.config)
+        try:
+            net.load_state_dict(self.weights, strict=True)
+        except RuntimeError as e:
+            raise ValueError(f"estimator weights do not fit its network: {' '.join(str(e).split())[:200]}") from e
+        net.eval()
+        return Trained(net, self.config, torch.tensor(self.mean), torch.tensor(self.std), list(self.kinds))
+
+
+def estimator_entry(text: str, machine: dict[str, Any]) -> tuple[EstimatorEntry, Estimator | None]:
+    """A cached estimator entry checked for this machine (``machine``: world, backend, device_name),
+    and the estimator built from it where torch_geometric is installed (else None). The cache's
+    parser: anything wrong raises, so the entry is reported once and ignored."""
+    entry = EstimatorEntry.from_json(text)
+    here = {k: machine[k] for k in ("world", "backend", "device_name")}
+    there = {k: entry.machine.get(k) for k in here}
+    if there != here:
+        raise ValueError(f"estimator measured on {there}, not {here}")
+    return entry, Estimator(entry.trained()) if gnn_available() else None
