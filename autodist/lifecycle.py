@@ -154,7 +154,7 @@ class AutoPlanner:
                 "mixed_precision": None if self.mp is None else [str(self.mp.param_dtype), str(self.mp.reduce_dtype)],
                 # a plan the learned estimator ranked is kept apart from the analytic one (and from
                 # another estimator's); without one, the key is what it always was
-                **({"estimator": self.estimator_id()} if self.estimator_id() is not None else {}),
+                **({"estimator": estimator} if (estimator := self.estimator_id()) is not None else {}),
             }
         )
 

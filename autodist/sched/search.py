@@ -363,6 +363,8 @@ class Searcher:
         fastest feasible one wins — a built-in seed still kept unless a plan beats it by more than
         ``prefer_seed_within`` (this search's margin: the analytic simulator's measured error, a
         conservative one for ``sim``). ``sim`` should have the search's budget. Call after :meth:`run`."""
+        if not hasattr(self, "_seeds"):
+            raise RuntimeError("Searcher.refine ranks the plans a search evaluated: call run() first")
         feasible = [(self.cost(g), i, g) for i, g in enumerate(self._memo) if math.isfinite(self.cost(g))]
         chosen = [g for _, _, g in sorted(feasible)[:finalists]]
         seeds = {name: self.space.normalize(g) for name, g in self._seeds.items()}
