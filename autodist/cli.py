@@ -182,6 +182,11 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "--input-high", type=_positive_int, metavar="N",
         help=f"integer inputs are drawn from [0, N), e.g. token ids below the vocabulary size (default {DEFAULT_INPUT_HIGH})",
     )
+    g.add_argument(
+        "--input-as", action="append", default=[], metavar="NAME", type=_keyword,
+        help="also pass the example batch as keyword NAME (repeatable): --input-as labels makes a Hugging Face "
+        "language model compute its own loss, which is then profiled",
+    )
 
 
 def _add_comm_options(p: argparse.ArgumentParser) -> None:
@@ -346,6 +351,17 @@ def _build_model(spec: str) -> nn.Module:
     return model
 
 
+def _keyword(text: str) -> str:
+    if not text.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a keyword argument name")
+    return text
+
+
+def _input_kwargs(x: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword inputs ``--input-as`` asks for: the example batch under each name."""
+    return {name: x for name in args.input_as}
+
+
 def _example_input(model: nn.Module, args: argparse.Namespace) -> torch.Tensor:
     """One batch of the requested shape and dtype, checked by running a forward pass."""
     import torch
@@ -361,12 +377,12 @@ def _example_input(model: nn.Module, args: argparse.Namespace) -> torch.Tensor:
         x = torch.randint(0, high, args.input_shape, generator=gen, dtype=dtype)
     try:
         with torch.no_grad():
-            model(x)
+            model(x, **_input_kwargs(x, args))
     except Exception as e:  # the user's model on the user's input shape
         raise CommandError(
             f"the model's forward failed on an input of shape {','.join(map(str, args.input_shape))} "
-            f"({args.input_dtype}): {type(e).__name__}: {_first_line(e)}; check --input-shape, --input-dtype "
-            "and --input-high"
+            f"({args.input_dtype}){''.join(f' also passed as {n}=' for n in args.input_as)}: {type(e).__name__}: "
+            f"{_first_line(e)}; check --input-shape, --input-dtype, --input-high and --input-as"
         ) from None
     return x
 
@@ -557,7 +573,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     x = _example_input(model, args)
     config = _search_config(args.cache_dir, args.world_size)
     try:
-        plan, result, _ = plan_offline(model, (x,), world_size=args.world_size, budget_bytes=budget, comm=comm, config=config)
+        plan, result, _ = plan_offline(
+            model, (x,), world_size=args.world_size, budget_bytes=budget, comm=comm, config=config,
+            example_kwargs=_input_kwargs(x, args),
+        )
     except BudgetError as e:
         raise CommandError(f"{_budget_line(e)}; raise --memory-limit or plan for more ranks") from None
     try:
@@ -596,6 +615,8 @@ def _check_args(args: argparse.Namespace) -> list[str]:
            "--plans", str(args.plans), "--steps", str(args.steps), "--accum", str(args.accum)]
     if args.input_high is not None:
         out += ["--input-high", str(args.input_high)]
+    for name in args.input_as:
+        out += ["--input-as", name]
     if args.no_record:
         out.append("--no-record")
     if args.cache_dir:
@@ -686,7 +707,10 @@ def _check_worker(args: argparse.Namespace) -> int:
             return own if own is not None else surrogate_loss(out)
 
         x0 = batches[0][0].chunk(args.accum)[0]
-        prof = profile_model(model.to(device), structure, (x0,), device=device, loss_fn=lambda out: loss(out, None))
+        prof = profile_model(
+            model.to(device), structure, (x0,), device=device, loss_fn=lambda out: loss(out, None),
+            example_kwargs=_input_kwargs(x0, args),
+        )
         del model
         profiles: list[str | None] = [None] * world
         dist.all_gather_object(profiles, prof.to_json())
@@ -709,7 +733,7 @@ def _check_worker(args: argparse.Namespace) -> int:
                       f"{c.measured_step_s * 1e3:.1f} ms", file=sys.stderr, flush=True)
 
         measure_plans(checks, wrap, batches, loss, device=device, accum=args.accum, steps=args.steps, warmup=warmup,
-                      passes=passes, progress=progress)
+                      passes=passes, progress=progress, forward=lambda m, x: m(x, **_input_kwargs(x, args)))
         if rank == 0:
             rows = [c.row() for c in checks]
             overall = summarize(rows)
@@ -807,7 +831,7 @@ def cmd_timeline(args: argparse.Namespace) -> int:
             _plan_error_line(e, args.plan, f"the plan does not fit {args.model}; was it made for another model?")
         ) from None
     x = _example_input(model, args)
-    profile = profile_model(model, structure, (x,), device=torch.device("cpu"))
+    profile = profile_model(model, structure, (x,), device=torch.device("cpu"), example_kwargs=_input_kwargs(x, args))
     sim = Simulator(profile, structure, comm, world_size=plan.world_size, budget_bytes=plan.budget_bytes)
     result = sim.run(plan, record=True)
     tl = timeline.from_simulation(

@@ -145,6 +145,51 @@ def test_bad_arguments_exit_2_with_one_line_saying_what_was_wrong(cli: Cli, tmp_
     assert "--input-shape" in bad_shape.stderr and "'abc'" in bad_shape.stderr
 
 
+KW_MODEL = """\
+import types
+
+import torch
+import torch.nn.functional as F
+
+
+class LM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = torch.nn.Embedding(64, 16)
+        self.head = torch.nn.Linear(16, 512)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.head(self.wte(input_ids))
+        loss = None
+        if labels is not None:  # as transformers does: shifted logits copied and upcast
+            shifted = logits[:, :-1].contiguous().float()
+            loss = F.cross_entropy(shifted.view(-1, 512), labels[:, 1:].contiguous().view(-1) % 512)
+        return types.SimpleNamespace(loss=loss, logits=logits)
+
+
+def build():
+    torch.manual_seed(0)
+    return LM()
+"""
+
+
+def test_plan_passes_the_example_batch_as_keyword_inputs(cli: Cli, tmp_path: Path) -> None:
+    (tmp_path / "models" / "kwmodel.py").write_text(KW_MODEL)
+    common = ["plan", "--model", "kwmodel:build", "--input-shape", "4,16", "--input-dtype", "int64", "--input-high", "64",
+              "--world-size", "2", "--bandwidth", "1", "--latency", "50"]
+    with_labels, without, bad = cli.run_all(
+        [*common, "--input-as", "labels", "--out", tmp_path / "with.json"],
+        [*common, "--out", tmp_path / "without.json"],
+        [*common, "--input-as", "not-a-name", "--out", tmp_path / "bad.json"],
+    )
+    assert with_labels.returncode == 0 and without.returncode == 0, (with_labels, without)
+    peak = {n: load_plan(tmp_path / f"{n}.json").predicted["peak_bytes"] for n in ("with", "without")}
+    # the model's own loss (an upcast copy of the shifted logits, its log-softmax and gradients) was
+    # profiled, not estimated from the logits
+    assert peak["with"] > peak["without"], peak
+    assert_one_line_error(bad, "autodist plan:")
+
+
 # ---- check ------------------------------------------------------------------------------------
 
 

@@ -158,12 +158,13 @@ def measure_plans(
     close: Callable[[nn.Module], None] = lambda m: m.close(),  # type: ignore[attr-defined]
     after_warmup: Callable[[int, Callable[[], None]], None] | None = None,
     progress: Callable[[Checked], None] | None = None,
+    forward: Callable[[nn.Module, Any], Any] = lambda model, x: model(x),
 ) -> None:
     """Measure each of ``checks`` in place: ``wrap(plan)`` builds the wrapped model (same seed each
     time), AdamW trains it on ``batches`` (``warmup`` + ``steps`` + 1 of them), a step being
     ``accum`` micro-batches, all but the last under ``no_sync``. ``after_warmup(i, one_step)`` runs
     on the first pass after warm-up (simcheck draws traces there); ``progress`` after each plan's
-    last pass."""
+    last pass. ``forward(model, x)`` runs the model on a micro-batch (keyword inputs, if any)."""
 
     def measure(i: int, first: bool) -> None:
         c = checks[i]
@@ -177,9 +178,9 @@ def measure_plans(
             for k, (xm, ym) in enumerate(zip(xs, ys)):
                 if k < len(xs) - 1:
                     with model.no_sync():  # type: ignore[attr-defined]
-                        loss(model(xm), ym).div(len(xs)).backward()
+                        loss(forward(model, xm), ym).div(len(xs)).backward()
                 else:
-                    loss(model(xm), ym).div(len(xs)).backward()
+                    loss(forward(model, xm), ym).div(len(xs)).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
