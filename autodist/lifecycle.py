@@ -27,6 +27,7 @@ import enum
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -196,6 +197,8 @@ class AutoPlanner:
             plan = self.read("plans", key)
             peak = plan.predicted.get("peak_bytes") if plan is not None else None
             limit = self.search_config().planning_budget(self.w.budget_bytes)
+            if plan is not None and plan.provenance.get("inside_headroom"):
+                limit = self.w.budget_bytes  # planned so: nothing fitted below the headroom
             if peak is not None and limit is not None and peak > limit:
                 logger.info(
                     "autodist: cached plan %s predicts %s, over this launch's budget %s less its headroom; planning again",
@@ -311,10 +314,12 @@ class AutoPlanner:
             "world_size": self.world, "budget_bytes": self.search_config().planning_budget(self.w.budget_bytes),
             "param_dtype": self.mp.param_dtype if self.mp else None, "reduce_dtype": self.mp.reduce_dtype if self.mp else None,
         }
-        sim = Simulator(profile, self.structure, comm, **kw)
         space = space_for(profile, self.structure, self.world, fixed_placement=fixed, grad_accum_steps=self.w.grad_accum_steps)
-        searcher = Searcher(space, sim, self.search_config())
-        result = searcher.run()
+        searcher, result = search_within_budget(
+            space, lambda budget: Simulator(profile, self.structure, comm, **{**kw, "budget_bytes": budget}),
+            self.search_config(), self.w.budget_bytes,
+        )
+        kw["budget_bytes"] = searcher.sim.budget
         estimator = self.estimator()
         if estimator is not None:
             # [Note: when plan="auto" uses the learned estimator] Only a stored estimator whose
@@ -762,6 +767,8 @@ def search_provenance(result: SearchResult, source: str) -> dict[str, Any]:
         "evaluated": result.evaluated, "search_seconds": round(result.seconds, 3), "stopped_by": result.stopped_by,
         "autodist_version": __version__, "torch_version": torch.__version__,
     }
+    if result.inside_headroom:
+        prov["inside_headroom"] = True  # nothing fitted the budget less the headroom; this fits the budget
     if result.refined:
         prov["estimator"] = "learned: the finalists ranked by the simulator with the learned estimator"
     if result.preferred_seed:
@@ -771,6 +778,34 @@ def search_provenance(result: SearchResult, source: str) -> dict[str, Any]:
         prov["prefer_seed_within"] = round(cfg.prefer_seed_within, 4)
         prov["margin_source"] = cfg.margin_source
     return prov
+
+
+def search_within_budget(
+    space: Any, simulator: Callable[[int | None], Simulator], config: SearchConfig, budget: int | None,
+) -> tuple[Searcher, SearchResult]:
+    """Search within ``budget`` less the config's memory headroom (the simulator's measured peak
+    error). When nothing is predicted to fit there but a plan is predicted to fit the budget itself,
+    search again within the budget: that plan is enacted (its provenance says ``inside_headroom``
+    and a warning says its measured peak may exceed the budget) rather than refused — the contract
+    is that no plan predicted above the budget runs. ``simulator(b)`` builds a simulator for budget ``b``."""
+    searcher = Searcher(space, simulator(config.planning_budget(budget)), config)
+    result = searcher.run()
+    if result.result.feasible or budget is None:
+        return searcher, result
+    smallest = (result.smallest_peak or (result.result.peak_bytes, None))[0]
+    if smallest > budget:
+        return searcher, result
+    inside = Searcher(space, simulator(budget), config)
+    again = inside.run()
+    if not again.result.feasible:
+        return searcher, result
+    again.inside_headroom = True
+    logger.warning(
+        "autodist: no plan is predicted to fit %s less its %.0f%% headroom (the simulator's measured peak error); "
+        "using one predicted at %s, within the budget but inside that margin: its measured peak may exceed the budget",
+        format_bytes(budget), 100 * config.memory_headroom, format_bytes(again.result.peak_bytes),
+    )
+    return inside, again
 
 
 def budget_error(budget: int, result: SearchResult, structure: Any, plan: Plan | None = None) -> BudgetError:
@@ -824,9 +859,11 @@ def plan_offline(
     device = device or torch.device("cpu")
     structure = discover(module)
     prof = profile_model(module, structure, example_inputs, device=device, example_kwargs=example_kwargs)
-    sim = Simulator(prof, structure, comm, world_size=world_size, budget_bytes=(config or SearchConfig()).planning_budget(budget_bytes))
     space = space_for(prof, structure, world_size, grad_accum_steps=grad_accum_steps)
-    result = Searcher(space, sim, config or SearchConfig()).run()
+    _, result = search_within_budget(
+        space, lambda budget: Simulator(prof, structure, comm, world_size=world_size, budget_bytes=budget),
+        config or SearchConfig(), budget_bytes,
+    )
     if not result.result.feasible:
         raise budget_error(budget_bytes, result, structure)
     plan = result.plan

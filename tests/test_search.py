@@ -173,3 +173,24 @@ def test_offload_is_chosen_only_when_the_budget_requires_it():
     tight = Searcher(_space_with_offload(), Simulator(PROFILE, STRUCTURE, COMM, world_size=2, budget_bytes=floor - 1)).run()
     assert tight.result.feasible and tight.result.peak_bytes < floor
     assert tight.plan.offload
+
+
+def test_a_budget_met_only_inside_the_headroom_is_searched_within_the_budget_itself(caplog):
+    from autodist.lifecycle import search_within_budget
+
+    def sim(budget):
+        return Simulator(PROFILE, STRUCTURE, COMM, world_size=2, budget_bytes=budget)
+
+    cfg = SearchConfig(memory_headroom=0.10)
+    smallest = Searcher(_space(), sim(10_000), cfg).run().smallest_peak[0]
+    budget = int(smallest / 0.95)  # the smallest peak fits the budget, not the budget less 10%
+    with caplog.at_level("WARNING", logger="autodist"):
+        searcher, found = search_within_budget(_space(), sim, cfg, budget)
+    assert found.result.feasible and found.inside_headroom and found.result.peak_bytes <= budget
+    assert searcher.sim.budget == budget
+    assert "within the budget but inside that margin" in caplog.text
+    # below the smallest peak nothing is enacted; with room under the headroom, nothing changes
+    _, none = search_within_budget(_space(), sim, cfg, smallest - 1)
+    assert not none.result.feasible and not none.inside_headroom
+    _, roomy = search_within_budget(_space(), sim, cfg, 10 * smallest)
+    assert roomy.result.feasible and not roomy.inside_headroom

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -37,12 +38,13 @@ from autodist.structure import discover  # noqa: E402
 from autodist.zoo import MLP, zoo  # noqa: E402
 
 
-def worker() -> None:
+def worker(json_path: str | None = None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     comm = sweep(dist.group.WORLD, torch.device("cpu"))
     lines = []
+    figures: dict[str, object] = {"world_size": dist.get_world_size(), "torch": torch.__version__, "units": {}}
     for n in (50, 100, 200):
         model = MLP([64] * (n + 1))
         structure = discover(model)
@@ -63,6 +65,8 @@ def worker() -> None:
             lines.append(f"simulate one plan, {n} units: " + ", ".join(f"{k} {v:.2f} ms" for k, v in sim_ms.items()))
             t0 = time.perf_counter()
             res = Searcher(space, sim, SearchConfig()).run()
+            figures["units"][n] = {"simulate_ms": sim_ms, "search_s": time.perf_counter() - t0,
+                                   "evaluated": res.evaluated, "stopped_by": res.stopped_by}
             lines.append(
                 f"search, {n} units: {time.perf_counter() - t0:.2f} s, {res.evaluated} plans evaluated, "
                 f"stopped by {res.stopped_by}"
@@ -93,12 +97,17 @@ def worker() -> None:
             f"a cache hit adds {med['auto (cache hit)'] - med['ddp']:.3f} s"
         )
         print("\n".join(lines), flush=True)
+        if json_path:
+            figures["wrap_gpt_s"] = med
+            with open(json_path, "w") as f:
+                json.dump(figures, f, indent=1)
     dist.destroy_process_group()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--json", help="also write the figures as JSON here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -106,9 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     if args.worker:
-        worker()
+        worker(args.json)
         return 0
-    return relaunch(os.path.abspath(__file__), args.nproc, ["--worker"])
+    return relaunch(os.path.abspath(__file__), args.nproc, ["--worker", *(["--json", os.path.abspath(args.json)] if args.json else [])])
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ class SearchResult:
     preferred_seed: str | None = None
     config: SearchConfig = field(default_factory=SearchConfig)  # what the search ran with
     refined: bool = False  # the finalists were ranked again with another simulator (Searcher.refine)
+    inside_headroom: bool = False  # searched within the budget itself: nothing fitted below the headroom
 
 
 class Searcher:
