@@ -166,7 +166,7 @@ def test_a_kept_built_in_plan_is_named_in_the_label_and_provenance():
     from autodist.sched.search import SearchConfig
 
     cfg = SearchConfig(prefer_seed_within=0.07, margin_source="measured here")
-    searched = {"evaluated": 5, "seconds": 0.1, "stopped_by": "stall", "config": cfg, "refined": False}
+    searched = {"evaluated": 5, "seconds": 0.1, "stopped_by": "stall", "config": cfg, "refined": False, "inside_headroom": False}
     kept = search_provenance(SimpleNamespace(**searched, preferred_seed="ddp"), "auto:search")
     found = search_provenance(SimpleNamespace(**searched, preferred_seed=None), "auto:search")
     assert kept["source"] == "auto:search (kept ddp)" and kept["prefer_seed_within"] == 0.07
