@@ -256,3 +256,17 @@ def check(results: list[dict[str, float]], *, atol: float) -> None:
     for rank, r in enumerate(results):
         for key in ("loss", "grad", "param", "buffer"):
             assert r[key] <= atol, f"rank {rank}: max {key} difference {r[key]:.3g} exceeds {atol:.1g} ({r})"
+
+
+def profiled_mlp(plan_kw: dict[str, Any], world: int = 2) -> tuple[Any, Any, Plan, torch.Tensor, torch.Tensor]:
+    """On this rank: the test MLP's structure and profile (one pass, no memory), a plan of
+    ``plan_kw`` (:func:`make_plan`) and this rank's batch of 4 — what a test comparing a wrapped
+    model's step with the simulated one starts from."""
+    from autodist.measure.trace import profile_model
+
+    plain = models.make("mlp")
+    structure = discover(plain)
+    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(dist.get_rank()))
+    prof = profile_model(plain, structure, (x,), device=torch.device("cpu"), repeats=1, memory=False)
+    return structure, prof, make_plan(models.make("mlp"), world, **plan_kw), x, y
+

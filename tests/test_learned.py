@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from test_simulator import COMM, PROFILE, STRUCTURE
 
 import models
@@ -373,16 +372,9 @@ def _measured_names(plan_kw):
     from autodist import AutoDist
     from autodist.cost.learned import collective_name
     from autodist.measure.steptrace import StepTracer
-    from autodist.measure.trace import profile_model
-    from autodist.structure import discover
-    from parity import make_plan
+    from parity import profiled_mlp
 
-    rank = dist.get_rank()
-    plain = models.make("mlp")
-    structure = discover(plain)
-    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(rank))
-    prof = profile_model(plain, structure, (x,), device=torch.device("cpu"), repeats=1, memory=False)
-    plan = make_plan(models.make("mlp"), 2, **plan_kw)
+    structure, prof, plan, x, y = profiled_mlp(plan_kw)
     graph = graph_of(Simulator(prof, structure, COMM, world_size=2), plan)[2]
     m = AutoDist(models.make("mlp"), plan=plan)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)

@@ -234,22 +234,15 @@ def test_deterministic():
 
 # ---- the simulator issues what the runtime issues, in the same order ---------------------------
 
-import torch.distributed as dist  # noqa: E402
 
 import models  # noqa: E402
-from parity import make_plan  # noqa: E402
 
 
 def _runtime_and_simulated_order(plan_kw):
     from autodist import AutoDist
-    from autodist.measure.trace import profile_model
+    from parity import profiled_mlp
 
-    rank = dist.get_rank()
-    plain = models.make("mlp")
-    structure = discover(plain)
-    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(rank))
-    prof = profile_model(plain, structure, (x,), device=torch.device("cpu"), repeats=1, memory=False)
-    plan = make_plan(models.make("mlp"), 2, **plan_kw)
+    structure, prof, plan, x, y = profiled_mlp(plan_kw)
     simulated = Simulator(prof, structure, COMM, world_size=2).run(plan, record=True)
     sim_order = [tuple(e.name.split(" ")) for e in simulated.events if e.stream == "comm"]
     m = AutoDist(models.make("mlp"), plan=plan)

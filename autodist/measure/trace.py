@@ -27,6 +27,7 @@ from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
+from .._tree import output_leaves
 from ..cost.profile import OptimizerProfile, Profile, UnitProfile, estimated_loss_memory
 from ..runtime.backward import in_backward
 from ..structure import ModelStructure
@@ -61,9 +62,10 @@ class _Clock:
 LOSS = "(loss)"  # the owner of what the loss saves, in ``_Pass.saved``
 
 
+
 def float_output_bytes(out: object) -> int:
     """Bytes, in float32, of the floating-point outputs a loss would differentiate."""
-    return sum(t.numel() * 4 for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad)
+    return sum(t.numel() * 4 for t in output_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad)
 
 
 def _storage_bytes(tree: object) -> int:
@@ -185,7 +187,7 @@ class UnitTracer:
             if p is None:
                 return
             if in_backward():  # a recomputation: its outputs' backward (reentrant checkpointing) is marked
-                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                tensors = [t for t in output_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if tensors and torch.is_grad_enabled():
                     register_multi_grad_hook(tensors, self._pre_backward(unit), mode="any")
                 return
@@ -194,7 +196,7 @@ class UnitTracer:
                 self._stack.pop()
             self._last = unit
             p.out.setdefault(unit, _tensor_bytes(output))
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            tensors = [t for t in output_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors and torch.is_grad_enabled():
                 register_multi_grad_hook(tensors, self._pre_backward(unit), mode="any")
 
@@ -282,7 +284,7 @@ class _OwnOrSurrogateLoss:
 def surrogate_loss(out: object) -> torch.Tensor:
     """A stand-in when the model returns no loss: the sum of the means of its floating-point outputs
     that require grad (every output's backward runs, as a real loss's would)."""
-    floats = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    floats = [t for t in output_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
     if not floats:
         raise ValueError("the model's output has no floating-point tensor that requires grad; cannot profile backward")
     return sum(t.float().mean() for t in floats)
@@ -407,7 +409,7 @@ def _memory_peaks(
 
     def post_fwd(u: str) -> Callable:
         def hook(m: nn.Module, a: tuple, out: object) -> None:
-            tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            tensors = [t for t in output_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors and torch.is_grad_enabled():
                 def pre_bwd(grads: object, u: str = u) -> None:
                     if u not in seen_bwd:

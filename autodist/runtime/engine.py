@@ -55,9 +55,9 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
-from torch.utils._pytree import tree_flatten
 
 from .._log import OnceLogger, logger
+from .._tree import output_leaves
 from ..plan import Plan
 from ..schedule import (
     ActionLog,
@@ -570,7 +570,7 @@ class Engine:
         step = self._step
         if self.offload.active:
             self.offload.finish_out()  # copy-outs started at a forward unit (see [Note: when offloaded state ...])
-        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = [t for t in output_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         step.expects_backward = bool(tensors) and torch.is_grad_enabled()
         for g in self.groups:
             if g.active:
@@ -715,7 +715,7 @@ class Engine:
             if g.residency == "after_forward" and g.active == 0 and freed_after_forward(g.units, g.fwd_done, g.fwd_expected):
                 g.free()
         if (site.groups or site.unit is not None) and torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            tensors = [t for t in output_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 register_multi_grad_hook(tensors, self._make_pre_backward(site), mode="any")
 
