@@ -666,9 +666,8 @@ def _check_worker(args: argparse.Namespace) -> int:
     from . import AutoDist
     from .cache import Cache, comm_cache_key
     from .cost.fidelity import FidelityRecord
-    from .cost.profile import Profile, slowest
     from .cost.simulator import Simulator
-    from .measure.fidelity import Checked, measure_plans, plans_to_check, summarize
+    from .measure.fidelity import Checked, measure_plans, plans_to_check, slowest_over_ranks, summarize
     from .measure.sweep import sweep
     from .measure.trace import model_loss, profile_model, surrogate_loss
     from .sched.search import SearchConfig
@@ -712,9 +711,7 @@ def _check_worker(args: argparse.Namespace) -> int:
             example_kwargs=_input_kwargs(x0, args),
         )
         del model
-        profiles: list[str | None] = [None] * world
-        dist.all_gather_object(profiles, prof.to_json())
-        prof = slowest([Profile.from_json(p) for p in profiles])
+        prof = slowest_over_ranks(prof)
         comm = sweep(dist.group.WORLD, device)
         space = space_for(prof, structure, world, grad_accum_steps=args.accum)
         sim = Simulator(prof, structure, comm, world_size=world)

@@ -48,9 +48,9 @@ from _launch import run_tool  # noqa: E402
 from autodist import AutoDist  # noqa: E402
 from autodist.cost.comm import CommModel  # noqa: E402
 from autodist.cost.learned import collective_name, graph_of  # noqa: E402
-from autodist.cost.profile import Profile, slowest  # noqa: E402
+from autodist.cost.profile import Profile  # noqa: E402
 from autodist.cost.simulator import Simulator  # noqa: E402
-from autodist.measure.fidelity import max_over_ranks, plans_to_check  # noqa: E402
+from autodist.measure.fidelity import max_over_ranks, plans_to_check, slowest_over_ranks  # noqa: E402
 from autodist.measure.steptrace import StepTracer  # noqa: E402
 from autodist.measure.sweep import sweep  # noqa: E402
 from autodist.measure.trace import profile_model  # noqa: E402
@@ -175,9 +175,7 @@ def collect_model(name: str, args: argparse.Namespace, comm: CommModel, out: Tex
     x0, y0 = batches[0]
     prof = profile_model(plain, structure, (x0,), device=device, loss_fn=lambda out, y0=y0, wl=wl: wl.loss(out, y0))
     del plain
-    profiles: list[str | None] = [None] * world
-    dist.all_gather_object(profiles, prof.to_json())
-    prof = slowest([Profile.from_json(p) for p in profiles])
+    prof = slowest_over_ranks(prof)
     sim = Simulator(prof, structure, comm, world_size=world)
     space = space_for(prof, structure, world)
     genomes = plans_for(space, sim, structure, prof, comm, world, args.plans, args.seed, not args.no_searched)

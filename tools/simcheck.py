@@ -33,9 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _launch import run_tool  # noqa: E402
 
 from autodist import AutoDist  # noqa: E402
-from autodist.cost.profile import Profile, slowest  # noqa: E402
 from autodist.cost.simulator import Simulator  # noqa: E402
-from autodist.measure.fidelity import Checked, measure_plans, plans_to_check, summarize  # noqa: E402
+from autodist.measure.fidelity import Checked, measure_plans, plans_to_check, slowest_over_ranks, summarize  # noqa: E402
 from autodist.measure.sweep import sweep  # noqa: E402
 from autodist.measure.trace import profile_model  # noqa: E402
 from autodist.plan import Plan  # noqa: E402
@@ -63,9 +62,7 @@ def worker(args: argparse.Namespace) -> None:
     x0, y0 = (t.chunk(args.accum)[0] for t in batches[0])
     prof = profile_model(plain, structure, (x0,), device=device, loss_fn=lambda out: wl.loss(out, y0))
     del plain
-    profiles: list[str | None] = [None] * world
-    dist.all_gather_object(profiles, prof.to_json())
-    prof = slowest([Profile.from_json(p) for p in profiles])
+    prof = slowest_over_ranks(prof)
     comm = sweep(dist.group.WORLD, device)
 
     space = space_for(prof, structure, world, grad_accum_steps=args.accum)

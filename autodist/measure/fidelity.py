@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..cost.budget import format_bytes
+from ..cost.profile import Profile, slowest
 from ..cost.simulator import SimResult, Simulator
 from ..plan import Plan
 from ..sched.search import SearchConfig, Searcher
@@ -135,6 +136,14 @@ def plans_to_check(
             label = f"searched@{'none' if b is None else format_bytes(b).replace(' ', '')}"
             out.append((label + (f"={same}" if same else ""), found.genome, True))
     return out
+
+
+def slowest_over_ranks(profile: Profile) -> Profile:
+    """Every rank's profile of the same model, merged into the slowest (every rank gets it): what
+    a measured step is compared with, since the slowest rank sets a step's pace."""
+    profiles: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(profiles, profile.to_json())
+    return slowest([Profile.from_json(p) for p in profiles])
 
 
 def max_over_ranks(x: float) -> float:
