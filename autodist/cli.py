@@ -630,17 +630,16 @@ def cmd_check(args: argparse.Namespace) -> int:
     import subprocess
     import tempfile
 
-    from .measure.memory import MALLOC_ENV
-
     _rank_threads()
     _example_input(_build_model(args.model), args)  # a bad --model or input fails here, once, before any rank starts
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "check.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                "-m", "autodist.cli", "check", "--worker", "--out", out, *_check_args(args)]
-        # the ranks compute with one thread each, as under torchrun; glibc's mmap threshold is fixed so
-        # that freed tensors leave the process (see [Note: glibc and freed tensors])
-        env = dict(os.environ, OMP_NUM_THREADS="1", **MALLOC_ENV)
+        # the ranks compute with one thread each, as under torchrun, in a process like the user's
+        # training (glibc's allocator as it is: no fixed mmap threshold, which would slow steps that
+        # allocate large tensors; see tools/_launch.py relaunch)
+        env = dict(os.environ, OMP_NUM_THREADS="1")
         # torch's C++ warnings (the profiler's about blocks allocated before it started) are not the user's business
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
@@ -667,8 +666,8 @@ def _check_worker(args: argparse.Namespace) -> int:
     from .cache import Cache, comm_cache_key
     from .cost.fidelity import FidelityRecord
     from .cost.simulator import Simulator
-    from .measure.fidelity import Checked, measure_plans, plans_to_check, slowest_over_ranks, summarize
-    from .measure.sweep import sweep
+    from .measure.fidelity import Checked, measure_plans, optimizer_for, plans_to_check, slowest_over_ranks, summarize
+    from .measure.sweep import collective_train, sweep
     from .measure.trace import model_loss, profile_model, surrogate_loss
     from .sched.search import SearchConfig
     from .sched.space import space_for
@@ -708,7 +707,8 @@ def _check_worker(args: argparse.Namespace) -> int:
         x0 = batches[0][0].chunk(args.accum)[0]
         prof = profile_model(
             model.to(device), structure, (x0,), device=device, loss_fn=lambda out: loss(out, None),
-            example_kwargs=_input_kwargs(x0, args),
+            example_kwargs=_input_kwargs(x0, args), optimizer=optimizer_for,
+            contention=collective_train(dist.group.WORLD, device),
         )
         del model
         prof = slowest_over_ranks(prof)

@@ -46,7 +46,7 @@ from .cost.learned import Estimator, estimator_entry
 from .cost.profile import OptimizerProfile, Profile, slowest
 from .cost.simulator import Simulator
 from .errors import AutoDistError, BudgetError, mark_raised_on_every_rank, reported_once
-from .measure.sweep import sweep
+from .measure.sweep import collective_train, sweep
 from .measure.trace import (
     UnitTracer,
     _attribute,
@@ -419,7 +419,10 @@ class AutoPlanner:
         if self.rank == 0:
             logger.info("autodist: plan=auto: no cached plan for this model and input; profiling and searching")
         with progress("profiling the model", enabled=self.rank == 0):
-            prof = profile_model(self.w.module, self.structure, example_inputs, device=self.device, example_kwargs=example_kwargs)
+            prof = profile_model(
+                self.w.module, self.structure, example_inputs, device=self.device, example_kwargs=example_kwargs,
+                contention=collective_train(self.comm.group, self.device),
+            )
         self.stats.profiles_measured += 1
         prof = self._merge(prof)
         plan, _ = self.plan_now(prof, sig, fixed=None)
@@ -463,7 +466,8 @@ class AutoPlanner:
                 self.state = _State.DONE
         prof = self._profile_from_recording()
         if not prof.optimizer.measured:
-            prof = replace(prof, optimizer=estimate_optimizer(self.device))
+            numels = [p.numel for p in self.structure.params.values() if p.requires_grad]
+            prof = replace(prof, optimizer=estimate_optimizer(self.device, param_numels=numels))
         self.stats.profiles_measured += 1
         prof = self._merge(prof)
         now, free = self.plan_now(prof, self._sig, fixed={u.name: u.placement for u in eng.plan.units})
@@ -652,6 +656,8 @@ class AutoPlanner:
             recompute_anchor=dict(last["pass"].recompute),
             block_input_bytes=dict(last["pass"].block_inputs),
             grad_accum_steps=max(1, self.w._engine.stats.grad_accum_steps),
+            # recorded under the plan in force: replicated gradients were views of bucket buffers
+            fresh_gradients=any(u.placement == "shard" for u in self.w._engine.plan.units),
             meta={"source": "first training steps", "steps": len(measured), "torch": torch.__version__},
             **loss_fields(0, (0, 0), self._out_fp32, "estimated"),
         )
@@ -707,18 +713,19 @@ def comm_entry(text: str, machine: dict[str, Any]) -> CommModel:
     missing = sorted(set(OPS) - model.ops.keys())
     if missing:
         raise ValueError(f"comm model has no fit for {', '.join(missing)}")
-    for op, fit in model.ops.items():
-        _check_fields(fit.small, f"comm model.ops.{op}.small")
-        _check_fields(fit.large, f"comm model.ops.{op}.large")
-        _number(fit.split_bytes, f"comm model.ops.{op}.split_bytes", finite=False)
+    for name, fits in (("ops", model.ops), ("host", model.host)):
+        for op, fit in fits.items():
+            _check_fields(fit.small, f"comm model.{name}.{op}.small")
+            _check_fields(fit.large, f"comm model.{name}.{op}.large")
+            _number(fit.split_bytes, f"comm model.{name}.{op}.split_bytes", finite=False)
     for name in ("compute_slowdown", "comm_slowdown"):
         if getattr(model, name) <= 0:
             raise ValueError(f"comm model.{name} = {getattr(model, name)!r} is not positive")
     for op, rows in model.contention.items():
         sizes = []
         for i, row in enumerate(rows if isinstance(rows, list) else [None]):
-            if not isinstance(row, list) or len(row) != 3:
-                raise ValueError(f"comm model.contention.{op}[{i}] is not [bytes, slowdown, slowdown]")
+            if not isinstance(row, list) or len(row) not in (3, 4):
+                raise ValueError(f"comm model.contention.{op}[{i}] is not [bytes, slowdown, slowdown(, slowdown)]")
             for x in row:
                 _number(x, f"comm model.contention.{op}[{i}]")
             sizes.append(row[0])

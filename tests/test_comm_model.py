@@ -46,6 +46,16 @@ def test_sweep_is_fast_identical_on_every_rank_and_fits_its_samples(world2):
     assert results[0][2] < 30  # seconds, not minutes
     assert model.compute_slowdown >= 1.0 and model.comm_slowdown >= 1.0
     assert json.loads(texts[0])["transient"]["all_gather"] > 0  # gloo stages all-gather output
+    # the compute thread's own share of each collective, measured at every size, and fitted
+    assert set(model.host) == {"all_reduce", "all_gather", "reduce_scatter"}
+    for op, fit in model.host.items():
+        assert len(fit.samples) == len(model.ops[op].samples) and all(t > 0 for _, t in fit.samples)
+        assert model.host_time(op, 1 << 20) > 0
+    # contention at every measured size: compute slowdown, comm slowdown, slowdown while compute waits
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        rows = model.contention[op]
+        assert [r[0] for r in rows] == sorted(r[0] for r in rows) and all(len(r) == 4 for r in rows)
+        assert all(min(r[1:]) >= 1.0 for r in rows)
 
 
 def test_contention_is_interpolated_in_log_size_between_measured_sizes():
@@ -56,10 +66,13 @@ def test_contention_is_interpolated_in_log_size_between_measured_sizes():
         "gloo", 2, "cpu", {"all_gather": flat}, compute_slowdown=1.5, comm_slowdown=1.25,
         contention={"all_gather": [[1 << 20, 2.0, 3.0], [16 << 20, 1.0, 1.5]]},
     )
-    assert m.slowdowns("all_gather", 1 << 10) == (2.0, 3.0)  # below the smallest: the smallest
-    assert m.slowdowns("all_gather", 64 << 20) == (1.0, 1.5)  # above the largest: the largest
-    assert m.slowdowns("all_gather") == (1.0, 1.5)
+    # rows without the slowdown while compute waits (not measured) run at full speed then
+    assert m.slowdowns("all_gather", 1 << 10) == (2.0, 3.0, 1.0)  # below the smallest: the smallest
+    assert m.slowdowns("all_gather", 64 << 20) == (1.0, 1.5, 1.0)  # above the largest: the largest
+    assert m.slowdowns("all_gather") == (1.0, 1.5, 1.0)
     # 4 MiB is halfway between 1 and 16 MiB in log size
-    assert m.slowdowns("all_gather", 4 << 20) == pytest.approx((1.5, 2.25))
-    assert m.slowdowns("reduce_scatter", 4 << 20) == (1.5, 1.25)  # not measured: the global factors
-    assert CommModel.from_json(m.to_json()).slowdowns("all_gather", 4 << 20) == pytest.approx((1.5, 2.25))
+    assert m.slowdowns("all_gather", 4 << 20) == pytest.approx((1.5, 2.25, 1.0))
+    assert m.slowdowns("reduce_scatter", 4 << 20) == (1.5, 1.25, 1.0)  # not measured: the global factors
+    assert CommModel.from_json(m.to_json()).slowdowns("all_gather", 4 << 20) == pytest.approx((1.5, 2.25, 1.0))
+    m.contention["all_gather"] = [[1 << 20, 2.0, 3.0, 2.0], [16 << 20, 1.0, 1.5, 1.0]]
+    assert m.slowdowns("all_gather", 4 << 20) == pytest.approx((1.5, 2.25, 1.5))

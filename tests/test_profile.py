@@ -78,6 +78,32 @@ def test_profiling_leaves_parameters_gradients_buffers_and_rng_as_found():
     assert all(torch.equal(params[k], v) for k, v in model.state_dict().items())  # incl. BN statistics
     assert all(p.grad is grads[n] and bool((p.grad == 7).all()) for n, p in model.named_parameters())
     assert torch.equal(torch.get_rng_state(), rng)
+    # measuring the optimizer's step takes training steps: they are undone too
+    profile_model(model, discover(model), (x,), device=CPU, repeats=1, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
+    assert all(torch.equal(params[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is grads[n] and bool((p.grad == 7).all()) for n, p in model.named_parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_the_optimizer_a_tool_trains_with_is_measured_with_its_own_state():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    x = torch.randn(8, 64)
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+
+    def profiled(make):
+        return profile_model(model, discover(model), (x,), device=CPU, repeats=1, memory=False, optimizer=make).optimizer
+
+    adam = profiled(lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    sgd = profiled(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    # the state each holds, as the optimizers hold it: two moments per parameter; one momentum buffer
+    assert (adam.kind, adam.measured, adam.state_names, adam.state_factor) == ("AdamW", True, ["exp_avg", "exp_avg_sq"], 2.0)
+    assert (sgd.kind, sgd.measured, sgd.state_names, sgd.state_factor) == ("SGD", True, ["momentum_buffer"], 1.0)
+    for opt in (adam, sgd):
+        assert opt.per_tensor_s >= 0 and opt.per_byte_s >= 0 and opt.step_seconds(4, nbytes) > 0
+    # without an optimizer, Adam is assumed, and said to be an assumption
+    assumed = profile_model(model, discover(model), (x,), device=CPU, repeats=1, memory=False).optimizer
+    assert (assumed.kind, assumed.measured, assumed.state_factor) == ("Adam", False, 2.0)
 
 
 def test_tied_output_layer_is_recorded_as_a_site():

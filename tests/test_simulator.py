@@ -4,8 +4,9 @@ The hand cases: two units ``u0``, ``u1`` with one 250-element float32 parameter 
 on 2 ranks a 125-element, 500-byte shard), 10 ms forward and 20 ms backward each, 100 bytes of
 activations each, no optimizer time. Collectives take a fixed time whatever their size: all-gather
 2 ms, reduce-scatter 3 ms, all-reduce 4 ms; memory copies and the runtime's own overheads cost
-nothing unless a test says otherwise. Every expected number below is worked out in the comment
-next to it.
+nothing unless a test says otherwise. A plan that gathers ends each backward with the collective-order
+check, one all-reduce waited for on the CPU: 4 ms. Every expected number below is worked out in the
+comment next to it.
 """
 
 import pytest
@@ -77,14 +78,14 @@ def test_after_forward_window_1():
     r = _sharded()
     # fwd: AG u0 [0,2] waited; AG u1 issued at 2 [2,4]; fwd u0 2..12 (u0 freed); fwd u1 12..22 (freed)
     # bwd: AG u1 at 22 [22,24] waited; AG u0 prefetched [24,26]; bwd u1 24..44, RS u1 [44,47];
-    #      bwd u0 44..64, RS u0 [64,67]; flush waits until 67.
-    assert r.step_s == pytest.approx(67 * MS)
+    #      bwd u0 44..64, RS u0 [64,67]; flush waits until 67; the order check 67..71.
+    assert r.step_s == pytest.approx(71 * MS)
     # peak at 64: static 3000 + RS u1 input 1008 and output 504 (waited at the flush)
     #             + RS u0 input 1008 and output 504, launched while u0's full parameter (1000) is still
     #             gathered — it is freed when u0's backward ends (post-backward), after its gradient
     #             was taken into the bucket = 7024
     assert r.peak_bytes == 7024
-    assert _names(r, "compute") == ["fwd u0", "fwd u1", "bwd u1", "bwd u0"]
+    assert _names(r, "compute") == ["fwd u0", "fwd u1", "bwd u1", "bwd u0", "collective-order check"]
     assert _names(r, "comm") == [
         "all_gather gather u0", "all_gather gather u1", "all_gather gather u1", "all_gather gather u0",
         "reduce_scatter bucket0", "reduce_scatter bucket1",
@@ -96,16 +97,16 @@ def test_window_0_gathers_on_demand():
     r = _sharded(window=0)
     # fwd: AG u0 [0,2], fwd u0 2..12; AG u1 [12,14], fwd u1 14..24
     # bwd: AG u1 [24,26], bwd u1 26..46, RS u1 [46,49]; AG u0 queued behind it [49,51],
-    #      bwd u0 51..71, RS u0 [71,74]; flush 74
-    assert r.step_s == pytest.approx(74 * MS)
-    assert r.exposed_comm_s == pytest.approx((74 - 60) * MS)
+    #      bwd u0 51..71, RS u0 [71,74]; flush 74; the order check 74..78 (compute thread)
+    assert r.step_s == pytest.approx(78 * MS)
+    assert r.exposed_comm_s == pytest.approx((78 - 64) * MS)
 
 
 def test_after_backward_gathers_once():
     r = _sharded(residency="after_backward")
     # fwd as window 1 but nothing freed: fwd u0 2..12, fwd u1 12..22
-    # bwd u1 22..42 (u1 freed), RS u1 [42,45]; bwd u0 42..62, RS u0 [62,65]; flush 65
-    assert r.step_s == pytest.approx(65 * MS)
+    # bwd u1 22..42 (u1 freed), RS u1 [42,45]; bwd u0 42..62, RS u0 [62,65]; flush 65; check 65..69
+    assert r.step_s == pytest.approx(69 * MS)
     assert _names(r, "comm") == [
         "all_gather gather u0", "all_gather gather u1", "reduce_scatter bucket0", "reduce_scatter bucket1",
     ]
@@ -115,8 +116,9 @@ def test_after_backward_gathers_once():
 def test_persistent_refresh_overlaps_next_forward():
     r = _sharded(residency="persistent")
     # the first step's optimizer issued refreshes of u0 [0,2] and u1 [2,4] (times from the second
-    # step's start); fwd u0 waits to 2, 2..12; fwd u1 12..22; bwd 22..42, 42..62; RS [42,45], [62,65]
-    assert r.step_s == pytest.approx(65 * MS)
+    # step's start); fwd u0 waits to 2, 2..12; fwd u1 12..22; bwd 22..42, 42..62; RS [42,45], [62,65];
+    # the order check 65..69
+    assert r.step_s == pytest.approx(69 * MS)
     # full parameters stay resident: 3000 static + 2000 full; at 62: + 2 x (1008 + 504) = 8024
     assert r.peak_bytes == 8024
     assert _names(r, "comm")[:2] == ["all_gather refresh u0", "all_gather refresh u1"]
@@ -124,8 +126,8 @@ def test_persistent_refresh_overlaps_next_forward():
 
 def test_bounded_inflight_reductions_wait_in_backward():
     r = _sharded(inflight=0)
-    # RS u1 [44,47] is waited for right away: bwd u0 runs 47..67, RS u0 [67,70]: step 70
-    assert r.step_s == pytest.approx(70 * MS)
+    # RS u1 [44,47] is waited for right away: bwd u0 runs 47..67, RS u0 [67,70]; check 70..74
+    assert r.step_s == pytest.approx(74 * MS)
     # its input is gone before u0's gradient arrives: 3000 + 504 + 1008 + 504 + u0's full 1000 (freed
     # after its backward) = 6016 at 67; or 3000 + 1000 full u0 + 1000 full u1 (freed after u1's
     # backward) + 100 act + 1008 + 504 = 6612 at 44
@@ -195,8 +197,77 @@ def test_runtime_overheads_and_copies_are_charged_to_compute():
     r = Simulator(PROFILE, STRUCTURE, costly, world_size=2).run(plan)
     # gather: 1 ms bookkeeping, AG [1,3], 0.5 ms copy-out (two parameters share the buffer): 3.5
     # four unit segments each 2 ms longer (half of 4 ms per unit, per pass): fwd 3.5..15.5..27.5,
-    # bwd 27.5..49.5..71.5; bucket: 2 ms + two 0.5 ms passes = 3 ms -> 74.5; RS [74.5,77.5]
-    assert r.step_s == pytest.approx(77.5 * MS)
+    # bwd 27.5..49.5..71.5; bucket: 2 ms + two 0.5 ms passes = 3 ms -> 74.5; RS [74.5,77.5];
+    # the order check 77.5..81.5
+    assert r.step_s == pytest.approx(81.5 * MS)
+
+
+def test_the_compute_thread_pays_for_issuing_and_collecting_each_collective():
+    # the caller's share of a collective (issue + collecting it when done): 0.5 ms per all-gather,
+    # 1 ms per reduce-scatter, 0.25 ms per all-reduce; the operations themselves as before
+    hosted = CommModel("test", 2, "cpu", COMM.ops, host={
+        "all_gather": _const(0.5 * MS), "reduce_scatter": _const(1 * MS), "all_reduce": _const(0.25 * MS),
+    })
+    plan = Plan(
+        world_size=2,
+        units=[UnitPlan("u0", ["u0.w"], "shard", "after_backward"), UnitPlan("u1", ["u1.w"], "shard", "after_backward")],
+        gather_groups=[GatherGroup(["u0"], Prefetch(1, 1)), GatherGroup(["u1"], Prefetch(1, 1))],
+        buckets=[Bucket(["u1.w"], "reduce_scatter"), Bucket(["u0.w"], "reduce_scatter")],
+    )
+    r = Simulator(PROFILE, STRUCTURE, hosted, world_size=2).run(plan)
+    # fwd: issue AG u0 0..0.5, AG u0 [0.5,2.5]; at u0 its own group first (wait to 2.5), then the
+    #      prefetch: issue AG u1 2.5..3, AG u1 [3,5]; fwd u0 3..13; fwd u1 13..23 (u1 already there)
+    # bwd u1 23..43; issue RS u1 43..44, RS u1 [44,47]; bwd u0 44..64; issue RS u0 64..65,
+    #      RS u0 [65,68]; flush 68; the order check: issue 0.25 + all-reduce 4 -> 72.25
+    assert r.step_s == pytest.approx(72.25 * MS)
+    # a world of one issues nothing, so pays nothing
+    assert CommModel("test", 1, "cpu", COMM.ops, host=hosted.host).host_time("all_gather", 1000) == 0.0
+
+
+def test_a_collective_stays_slowed_while_the_compute_thread_waits_for_it():
+    # a 4 ms all-reduce runs 2x slower while compute runs, 1.5x slower while the compute thread waits
+    # (rows of the contention table: bytes, compute slowdown, comm slowdown, slowdown while waiting)
+    rows = [[1.0, 1.0, 2.0, 1.5]]
+    slow = CommModel("test", 2, "cpu", COMM.ops, contention={"all_reduce": rows})
+    plan = Plan(
+        world_size=2,
+        units=[UnitPlan("u0", ["u0.w"]), UnitPlan("u1", ["u1.w"])],
+        buckets=[Bucket(["u1.w"], "all_reduce"), Bucket(["u0.w"], "all_reduce")],
+    )
+    r = Simulator(PROFILE, STRUCTURE, slow, world_size=2).run(plan)
+    # bwd u1 20..40; AR u1 [40, 48] overlaps bwd u0 (40..60) entirely: 8 ms of wall time at half speed;
+    # AR u0 issued at 60 and waited for at once: 4 ms of work at 1/1.5 speed -> 66
+    assert r.step_s == pytest.approx(66 * MS)
+    assert slow.slowdowns("all_reduce", 1000) == (1.0, 2.0, 1.5)
+
+
+def test_fresh_memory_is_paid_where_the_runtime_allocates_it():
+    # writing a freshly allocated tensor costs 1 ms per 1000 bytes beyond 500 bytes (a CPU's
+    # allocator mapping fresh pages for large tensors)
+    fresh = CommModel("test", 2, "cpu", COMM.ops, first_touch=[[500.0, 0.0], [1000.0, 1 * MS]])
+    assert fresh.first_touch_s(400) == 0.0 and fresh.first_touch_s(750) == pytest.approx(0.5 * MS)
+    assert fresh.first_touch_s(2000) == pytest.approx(2 * MS)  # proportional beyond the largest
+    sharded = Plan(
+        world_size=2,
+        units=[UnitPlan("u0", ["u0.w"], "shard", "after_backward"), UnitPlan("u1", ["u1.w"], "shard", "after_backward")],
+        gather_groups=[GatherGroup(["u0", "u1"], Prefetch(0, 0))],
+        buckets=[Bucket(["u1.w", "u0.w"], "reduce_scatter")],
+    )
+    r = Simulator(PROFILE, STRUCTURE, fresh, world_size=2).run(sharded)
+    # the group's all-gather lands in a new 2000-byte buffer: 2 + 2 ms [0,4]; the copy-out writes two
+    # new 1000-byte full tensors: 2 ms -> 6; fwd 6..26; bwd 26..66 (the profile's gradients were
+    # fresh, as the runtime's are here); the reduce-scatter's new input, 2 x (2 x 500 + 8) = 2016
+    # bytes: 2.016 ms -> 68.016; RS [68.016, 71.016]; the order check -> 75.016
+    assert r.step_s == pytest.approx(75.016 * MS)
+    replicated = Plan(
+        world_size=2,
+        units=[UnitPlan("u0", ["u0.w"]), UnitPlan("u1", ["u1.w"])],
+        buckets=[Bucket(["u1.w", "u0.w"], "all_reduce")],
+    )
+    r = Simulator(PROFILE, STRUCTURE, fresh, world_size=2).run(replicated)
+    # gradients land in the bucket's buffer, which exists: each unit's backward is 1 ms shorter than
+    # profiled: fwd 0..20, bwd 20..39..58, AR [58,62]
+    assert r.step_s == pytest.approx(62 * MS)
 
 
 def test_offload_frees_state_between_copy_out_and_copy_back():

@@ -16,22 +16,32 @@ from autodist.measure.fidelity import max_over_ranks  # noqa: E402,F401  (the to
 from autodist.measure.memory import MALLOC_ENV  # noqa: E402
 
 
-def relaunch(script: str, nproc: int, args: list[str]) -> int:
-    """Run ``script args`` on ``nproc`` ranks (one thread each, glibc's mmap threshold fixed)."""
+def relaunch(script: str, nproc: int, args: list[str], *, resident: bool = False) -> int:
+    """Run ``script args`` on ``nproc`` ranks, one thread each, as ``torchrun`` runs training.
+
+    ``resident``: the tool measures resident memory, so glibc's mmap threshold is fixed (freed
+    tensors leave the process; see [Note: glibc and freed tensors] in ``autodist/measure/memory.py``).
+    That also makes every allocation of 128 KiB or more fault its pages in afresh, which slows
+    steps that allocate large tensors (gathered parameters, bucket buffers) by up to 40% on the
+    development host: tools that time steps against the simulator run without it, as users train."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", **MALLOC_ENV)
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(MALLOC_ENV if resident else {}))
     return subprocess.run(cmd, env=env).returncode
 
 
 def run_tool(script: str, nproc: int, worker_args: list[str], table: Callable[[dict], str], json_path: str | None,
-             extra: Callable[[dict, str], None] | None = None) -> int:
+             extra: Callable[[dict, str], None] | None = None, *, resident: bool = False) -> int:
     """The parent side of a tool: run ``script --worker --out F worker_args`` on ``nproc`` ranks
     (``worker_args`` may name ``{tmp}``, a scratch folder), read the JSON the workers wrote to F,
-    let ``extra`` add to it, print ``table`` of it and save it to ``json_path`` when given."""
+    let ``extra`` add to it, print ``table`` of it and save it to ``json_path`` when given.
+    ``resident``: see :func:`relaunch`."""
     name = os.path.basename(script).removesuffix(".py")
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "result.json")
-        rc = relaunch(os.path.abspath(script), nproc, ["--worker", "--out", out, *(a.replace("{tmp}", d) for a in worker_args)])
+        rc = relaunch(
+            os.path.abspath(script), nproc, ["--worker", "--out", out, *(a.replace("{tmp}", d) for a in worker_args)],
+            resident=resident,
+        )
         if rc != 0:
             print(f"{name}: the ranks failed (exit code {rc})", file=sys.stderr)
             return rc

@@ -561,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         payload["wall_seconds"] = time.time() - t0
         payload["command"] = "python tools/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
-    return run_tool(__file__, args.nproc, worker_args, table, args.json, extra=stamp)
+    return run_tool(__file__, args.nproc, worker_args, table, args.json, extra=stamp, resident=True)
 
 
 if __name__ == "__main__":

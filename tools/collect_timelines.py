@@ -50,9 +50,9 @@ from autodist.cost.comm import CommModel  # noqa: E402
 from autodist.cost.learned import collective_name, graph_of  # noqa: E402
 from autodist.cost.profile import Profile  # noqa: E402
 from autodist.cost.simulator import Simulator  # noqa: E402
-from autodist.measure.fidelity import max_over_ranks, plans_to_check, slowest_over_ranks  # noqa: E402
+from autodist.measure.fidelity import max_over_ranks, optimizer_for, plans_to_check, slowest_over_ranks  # noqa: E402
 from autodist.measure.steptrace import StepTracer  # noqa: E402
-from autodist.measure.sweep import sweep  # noqa: E402
+from autodist.measure.sweep import collective_train, sweep  # noqa: E402
 from autodist.measure.trace import profile_model  # noqa: E402
 from autodist.plan import Plan  # noqa: E402
 from autodist.sched.space import Genome, space_for  # noqa: E402
@@ -101,7 +101,7 @@ def measure_plan(wl, plan, structure, batches, warmup: int) -> tuple[list[dict],
     gc.collect()
     torch.manual_seed(0)
     model = AutoDist(wl.build(), plan=plan)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = optimizer_for(list(model.parameters()))
     tracer = StepTracer(model.module, structure, model.runtime.comm.stats)
     steps: list[dict] = []
     times: list[float] = []
@@ -173,7 +173,10 @@ def collect_model(name: str, args: argparse.Namespace, comm: CommModel, out: Tex
     plain = wl.build()
     structure = discover(plain)
     x0, y0 = batches[0]
-    prof = profile_model(plain, structure, (x0,), device=device, loss_fn=lambda out, y0=y0, wl=wl: wl.loss(out, y0))
+    prof = profile_model(
+        plain, structure, (x0,), device=device, loss_fn=lambda out, y0=y0, wl=wl: wl.loss(out, y0), optimizer=optimizer_for,
+        contention=collective_train(dist.group.WORLD, device),
+    )
     del plain
     prof = slowest_over_ranks(prof)
     sim = Simulator(prof, structure, comm, world_size=world)

@@ -33,9 +33,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _launch import run_tool  # noqa: E402
 
 from autodist import AutoDist  # noqa: E402
+from autodist.cost.profile import typical  # noqa: E402
 from autodist.cost.simulator import Simulator  # noqa: E402
-from autodist.measure.fidelity import Checked, measure_plans, plans_to_check, slowest_over_ranks, summarize  # noqa: E402
-from autodist.measure.sweep import sweep  # noqa: E402
+from autodist.measure.fidelity import (  # noqa: E402
+    Checked,
+    measure_plans,
+    optimizer_for,
+    plans_to_check,
+    slowest_over_ranks,
+    summarize,
+)
+from autodist.measure.sweep import collective_train, sweep  # noqa: E402
 from autodist.measure.trace import profile_model  # noqa: E402
 from autodist.plan import Plan  # noqa: E402
 from autodist.sched.space import space_for  # noqa: E402
@@ -60,10 +68,21 @@ def worker(args: argparse.Namespace) -> None:
     plain = wl.build()
     structure = discover(plain)
     x0, y0 = (t.chunk(args.accum)[0] for t in batches[0])
-    prof = profile_model(plain, structure, (x0,), device=device, loss_fn=lambda out: wl.loss(out, y0))
-    del plain
+    train = collective_train(dist.group.WORLD, device)
+    prof = profile_model(
+        plain, structure, (x0,), device=device, loss_fn=lambda out: wl.loss(out, y0), optimizer=optimizer_for, contention=train
+    )
     prof = slowest_over_ranks(prof)
     comm = sweep(dist.group.WORLD, device)
+    profiles = [prof]
+
+    def profile_again(_: int) -> None:
+        """[Note: a host whose speed drifts]: the model's times again after every pass."""
+        again = profile_model(
+            plain, structure, (x0,), device=device, loss_fn=lambda out: wl.loss(out, y0), optimizer=optimizer_for,
+            memory=False, contention=train,
+        )
+        profiles.append(slowest_over_ranks(again))
 
     space = space_for(prof, structure, world, grad_accum_steps=args.accum)
     sim = Simulator(prof, structure, comm, world_size=world)
@@ -104,9 +123,17 @@ def worker(args: argparse.Namespace) -> None:
 
     measure_plans(
         checks, wrap, batches, wl.loss, device=device, accum=args.accum, steps=args.steps, warmup=args.warmup,
-        passes=args.passes, after_warmup=traces if args.trace_dir else None, progress=progress,
+        passes=args.passes, after_warmup=traces if args.trace_dir else None, progress=progress, after_pass=profile_again,
     )
-    rows = [dict(c.row(), simulate_ms=ms) for c, ms in zip(checks, sim_ms)]
+    # the predictions, from the profile of the minutes the plans were measured in
+    prof = typical(profiles)
+    sim = Simulator(prof, structure, comm, world_size=world)
+    for c in checks:
+        c.predicted = sim.run(c.plan, record=bool(args.trace_dir))
+    rows = [
+        dict(c.row(), simulate_ms=ms, measured_times_s=list(c.times), plan_json=json.loads(c.plan.to_json()))
+        for c, ms in zip(checks, sim_ms)
+    ]
     if rank == 0:
         overall = summarize(rows)
         payload = {
@@ -119,6 +146,7 @@ def worker(args: argparse.Namespace) -> None:
             "plans": rows,
             "comm_model": json.loads(comm.to_json()),
             "profile_compute_s": prof.compute_s,
+            "profile": json.loads(prof.to_json()),  # with the comm model: what re-simulates every plan
         }
         with open(args.out, "w") as f:
             json.dump(payload, f, indent=1)
@@ -154,9 +182,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, choices=list(zoo()))
     ap.add_argument("--plans", type=int, default=12, help="plans to run: 3 built-in + random (default 12)")
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per plan and pass (default 4)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--passes", type=int, default=2, help="passes over the plans, alternating order (default 2)")
+    ap.add_argument("--passes", type=int, default=4, help="passes over the plans, alternating order (default 4)")
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--size", default="default", choices=["default", "tiny"])
     ap.add_argument("--seed", type=int, default=0)

@@ -23,7 +23,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "h2d", "d2h")
-COMM_SCHEMA_VERSION = 2
+# the message size of the all-reduce train a profile's contended passes run under
+# (autodist.measure.sweep.collective_train; Profile.contended_slowdown)
+TRAIN_BYTES = 4 << 20
+COMM_SCHEMA_VERSION = 3
 
 
 @dataclass
@@ -57,29 +60,44 @@ class CommModel:
     compute_slowdown: float = 1.0  # compute runs this many times longer while a collective runs
     comm_slowdown: float = 1.0  # a collective runs this many times longer while compute runs
     # per collective kind, by message size: [[bytes, compute slowdown while it runs, its slowdown
-    # while compute runs], ...] in increasing size (see _contention)
+    # while compute runs, its slowdown while the compute thread waits], ...] in increasing size
+    # (autodist/measure/sweep.py _contention)
     contention: dict[str, list[list[float]]] = field(default_factory=dict)
     transient: dict[str, float] = field(default_factory=dict)  # extra bytes per message byte
     overhead: dict[str, float] = field(default_factory=dict)  # the runtime's own costs (measure/overhead.py)
+    # per collective kind: the compute thread's own time for one collective of a message size —
+    # issuing it and collecting it once done (see [Note: the caller's share of a collective] in
+    # autodist/measure/sweep.py); the operation's own time (``ops``) excludes it
+    host: dict[str, OpModel] = field(default_factory=dict)
+    # [[bytes, seconds], ...] in increasing size: writing a freshly allocated tensor of that size
+    # costs this much more than writing one that exists (see [Note: fresh memory] in
+    # autodist/measure/sweep.py); empty: nothing measured, no cost
+    first_touch: list[list[float]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
     schema_version: int = COMM_SCHEMA_VERSION
 
-    def slowdowns(self, op: str, nbytes: float | None = None) -> tuple[float, float]:
-        """(compute slowdown while ``op`` of ``nbytes`` runs, ``op``'s slowdown while compute runs):
-        interpolated in log size between the measured sizes, the nearest outside them; the
-        largest measured size when ``nbytes`` is None."""
+    def slowdowns(self, op: str, nbytes: float | None = None) -> tuple[float, float, float]:
+        """(compute slowdown while ``op`` of ``nbytes`` runs, ``op``'s slowdown while compute runs,
+        ``op``'s slowdown while the compute thread waits): interpolated in log size between the
+        measured sizes, the nearest outside them; the largest measured size when ``nbytes`` is None.
+        Rows without the third figure (it was not measured) give 1: full speed while compute waits."""
         rows = self.contention.get(op)
         if not rows:
-            return self.compute_slowdown, self.comm_slowdown
+            return self.compute_slowdown, self.comm_slowdown, 1.0
+
+        def figures(row: list[float]) -> tuple[float, float, float]:
+            return row[1], row[2], row[3] if len(row) > 3 else 1.0
+
         if nbytes is None or nbytes >= rows[-1][0]:
-            return rows[-1][1], rows[-1][2]
+            return figures(rows[-1])
         if nbytes <= rows[0][0]:
-            return rows[0][1], rows[0][2]
+            return figures(rows[0])
         for lo, hi in zip(rows, rows[1:]):
             if nbytes <= hi[0]:
                 f = (math.log(nbytes) - math.log(lo[0])) / (math.log(hi[0]) - math.log(lo[0]))
-                return lo[1] + f * (hi[1] - lo[1]), lo[2] + f * (hi[2] - lo[2])
-        return rows[-1][1], rows[-1][2]  # pragma: no cover - the loop always returns
+                a, b = figures(lo), figures(hi)
+                return tuple(x + f * (y - x) for x, y in zip(a, b))  # type: ignore[return-value]
+        return figures(rows[-1])  # pragma: no cover - the loop always returns
 
     def memcpy(self, nbytes: float) -> float:
         """A copy of ``nbytes`` within device memory (on the CPU: host memory bandwidth)."""
@@ -92,6 +110,28 @@ class CommModel:
             return 0.0
         return self.ops[op](nbytes)
 
+    def host_time(self, op: str, nbytes: float) -> float:
+        """The compute thread's time to issue one ``op`` of ``nbytes`` and to collect it when done
+        (0 where not measured, and on a world of one, where nothing is issued)."""
+        fit = self.host.get(op)
+        if fit is None or self.world_size == 1:
+            return 0.0
+        return fit(nbytes)
+
+    def first_touch_s(self, nbytes: float) -> float:
+        """The extra time to write ``nbytes`` into a tensor allocated just before (the pages the
+        allocator maps afresh): linear between the measured sizes, proportional beyond the largest,
+        none below the smallest measured size that had any."""
+        rows = self.first_touch
+        if not rows or nbytes <= 0:
+            return 0.0
+        lo_b, lo_s = 0.0, 0.0
+        for b, sec in rows:
+            if nbytes <= b:
+                return lo_s + (sec - lo_s) * (nbytes - lo_b) / max(b - lo_b, 1.0)
+            lo_b, lo_s = b, sec
+        return lo_s * nbytes / max(lo_b, 1.0)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
 
@@ -100,10 +140,15 @@ class CommModel:
         if d.get("schema_version") != COMM_SCHEMA_VERSION:
             raise ValueError(f"comm model schema_version {d.get('schema_version')!r} is not {COMM_SCHEMA_VERSION}")
         d = dict(d)
-        d["ops"] = {
-            k: OpModel(Piece(**v["small"]), Piece(**v["large"]), v["split_bytes"], [tuple(s) for s in v.get("samples", [])])
-            for k, v in d["ops"].items()
-        }
+
+        def fits(entries: dict[str, Any]) -> dict[str, OpModel]:
+            return {
+                k: OpModel(Piece(**v["small"]), Piece(**v["large"]), v["split_bytes"], [tuple(s) for s in v.get("samples", [])])
+                for k, v in entries.items()
+            }
+
+        d["ops"] = fits(d["ops"])
+        d["host"] = fits(d.get("host", {}))
         return cls(**d)
 
     @classmethod

@@ -86,6 +86,15 @@ class Profile:
     block_input_bytes: dict[str, int] = field(default_factory=dict)
     # micro-batches per optimizer step observed while profiling (1 when not observed)
     grad_accum_steps: int = 1
+    # how many times longer this model's forward and backward take, in wall-clock time, while a
+    # train of collectives runs on every rank (None: not measured; the simulator then uses the comm
+    # model's figures for a reference computation; see [Note: the model's own contention] in
+    # autodist/measure/trace.py)
+    contended_slowdown: float | None = None
+    # whether the backward times include writing every gradient into freshly allocated memory: the
+    # plain module profiled with its gradients freed each pass (True), or the first training steps
+    # under a replicated plan, whose gradients are views of bucket buffers (False)
+    fresh_gradients: bool = True
     meta: dict[str, Any] = field(default_factory=dict)
     schema_version: int = PROFILE_SCHEMA_VERSION
 
@@ -152,6 +161,31 @@ def slowest(profiles: list[Profile]) -> Profile:
         for b, n in other.block_input_bytes.items():
             out.block_input_bytes[b] = max(out.block_input_bytes.get(b, 0), n)
         out.optimizer.per_tensor_s = max(out.optimizer.per_tensor_s, other.optimizer.per_tensor_s)
+        if other.contended_slowdown is not None:
+            out.contended_slowdown = max(out.contended_slowdown or 0.0, other.contended_slowdown)
+    return out
+
+
+def typical(profiles: list[Profile]) -> Profile:
+    """One profile from several of the same model taken at different times: each time the median
+    of the profiles' (a host whose speed drifts: see [Note: a host whose speed drifts] in
+    ``autodist/measure/fidelity.py``). Sizes, orders and everything else come from the first."""
+    import statistics
+
+    base = profiles[0]
+    out = Profile.from_json(base.to_json())
+    units = [{u.name: u for u in p.units} for p in profiles]
+    for u in out.units:
+        seen = [by[u.name] for by in units if u.name in by]
+        u.fwd_s = statistics.median(x.fwd_s for x in seen)
+        u.bwd_s = statistics.median(x.bwd_s for x in seen)
+    for key in ("pre_fwd_s", "post_fwd_s", "pre_bwd_s", "post_bwd_s"):
+        setattr(out, key, statistics.median(getattr(p, key) for p in profiles))
+    for key in ("per_tensor_s", "per_byte_s", "fixed_s"):
+        setattr(out.optimizer, key, statistics.median(getattr(p.optimizer, key) for p in profiles))
+    measured = [p.contended_slowdown for p in profiles if p.contended_slowdown is not None]
+    out.contended_slowdown = statistics.median(measured) if measured else None
+    out.meta = dict(out.meta, profiles=len(profiles))
     return out
 
 

@@ -42,8 +42,10 @@ from ..schedule import (
     triggers,
 )
 from ..structure import ModelStructure
-from .comm import CommModel
+from .comm import TRAIN_BYTES, CommModel
 from .profile import Profile
+
+ORDER_CHECK_BYTES = 16 * 8  # the collective-order check's message (runtime/comm.py CollectiveSequence.digest)
 
 # program opcodes
 _C, _ISSUE, _WAIT, _MEM = 0, 1, 2, 3
@@ -164,6 +166,8 @@ class _Group:
     msg_bytes: int
     trainable: int
     all_trainable: bool
+    landing_s: float = 0.0  # the backend's cost of writing into freshly allocated memory
+    copy_out_fresh_s: float = 0.0  # the copy-out's cost of writing the freshly allocated full tensors
     state: str = "sharded"  # "sharded" | "issued" | "gathered"
     refreshing: bool = False  # an in-place refresh of resident full parameters is in flight
     op: int = -1
@@ -283,6 +287,30 @@ class Simulator:
             t = self._time_cache[key] = self.comm.time(op, nbytes)
         return t
 
+    def _compute_sensitivity(self) -> float:
+        """How much more this model's compute slows under communication than the comm model's
+        reference computation: its measured slowdown under a train of all-reduces of
+        ``TRAIN_BYTES`` against the reference's under the same (1 when the profile did not measure
+        it; see [Note: the model's own contention] in autodist/measure/trace.py)."""
+        measured = self.profile.contended_slowdown
+        if measured is None or not self.comm.contention:
+            return 1.0
+        return measured / max(self.comm.slowdowns("all_reduce", TRAIN_BYTES)[0], 1e-9)
+
+    def _order_check_s(self) -> float:
+        """The end-of-backward collective-order check: one all-reduce of a few integers, issued and
+        (on the CPU) waited for by the compute thread; on an accelerator it completes off the step."""
+        n = ORDER_CHECK_BYTES
+        return self._host("all_reduce", n) + (self._time("all_reduce", n) if self.comm.device == "cpu" else 0.0)
+
+    def _host(self, op: str, nbytes: int) -> float:
+        """The compute thread's own time to issue and collect one collective."""
+        key = ("host " + op, nbytes)
+        t = self._time_cache.get(key)
+        if t is None:
+            t = self._time_cache[key] = self.comm.host_time(op, nbytes)
+        return t
+
     # ------------------------------------------------------------------------------------------
     def _compute_itemsize(self, p: str) -> int:
         if self.param_dtype is not None and self.floating[p]:
@@ -348,6 +376,11 @@ class Simulator:
                 full_bytes=full, recv_bytes=full if len(params) > 1 else 0, msg_bytes=full,
                 trainable=sum(p in trainable for p in params), all_trainable=all(p in trainable for p in params),
             )
+            # [Note: fresh memory] (measure/sweep.py): the receive buffer (several parameters) or
+            # the full tensor (one) the backend writes, and each full tensor the copy-out writes
+            grp.landing_s = self.comm.first_touch_s(full)
+            if len(params) > 1:
+                grp.copy_out_fresh_s = sum(self.comm.first_touch_s(self.full_padded_bytes[p]) for p in params)
             groups.append(grp)
             for un in g.units:
                 group_of_unit[un] = grp
@@ -412,9 +445,11 @@ class Simulator:
         def issue_gather(grp: _Group) -> None:
             if grp.state != "sharded":
                 return
-            if per_gather:
-                emit((_C, per_gather, "gather bookkeeping", 0))
-            secs = self._time("all_gather", grp.msg_bytes)
+            cost = per_gather + self._host("all_gather", grp.msg_bytes)
+            if cost:
+                emit((_C, cost, "gather bookkeeping", 0))
+            # the backend writes the gathered tensor into memory allocated for it now
+            secs = self._time("all_gather", grp.msg_bytes) + grp.landing_s
             ops.append(CommOp("all_gather", f"gather {grp.units[0]}", grp.msg_bytes, secs, int(t_ag * grp.msg_bytes)))
             grp.op = len(ops) - 1
             grp.state = "issued"
@@ -428,7 +463,7 @@ class Simulator:
             if grp.state == "issued":
                 emit((_WAIT, grp.op))
                 if grp.recv_bytes:  # copy out of the receive buffer, which is then dropped
-                    emit((_C, comm.memcpy(grp.full_bytes), "copy-out", 0))
+                    emit((_C, comm.memcpy(grp.full_bytes) + grp.copy_out_fresh_s, "copy-out", 0))
                     emit((_MEM, (0 if grp.refreshing else grp.full_bytes) - grp.recv_bytes, GATHERED))
                 grp.state = "gathered"
                 grp.refreshing = False
@@ -455,7 +490,9 @@ class Simulator:
 
         def launch(bk: _Bucket) -> None:
             # copy-in of the gradients and the pre-division, both a pass over the message
-            emit((_C, per_bucket + 2 * comm.memcpy(bk.msg_bytes), "bucket copy-in", 0))
+            host = self._host(bk.op, bk.msg_bytes)
+            fresh = comm.first_touch_s(bk.in_bytes) if bk.op == "reduce_scatter" else 0.0  # its input, new each time
+            emit((_C, per_bucket + host + fresh + 2 * comm.memcpy(bk.msg_bytes), "bucket copy-in", 0))
             if bk.held:  # gradients accumulated outside the bucket over earlier micro-batches
                 emit((_MEM, -bk.held, GRADIENTS))
                 bk.held = 0
@@ -576,6 +613,21 @@ class Simulator:
             for u in self.order:
                 hook_s[u] = per_unit / 2 if placement_of_unit.get(u) == "shard" else per_unit / 4
         opt_transient = int(opt.transient_factor * local_master)
+        # [Note: fresh memory] (measure/sweep.py): a gradient autograd allocates is written into
+        # fresh pages; one that lands in an all-reduce bucket's buffer (a view of it) is not. The
+        # profile's backward times include fresh gradients or not (Profile.fresh_gradients).
+        fresh_grads: dict[str, float] = {}
+        for up in prof.units:
+            delta = 0.0
+            for p in up.ready:
+                if p not in trainable:
+                    continue
+                in_bucket = placement.get(p) == "replicate" and not self._cast(p)
+                if in_bucket == prof.fresh_gradients:
+                    sign = -1.0 if in_bucket else 1.0
+                    delta += sign * comm.first_touch_s(self.compute_bytes[p])
+            if delta:
+                fresh_grads[up.name] = delta
         persistent_full = 0
         # ---- offload fragments (autodist/runtime/offload.py) -------------------------------------
         entries = self._offload_entries(plan, placement)
@@ -768,7 +820,7 @@ class Simulator:
                     emit((_C, sum(x.fwd_s for x in ups), f"recompute {block_anchor[u]}", max((x.fwd_peak_bytes for x in ups), default=0)))
                     emit((_MEM, sum(x.act_bytes for x in ups), ACTIVATIONS))
                 if up is not None:
-                    emit((_C, up.bwd_s + hook_s.get(u, 0.0), f"bwd {u}", up.bwd_peak_bytes))
+                    emit((_C, max(0.0, up.bwd_s + hook_s.get(u, 0.0) + fresh_grads.get(u, 0.0)), f"bwd {u}", up.bwd_peak_bytes))
                     emit((_MEM, -up.act_bytes, ACTIVATIONS))
                     for p in up.ready:
                         if p in trainable:
@@ -794,6 +846,8 @@ class Simulator:
             for grp in groups:
                 if grp.residency != "persistent":
                     free(grp)
+            if groups:  # the collective-order check (runtime/comm.py): a small all-reduce, waited for on the CPU
+                emit((_C, self._order_check_s(), "collective-order check", 0))
         # the sync point: every offloaded fragment is back before the step
         sections.append((len(prog), "optimizer"))
         finish_back()
@@ -801,6 +855,10 @@ class Simulator:
         emit((_MEM, opt_transient, OPTIMIZER))
         emit((_C, opt_s, "optimizer", 0))
         emit((_MEM, -opt_transient, OPTIMIZER))
+        # the persistent groups' refresh for the next step is issued here (it runs in the preamble)
+        refresh_s = sum(per_gather + self._host("all_gather", g.msg_bytes) for g in groups if g.residency == "persistent")
+        if refresh_s:
+            emit((_C, refresh_s, "gather bookkeeping", 0))
         for bk in buckets:
             if bk.op == "reduce_scatter" and bk.out_live:
                 emit((_MEM, -bk.out_bytes, GRADIENTS))
@@ -862,10 +920,12 @@ class Simulator:
 
     # ------------------------------------------------------------------------------------------
     def _execute(self, prog: list[tuple], ops: list[CommOp], static: list[int], record: bool) -> SimResult:
-        copy_slow = (self.comm.compute_slowdown, self.comm.comm_slowdown)
+        copy_slow = (self.comm.compute_slowdown, self.comm.comm_slowdown, 1.0)
         slow = [self.comm.slowdowns(op.kind, op.nbytes) if op.stream == 0 else copy_slow for op in ops]
-        op_rc = [s[0] for s in slow]
+        scale = self._compute_sensitivity()
+        op_rc = [max(1.0, s[0] * scale) if op.stream == 0 else s[0] for s, op in zip(slow, ops)]
         op_rm = [s[1] for s in slow]
+        op_rw = [s[2] for s in slow]
         t = 0.0
         # two background queues: 0 communication, 1 offload copies; each runs one op at a time
         queue: list[list[int]] = [[], []]
@@ -908,16 +968,19 @@ class Simulator:
             start_next(s, now)
 
         def advance_idle(until_op: CommOp) -> None:
-            """Compute waits: background queues run at full speed until ``until_op`` is done."""
+            """Compute waits: background queues run until ``until_op`` is done, each operation at its
+            rate while the compute thread waits (on a CPU host a small collective stays slowed by
+            the scheduling of the other rank's threads; a large one runs at nearly full speed)."""
             nonlocal t
             while until_op.end < 0:
                 active = [s for s in (0, 1) if cur[s] >= 0]
                 if not active:
                     break
-                s = min(active, key=lambda k: rem[k])
-                dt = rem[s]
+                s = min(active, key=lambda k: rem[k] * op_rw[cur[k]])
+                dt = rem[s] * op_rw[cur[s]]
                 for k in active:
-                    rem[k] -= dt
+                    rem[k] -= dt / op_rw[cur[k]]
+                rem[s] = 0.0
                 t += dt
                 end_current(s, t)
 

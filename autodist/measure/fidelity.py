@@ -58,6 +58,11 @@ class Checked:
         }
 
 
+def optimizer_for(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The optimizer the measured steps train with (the profile measures its step too)."""
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     """Spearman's rank correlation (ties share their mean rank); nan when either side is constant."""
 
@@ -107,7 +112,23 @@ def plans_to_check(
     ``n`` in all, then (``searched``) the plans the search picks without a budget and under two
     tighter ones — 60% and 20% of the way from the smallest peak among the others to the unbudgeted
     pick's peak (``profile``, ``structure``, ``comm`` and ``world`` build those budgets' simulators);
-    a pick equal to a plan listed before it is named ``searched@…=that plan`` and measured again."""
+    a pick equal to a plan listed before it is named ``searched@…=that plan`` and measured again.
+
+    A collective when a process group exists: rank 0 chooses and every rank gets its list, as
+    ``plan="auto"`` broadcasts rank 0's plan — the search stops on a time budget, so ranks that
+    searched by themselves could pick different plans (and then fail the plan-hash check)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box: list[object] = [None]
+        if dist.get_rank() == 0:
+            box[0] = _choose_plans(space, sim, n, seed, searched, profile, structure, comm, world)
+        dist.broadcast_object_list(box, src=0)
+        return box[0]  # type: ignore[return-value]
+    return _choose_plans(space, sim, n, seed, searched, profile, structure, comm, world)
+
+
+def _choose_plans(
+    space: PlanSpace, sim: Simulator, n: int, seed: int, searched: bool, profile: Any, structure: Any, comm: Any, world: int,
+) -> list[tuple[str, Genome, bool]]:
     out: list[tuple[str, Genome, bool]] = [("ddp", space.ddp(), False), ("fsdp", space.fsdp(), False), ("zero2", space.zero2(), False)]
     seen = {g for _, g, _ in out}
     rng = random.Random(seed)
@@ -168,18 +189,29 @@ def measure_plans(
     after_warmup: Callable[[int, Callable[[], None]], None] | None = None,
     progress: Callable[[Checked], None] | None = None,
     forward: Callable[[nn.Module, Any], Any] = lambda model, x: model(x),
+    after_pass: Callable[[int], None] | None = None,
 ) -> None:
     """Measure each of ``checks`` in place: ``wrap(plan)`` builds the wrapped model (same seed each
-    time), AdamW trains it on ``batches`` (``warmup`` + ``steps`` + 1 of them), a step being
+    time), :func:`optimizer_for` (AdamW) trains it on ``batches`` (``warmup`` + ``steps`` + 1 of them), a step being
     ``accum`` micro-batches, all but the last under ``no_sync``. ``after_warmup(i, one_step)`` runs
     on the first pass after warm-up (simcheck draws traces there); ``progress`` after each plan's
-    last pass. ``forward(model, x)`` runs the model on a micro-batch (keyword inputs, if any)."""
+    last pass. ``forward(model, x)`` runs the model on a micro-batch (keyword inputs, if any).
+    ``after_pass(p)`` runs after pass ``p`` (simcheck profiles the model again there: see [Note:
+    a host whose speed drifts]).
+
+    [Note: a host whose speed drifts] On the development host (2 shared vCPUs) the same computation
+    takes from 27 to 45 ms from one second to the next, and a whole minute can run 20-30% slower
+    than the next: one plan measured at the end of one pass and the start of the next read 35%
+    slower than the same plan measured elsewhere in the run. Plans are therefore measured in several
+    short passes in alternating order, each plan's time the median of all its steps, and the tools
+    profile the model again after every pass so that the profile behind the predictions covers the
+    same minutes as the measurements (:func:`~autodist.cost.profile.typical`)."""
 
     def measure(i: int, first: bool) -> None:
         c = checks[i]
         gc.collect()
         model = wrap(c.plan)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = optimizer_for(list(model.parameters()))
 
         def step(x: Any, y: Any) -> None:
             xs = x.chunk(accum) if accum > 1 else (x,)
@@ -226,3 +258,5 @@ def measure_plans(
             measure(i, first=p == 0)
             if p == passes - 1 and progress is not None:
                 progress(c)
+        if after_pass is not None:
+            after_pass(p)

@@ -34,9 +34,11 @@ Resident memory is read from ``/proc/self/status`` (``VmRSS``; Linux, else psuti
 
 [Note: glibc and freed tensors] glibc serves large allocations with ``mmap`` and returns them on
 ``free`` — but raises its threshold dynamically after the first large free, after which freed tensor
-memory may stay resident. Processes that measure resident peaks (``tools/bench.py``,
-``tools/simcheck.py``) set ``MALLOC_MMAP_THRESHOLD_`` to fix the threshold, so resident memory
-follows live tensors.
+memory may stay resident. Processes that measure resident peaks (``tools/bench.py``) set
+``MALLOC_MMAP_THRESHOLD_`` to fix the threshold, so resident memory
+follows live tensors. Tools that time steps against the simulator (``tools/simcheck.py``,
+``autodist check``) do not: a fixed threshold faults every large allocation's pages in afresh,
+which a user's training process does not pay.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ runtime). See that module for what is measured and how it is fitted.
 
 from __future__ import annotations
 
+import math
+import queue
+import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -13,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..cost.comm import CommModel, OpModel, Piece, fit_op
+from ..cost.comm import TRAIN_BYTES, CommModel, OpModel, Piece, fit_op
 
 
 @dataclass
@@ -30,14 +33,43 @@ class SweepConfig:
     rounds: int = 5
 
 
-def _calls_for(fn: Any, group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig) -> int:
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def _collectives(comm: Any, buf: torch.Tensor, shard: torch.Tensor, out: torch.Tensor) -> list[tuple[str, Any]]:
+    """``(op, issue)`` for each collective kind on these buffers, issued as the runtime issues them."""
+    return [
+        ("all_reduce", lambda: comm.all_reduce(buf, "sweep")),
+        ("all_gather", lambda: comm.all_gather(out, shard, "sweep")),
+        ("reduce_scatter", lambda: comm.reduce_scatter(shard, buf, "sweep")),
+    ]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+    """A host<->device copy (no work handle: a CUDA copy is waited for by synchronising)."""
+    dst.copy_(src, non_blocking=non_blocking)
+
+
+def _once(issue: Any) -> None:
+    work = issue()
+    if work is not None:
+        work.wait()
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (the lower one of two neighbours)."""
+    ordered = sorted(values)
+    return ordered[int(q * (len(ordered) - 1))]
+
+
+def _calls_for(issue: Any, group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig) -> int:
     """How many timed calls a sample gets: enough to fill ``min_run_s``, the same on every rank."""
     for _ in range(cfg.warmup):
-        fn()
+        _once(issue)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    fn()
+    _once(issue)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     once = max(time.perf_counter() - t0, 1e-6)
@@ -47,8 +79,10 @@ def _calls_for(fn: Any, group: dist.ProcessGroup, device: torch.device, cfg: Swe
     return int(n.item())
 
 
-def _time_calls(fn: Any, calls: int, device: torch.device, group: dist.ProcessGroup) -> list[float]:
-    """Times of ``calls`` calls, each started together on all ranks.
+def _time_calls(issue: Any, calls: int, device: torch.device, group: dist.ProcessGroup) -> tuple[list[float], list[float]]:
+    """``(issue times, total times)`` of ``calls`` calls, each started together on all ranks:
+    the time the caller spends in ``issue()`` (which returns the work), and until its ``wait()``
+    returns.
 
     [Note: which statistic] On a shared 2-core host a collective's time has a long tail (a tenth of
     small all-reduces take ~10x the median: the scheduler, not the wire) and even its median moves
@@ -56,13 +90,32 @@ def _time_calls(fn: Any, calls: int, device: torch.device, group: dist.ProcessGr
     itself, reproducible run to run — and measures interference separately (``compute_slowdown``,
     ``comm_slowdown``), which the simulator applies where compute and communication overlap.
     """
-    out = []
+    issued, total = [], []
     for _ in range(calls):
         dist.barrier(group=group)  # both ranks start together: no skew from the previous call
         t0 = time.perf_counter()
-        fn()
+        work = issue()
+        t1 = time.perf_counter()
+        if work is not None:
+            work.wait()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        issued.append(t1 - t0)
+        total.append(time.perf_counter() - t0)
+    return issued, total
+
+
+def _wait_when_done(issue: Any, calls: int, group: dist.ProcessGroup, settle_s: float = 0.01) -> list[float]:
+    """How long ``wait()`` takes on a collective that has already completed (the caller's own work
+    to collect it; ``calls`` samples of a small message, given ``settle_s`` to complete — gloo's
+    list reduce-scatter reports completion only to ``wait()``, so it cannot be polled)."""
+    out = []
+    for _ in range(calls):
+        dist.barrier(group=group)
+        work = issue()
+        time.sleep(settle_s)
+        t0 = time.perf_counter()
+        work.wait()
         out.append(time.perf_counter() - t0)
     return out
 
@@ -86,7 +139,7 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
     comm = Comm(group)
     t_start = time.perf_counter()
     fdt = torch.float32
-    cases: list[tuple[str, int, Any]] = []
+    cases: list[tuple[str, int, Any]] = []  # (op, message bytes, issue: returns the work or None)
     keep: list[torch.Tensor] = []
     for nbytes in cfg.sizes:
         n = max(world, nbytes // 4 // world * world)
@@ -97,33 +150,51 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
         keep += [buf, shard, out, host]
         nb = n * 4
         if world > 1:
-            cases.append(("all_reduce", nb, lambda buf=buf: comm.all_reduce(buf, "sweep").wait()))
-            cases.append(("all_gather", nb, lambda out=out, shard=shard: comm.all_gather(out, shard, "sweep").wait()))
-            cases.append(("reduce_scatter", nb, lambda buf=buf, shard=shard: comm.reduce_scatter(shard, buf, "sweep").wait()))
+            cases += [(op, nb, issue) for op, issue in _collectives(comm, buf, shard, out)]
         nonblock = device.type == "cuda"
-        cases.append(("d2h", nb, lambda host=host, buf=buf, nonblock=nonblock: host.copy_(buf, non_blocking=nonblock)))
-        cases.append(("h2d", nb, lambda host=host, buf=buf, nonblock=nonblock: buf.copy_(host, non_blocking=nonblock)))
+        cases.append(("d2h", nb, lambda host=host, buf=buf, nonblock=nonblock: _copy(host, buf, nonblock)))
+        cases.append(("h2d", nb, lambda host=host, buf=buf, nonblock=nonblock: _copy(buf, host, nonblock)))
     # Samples are collected in interleaved rounds, so a disturbance of the host (another process,
     # the scheduler) touches a few calls of many samples instead of all calls of one; the median
     # of each sample's calls then ignores it.
-    calls = [_calls_for(fn, group, device, cfg) for _, _, fn in cases]
+    calls = [_calls_for(issue, group, device, cfg) for _, _, issue in cases]
     per_round = [max(1, -(-c // cfg.rounds)) for c in calls]
+    issued: list[list[float]] = [[] for _ in cases]
     durations: list[list[float]] = [[] for _ in cases]
     for _ in range(cfg.rounds):
         dist.barrier(group=group)
-        for _, _, fn in cases[:3]:  # wake the backend's threads before the first timed call
-            fn()
-        for i, (_, _, fn) in enumerate(cases):
-            durations[i] += _time_calls(fn, per_round[i], device, group)
+        for _, _, issue in cases[:3]:  # wake the backend's threads before the first timed call
+            _once(issue)
+        for i, (_, _, issue) in enumerate(cases):
+            a, b = _time_calls(issue, per_round[i], device, group)
+            issued[i] += a
+            durations[i] += b
     names = [(op, nb) for op, nb, _ in cases]
-    times = [sorted(d)[len(d) // 10] for d in durations]  # the 10th percentile: see _time_calls
+    # [Note: the caller's share of a collective] The compute thread itself spends time on every
+    # collective: issuing it (gloo's list reduce-scatter copies its input there; every backend
+    # enqueues work and wakes a thread) and collecting it when it is done. The simulator charges
+    # that to the compute thread (CommModel.host) and times the rest, issue to completion, on the
+    # communication queue — so an operation's samples are its calls' times less their issue time.
+    times = [_quantile([t - i for t, i in zip(d, iss)], 0.1) for d, iss in zip(durations, issued)]
+    issue_times = [_quantile(iss, 0.25) for iss in issued]
     # how disturbed the host was: the median call against the 10th percentile, over the samples
-    spreads = sorted(sorted(d)[len(d) // 2] / max(t, 1e-9) for d, t in zip(durations, times))
+    spreads = sorted(_quantile(d, 0.5) / max(_quantile(d, 0.1), 1e-9) for d in durations)
     spread = spreads[len(spreads) // 2] if spreads else 1.0
-    times = _max_over_ranks(times, group, device)
+    collected = {}
+    if world > 1:  # waiting for a collective that is already done (sizes do not matter)
+        probe = min(cfg.sizes)
+        for op, nb, issue in cases:
+            if nb >= probe and op not in collected and op in COLLECTIVES:
+                collected[op] = _quantile(_wait_when_done(issue, 10, group), 0.25)
+    times = _max_over_ranks(times + issue_times + [collected.get(op, 0.0) for op in COLLECTIVES], group, device)
+    times, issue_times, collected_times = times[: len(cases)], times[len(cases) : 2 * len(cases)], times[2 * len(cases) :]
+    collected = dict(zip(COLLECTIVES, collected_times))
     samples: dict[str, list[tuple[float, float]]] = {}
-    for (op, nb), t in zip(names, times):
+    host_samples: dict[str, list[tuple[float, float]]] = {}
+    for (op, nb), t, i in zip(names, times, issue_times):
         samples.setdefault(op, []).append((float(nb), t))
+        if op in COLLECTIVES:
+            host_samples.setdefault(op, []).append((float(nb), i + collected[op]))
     for pts in samples.values():
         # A message is never cheaper than a smaller one of the same kind: a sample slower than a
         # larger message's was disturbed (seen on 2 cores: a 16 KiB reduce-scatter at 1.5x the
@@ -132,16 +203,21 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
         for i in range(len(pts) - 2, -1, -1):
             pts[i] = (pts[i][0], min(pts[i][1], pts[i + 1][1]))
     ops = {op: fit_op(pts) for op, pts in samples.items()}
+    host = {op: fit_op(pts) for op, pts in host_samples.items()}
     if world == 1:
         zero = OpModel(Piece(0.0, 0.0), Piece(0.0, 0.0), float("inf"))
         for op in ("all_reduce", "all_gather", "reduce_scatter"):
             ops[op] = zero
-    contention = _contention(comm, group, device, ops) if world > 1 else {}
-    slow_compute, slow_comm = contention["all_reduce"][-1][1:] if contention else (1.0, 1.0)
+    contention = _contention(comm, group, device, ops, collected) if world > 1 else {}
+    slow_compute, slow_comm = contention["all_reduce"][-1][1:3] if contention else (1.0, 1.0)
     transient = _transient_bytes(comm, device) if world > 1 else {}
     from .overhead import measure_runtime_overhead
 
     overhead = asdict(measure_runtime_overhead(device))
+    first_touch = _first_touch(device)
+    if world > 1:  # the slowest rank's (every rank derives the same plan from the same model)
+        costs = _max_over_ranks([s for _, s in first_touch], group, device)
+        first_touch = [[b, s] for (b, _), s in zip(first_touch, costs)]
     model = CommModel(
         backend=dist.get_backend(group),
         world_size=world,
@@ -152,6 +228,8 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
         contention=contention,
         transient=transient,
         overhead=overhead,
+        host=host,
+        first_touch=first_touch,
         meta={
             "sweep_seconds": time.perf_counter() - t_start, "torch": torch.__version__,
             # median over samples of (median call / 10th percentile): ~1 on a quiet host
@@ -164,26 +242,38 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
     return box[0]
 
 
-CONTENTION_SIZES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)  # message bytes the contention is measured at
+CONTENTION_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)  # message bytes measured at
+CONTENTION_ROUNDS = 3  # each (kind, size) is measured this many times, in interleaved rounds; the median is kept
+CONTENTION_BUSY_S = 0.01  # each measurement runs collectives of at least this much base time ...
+CONTENTION_MAX_CALLS = 24  # ... in at most this many calls (small ones are slowed ~10x)
 
 
 def _contention(
-    comm: Any, group: dist.ProcessGroup, device: torch.device, ops: dict[str, OpModel]
+    comm: Any, group: dist.ProcessGroup, device: torch.device, ops: dict[str, OpModel], collect: dict[str, float]
 ) -> dict[str, list[list[float]]]:
     """Per collective kind and message size: [bytes, compute slowdown while it runs, its slowdown
     while compute runs].
 
-    Each is measured under full overlap: a train of collectives runs, one at a time as the
-    runtime's queue runs them, while the compute thread keeps computing until every one of them
-    has completed; compared with the fitted time of one alone (``ops``: the simulator's base time,
-    so that base x slowdown reproduces what was measured). Kinds differ (gloo runs a reduce-scatter as several
-    concurrent all-reduces on its worker threads, which contend harder with compute on a small
-    host), and so do sizes: a small message waits for the backend's threads to be scheduled at
-    every round trip, so it is slowed more, and a large one competes with compute for memory
-    bandwidth (on 2 cores: ~2-3x at 1-4 MiB, ~1.5x at 16 MiB, 3-5x at 64 MiB).
+    Each is measured under full overlap, as the runtime overlaps: the compute thread issues a
+    collective, computes (small matrix products, ~0.15 ms each on a CPU core) until it has completed,
+    then issues the next — a train of at least ``CONTENTION_BUSY_S`` of base time. The compute rate
+    is compared with the rate alone measured just before (both ranks computing), the train's time
+    less its issue time with the operations' fitted times (``ops``: the simulator's base time, so
+    that base x slowdown reproduces what was measured). Kinds differ (gloo runs a reduce-scatter as
+    several concurrent all-reduces on its worker threads, which contend harder with compute on a
+    small host), and so do sizes: a small message waits for the backend's threads to be scheduled
+    at every round trip, so it is slowed more, and a large one competes with compute for memory
+    bandwidth.
+
+    [Note: stable contention figures] A single measurement of a slowdown on a shared 2-core host
+    moves 2-3x between runs (the "alone" rate and the train are each taken over tens of
+    milliseconds). Every (kind, size) is measured ``CONTENTION_ROUNDS`` times in interleaved rounds,
+    with its own "alone" rate taken just before, and the median of its ratios is kept; then the
+    slowest rank's. Completion is seen by a waiter thread (gloo's list reduce-scatter cannot be
+    polled), so the compute thread notices it within one product.
     """
-    a = torch.randn(384, 384, device=device)
-    b = torch.randn(384, 384, device=device)
+    a = torch.randn(128, 128, device=device)
+    b = torch.randn(128, 128, device=device)
 
     def one() -> None:
         torch.tanh(a @ b, out=b)
@@ -198,44 +288,164 @@ def _contention(
         return n / (time.perf_counter() - t0)
 
     world = comm.world_size
-    dist.barrier(group=group)
-    alone = rate(0.05)
-    values: list[float] = []
-    keys: list[tuple[str, int]] = []
+    cells: list[tuple[str, int, Any]] = []
     for size in CONTENTION_SIZES:
         n_el = size // 4 // world * world
         buf = torch.zeros(n_el, device=device)
         shard = torch.zeros(n_el // world, device=device)
         out = torch.empty(n_el, device=device)
-        kinds = {
-            "all_reduce": lambda buf=buf: comm.all_reduce(buf, "sweep"),
-            "all_gather": lambda out=out, shard=shard: comm.all_gather(out, shard, "sweep"),
-            "reduce_scatter": lambda buf=buf, shard=shard: comm.reduce_scatter(shard, buf, "sweep"),
-        }
-        k = max(3, (96 << 20) // size // 4)  # more of the small ones
-        for kind, issue in kinds.items():
-            t_op = ops[kind](n_el * 4)
-            issue().wait()  # wake the backend's threads
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            n = 0
-            for _ in range(k):
-                w = issue()
-                done = threading.Event()  # gloo's reduce-scatter reports completion only to wait()
-                waiter = threading.Thread(target=lambda w=w, done=done: (w.wait(), done.set()), daemon=True)
-                waiter.start()
-                while not done.is_set():
-                    one()
-                    n += 1
-                waiter.join()
-            t_busy = time.perf_counter() - t0
-            values += [max(1.0, alone / max(n / t_busy, 1e-9)) if n else 1.0, max(1.0, t_busy / (k * t_op))]
-            keys.append((kind, n_el * 4))
+        cells += [(kind, n_el * 4, issue) for kind, issue in _collectives(comm, buf, shard, out)]
+    work_q: queue.Queue = queue.Queue()
+
+    def waiter() -> None:
+        while True:
+            item = work_q.get()
+            if item is None:
+                return
+            work, done = item
+            work.wait()
+            done.set()
+
+    thread = threading.Thread(target=waiter, name="autodist-sweep-waiter", daemon=True)
+    thread.start()
+    ratios: list[list[tuple[float, float, float]]] = [[] for _ in cells]
+    try:
+        for r in range(CONTENTION_ROUNDS):
+            for i in range(len(cells)) if r % 2 == 0 else reversed(range(len(cells))):
+                kind, nbytes, issue = cells[i]
+                t_op = ops[kind](nbytes)
+                # ops, hence k, agree across ranks
+                k = min(CONTENTION_MAX_CALLS, max(1, math.ceil(CONTENTION_BUSY_S / max(t_op, 1e-6))))
+                _once(issue)  # wake the backend's threads
+                dist.barrier(group=group)
+                alone = rate(0.015)
+                # full overlap: compute until each collective is done
+                dist.barrier(group=group)
+                t0 = time.perf_counter()
+                n, issuing = 0, 0.0
+                for _ in range(k):
+                    ti = time.perf_counter()
+                    work = issue()
+                    issuing += time.perf_counter() - ti
+                    done = threading.Event()
+                    work_q.put((work, done))
+                    while not done.is_set():
+                        one()
+                        n += 1
+                busy = time.perf_counter() - t0 - issuing
+                computing = max(n / alone, 1e-9)  # what the products would take alone
+                slow_compute = max(1.0, busy / computing) if n else 1.0
+                slow_comm = max(1.0, busy / (k * t_op))
+                # half overlap: compute for half of the contended time, then wait for the rest
+                half = slow_comm * t_op / 2
+                dist.barrier(group=group)
+                left, waited = 0.0, 0.0
+                for _ in range(k):
+                    work = issue()
+                    tc = time.perf_counter()
+                    while time.perf_counter() - tc < half:
+                        one()
+                    computed = time.perf_counter() - tc
+                    tw = time.perf_counter()
+                    work.wait()
+                    waited += max(0.0, time.perf_counter() - tw - collect.get(kind, 0.0))
+                    left += max(t_op - computed / slow_comm, t_op / 10)
+                ratios[i].append((slow_compute, slow_comm, max(1.0, waited / left)))
+    finally:
+        work_q.put(None)
+        thread.join()
+    values = [statistics.median(x[j] for x in rs) for rs in ratios for j in (0, 1, 2)]
     values = _max_over_ranks(values, group, device)
     out_rows: dict[str, list[list[float]]] = {}
-    for i, (kind, nbytes) in enumerate(keys):
-        out_rows.setdefault(kind, []).append([float(nbytes), values[2 * i], values[2 * i + 1]])
+    for i, (kind, nbytes, _) in enumerate(cells):
+        out_rows.setdefault(kind, []).append([float(nbytes), *values[3 * i : 3 * i + 3]])
+    for rows in out_rows.values():  # neighbouring sizes differ little: a running median of three
+        for j in (1, 2, 3):
+            column = [r[j] for r in rows]
+            for i, r in enumerate(rows):
+                r[j] = statistics.median(column[max(0, i - 1) : i + 2])
     return out_rows
+
+
+def collective_train(group: dist.ProcessGroup, device: torch.device) -> Any:
+    """What :func:`~autodist.measure.trace.profile_model` computes against to measure the model's
+    own slowdown while communication runs: ``start(seconds)`` issues, on every rank of ``group``
+    (a collective: every rank calls it at the same point), enough asynchronous all-reduces of
+    ``TRAIN_BYTES``, queued at once, to keep the backend busy for ``seconds`` of the slowest
+    rank's estimate, and returns the function that waits for them all. ``None`` on a world of one
+    (nothing to contend with)."""
+    if dist.get_world_size(group) == 1:
+        return None
+    buf = torch.zeros(TRAIN_BYTES // 4, device=device)
+    dist.all_reduce(buf, group=group)  # wake the backend's threads
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dist.all_reduce(buf, group=group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    once = (time.perf_counter() - t0) / 3
+
+    def start(seconds: float) -> Any:
+        n = torch.tensor([max(1, math.ceil(1.5 * seconds / max(once, 1e-6)))], dtype=torch.int64, device=device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+        works = [dist.all_reduce(buf, group=group, async_op=True) for _ in range(int(n.item()))]
+
+        def stop() -> None:
+            for w in works:
+                w.wait()
+
+        return stop
+
+    return start
+
+
+FIRST_TOUCH_MIB = (4, 16, 24, 32, 40, 48, 64)  # sizes the cost of fresh memory is measured at
+
+
+def _first_touch(device: torch.device) -> list[list[float]]:
+    """[bytes, seconds]: how much longer writing a tensor allocated just before takes than writing
+    one that exists, at ``FIRST_TOUCH_MIB`` (each the lower quartile of 5 tries, after a round
+    that lets the allocator settle).
+
+    [Note: fresh memory] glibc serves an allocation at or above its mmap threshold with fresh
+    pages, which the kernel faults in and zeroes as they are first written — and its threshold
+    rises with the sizes freed, but not far: on the development host writing a new 64 MiB tensor
+    took 35-50 ms more than writing an existing one, a new 34 MiB tensor nothing more. The runtime allocates every step what a gather lands in and copies out to,
+    and each reduce-scatter's input, so a model with large parameters pays this on the CPU where a
+    GPU's caching allocator pays nothing (this measures ~0 there)."""
+
+    def low(values: list[float]) -> float:
+        return sorted(values)[(len(values) - 1) // 4]
+
+    rows = []
+    for rnd in range(2):
+        rows = []
+        for mib in FIRST_TOUCH_MIB:
+            n = (mib << 20) // 4
+            src = torch.ones(n, device=device)
+            dst = torch.empty(n, device=device)
+            dst.copy_(src)
+            existing, fresh = [], []
+            for _ in range(5 if rnd else 1):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t1 = time.perf_counter()
+                new = torch.empty(n, device=device)
+                new.copy_(src)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t2 = time.perf_counter()
+                del new
+                existing.append(t1 - t0)
+                fresh.append(t2 - t1)
+            rows.append([float(mib << 20), max(0.0, low(fresh) - low(existing))])
+            del src, dst
+    return rows
 
 
 def _transient_bytes(comm: Any, device: torch.device) -> dict[str, float]:

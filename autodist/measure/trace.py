@@ -16,9 +16,10 @@ In backward, time from one unit's backward start to the next belongs to the firs
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -506,10 +507,18 @@ def profile_model(
     repeats: int = 5,
     memory: bool = True,
     example_kwargs: dict[str, Any] | None = None,
+    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+    contention: Callable[[float], Callable[[], None]] | None = None,
 ) -> Profile:
     """Profile ``module`` on one forward: ``module(*example_inputs, **example_kwargs)``. Without a
     ``loss_fn``, the loss is the one the model returns (``output.loss``, as Hugging Face models do
-    when given ``labels=``), else a surrogate whose memory is estimated (see ``loss_fields``)."""
+    when given ``labels=``), else a surrogate whose memory is estimated (see ``loss_fields``).
+    ``optimizer``: builds the optimizer training will use over a list of parameters; its step is
+    then measured on the model (:func:`measure_optimizer`), else Adam is assumed and estimated.
+    ``contention``: starts a train of collectives on every rank for about the given seconds and
+    returns the function that waits for it (``autodist.measure.sweep.collective_train``; every
+    rank profiles at once); the model's slowdown under it is then measured
+    (``Profile.contended_slowdown``, see :func:`contended_slowdown`)."""
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs)
@@ -558,9 +567,23 @@ def profile_model(
                 for _ in range(repeats):
                     attr, last = one_pass()
                     results.append(attr)
-            optimizer = estimate_optimizer(device)
     finally:
         tracer.close()
+
+    def train_backward() -> None:
+        for p in module.parameters():
+            p.grad = None
+        loss_fn(module(*inputs, **kwargs)).backward()
+
+    slowdown = None
+    with _preserved(module, device):  # after the tracer, which drops gradients as they arrive
+        if optimizer is not None:
+            opt_profile = measure_optimizer(module, optimizer, train_backward, device)
+        else:
+            numels = [p.numel for p in structure.params.values() if p.requires_grad]
+            opt_profile = estimate_optimizer(device, param_numels=numels)
+        if contention is not None:
+            slowdown = contended_slowdown(train_backward, contention, device)
     assert last is not None
     seq = list(dict.fromkeys(u for _, kind, u in last.fwd if kind == "enter"))
     order = seq + [u for u in unit_names if u not in set(seq)]
@@ -597,10 +620,11 @@ def profile_model(
         pre_bwd_s=_low([r["pre_bwd"] for r in results]),
         batch_signature=sig,
         device=device.type,
-        optimizer=optimizer,
+        optimizer=opt_profile,
         site_after=dict(tracer.site_after),
         recompute_anchor=dict(last.recompute),
         block_input_bytes=dict(last.block_inputs),
+        contended_slowdown=slowdown,
         meta={
             "warmup": warmup, "passes": len(results), "torch": torch.__version__,
             "spread": round(_spread(results), 4), "noisy": _spread(results) > NOISY_SPREAD,
@@ -622,35 +646,173 @@ def loss_fields(saved: int, peaks: tuple[int, int], out_fp32: int, source: str) 
     return {"loss_act_bytes": act, "loss_fwd_peak_bytes": fwd_peak, "loss_bwd_peak_bytes": bwd_peak, "loss_source": source}
 
 
-def estimate_optimizer(device: torch.device, kind: str = "Adam") -> OptimizerProfile:
-    """The Adam assumption before the user's optimizer has run: time a scratch AdamW step on a few
-    tensors, fit ``per_tensor_s`` and ``per_byte_s``, and measure its temporary memory."""
-    samples = []
-    transient = 1.0
-    for n_tensors, numel in ((32, 1024), (4, 1 << 20)):
-        params = [torch.zeros(numel, device=device, requires_grad=True) for _ in range(n_tensors)]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        opt = torch.optim.AdamW(params, lr=1e-3)
-        opt.step()
-        t0 = time.perf_counter()
-        reps = 3
-        for _ in range(reps):
-            opt.step()
+OPTIMIZER_SAMPLE_BYTES = 32 << 20  # the most parameter bytes the Adam estimate steps over (4x that is allocated)
+CACHE_FLUSH_BYTES = 64 << 20  # written before each timed step: larger than a CPU's last-level cache or a GPU's L2
+
+
+def contended_slowdown(train_backward: Callable[[], None], contention: Callable[[float], Callable[[], None]],
+                       device: torch.device, rounds: int = 3) -> float:
+    """How many times longer the model's forward and backward (``train_backward``) take in
+    wall-clock time while a train of collectives runs (``contention``): passes alone and under the
+    train, interleaved (``rounds`` of each), median against median; at least 1.
+
+    [Note: the model's own contention] While a collective runs, the compute it overlaps slows down:
+    on an accelerator a little (the collective's kernels take SMs and memory bandwidth), on a CPU
+    host a lot (the backend's threads take the cores the ranks compute on, and the memory
+    bandwidth). The comm sweep measures it per collective and size with a reference computation
+    (small matrix products), but how much a model slows depends on its own kernels: under the same
+    train of 4 MiB all-reduces on the development host, the reference slowed 1.14x, the zoo's
+    resnet18 1.80x, deep-mlp 1.95x, gpt 1.49x. The simulator scales the sweep's figures by the
+    model's slowdown against the reference's at the train's message size."""
+    now = time.perf_counter
+    alone, contended = [], []
+
+    def timed() -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        samples.append((n_tensors, n_tensors * numel * 4, (time.perf_counter() - t0) / reps))
-        if numel > 1024:
-            transient = _step_transient(opt, device) / (n_tensors * numel * 4)
-        del params, opt
-    (n1, b1, s1), (n2, b2, s2) = samples
+        t0 = now()
+        train_backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return now() - t0
+
+    typical = timed()
+    for _ in range(rounds):
+        alone.append(timed())
+        stop = contention(typical)
+        try:
+            contended.append(timed())
+        finally:
+            stop()
+    return max(1.0, statistics.median(contended) / statistics.median(alone))
+
+
+def estimate_optimizer(device: torch.device, kind: str = "Adam", param_numels: Sequence[int] | None = None) -> OptimizerProfile:
+    """The Adam assumption before the user's optimizer has run: scratch AdamW steps over tensors
+    the sizes of the model's parameters (``param_numels``, the first of them up to
+    ``OPTIMIZER_SAMPLE_BYTES``; without them, four of 1 Mi elements), fitted by
+    :func:`_step_costs`. The sizes matter: a step's cost per byte depends on whether parameters,
+    gradients and state fit in the caches (measured 1.0-4.5 ns/byte on the development host)."""
+    sizes = [1 << 20] * 4
+    if param_numels:
+        sizes, total = [], 0
+        for n in param_numels:
+            take = min(n, (OPTIMIZER_SAMPLE_BYTES - total) // 4)
+            if take <= 0:
+                break
+            sizes.append(take)
+            total += 4 * take
+    costs = _step_costs(lambda params: torch.optim.AdamW(params, lr=1e-3), _scratch(sizes, device), device)
+    return replace(costs, kind=kind, state_factor=2.0, measured=False)
+
+
+def measure_optimizer(module: nn.Module, make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+                      backward: Callable[[], None], device: torch.device, steps: int = 5) -> OptimizerProfile:
+    """The step of the optimizer ``make_optimizer`` builds, timed in training steps on ``module``
+    (``backward()`` runs a forward and a backward, leaving gradients) as the first training steps
+    time it under ``plan="auto"``; parameters and gradients are left as found. Its per-tensor cost
+    comes from :func:`_step_costs`' small tensors, the rest is per byte.
+
+    [Note: the optimizer step in training] The step measured in a training loop costs more than
+    the same step repeated on its own: up to 2x on the development host (resnet18's AdamW: 108 ms
+    after each backward, 54 ms repeated), and random gradients make it cheaper still — so the
+    step is timed after real backwards."""
+    params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
+    saved = [(p.detach().clone(), p.grad) for p in params]
+    clock = _Clock(device)
+    opt = make_optimizer(params)
+    times = []
+    try:
+        for k in range(steps + 1):  # the first step creates the state
+            for p in params:
+                p.grad = None
+            backward()
+            t0 = clock.mark()
+            opt.step()
+            t1 = clock.mark()
+            if k:
+                times.append(clock.seconds(t0, t1))
+        state = [(n, t) for p in params for n, t in opt.state.get(p, {}).items() if torch.is_tensor(t) and t.dim() > 0]
+        kind = type(opt).__name__
+        transient = _step_transient(opt, device)
+    finally:
+        del opt
+        with torch.no_grad():
+            for p, (data, grad) in zip(params, saved):
+                p.copy_(data)
+                p.grad = grad
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    step = statistics.median(times)
+    per_tensor = min(_per_tensor_cost(make_optimizer, device), step / max(len(params), 1))
+    return OptimizerProfile(
+        kind=kind, state_factor=sum(t.numel() * t.element_size() for _, t in state) / max(nbytes, 1),
+        state_names=sorted({n for n, _ in state}), transient_factor=transient / max(nbytes, 1), per_tensor_s=per_tensor,
+        per_byte_s=(step - per_tensor * len(params)) / max(nbytes, 1), measured=True,
+    )
+
+
+def _per_tensor_cost(make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer], device: torch.device) -> float:
+    """The optimizer's cost per parameter tensor: its step over 32 tensors of 1024 elements (the
+    lower quartile of 5 steps after one that creates the state), divided by 32."""
+    opt = make_optimizer(_scratch([1024] * 32, device))
+    clock = _Clock(device)
+    times = []
+    for k in range(6):
+        t0 = clock.mark()
+        opt.step()
+        t1 = clock.mark()
+        if k:
+            times.append(clock.seconds(t0, t1))
+    return _low(times) / 32
+
+
+def _scratch(numels: Sequence[int], device: torch.device) -> list[torch.Tensor]:
+    """Parameters with gradients, valued like a model's in training: an all-zero step runs ~2x
+    slower on the CPU (measured 47.6 vs 21.6 ms on the gpt zoo model's sizes)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = [(torch.randn(n, device=device, generator=gen) * 0.02).requires_grad_() for n in numels]
+    for p in params:
+        p.grad = torch.randn(p.shape, device=device, generator=gen) * 1e-3
+    return params
+
+
+def _step_costs(make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer], params: list[torch.Tensor],
+                device: torch.device) -> OptimizerProfile:
+    """``per_tensor_s`` and ``per_byte_s`` of the optimizer ``make_optimizer`` builds, its state and
+    temporary bytes per parameter byte: two configurations stepped in interleaved rounds (the
+    lower quartile of each) — 32 small tensors (the per-tensor cost) and ``params`` — each step
+    after the caches were flushed, as a step in training follows a backward that streamed
+    activations through them."""
+    configs = {"small": _scratch([1024] * 32, device), "model": params}
+    opts = {name: make_optimizer(ps) for name, ps in configs.items()}
+    clock = _Clock(device)  # thread time on a single-threaded CPU rank, as the units are timed
+    times: dict[str, list[float]] = {k: [] for k in configs}
+    flush = torch.empty(CACHE_FLUSH_BYTES // 4, device=device)
+    for r in range(6):  # the first round warms up (state is created by the first step)
+        for name in configs if r % 2 == 0 else reversed(list(configs)):
+            flush.fill_(r)
+            t0 = clock.mark()
+            opts[name].step()
+            t1 = clock.mark()
+            if r:
+                times[name].append(clock.seconds(t0, t1))
+    del flush
+    (n1, b1, s1), (n2, b2, s2) = (
+        (len(ps), sum(p.numel() * p.element_size() for p in ps), _low(times[k])) for k, ps in configs.items()
+    )
+    transient = _step_transient(opts["model"], device) / max(b2, 1)
+    state = [(k, t) for p in params for k, t in opts["model"].state.get(p, {}).items() if torch.is_tensor(t) and t.dim() > 0]
+    state_bytes = sum(t.numel() * t.element_size() for _, t in state)
+    kind = type(opts["model"]).__name__
+    opts.clear()
     # two equations, two unknowns: s = a*n + b*bytes
     det = n1 * b2 - n2 * b1
-    per_tensor = max(0.0, (s1 * b2 - s2 * b1) / det)
-    per_byte = max(0.0, (n1 * s2 - n2 * s1) / det)
+    per_tensor = max(0.0, (s1 * b2 - s2 * b1) / det) if det else 0.0
+    per_byte = max(0.0, (n1 * s2 - n2 * s1) / det) if det else s2 / max(b2, 1)
     return OptimizerProfile(
-        kind=kind, state_factor=2.0, transient_factor=transient, per_tensor_s=per_tensor, per_byte_s=per_byte,
-        measured=False,
+        kind=kind, state_factor=state_bytes / max(b2, 1),
+        state_names=sorted({k for k, _ in state}), transient_factor=transient, per_tensor_s=per_tensor,
+        per_byte_s=per_byte,
     )
 
 
