@@ -666,7 +666,15 @@ def _check_worker(args: argparse.Namespace) -> int:
     from .cache import Cache, comm_cache_key
     from .cost.fidelity import FidelityRecord
     from .cost.simulator import Simulator
-    from .measure.fidelity import Checked, measure_plans, optimizer_for, plans_to_check, slowest_over_ranks, summarize
+    from .measure.fidelity import (
+        Checked,
+        Reprofile,
+        measure_plans,
+        optimizer_for,
+        plans_to_check,
+        slowest_over_ranks,
+        summarize,
+    )
     from .measure.sweep import collective_train, sweep
     from .measure.trace import model_loss, profile_model, surrogate_loss
     from .sched.search import SearchConfig
@@ -705,13 +713,17 @@ def _check_worker(args: argparse.Namespace) -> int:
             return own if own is not None else surrogate_loss(out)
 
         x0 = batches[0][0].chunk(args.accum)[0]
-        prof = profile_model(
-            model.to(device), structure, (x0,), device=device, loss_fn=lambda out: loss(out, None),
-            example_kwargs=_input_kwargs(x0, args), optimizer=optimizer_for,
-            contention=collective_train(dist.group.WORLD, device),
-        )
-        del model
-        prof = slowest_over_ranks(prof)
+        train = collective_train(dist.group.WORLD, device)
+        model = model.to(device)
+
+        def profile(memory: bool = True) -> Any:
+            return profile_model(
+                model, structure, (x0,), device=device, loss_fn=lambda out: loss(out, None),
+                example_kwargs=_input_kwargs(x0, args), optimizer=optimizer_for, contention=train, memory=memory,
+            )
+
+        prof = slowest_over_ranks(profile())
+        reprofile = Reprofile(prof, lambda: profile(memory=False))
         comm = sweep(dist.group.WORLD, device)
         space = space_for(prof, structure, world, grad_accum_steps=args.accum)
         sim = Simulator(prof, structure, comm, world_size=world)
@@ -730,7 +742,9 @@ def _check_worker(args: argparse.Namespace) -> int:
                       f"{c.measured_step_s * 1e3:.1f} ms", file=sys.stderr, flush=True)
 
         measure_plans(checks, wrap, batches, loss, device=device, accum=args.accum, steps=args.steps, warmup=warmup,
-                      passes=passes, progress=progress, forward=lambda m, x: m(x, **_input_kwargs(x, args)))
+                      passes=passes, progress=progress, forward=lambda m, x: m(x, **_input_kwargs(x, args)),
+                      after_pass=reprofile.after_pass)
+        reprofile.predict(checks, structure, comm, world)
         if rank == 0:
             rows = [c.row() for c in checks]
             overall = summarize(rows)

@@ -33,10 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _launch import run_tool  # noqa: E402
 
 from autodist import AutoDist  # noqa: E402
-from autodist.cost.profile import typical  # noqa: E402
 from autodist.cost.simulator import Simulator  # noqa: E402
 from autodist.measure.fidelity import (  # noqa: E402
     Checked,
+    Reprofile,
     measure_plans,
     optimizer_for,
     plans_to_check,
@@ -74,15 +74,10 @@ def worker(args: argparse.Namespace) -> None:
     )
     prof = slowest_over_ranks(prof)
     comm = sweep(dist.group.WORLD, device)
-    profiles = [prof]
-
-    def profile_again(_: int) -> None:
-        """[Note: a host whose speed drifts]: the model's times again after every pass."""
-        again = profile_model(
-            plain, structure, (x0,), device=device, loss_fn=lambda out: wl.loss(out, y0), optimizer=optimizer_for,
-            memory=False, contention=train,
-        )
-        profiles.append(slowest_over_ranks(again))
+    reprofile = Reprofile(prof, lambda: profile_model(
+        plain, structure, (x0,), device=device, loss_fn=lambda out: wl.loss(out, y0), optimizer=optimizer_for,
+        memory=False, contention=train,
+    ))
 
     space = space_for(prof, structure, world, grad_accum_steps=args.accum)
     sim = Simulator(prof, structure, comm, world_size=world)
@@ -123,13 +118,11 @@ def worker(args: argparse.Namespace) -> None:
 
     measure_plans(
         checks, wrap, batches, wl.loss, device=device, accum=args.accum, steps=args.steps, warmup=args.warmup,
-        passes=args.passes, after_warmup=traces if args.trace_dir else None, progress=progress, after_pass=profile_again,
+        passes=args.passes, after_warmup=traces if args.trace_dir else None, progress=progress,
+        after_pass=reprofile.after_pass,
     )
     # the predictions, from the profile of the minutes the plans were measured in
-    prof = typical(profiles)
-    sim = Simulator(prof, structure, comm, world_size=world)
-    for c in checks:
-        c.predicted = sim.run(c.plan, record=bool(args.trace_dir))
+    prof = reprofile.predict(checks, structure, comm, world, record=bool(args.trace_dir))
     rows = [
         dict(c.row(), simulate_ms=ms, measured_times_s=list(c.times), plan_json=json.loads(c.plan.to_json()))
         for c, ms in zip(checks, sim_ms)

@@ -37,6 +37,10 @@ DEFAULT_MEMORY_HEADROOM = 0.10
 # and the record says so louder than a margin would (``autodist check`` prints the figures).
 MAX_SEED_MARGIN = 0.5
 MAX_MEMORY_HEADROOM = 0.5
+# Raised whenever the simulator's timing or memory model changes: fidelity records of another
+# version are stale (``autodist check`` measures again). 2: the caller's share of collectives, the
+# slowdown while compute waits, the model's own contention, fresh memory, the order check.
+SIMULATOR_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ class FidelityRecord:
     model: str
     measured_at: float  # seconds since the epoch
     source: str = "autodist check"
+    # the simulator whose error was measured: a record of an earlier one says nothing of this one's
+    simulator: int = SIMULATOR_VERSION
 
     @property
     def seed_margin(self) -> float:
@@ -83,6 +89,11 @@ class FidelityRecord:
             raise ValueError(f"fidelity record plans = {d['plans']!r} is not a positive integer")
         if not isinstance(d["model"], str) or not isinstance(d.get("source", ""), str):
             raise ValueError("fidelity record model and source are strings")
+        if d.get("simulator", 1) != SIMULATOR_VERSION:
+            raise ValueError(
+                f"fidelity record measured simulator version {d.get('simulator', 1)!r}, not {SIMULATOR_VERSION}: "
+                "run `autodist check` again"
+            )
         return cls(
             median_abs_error_time=float(d["median_abs_error_time"]), spearman=float("nan") if sp is None else float(sp),
             max_peak_excess=float(d["max_peak_excess"]), plans=d["plans"], model=d["model"],

@@ -11,11 +11,18 @@ Two stages:
    group before prefetch, free after the group's last unit, free before reducing, bucket launch in
    order with ``max_inflight_buckets``, flush at the end of backward, persistent refresh after the
    optimizer step.
-2. **Run** the program on two resources: the compute thread and one communication queue (collectives
-   run one at a time in issue order). While both are busy they share the machine: compute runs
-   ``compute_slowdown`` times slower and communication ``comm_slowdown`` times slower, as measured by
-   the comm sweep (on a GPU both are ~1). Two steps are simulated; the second is reported, so the
-   persistent refresh issued after the first step's optimizer overlaps the second step's forward.
+2. **Run** the program on the compute thread and two background queues — collectives (one at a
+   time in issue order) and offload copies. The compute thread pays its own share of every
+   collective (issuing it and collecting it: ``CommModel.host``), of writing freshly allocated
+   memory where the runtime allocates it each step (``CommModel.first_touch``), and the
+   collective-order check at the end of backward. While compute and a collective overlap they
+   share the machine: compute runs slower by the sweep's factor for the collective's kind and size,
+   scaled by the model's own measured sensitivity (``Profile.contended_slowdown``), and the
+   collective by its factor; while the compute thread waits, the collective runs at its own rate
+   for that case (on a CPU host a small collective stays slowed by the other rank's threads). On a
+   GPU all of these are near 1. One steady-state step is simulated with a preamble: the persistent
+   refresh and the offload copy-outs the previous step's optimizer issued are in flight at its
+   start.
 
 Memory is tracked per event: static state (shards, replicas, optimizer state, persistent full
 parameters, reduction buffers) plus gathered parameters (issue to free), backend staging buffers

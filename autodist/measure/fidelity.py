@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..cost.budget import format_bytes
-from ..cost.profile import Profile, slowest
+from ..cost.profile import Profile, slowest, typical
 from ..cost.simulator import SimResult, Simulator
 from ..plan import Plan
 from ..sched.search import SearchConfig, Searcher
@@ -172,6 +172,28 @@ def max_over_ranks(x: float) -> float:
     t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
+
+
+class Reprofile:
+    """The profiles behind the predictions of a measurement in passes: the first, and one taken after
+    every pass by ``again`` (each the slowest rank's), so that the profile the plans are finally
+    predicted from covers the minutes they were measured in (see [Note: a host whose speed
+    drifts]). Give :meth:`after_pass` to :func:`measure_plans`, then call :meth:`predict`."""
+
+    def __init__(self, first: Profile, again: Callable[[], Profile]) -> None:
+        self.profiles = [first]
+        self._again = again
+
+    def after_pass(self, _: int) -> None:
+        self.profiles.append(slowest_over_ranks(self._again()))
+
+    def predict(self, checks: Sequence[Checked], structure: Any, comm: Any, world: int, *, record: bool = False) -> Profile:
+        """Predict every plan again from the typical profile (returned)."""
+        prof = typical(self.profiles)
+        sim = Simulator(prof, structure, comm, world_size=world)
+        for c in checks:
+            c.predicted = sim.run(c.plan, record=record)
+        return prof
 
 
 def measure_plans(
