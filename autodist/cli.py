@@ -672,6 +672,7 @@ def _check_worker(args: argparse.Namespace) -> int:
         measure_plans,
         optimizer_for,
         plans_to_check,
+        repeatability,
         slowest_over_ranks,
         summarize,
     )
@@ -760,6 +761,7 @@ def _check_worker(args: argparse.Namespace) -> int:
                 "plans": rows, "all": overall,
                 "builtin_and_random": summarize([r for r in rows if not r["searched"]]),
                 "searched": summarize([r for r in rows if r["searched"]]),
+                "repeated": repeatability(rows),
                 "margins": {"prefer_seed_within": cfg.prefer_seed_within, "memory_headroom": cfg.memory_headroom,
                             "default_prefer_seed_within": SearchConfig().prefer_seed_within,
                             "default_memory_headroom": SearchConfig().memory_headroom},
@@ -799,6 +801,8 @@ def render_check(payload: dict[str, Any]) -> str:
     for key, what in (("builtin_and_random", "built-in and random"), ("searched", "searched")):
         if payload.get(key):
             out.append(line(what, payload[key]))
+    for rep in payload.get("repeated", []):
+        out.append(f"  measured twice: {rep['plans'][0]} and {rep['plans'][1]}, {rep['pct_apart']:.1f}% apart (the measurement's noise)")
     m = payload["margins"]
     out.append("")
     where = (f"Stored for this machine in {payload['record_path']}: plan=\"auto\" on {payload['world_size']} ranks here now"

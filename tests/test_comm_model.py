@@ -76,3 +76,46 @@ def test_contention_is_interpolated_in_log_size_between_measured_sizes():
     assert CommModel.from_json(m.to_json()).slowdowns("all_gather", 4 << 20) == pytest.approx((1.5, 2.25, 1.0))
     m.contention["all_gather"] = [[1 << 20, 2.0, 3.0, 2.0], [16 << 20, 1.0, 1.5, 1.0]]
     assert m.slowdowns("all_gather", 4 << 20) == pytest.approx((1.5, 2.25, 1.5))
+
+
+def _trains_of_different_lengths():
+    """Each rank asks for a train of a different length; both must issue the same collectives."""
+    from autodist.measure.sweep import collective_train
+
+    start = collective_train(dist.group.WORLD, torch.device("cpu"))
+    stop = start(0.001 if dist.get_rank() == 0 else 0.05)
+    stop()
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the group still pairs collectives: no leftover from the train
+    return t.item()
+
+
+def test_a_collective_train_is_the_same_on_every_rank_whatever_each_asks(world2):
+    assert world2.run(_trains_of_different_lengths) == [2.0, 2.0]
+
+
+def test_the_model_s_contended_slowdown_is_its_time_under_the_train_against_alone():
+    import time
+
+    from autodist.measure.trace import contended_slowdown
+
+    busy = [False]
+    calls = []
+
+    def train_backward():  # 2 ms alone, 5 ms while the train runs
+        calls.append(busy[0])
+        time.sleep(0.005 if busy[0] else 0.002)
+
+    def contention(seconds):
+        assert seconds > 0.0015  # sized from a pass measured first
+        busy[0] = True
+
+        def stop():
+            busy[0] = False
+
+        return stop
+
+    factor = contended_slowdown(train_backward, contention, torch.device("cpu"), rounds=3)
+    assert factor == pytest.approx(2.5, rel=0.25)
+    assert calls == [False] + [False, True] * 3  # one pass to size the train, then alone and contended in turn
+    assert contended_slowdown(lambda: time.sleep(0.002), lambda s: (lambda: None), torch.device("cpu")) == pytest.approx(1.0, abs=0.3)

@@ -68,8 +68,9 @@ def test_the_graph_has_a_node_per_hook_section_and_per_collective_named_as_the_r
     ]
     assert g.kinds[:9] == ["forward", "fwd", "fwd", "loss", "loss backward", "bwd", "bwd", "backward", "optimizer"]
     assert g.x.shape == (15, len(FEATURES))
-    # analytic durations: a section's compute time (waits excluded), an operation's span
-    assert [round(float(v) / MS, 6) for v in g.analytic_s] == [0, 10, 10, 0, 0, 20, 20, 0, 0, 2, 2, 2, 2, 3, 3]
+    # analytic durations: a section's compute time (waits excluded; the end of backward runs the
+    # collective-order check, a 4 ms all-reduce here), an operation's span
+    assert [round(float(v) / MS, 6) for v in g.analytic_s] == [0, 10, 10, 0, 0, 20, 20, 4, 0, 2, 2, 2, 2, 3, 3]
 
 
 def test_edges_link_each_collective_to_the_section_that_issues_it_and_the_one_that_first_waits_for_it():
@@ -124,11 +125,11 @@ def test_a_units_sections_carry_its_parameters_and_how_the_plan_holds_them():
 # ---- targets and corrections ---------------------------------------------------------------------
 def test_targets_are_log_ratios_of_measured_to_analytic_durations_from_a_floor():
     g = _graph()
-    y, mask = targets(g, {"fwd u0": 20 * MS, "all_gather u1": 1 * MS, "backward": 2 * learned.FLOOR_S, "no such node": 1.0})
-    assert mask.tolist() == [n in ("fwd u0", "all_gather u1", "backward") for n in g.names]
+    y, mask = targets(g, {"fwd u0": 20 * MS, "all_gather u1": 1 * MS, "optimizer": 2 * learned.FLOOR_S, "no such node": 1.0})
+    assert mask.tolist() == [n in ("fwd u0", "all_gather u1", "optimizer") for n in g.names]
     assert float(y[g.names.index("fwd u0")]) == pytest.approx(math.log(2))
     assert float(y[g.names.index("all_gather u1")]) == pytest.approx(math.log(0.5))
-    assert float(y[g.names.index("backward")]) == pytest.approx(math.log(2))  # analytic 0: relative to FLOOR_S
+    assert float(y[g.names.index("optimizer")]) == pytest.approx(math.log(2))  # analytic 0: relative to FLOOR_S
 
 
 class _Fixed:
@@ -156,19 +157,20 @@ def test_an_estimator_that_corrects_no_kind_changes_nothing():
 def test_corrections_scale_sections_and_operations_and_the_step_is_timed_again():
     # forwards twice as long (10 -> 20 ms), reduce-scatters half as long (3 -> 1.5 ms):
     # fwd u0 2..22, fwd u1 22..42; backward from 42: gathers [42,44], [44,46]; bwd u1 44..64,
-    # bucket0 [64,65.5]; bwd u0 64..84, bucket1 [84,85.5]: the step ends at 85.5 ms (analytic 67)
+    # bucket0 [64,65.5]; bwd u0 64..84, bucket1 [84,85.5]; the order check (4 ms, not corrected):
+    # the step ends at 89.5 ms (analytic 71)
     r = Simulator(PROFILE, STRUCTURE, COMM, world_size=2, estimator=_Fixed({"fwd": math.log(2), "reduce_scatter": math.log(0.5)})).run(
         _plan(), record=True
     )
-    assert r.step_s == pytest.approx(85.5 * MS)
-    assert r.analytic_step_s == pytest.approx(67 * MS)
+    assert r.step_s == pytest.approx(89.5 * MS)
+    assert r.analytic_step_s == pytest.approx(71 * MS)
     spans = {e.name: (round(e.start / MS, 6), round(e.end / MS, 6)) for e in r.events}
     assert spans["fwd u1"] == (22, 42) and spans["reduce_scatter bucket1"] == (84, 85.5)
 
 
 def test_a_section_the_analytic_model_thinks_free_gets_the_time_predicted_from_the_floor():
     r = Simulator(PROFILE, STRUCTURE, COMM, world_size=2, estimator=_Fixed({"optimizer": math.log(10)})).run(_plan())
-    assert r.step_s == pytest.approx(67 * MS + 10 * learned.FLOOR_S)
+    assert r.step_s == pytest.approx(71 * MS + 10 * learned.FLOOR_S)  # 71: the analytic step (order check included)
 
 
 def test_refining_the_search_with_an_estimator_picks_what_the_estimator_predicts_fastest():

@@ -1,5 +1,6 @@
 """The profile: activation bytes against a direct count, forward order, and no side effects."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -132,3 +133,39 @@ def test_measuring_memory_writes_nothing_to_the_terminal(capfd):
     out, err = capfd.readouterr()
     assert mem, "the allocation was recorded"
     assert (out, err) == ("", "")
+
+
+def test_profiles_merge_into_the_slowest_rank_and_into_the_typical_of_several_times():
+    from autodist.cost.profile import OptimizerProfile, Profile, UnitProfile, slowest, typical
+
+    def prof(f, b, opt, contended):
+        return Profile(
+            units=[UnitProfile("u", fwd_s=f, bwd_s=b, act_bytes=100, ready=["u.w"])], ready_order=["u.w"], pre_fwd_s=f / 10,
+            optimizer=OptimizerProfile(per_byte_s=opt), contended_slowdown=contended,
+        )
+
+    a, b, c = prof(1.0, 2.0, 3.0, 1.5), prof(2.0, 1.0, 1.0, None), prof(4.0, 5.0, 2.0, 2.5)
+    # ranks measured at the same time: each time the largest (the slowest rank sets the pace)
+    s = slowest([a, b])
+    assert (s.units[0].fwd_s, s.units[0].bwd_s, s.pre_fwd_s, s.optimizer.per_byte_s, s.contended_slowdown) == (
+        2.0, 2.0, 0.2, 3.0, 1.5,
+    )
+    # one model measured at several times: each time the median; a figure not measured stays out
+    t = typical([a, b, c])
+    assert (t.units[0].fwd_s, t.units[0].bwd_s, t.pre_fwd_s, t.optimizer.per_byte_s) == (2.0, 2.0, 0.2, 2.0)
+    assert t.contended_slowdown == 2.0 and t.meta["profiles"] == 3
+    assert typical([b]).contended_slowdown is None
+    assert t.units[0].act_bytes == 100  # sizes from the first
+
+
+def test_a_plan_measured_twice_tells_the_measurement_s_own_noise():
+    from autodist.measure.fidelity import repeatability, summarize
+
+    def row(name, measured, predicted=0.1):
+        return {"plan": name, "measured_step_s": measured, "predicted_step_s": predicted, "searched": False,
+                "measured_peak_bytes": 100, "predicted_peak_bytes": 100}
+
+    rows = [row("ddp", 0.30), row("fsdp", 0.50), row("random1", 0.40), row("searched@none=ddp", 0.36), row("searched@1MiB", 0.2)]
+    assert repeatability(rows) == [{"plans": ["ddp", "searched@none=ddp"], "pct_apart": pytest.approx(200 * 0.06 / 0.66)}]
+    f = summarize(rows)
+    assert f["plans"] == 5 and f["median_abs_pct_error_time"] == pytest.approx(100 * 0.26 / 0.36)  # |0.1 - 0.36| / 0.36, the middle of five

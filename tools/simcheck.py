@@ -40,6 +40,7 @@ from autodist.measure.fidelity import (  # noqa: E402
     measure_plans,
     optimizer_for,
     plans_to_check,
+    repeatability,
     slowest_over_ranks,
     summarize,
 )
@@ -136,6 +137,7 @@ def worker(args: argparse.Namespace) -> None:
             **{k: overall[k] for k in ("spearman", "median_abs_pct_error_time", "median_abs_pct_error_peak", "max_pct_peak_excess")},
             "random_and_builtin": summarize([r for r in rows if not r["searched"]]),
             "searched": summarize([r for r in rows if r["searched"]]),
+            "repeated": repeatability(rows),
             "plans": rows,
             "comm_model": json.loads(comm.to_json()),
             "profile_compute_s": prof.compute_s,
@@ -168,6 +170,8 @@ def table(payload: dict) -> str:
                 f"  {what} ({f['plans']}): Spearman {f['spearman']:.3f}   median |error| time "
                 f"{f['median_abs_pct_error_time']:.1f}%   peak {f['median_abs_pct_error_peak']:.1f}%"
             )
+    for rep in payload.get("repeated", []):
+        lines.append(f"  measured twice: {rep['plans'][0]} and {rep['plans'][1]}, {rep['pct_apart']:.1f}% apart (the noise floor)")
     return "\n".join(lines)
 
 

@@ -104,6 +104,20 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def repeatability(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The plans measured twice in one run — a searched pick equal to a plan listed before it,
+    ``searched@…=ddp`` beside ``ddp`` — with how far apart their two measured step times are (% of
+    their mean): the measurement's own noise, below which no prediction can be checked."""
+    by_name = {r["plan"]: r for r in rows}
+    out = []
+    for r in rows:
+        _, eq, other = r["plan"].partition("=")
+        if eq and other in by_name:
+            a, b = by_name[other]["measured_step_s"], r["measured_step_s"]
+            out.append({"plans": [other, r["plan"]], "pct_apart": 200 * abs(a - b) / (a + b)})
+    return out
+
+
 def plans_to_check(
     space: PlanSpace, sim: Simulator, n: int, *, seed: int = 0, searched: bool = True,
     profile: Any = None, structure: Any = None, comm: Any = None, world: int = 1,

@@ -14,7 +14,10 @@ in single-process training. The flags cost a few bytes per bucket and no extra c
 reduction, each parameter's ``.grad`` *is* a view into it (DDP's ``gradient_as_bucket_view``). If the
 user keeps gradients across steps (no ``zero_grad`` or ``zero_grad(set_to_none=False)``), autograd
 accumulates straight into the view and nothing is copied; otherwise the fresh gradient is copied in
-once. A gradient the user kept is already reduced and identical on all ranks, so averaging
+once, and the parameter's ``.grad`` becomes the view right then, so autograd's tensor is freed as it
+arrives rather than at the end of backward (as DDP's hook does: no gradient is held twice, and the
+simulator's accounting — gradients are the bucket — holds). A later accumulation (reentrant
+checkpointing) then adds into the view in place, before the bucket launches. A gradient the user kept is already reduced and identical on all ranks, so averaging
 ``old + new_r`` over ranks yields ``old + mean(new)`` — the accumulation DDP gives. A sharded bucket
 reduce-scatters into a fresh output buffer each step; existing local gradients are added to.
 """
@@ -170,7 +173,14 @@ class BucketRuntime:
                     self.action[slot] = _KEEP
                 else:
                     view.copy_(g)
-                    self.action[slot] = _SET
+                    obj = self.grad_obj(slot)
+                    if obj is not None:
+                        # the gradient lives in the bucket from now on: autograd's tensor goes now,
+                        # not at the end of backward (see [Note: gradients as bucket views])
+                        mp.visible.grad = obj
+                        self.action[slot] = _KEEP
+                    else:
+                        self.action[slot] = _SET
             else:
                 g = mp.take_full_grad()
                 vg = mp.local_grad()
