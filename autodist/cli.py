@@ -4,10 +4,10 @@ report the environment.
     autodist show PLAN.json
     autodist plan --model MODULE:FACTORY --input-shape 8,128 --world-size N --out PLAN.json
                   [--input-dtype DTYPE] [--input-high N] [--memory-limit 2GiB]
-                  [--interconnect NAME | --bandwidth GBPS --latency US] [--cache-dir DIR]
+                  [--interconnect NAME | --bandwidth GBPS --latency US] [--cache-dir DIR] [--reprofile]
     autodist timeline PLAN.json -o OUT.json|OUT.png --model MODULE:FACTORY --input-shape 8,128
                   [--input-dtype DTYPE] [--input-high N] [--interconnect NAME | --bandwidth GBPS --latency US]
-                  [--cache-dir DIR] [--width PX] [--height PX]
+                  [--cache-dir DIR] [--reprofile] [--width PX] [--height PX]
     autodist check --model MODULE:FACTORY --input-shape 8,128 [--input-dtype DTYPE] [--input-high N]
                   [--nproc N] [--plans N] [--steps N] [--accum N] [--json OUT.json] [--no-record] [--cache-dir DIR]
     autodist cache list|show KEY|clear [--kind KIND]|path [--cache-dir DIR]
@@ -208,6 +208,14 @@ def _add_comm_options(p: argparse.ArgumentParser) -> None:
     _add_cache_dir(g)
 
 
+def _add_reprofile(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--reprofile", action="store_true",
+        help="profile the model again rather than use the profile cached for this model, input and machine "
+        "(the first run caches it: the same command then plans from the same measurement)",
+    )
+
+
 def _add_cache_dir(p: argparse.ArgumentParser | Any) -> None:
     p.add_argument(
         "--cache-dir", metavar="DIR",
@@ -238,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: what this machine has available)",
     )
     _add_comm_options(plan)
+    _add_reprofile(plan)
     plan.add_argument("--out", required=True, metavar="PLAN.json", help="where to write the plan")
 
     tl = sub.add_parser(
@@ -249,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("-o", "--out", required=True, type=_timeline_output, metavar="OUT", help="OUT.json or OUT.png")
     _add_model_options(tl)
     _add_comm_options(tl)
+    _add_reprofile(tl)
     tl.add_argument("--width", type=_positive_int, metavar="PX", help=f"PNG width in pixels (default {PNG_SIZE[0]})")
     tl.add_argument("--height", type=_positive_int, metavar="PX", help=f"PNG height in pixels (default {PNG_SIZE[1]})")
 
@@ -572,10 +582,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model = _build_model(args.model)
     x = _example_input(model, args)
     config = _search_config(args.cache_dir, args.world_size)
+    profile, profile_source = _profile(args, model, x)
     try:
         plan, result, _ = plan_offline(
             model, (x,), world_size=args.world_size, budget_bytes=budget, comm=comm, config=config,
-            example_kwargs=_input_kwargs(x, args),
+            example_kwargs=_input_kwargs(x, args), profile=profile,
         )
     except BudgetError as e:
         raise CommandError(f"{_budget_line(e)}; raise --memory-limit or plan for more ranks") from None
@@ -585,12 +596,48 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise CommandError(f"cannot write {args.out}: {e.strerror or e}") from None
     _say(
         f"Planned {args.model} for {args.world_size} ranks within {format_bytes(budget)} per rank, using "
-        f"{comm_source}: {describe_prediction(plan)}. "
+        f"{comm_source} and {profile_source}: {describe_prediction(plan)}. "
         f"{result.evaluated} plans evaluated in {result.seconds:.2f} s (stopped by: {result.stopped_by}). "
         f"Wrote {args.out}; read it with `autodist show {args.out}` and use it with "
         f"AutoDist(model, plan={str(args.out)!r})."
     )
     return 0
+
+
+def _profile(args: argparse.Namespace, model: nn.Module, x: torch.Tensor) -> tuple[Any, str]:
+    """The model's profile for ``autodist plan`` and ``autodist timeline``, and a phrase saying
+    where it came from: the one cached for this model, input and machine, else (or with
+    ``--reprofile``) measured here and cached.
+
+    [Note: planning twice] Profiling is robust to a busy host (thread time, a low quantile of
+    several passes, retaken when they spread), but not to a host whose speed drifts: the
+    development VM runs the same passes up to 30% slower for minutes at a time, invisibly to thread
+    time and steal time, and no calibration kernel tracked it (the model's time over a probe's
+    varied as much as the model's). So a profile is measured once per model, input and machine and
+    reused, as a job with ``plan="auto"`` reuses its own: the same command plans from the same
+    measurement and gives the same plan and prediction."""
+    import torch
+
+    from .cache import Cache
+    from .lifecycle import input_signature, profile_cache_key, profile_entry
+    from .measure.trace import profile_model
+    from .structure import discover
+
+    cache = Cache(args.cache_dir)
+    kwargs = _input_kwargs(x, args)
+    structure = discover(model)
+    key = profile_cache_key(structure, input_signature(((x,), kwargs)), "cpu", measured_by="autodist plan")
+    if not args.reprofile:
+        cached = cache.get("profiles", key, profile_entry)
+        if cached is not None:
+            return cached, f"the profile cached in {cache.path('profiles', key)} (--reprofile measures it again)"
+    profile = profile_model(model, structure, (x,), device=torch.device("cpu"), example_kwargs=kwargs)
+    cache.put("profiles", key, profile.to_json())
+    noisy = (
+        f", on a busy host (its passes spread {profile.meta['spread']:.0%} after {profile.meta['passes']}; "
+        "--reprofile on a quieter host measures it again)" if profile.meta.get("noisy") else ""
+    )
+    return profile, f"a profile measured here{noisy}"
 
 
 def _search_config(cache_dir: str | None, world: int) -> Any:
@@ -822,12 +869,9 @@ def render_check(payload: dict[str, Any]) -> str:
 
 def cmd_timeline(args: argparse.Namespace) -> int:
     _rank_threads()
-    import torch
-
     from . import timeline
     from .cost.simulator import Simulator
     from .errors import PlanError
-    from .measure.trace import profile_model
     from .plan import validate_plan
     from .structure import discover
 
@@ -846,7 +890,7 @@ def cmd_timeline(args: argparse.Namespace) -> int:
             _plan_error_line(e, args.plan, f"the plan does not fit {args.model}; was it made for another model?")
         ) from None
     x = _example_input(model, args)
-    profile = profile_model(model, structure, (x,), device=torch.device("cpu"), example_kwargs=_input_kwargs(x, args))
+    profile, _ = _profile(args, model, x)
     sim = Simulator(profile, structure, comm, world_size=plan.world_size, budget_bytes=plan.budget_bytes)
     result = sim.run(plan, record=True)
     tl = timeline.from_simulation(

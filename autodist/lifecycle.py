@@ -83,6 +83,13 @@ class LifecycleStats:
     search_seconds: float = 0.0
 
 
+def profile_cache_key(structure: Any, sig: str, device_name: str, **more: Any) -> str:
+    """The key of a model's profile in the cache: the model's structure, the input signature
+    (:func:`input_signature`), the device and torch version, and ``more`` (``autodist plan`` keeps
+    its single-process profiles apart from a job's, which are merged over ranks)."""
+    return digest({"model": structure.fingerprint(), "input": sig, "device": device_name, "torch": torch.__version__, **more})
+
+
 def input_signature(tree: Any) -> str:
     leaves = tree_flatten(tree)[0]
     parts = []
@@ -136,8 +143,7 @@ class AutoPlanner:
         }
 
     def profile_key(self, sig: str) -> str:
-        m = self._machine()
-        return digest({"model": self.structure.fingerprint(), "input": sig, "device": m["device_name"], "torch": m["torch"]})
+        return profile_cache_key(self.structure, sig, self._machine()["device_name"])
 
     def comm_key(self) -> str:
         return digest(self._machine())
@@ -858,14 +864,16 @@ def plan_offline(
     config: SearchConfig | None = None,
     grad_accum_steps: int | None = None,
     example_kwargs: dict[str, Any] | None = None,
+    profile: Profile | None = None,
 ) -> tuple[Plan, SearchResult, Profile]:
-    """Plan for ``world_size`` ranks from one process (``autodist plan``): profile ``module`` here,
-    search with ``comm`` (a cached sweep or an analytic model) under ``budget_bytes``."""
+    """Plan for ``world_size`` ranks from one process (``autodist plan``): profile ``module`` here
+    (unless given its ``profile``), search with ``comm`` (a cached sweep or an analytic model)
+    under ``budget_bytes``."""
     from .structure import discover
 
     device = device or torch.device("cpu")
     structure = discover(module)
-    prof = profile_model(module, structure, example_inputs, device=device, example_kwargs=example_kwargs)
+    prof = profile or profile_model(module, structure, example_inputs, device=device, example_kwargs=example_kwargs)
     space = space_for(prof, structure, world_size, grad_accum_steps=grad_accum_steps)
     _, result = search_within_budget(
         space, lambda budget: Simulator(prof, structure, comm, world_size=world_size, budget_bytes=budget),

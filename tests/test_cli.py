@@ -401,24 +401,28 @@ def test_gpu_check_says_it_verified_nothing_without_a_gpu():
     assert "no CUDA device here — nothing verified" in out.stdout
 
 
-def test_planning_twice_on_this_host_gives_the_same_plan_and_predictions_within_5_percent(tmp_path):
-    """Profiles are timed by a low quantile of several passes (a busy host only adds time), so two
-    runs of the same command agree (issue 13: within 5%, and the same plan)."""
+def test_planning_twice_plans_from_the_same_cached_profile_and_reprofile_measures_again(tmp_path):
+    """The same `autodist plan` command run twice gives the same plan and prediction: the profile is
+    measured once per model, input and machine and cached (see [Note: planning twice] in cli.py:
+    this host's speed drifts by more than 5% between minutes); --reprofile measures it again."""
     import json as _json
 
     from autodist.plan import Plan
 
-    outs = []
-    for i in range(2):
+    outs, said = [], []
+    for i, extra in enumerate(([], [], ["--reprofile"])):
         out = tmp_path / f"p{i}.json"
         run = subprocess.run(
             [sys.executable, "-m", "autodist.cli", "plan", "--model", "autodist.zoo:gpt", "--input-shape", "4,128",
              "--input-dtype", "int64", "--input-high", "8192", "--world-size", "8", "--memory-limit", "40GiB",
-             "--interconnect", "nvlink4", "--out", str(out)],
+             "--interconnect", "nvlink4", "--out", str(out), "--cache-dir", str(tmp_path / "cache"), *extra],
             capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)),
         )
         assert run.returncode == 0, run.stderr[-2000:]
         outs.append(_json.loads(out.read_text()))
-    a, b = (o["predicted"]["step_seconds"] for o in outs)
-    assert abs(a - b) / min(a, b) <= 0.05, (a, b)
+        said.append(run.stdout)
+    assert "a profile measured here" in said[0] and "the profile cached in" in said[1], said[:2]
+    assert "a profile measured here" in said[2], said[2]
+    assert outs[0]["predicted"] == outs[1]["predicted"]
     assert Plan.from_dict(outs[0]).hash() == Plan.from_dict(outs[1]).hash()
+    assert len(list((tmp_path / "cache" / "profiles").glob("*.json"))) == 1  # measured again in place
