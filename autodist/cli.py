@@ -610,10 +610,10 @@ def _profile(args: argparse.Namespace, model: nn.Module, x: torch.Tensor) -> tup
     ``--reprofile``) measured here and cached.
 
     [Note: planning twice] Profiling is robust to a busy host (thread time, a low quantile of
-    several passes, retaken when they spread), but not to a host whose speed drifts: the
-    development VM runs the same passes up to 30% slower for minutes at a time, invisibly to thread
-    time and steal time, and no calibration kernel tracked it (the model's time over a probe's
-    varied as much as the model's). So a profile is measured once per model, input and machine and
+    several passes, retaken when they spread), but not to a host whose speed drifts: on the
+    development VM the gpt zoo model's forward and backward took 299 to 411 ms (lower quartile of
+    six passes, thread time) within two minutes, with no steal time, and a calibration kernel timed
+    between the passes did not track it (the model's time over the kernel's ranged 411-527). So a profile is measured once per model, input and machine and
     reused, as a job with ``plan="auto"`` reuses its own: the same command plans from the same
     measurement and gives the same plan and prediction."""
     import torch

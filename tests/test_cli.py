@@ -63,7 +63,9 @@ class Cli:
         ]
         runs = []
         for argv, p in procs:
-            out, err = p.communicate(timeout=120)
+            # a guard against a hang: the README's `autodist check` measures 7 plans on 2 ranks
+            # (about 140 s alone on the 2-core development host, longer beside the other commands)
+            out, err = p.communicate(timeout=480)
             runs.append(Run(argv, p.returncode, out, err))
         return runs
 

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _launch import run_tool  # noqa: E402
 
 from autodist import AutoDist  # noqa: E402
+from autodist.cost.fidelity import SIMULATOR_VERSION  # noqa: E402
 from autodist.cost.simulator import Simulator  # noqa: E402
 from autodist.measure.fidelity import (  # noqa: E402
     Checked,
@@ -134,6 +135,7 @@ def worker(args: argparse.Namespace) -> None:
             "model": args.model,
             "world_size": world,
             "accum": args.accum,
+            "simulator": SIMULATOR_VERSION,  # the committed figures behind the search's default margins
             **{k: overall[k] for k in ("spearman", "median_abs_pct_error_time", "median_abs_pct_error_peak", "max_pct_peak_excess")},
             "random_and_builtin": summarize([r for r in rows if not r["searched"]]),
             "searched": summarize([r for r in rows if r["searched"]]),
