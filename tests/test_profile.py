@@ -169,3 +169,14 @@ def test_a_plan_measured_twice_tells_the_measurement_s_own_noise():
     assert repeatability(rows) == [{"plans": ["ddp", "searched@none=ddp"], "pct_apart": pytest.approx(200 * 0.06 / 0.66)}]
     f = summarize(rows)
     assert f["plans"] == 5 and f["median_abs_pct_error_time"] == pytest.approx(100 * 0.26 / 0.36)  # |0.1 - 0.36| / 0.36, the middle of five
+
+
+def test_a_plan_s_measured_step_is_the_lower_quartile_of_its_steps_as_the_profile_s_passes_are():
+    """Predictions come from a profile summarised by the lower quartile of its passes; the measured
+    steps they are checked against are summarised the same way ([Note: the lower quartile])."""
+    from autodist.measure.fidelity import Checked
+    from autodist.measure.robust import lower_quartile
+
+    c = Checked("ddp", plan=None, predicted=None, times=[0.50, 0.36, 0.61, 0.40, 0.38, 0.90, 0.44, 0.47])
+    assert c.measured_step_s == 0.38  # sorted: 0.36, 0.38, ...: the second of eight
+    assert lower_quartile([3.0]) == 3.0 and lower_quartile([4.0, 1.0, 3.0, 2.0, 5.0]) == 2.0

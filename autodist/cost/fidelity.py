@@ -39,8 +39,9 @@ MAX_SEED_MARGIN = 0.5
 MAX_MEMORY_HEADROOM = 0.5
 # Raised whenever the simulator's timing or memory model changes: fidelity records of another
 # version are stale (``autodist check`` measures again). 2: the caller's share of collectives, the
-# slowdown while compute waits, the model's own contention, fresh memory, the order check.
-SIMULATOR_VERSION = 2
+# slowdown while compute waits, the model's own contention, fresh memory, the order check. 3: a
+# gather's full tensors and its receive buffer both held during the copy-out.
+SIMULATOR_VERSION = 3
 
 
 @dataclass(frozen=True)

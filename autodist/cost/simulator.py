@@ -469,9 +469,12 @@ class Simulator:
                 issue_gather(grp)
             if grp.state == "issued":
                 emit((_WAIT, grp.op))
-                if grp.recv_bytes:  # copy out of the receive buffer, which is then dropped
+                if grp.recv_bytes:
+                    # the full tensors are allocated, filled from the receive buffer, and only then
+                    # is the buffer dropped: both are held during the copy-out
+                    emit((_MEM, 0 if grp.refreshing else grp.full_bytes, GATHERED))
                     emit((_C, comm.memcpy(grp.full_bytes) + grp.copy_out_fresh_s, "copy-out", 0))
-                    emit((_MEM, (0 if grp.refreshing else grp.full_bytes) - grp.recv_bytes, GATHERED))
+                    emit((_MEM, -grp.recv_bytes, GATHERED))
                 grp.state = "gathered"
                 grp.refreshing = False
 
@@ -500,15 +503,16 @@ class Simulator:
             host = self._host(bk.op, bk.msg_bytes)
             fresh = comm.first_touch_s(bk.in_bytes) if bk.op == "reduce_scatter" else 0.0  # its input, new each time
             emit((_C, per_bucket + host + fresh + 2 * comm.memcpy(bk.msg_bytes), "bucket copy-in", 0))
+            if bk.op == "reduce_scatter" and not bk.allocated:
+                # the gradients held so far are copied into the input, then dropped
+                emit((_MEM, bk.in_bytes, COMM))
+                emit((_MEM, -bk.deferred, GRADIENTS))
+                bk.allocated = True
+                bk.deferred = 0
             if bk.held:  # gradients accumulated outside the bucket over earlier micro-batches
                 emit((_MEM, -bk.held, GRADIENTS))
                 bk.held = 0
             if bk.op == "reduce_scatter":
-                if not bk.allocated:  # the gradients held so far move into the input as it is allocated
-                    emit((_MEM, -bk.deferred, GRADIENTS))
-                    emit((_MEM, bk.in_bytes, COMM))
-                    bk.allocated = True
-                    bk.deferred = 0
                 if bk.out_live:
                     emit((_MEM, bk.out_bytes, GRADIENTS))  # the sharded gradient so far, added back after
                     bk.restore = True
@@ -534,6 +538,10 @@ class Simulator:
                         finish(act[finished[0]])
                         finished[0] += 1
 
+        def held_bytes(p: str) -> int:
+            """A gradient accumulated over micro-batches: in the reduce dtype for sharded or cast parameters."""
+            return self.numel[p] * (self._reduce_itemsize(p) if placement.get(p) == "shard" or self._cast(p) else self.itemsize[p])
+
         def grad_ready(p: str, sync: bool) -> None:
             grp = group_of_param.get(p)
             if grp is not None:
@@ -555,7 +563,7 @@ class Simulator:
                 # dtype for sharded or cast parameters) until the synchronising backward
                 if p not in held:
                     held.add(p)
-                    g = self.numel[p] * (self._reduce_itemsize(p) if placement.get(p) == "shard" or self._cast(p) else self.itemsize[p])
+                    g = held_bytes(p)
                     bk.held += g
                     emit((_MEM, g, GRADIENTS))
                 return
@@ -564,10 +572,17 @@ class Simulator:
                 g = self.compute_bytes[p]
                 if not bk.allocated:
                     bk.deferred += g
-                    emit((_MEM, g, GRADIENTS))
+                    if p in held:
+                        # autograd added this micro-batch's gradient into the one held since earlier
+                        # micro-batches: that tensor is what is taken now, not a second one
+                        bk.held -= held_bytes(p)
+                        emit((_MEM, g - held_bytes(p), GRADIENTS))
+                    else:
+                        emit((_MEM, g, GRADIENTS))
                     if bk.deferred * 4 >= bk.in_bytes:
-                        emit((_MEM, -bk.deferred, GRADIENTS))
+                        # the input is allocated, the gradients copied in, and only then dropped
                         emit((_MEM, bk.in_bytes, COMM))
+                        emit((_MEM, -bk.deferred, GRADIENTS))
                         bk.allocated = True
                         bk.deferred = 0
             act = active[0]

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .robust import lower_quartile
+
 
 @dataclass
 class RuntimeOverhead:
@@ -33,12 +35,6 @@ def _clock(device: torch.device):
     """Thread CPU time for a single-threaded CPU rank (what the profile times; the other rank's work
     does not count), wall-clock time otherwise (on an accelerator the host's time is the cost)."""
     return time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
-
-
-def _low(values: list[float]) -> float:
-    """The lower quartile (the profile summarises its passes the same way)."""
-    ordered = sorted(values)
-    return ordered[(len(ordered) - 1) // 4]
 
 
 def _interleaved(steps: dict[str, object], device: torch.device, *, warmup: int = 3) -> dict[str, float]:
@@ -63,7 +59,7 @@ def _interleaved(steps: dict[str, object], device: torch.device, *, warmup: int 
                 t0 = now()
                 fn()
                 times[name].append(now() - t0)
-    return {k: _low(v) for k, v in times.items()}
+    return {k: lower_quartile(v) for k, v in times.items()}
 
 
 def _train_step(run: object, module: nn.Module, x: torch.Tensor):

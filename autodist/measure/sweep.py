@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..cost.comm import TRAIN_BYTES, CommModel, OpModel, Piece, fit_op
+from .robust import lower_quartile
 
 
 @dataclass
@@ -415,9 +416,6 @@ def _first_touch(device: torch.device) -> list[list[float]]:
     and each reduce-scatter's input, so a model with large parameters pays this on the CPU where a
     GPU's caching allocator pays nothing (this measures ~0 there)."""
 
-    def low(values: list[float]) -> float:
-        return sorted(values)[(len(values) - 1) // 4]
-
     rows = []
     for rnd in range(2):
         rows = []
@@ -443,7 +441,7 @@ def _first_touch(device: torch.device) -> list[list[float]]:
                 del new
                 existing.append(t1 - t0)
                 fresh.append(t2 - t1)
-            rows.append([float(mib << 20), max(0.0, low(fresh) - low(existing))])
+            rows.append([float(mib << 20), max(0.0, lower_quartile(fresh) - lower_quartile(existing))])
             del src, dst
     return rows
 

@@ -32,6 +32,7 @@ from .._tree import output_leaves
 from ..cost.profile import OptimizerProfile, Profile, UnitProfile, estimated_loss_memory
 from ..runtime.backward import in_backward
 from ..structure import ModelStructure
+from .robust import lower_quartile
 
 
 class _Clock:
@@ -482,12 +483,6 @@ def _memory_peaks(
 NOISY_SPREAD = 0.10  # passes whose median total time is this much above the fastest: a disturbed host
 
 
-def _low(values: list[float]) -> float:
-    """The lower quartile: interference only adds time, and the very fastest pass can be a fluke."""
-    v = sorted(values)
-    return v[(len(v) - 1) // 4]
-
-
 def _spread(results: list[dict[str, Any]]) -> float:
     """How much slower the median pass is than the fastest, relatively (0 on a quiet host)."""
     totals = sorted(
@@ -589,7 +584,7 @@ def profile_model(
     order = seq + [u for u in unit_names if u not in set(seq)]
 
     def med(key: str, u: str) -> float:
-        return _low([r[key][u] for r in results])
+        return lower_quartile([r[key][u] for r in results])
 
     units = [
         UnitProfile(
@@ -615,9 +610,9 @@ def profile_model(
     return Profile(
         units=units,
         ready_order=results[-1]["order"],
-        pre_fwd_s=_low([r["pre_fwd"] for r in results]),
-        post_fwd_s=_low([r["post_fwd"] for r in results]),
-        pre_bwd_s=_low([r["pre_bwd"] for r in results]),
+        pre_fwd_s=lower_quartile([r["pre_fwd"] for r in results]),
+        post_fwd_s=lower_quartile([r["post_fwd"] for r in results]),
+        pre_bwd_s=lower_quartile([r["pre_bwd"] for r in results]),
         batch_signature=sig,
         device=device.type,
         optimizer=opt_profile,
@@ -763,7 +758,7 @@ def _per_tensor_cost(make_optimizer: Callable[[list[torch.Tensor]], torch.optim.
         t1 = clock.mark()
         if k:
             times.append(clock.seconds(t0, t1))
-    return _low(times) / 32
+    return lower_quartile(times) / 32
 
 
 def _scratch(numels: Sequence[int], device: torch.device) -> list[torch.Tensor]:
@@ -798,7 +793,7 @@ def _step_costs(make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optim
                 times[name].append(clock.seconds(t0, t1))
     del flush
     (n1, b1, s1), (n2, b2, s2) = (
-        (len(ps), sum(p.numel() * p.element_size() for p in ps), _low(times[k])) for k, ps in configs.items()
+        (len(ps), sum(p.numel() * p.element_size() for p in ps), lower_quartile(times[k])) for k, ps in configs.items()
     )
     transient = _step_transient(opts["model"], device) / max(b2, 1)
     state = [(k, t) for p in params for k, t in opts["model"].state.get(p, {}).items() if torch.is_tensor(t) and t.dim() > 0]
