@@ -236,6 +236,16 @@ def test_the_entry_round_trips_through_json():
     assert all(torch.equal(back.weights[k], entry.weights[k].float()) for k in entry.weights)
 
 
+def test_an_entry_trained_against_another_simulator_version_is_stale():
+    from autodist.cost.fidelity import SIMULATOR_VERSION
+
+    d = json.loads(_entry().to_json())
+    assert d["simulator"] == SIMULATOR_VERSION
+    d["simulator"] = SIMULATOR_VERSION - 1
+    with pytest.raises(ValueError, match=f"simulator version {SIMULATOR_VERSION - 1}, not {SIMULATOR_VERSION}"):
+        EstimatorEntry.from_json(json.dumps(d))
+
+
 def test_the_estimator_helps_only_if_it_beat_the_analytic_model_on_every_held_out_model():
     assert learned.helps(HELD_OUT)
     worse_time = {**HELD_OUT, "gpt": {**HELD_OUT["gpt"], "estimator": {"median_abs_pct_error_time": 13.0, "spearman": 0.7}}}

@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from ..plan import Plan
+from .fidelity import SIMULATOR_VERSION
 from .simulator import Program, SimResult, Simulator
 
 # 2: the unit parameter features (unit_*), and targets and ln_queued relative to a 100 us floor
@@ -638,6 +639,8 @@ class EstimatorEntry:
     helps: bool
     feature_schema: int = FEATURE_SCHEMA
     schema_version: int = ENTRY_SCHEMA
+    # the analytic simulator whose durations it corrects: another version's corrections are stale
+    simulator: int = SIMULATOR_VERSION
 
     @classmethod
     def of(cls, trained: Trained, *, machine: dict[str, Any], provenance: dict[str, Any], validation: dict[str, Any]) -> EstimatorEntry:
@@ -650,7 +653,7 @@ class EstimatorEntry:
     def to_json(self) -> str:
         return json.dumps({
             "schema_version": self.schema_version, "feature_schema": self.feature_schema,
-            "features": list(FEATURES),
+            "simulator": self.simulator, "features": list(FEATURES),
             "config": {"hidden": self.config.hidden, "layers": self.config.layers, "relations": list(self.config.relations),
                        "features": self.config.features},
             "mean": self.mean, "std": self.std, "kinds": self.kinds,
@@ -667,6 +670,11 @@ class EstimatorEntry:
             raise ValueError("an estimator entry is a JSON object")
         if d.get("schema_version") != ENTRY_SCHEMA:
             raise ValueError(f"estimator schema_version {d.get('schema_version')!r} is not {ENTRY_SCHEMA}")
+        if d.get("simulator") != SIMULATOR_VERSION:
+            raise ValueError(
+                f"estimator trained against simulator version {d.get('simulator')!r}, not {SIMULATOR_VERSION}: its "
+                "corrections are of durations this simulator no longer predicts (train it again: tools/train_estimator.py)"
+            )
         if d.get("feature_schema") != FEATURE_SCHEMA or d.get("features") != list(FEATURES):
             raise ValueError(f"estimator features (schema {d.get('feature_schema')!r}) are not this version's ({FEATURE_SCHEMA})")
         c = d.get("config")
