@@ -61,8 +61,8 @@ def _space():
 
 
 def _all_genomes(space):
-    """Every distinct plan: placements x group partitions x (residency, windows) per group x
-    bucket partitions x in-flight bounds."""
+    """Every distinct plan the search can reach: placements x group partitions x (residency,
+    windows) per group x bucket partitions x in-flight bounds."""
     n = len(space.units)
     zero = ((0, 0),) * n
     for shard in itertools.product([False, True], repeat=n):
@@ -77,13 +77,15 @@ def _all_genomes(space):
                 for i, (r, w) in zip(firsts, choice):
                     res[i], win[i] = r, w
                 for bstarts in itertools.chain.from_iterable(itertools.combinations(range(1, 3), k) for k in range(3)):
-                    for infl in space.inflight_choices:
+                    # the built-in seeds bound reductions in flight to one (builtins.py), and a
+                    # mutation of a seed that does not touch the bound keeps it
+                    for infl in sorted({*space.inflight_choices, 1}):
                         yield space.normalize(Genome(shard, tuple(res), starts, tuple(win), frozenset(bstarts), infl))
 
 
-# A budget only plans that shard the big unit fit: the smallest peak of any plan is 736,020 bytes, of
-# any that replicates ``a`` 825,020 (enumerated over the whole space).
-TIGHT = 800_000
+# A budget only plans that shard the big unit fit: the smallest peak of any plan is 816,016 bytes, of
+# any that replicates ``a`` 857,012 (enumerated over the whole space).
+TIGHT = 840_000
 
 
 @pytest.mark.parametrize("budget", [None, TIGHT], ids=["unbounded", "tight"])

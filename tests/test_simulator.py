@@ -66,6 +66,16 @@ def _sharded(residency="after_forward", window=1, inflight=None, budget=None):
     return Simulator(PROFILE, STRUCTURE, COMM, world_size=2, budget_bytes=budget).run(plan, record=True)
 
 
+def _one_group_sharded():
+    """Both units sharded, gathered together without prefetch, one reduce-scatter bucket."""
+    return Plan(
+        world_size=2,
+        units=[UnitPlan("u0", ["u0.w"], "shard", "after_backward"), UnitPlan("u1", ["u1.w"], "shard", "after_backward")],
+        gather_groups=[GatherGroup(["u0", "u1"], Prefetch(0, 0))],
+        buckets=[Bucket(["u1.w", "u0.w"], "reduce_scatter")],
+    )
+
+
 def _names(result, stream):
     return [e.name for e in result.events if e.stream == stream]
 
@@ -191,12 +201,7 @@ def test_runtime_overheads_and_copies_are_charged_to_compute():
         dict(COMM.ops, h2d=_const(0.5 * MS)),
         overhead={"per_gather_s": 1 * MS, "per_bucket_s": 2 * MS, "per_unit_s": 4 * MS},
     )
-    plan = Plan(
-        world_size=2,
-        units=[UnitPlan("u0", ["u0.w"], "shard", "after_backward"), UnitPlan("u1", ["u1.w"], "shard", "after_backward")],
-        gather_groups=[GatherGroup(["u0", "u1"], Prefetch(0, 0))],
-        buckets=[Bucket(["u1.w", "u0.w"], "reduce_scatter")],
-    )
+    plan = _one_group_sharded()
     r = Simulator(PROFILE, STRUCTURE, costly, world_size=2).run(plan)
     # gather: 1 ms bookkeeping, AG [1,3], 0.5 ms copy-out (two parameters share the buffer): 3.5
     # four unit segments each 2 ms longer (half of 4 ms per unit, per pass): fwd 3.5..15.5..27.5,
@@ -250,12 +255,7 @@ def test_fresh_memory_is_paid_where_the_runtime_allocates_it():
     fresh = CommModel("test", 2, "cpu", COMM.ops, first_touch=[[500.0, 0.0], [1000.0, 1 * MS]])
     assert fresh.first_touch_s(400) == 0.0 and fresh.first_touch_s(750) == pytest.approx(0.5 * MS)
     assert fresh.first_touch_s(2000) == pytest.approx(2 * MS)  # proportional beyond the largest
-    sharded = Plan(
-        world_size=2,
-        units=[UnitPlan("u0", ["u0.w"], "shard", "after_backward"), UnitPlan("u1", ["u1.w"], "shard", "after_backward")],
-        gather_groups=[GatherGroup(["u0", "u1"], Prefetch(0, 0))],
-        buckets=[Bucket(["u1.w", "u0.w"], "reduce_scatter")],
-    )
+    sharded = _one_group_sharded()
     r = Simulator(PROFILE, STRUCTURE, fresh, world_size=2).run(sharded)
     # the group's all-gather lands in a new 2000-byte buffer: 2 + 2 ms [0,4]; the copy-out writes two
     # new 1000-byte full tensors: 2 ms -> 6; fwd 6..26; bwd 26..66 (the profile's gradients were
