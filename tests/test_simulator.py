@@ -76,6 +76,15 @@ def _one_group_sharded():
     )
 
 
+def _two_all_reduce_buckets():
+    """Both units replicated, one all-reduce bucket each."""
+    return Plan(
+        world_size=2,
+        units=[UnitPlan("u0", ["u0.w"]), UnitPlan("u1", ["u1.w"])],
+        buckets=[Bucket(["u1.w"], "all_reduce"), Bucket(["u0.w"], "all_reduce")],
+    )
+
+
 def _names(result, stream):
     return [e.name for e in result.events if e.stream == stream]
 
@@ -184,11 +193,7 @@ def test_infeasible_plan_is_flagged():
 
 def test_slowdown_stretches_overlapped_compute():
     slow = CommModel("test", 2, "cpu", COMM.ops, compute_slowdown=2.0, comm_slowdown=1.0)
-    plan = Plan(
-        world_size=2,
-        units=[UnitPlan("u0", ["u0.w"]), UnitPlan("u1", ["u1.w"])],
-        buckets=[Bucket(["u1.w"], "all_reduce"), Bucket(["u0.w"], "all_reduce")],
-    )
+    plan = _two_all_reduce_buckets()
     r = Simulator(PROFILE, STRUCTURE, slow, world_size=2).run(plan)
     # bwd u1 20..40; AR u1 [40,44] runs while bwd u0 computes: its first 4 ms of wall time do
     # 2 ms of work, so bwd u0 ends at 40 + 4 + 18 = 62; AR u0 [62,66]
@@ -237,11 +242,7 @@ def test_a_collective_stays_slowed_while_the_compute_thread_waits_for_it():
     # (rows of the contention table: bytes, compute slowdown, comm slowdown, slowdown while waiting)
     rows = [[1.0, 1.0, 2.0, 1.5]]
     slow = CommModel("test", 2, "cpu", COMM.ops, contention={"all_reduce": rows})
-    plan = Plan(
-        world_size=2,
-        units=[UnitPlan("u0", ["u0.w"]), UnitPlan("u1", ["u1.w"])],
-        buckets=[Bucket(["u1.w"], "all_reduce"), Bucket(["u0.w"], "all_reduce")],
-    )
+    plan = _two_all_reduce_buckets()
     r = Simulator(PROFILE, STRUCTURE, slow, world_size=2).run(plan)
     # bwd u1 20..40; AR u1 [40, 48] overlaps bwd u0 (40..60) entirely: 8 ms of wall time at half speed;
     # AR u0 issued at 60 and waited for at once: 4 ms of work at 1/1.5 speed -> 66
