@@ -575,8 +575,9 @@ class Simulator:
                     if p in held:
                         # autograd added this micro-batch's gradient into the one held since earlier
                         # micro-batches: that tensor is what is taken now, not a second one
-                        bk.held -= held_bytes(p)
-                        emit((_MEM, g - held_bytes(p), GRADIENTS))
+                        hb = held_bytes(p)
+                        bk.held -= hb
+                        emit((_MEM, g - hb, GRADIENTS))
                     else:
                         emit((_MEM, g, GRADIENTS))
                     if bk.deferred * 4 >= bk.in_bytes:
