@@ -176,3 +176,41 @@ def test_runtime_device_pool_accounting_matches_the_simulator(world2, variant):
     assert r0["runtime"] == r0["simulated"]
     assert [e for e, _ in r1["runtime"]] == [e for e, _ in r1["simulated"]]
     assert all(v1 <= v0 for (_, v1), (_, v0) in zip(r1["runtime"], r0["simulated"]))
+
+
+def _device_bytes_over_micro_batches():
+    """Offloaded state on the device after each backward of a step of 3 micro-batches (the first two
+    under ``no_sync``), and at the step's start."""
+    rank = dist.get_rank()
+    plan = dataclasses.replace(_offload_plan({"residency": "after_forward"}, "adamw", "whole-after-step"), grad_accum_steps=3)
+    torch.manual_seed(0)
+    model = AutoDist(models.make("mlp"), plan=plan)
+    opt = _opt("adamw", model.parameters())
+    gen = torch.Generator().manual_seed(rank)
+    account = model.runtime.offload.account
+    seen = []
+    for _ in range(3):
+        seen = []
+        for micro in range(3):
+            x, y = models.batch("mlp", 4, gen)
+            if micro < 2:
+                with model.no_sync():
+                    out = model(x)
+                    if micro == 0:
+                        seen.append(account.device_bytes)  # the step's copy-outs are finished by now
+                    models.loss_fn("mlp", out, y).backward()
+            else:
+                models.loss_fn("mlp", model(x), y).backward()
+            seen.append(account.device_bytes)
+        opt.step()
+        opt.zero_grad()
+    model.close()
+    return seen
+
+
+def test_offloaded_state_stays_on_the_host_until_the_synchronising_backward(world2):
+    # the copy-backs anchored at a unit's backward run in the backward that reduces: under no_sync
+    # the state stays off the device (as the simulator plans it), and comes back for the step
+    for start, after0, after1, after_sync in world2.run(_device_bytes_over_micro_batches):
+        assert after0 == after1 == start
+        assert after_sync > start

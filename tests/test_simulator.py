@@ -55,15 +55,20 @@ PROFILE = Profile(
 STRUCTURE = discover(_Two())
 
 
-def _sharded(residency="after_forward", window=1, inflight=None, budget=None):
-    plan = Plan(
+def _sharded_plan(residency="after_forward", window=1, inflight=None):
+    """Each unit sharded and gathered alone, one reduce-scatter bucket each."""
+    return Plan(
         world_size=2,
         units=[UnitPlan("u0", ["u0.w"], "shard", residency), UnitPlan("u1", ["u1.w"], "shard", residency)],
         gather_groups=[GatherGroup(["u0"], Prefetch(window, window)), GatherGroup(["u1"], Prefetch(window, window))],
         buckets=[Bucket(["u1.w"], "reduce_scatter"), Bucket(["u0.w"], "reduce_scatter")],
         max_inflight_buckets=inflight,
     )
-    return Simulator(PROFILE, STRUCTURE, COMM, world_size=2, budget_bytes=budget).run(plan, record=True)
+
+
+def _sharded(residency="after_forward", window=1, inflight=None, budget=None, comm=COMM):
+    plan = _sharded_plan(residency, window, inflight)
+    return Simulator(PROFILE, STRUCTURE, comm, world_size=2, budget_bytes=budget).run(plan, record=True)
 
 
 def _one_group_sharded():
@@ -145,6 +150,36 @@ def test_persistent_refresh_overlaps_next_forward():
     assert _names(r, "comm")[:2] == ["all_gather refresh u0", "all_gather refresh u1"]
 
 
+def _with_transient(**per_byte):
+    """COMM whose collectives allocate backend buffers of ``per_byte`` times their message."""
+    comm = CommModel.from_json(COMM.to_json())
+    comm.transient = dict(per_byte)
+    return comm
+
+
+def test_a_reduce_scatters_backend_buffer_is_held_until_its_wait():
+    # gloo's reduce-scatter allocates half its message when issued and frees it with its work
+    # object, which the runtime drops at the wait: 504 bytes per bucket (message 1008)
+    r = _sharded(comm=_with_transient(reduce_scatter=0.5))
+    # as test_after_forward_window_1 (7520 when u0's input is allocated at 64), plus RS u1's buffer,
+    # held from its launch at 44 to the flush although RS u1 completed at 47: 8024; u0's gradient
+    # goes (7024), its output (504) and RS u0's buffer (504) come: 8032
+    assert r.peak_bytes == 8032
+    # in flight at the peak: both inputs (2 x 1008) and both backend buffers (2 x 504)
+    assert r.breakdown["communication buffers in flight"] == 3024
+
+
+def test_a_step_starts_with_the_last_steps_sharded_gradients_and_the_first_refreshs_buffer():
+    r = _sharded(residency="persistent", comm=_with_transient(all_gather=1.0))
+    # static 3000 + persistent full parameters 2000 + the previous step's reduce-scatter outputs
+    # (2 x 504: zero_grad dropped the gradients, their storage goes at the forward) = 6008
+    assert r.static_bytes == 6008
+    # the refresh of u0, taken up by the backend before the step, holds its 1000-byte buffer: 7008;
+    # the forward releases the outputs (6000); the refresh of u0 completes at 2 (5000) and u1's
+    # starts (6000) and completes at 4 (5000)
+    assert r.memory[:7] == [(0.0, 6008), (0.0, 7008), (0.0, 6504), (0.0, 6000), (2 * MS, 5000), (2 * MS, 6000), (4 * MS, 5000)]
+
+
 def test_bounded_inflight_reductions_wait_in_backward():
     r = _sharded(inflight=0)
     # RS u1 [44,47] is waited for right away: bwd u0 runs 47..67, RS u0 [67,70]; check 70..74
@@ -221,13 +256,7 @@ def test_the_compute_thread_pays_for_issuing_and_collecting_each_collective():
     hosted = CommModel("test", 2, "cpu", COMM.ops, host={
         "all_gather": _const(0.5 * MS), "reduce_scatter": _const(1 * MS), "all_reduce": _const(0.25 * MS),
     })
-    plan = Plan(
-        world_size=2,
-        units=[UnitPlan("u0", ["u0.w"], "shard", "after_backward"), UnitPlan("u1", ["u1.w"], "shard", "after_backward")],
-        gather_groups=[GatherGroup(["u0"], Prefetch(1, 1)), GatherGroup(["u1"], Prefetch(1, 1))],
-        buckets=[Bucket(["u1.w"], "reduce_scatter"), Bucket(["u0.w"], "reduce_scatter")],
-    )
-    r = Simulator(PROFILE, STRUCTURE, hosted, world_size=2).run(plan)
+    r = _sharded("after_backward", comm=hosted)
     # fwd: issue AG u0 0..0.5, AG u0 [0.5,2.5]; at u0 its own group first (wait to 2.5), then the
     #      prefetch: issue AG u1 2.5..3, AG u1 [3,5]; fwd u0 3..13; fwd u1 13..23 (u1 already there)
     # bwd u1 23..43; issue RS u1 43..44, RS u1 [44,47]; bwd u0 44..64; issue RS u0 64..65,

@@ -25,9 +25,12 @@ Two stages:
    start.
 
 Memory is tracked per event: static state (shards, replicas, optimizer state, persistent full
-parameters, reduction buffers) plus gathered parameters (issue to free), backend staging buffers
-while a collective runs, activations (end of a unit's forward to the end of its backward), gradients
-waiting for their bucket, reduction inputs (launch to wait), and each segment's transient peak.
+parameters, reduction buffers, and the previous step's reduce-scatter outputs until the forward
+releases them) plus gathered parameters (issue to free), backend staging buffers (an all-gather's
+while it runs — the first persistent refresh's from the step's start, as it was taken up before —
+and a reduce-scatter's from launch to wait, as its work object owns it), activations (end of a
+unit's forward to the end of its backward), gradients waiting for their bucket, reduction inputs
+(launch to wait), and each segment's transient peak.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class CommOp:
     seconds: float
     staging_bytes: int  # allocated by the backend while the op runs
     end_bytes: int = 0  # memory released (negative) or taken when the op completes
+    end_category: int = OPTIMIZER  # what ``end_bytes`` is for
     stream: int = 0  # 0: the communication queue, 1: the copy queue (offload)
     start: float = -1.0
     end: float = -1.0
@@ -202,6 +206,7 @@ class _Bucket:
     held: int = 0  # bytes of gradients accumulated outside the bucket over earlier micro-batches
     out_live: bool = False  # the reduce-scatter output (the sharded gradient) is allocated
     restore: bool = False  # a copy of the accumulated sharded gradient is held during the reduction
+    staging: int = 0  # the backend's buffer for the reduce-scatter in flight (launch to wait)
 
 
 def _distinct(groups) -> list:
@@ -493,7 +498,7 @@ class Simulator:
         def finish(bk: _Bucket) -> None:
             emit((_WAIT, bk.opi))
             if bk.op == "reduce_scatter":
-                emit((_MEM, -bk.in_bytes, COMM))
+                emit((_MEM, -bk.in_bytes - bk.staging, COMM))
                 if bk.restore:  # the accumulated sharded gradient, saved while the output was overwritten
                     emit((_MEM, -bk.out_bytes, GRADIENTS))
                     bk.restore = False
@@ -520,7 +525,13 @@ class Simulator:
                     emit((_MEM, bk.out_bytes, GRADIENTS))
                     bk.out_live = True
                 secs = self._time("reduce_scatter", bk.msg_bytes)
-                ops.append(CommOp("reduce_scatter", f"bucket{bk.index}", bk.msg_bytes, secs, int(t_rs * bk.msg_bytes)))
+                # [Note: reduce-scatter staging] the backend's own buffer (gloo: one shard-sized
+                # message, allocated when the collective is issued) belongs to its work object, which
+                # the runtime drops at the wait, not when the collective completes: it is held from
+                # the launch to the wait, in program order
+                bk.staging = int(t_rs * bk.msg_bytes)
+                emit((_MEM, bk.staging, COMM))
+                ops.append(CommOp("reduce_scatter", f"bucket{bk.index}", bk.msg_bytes, secs, 0))
             else:
                 secs = self._time("all_reduce", bk.msg_bytes)
                 ops.append(CommOp("all_reduce", f"bucket{bk.index}", bk.msg_bytes, secs, int(t_ar * bk.msg_bytes)))
@@ -735,9 +746,17 @@ class Simulator:
 
         # The steady-state step. What the previous step leaves behind: persistent groups resident,
         # their refresh (issued by the previous optimizer step) in flight; everything else idle.
-        for grp in sorted((g for g in groups if g.residency == "persistent"), key=lambda g: pos.get(g.units[0], 0)):
+        # The backend's buffer for the first refresh (gloo: message-sized, on its own thread) was
+        # allocated when the refresh was taken up, before this step: held from the step's start
+        # until the refresh completes; the others' when their turn comes.
+        for k, grp in enumerate(sorted((g for g in groups if g.residency == "persistent"), key=lambda g: pos.get(g.units[0], 0))):
             secs = self._time("all_gather", grp.msg_bytes)
-            ops.append(CommOp("all_gather", f"refresh {grp.units[0]}", grp.msg_bytes, secs, int(t_ag * grp.msg_bytes)))
+            staging = int(t_ag * grp.msg_bytes)
+            if k == 0:
+                ops.append(CommOp("all_gather", f"refresh {grp.units[0]}", grp.msg_bytes, secs, 0, end_bytes=-staging, end_category=COMM))
+            else:
+                ops.append(CommOp("all_gather", f"refresh {grp.units[0]}", grp.msg_bytes, secs, staging))
+                staging = 0
             grp.op = len(ops) - 1
             grp.state = "issued"
             grp.refreshing = True
@@ -745,8 +764,15 @@ class Simulator:
             persistent_full += grp.full_bytes
             if grp.recv_bytes:
                 emit((_MEM, grp.recv_bytes, GATHERED))
+            if staging:
+                emit((_MEM, staging, COMM))
             emit((_ISSUE, grp.op))
         static[GATHERED] += persistent_full
+        # ... the previous step's reduce-scatter outputs: zero_grad dropped their gradients, and their
+        # storage goes at the next forward (runtime/reducer.py, ``release_if_unused``), so they are
+        # still held while the refreshes above are in flight ...
+        carried = [bk for bk in buckets if bk.op == "reduce_scatter"]
+        static[GRADIENTS] += sum(bk.out_bytes for bk in carried)
         # ... and the copy-out of offloaded state the previous optimizer step started
         copy_out(out_at.get("step", []))
         held: set[str] = set()
@@ -767,6 +793,9 @@ class Simulator:
             # forward (the runtime's rules: autodist/runtime/engine.py, autodist/schedule.py): the
             # optimizer step's copy-outs are finished and released first
             sections.append((len(prog), f"forward{at}"))
+            if micro == 0:
+                for bk in carried:
+                    emit((_MEM, -bk.out_bytes, GRADIENTS))
             finish_out()
             emit((_C, prof.pre_fwd_s, "forward", 0))
             fcur = TriggerCursor(fwd_trig)
@@ -874,7 +903,8 @@ class Simulator:
         # the sync point: every offloaded fragment is back before the step
         sections.append((len(prog), "optimizer"))
         finish_back()
-        # optimizer step (the next step's refresh and copy-out are issued after it), then zero_grad
+        # optimizer step (the next step's refresh and copy-out are issued after it); zero_grad then
+        # drops the gradients, the reduce-scatter outputs' storage staying until the next forward
         emit((_MEM, opt_transient, OPTIMIZER))
         emit((_C, opt_s, "optimizer", 0))
         emit((_MEM, -opt_transient, OPTIMIZER))
@@ -882,10 +912,6 @@ class Simulator:
         refresh_s = sum(per_gather + self._host("all_gather", g.msg_bytes) for g in groups if g.residency == "persistent")
         if refresh_s:
             emit((_C, refresh_s, "gather bookkeeping", 0))
-        for bk in buckets:
-            if bk.op == "reduce_scatter" and bk.out_live:
-                emit((_MEM, -bk.out_bytes, GRADIENTS))
-                bk.out_live = False
         return Program(prog, ops, static, log, offload_log, sections, plan, self.compute_bytes)
 
     def _memory_windows(self, plan: Plan) -> list[int]:
@@ -985,7 +1011,7 @@ class Simulator:
             if op.staging_bytes:
                 timed.append((now, -op.staging_bytes, COMM))
             if op.end_bytes:
-                timed.append((now, op.end_bytes, OPTIMIZER))
+                timed.append((now, op.end_bytes, op.end_category))
             if record:
                 events.append(Event(names[s], f"{op.kind} {op.label}", op.start, now))
             start_next(s, now)

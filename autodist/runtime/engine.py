@@ -725,7 +725,9 @@ class Engine:
             step = self._step
             if site.unit is not None:
                 step.bwd_current = site.unit
-            if self.offload.active and site.unit is not None:
+            if self.offload.active and site.unit is not None and step.sync:
+                # only the synchronising backward brings state back for the step: under no_sync the
+                # state stays on the host through every earlier micro-batch (the simulator's rule)
                 keys = self.offload.back_at.get(f"backward:{site.unit}")
                 if keys:
                     self.offload.copy_back(keys)
