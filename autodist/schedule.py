@@ -138,7 +138,8 @@ def launchable(buckets_pending: Sequence[int], next_launch: int) -> int:
 class ActionLog:
     """The actions of a step in one vocabulary for the runtime and the simulator: ``("gather",
     group units label)``, ``("free", label)``, ``("recompute", block)``, ``("reduce", bucket index)``,
-    ``("refresh", label)``. ``deviations`` counts units that ran other than planned (control flow)."""
+    ``("refresh", label)``, ``("copy_out", "param/state")``, ``("copy_back", "param/state")`` (an
+    offloaded optimizer-state tensor leaving or returning to the device). ``deviations`` counts units that ran other than planned (control flow)."""
 
     actions: list[tuple[str, str]] = field(default_factory=list)
     deviations: list[str] = field(default_factory=list)

@@ -1,5 +1,5 @@
 """One schedule for the runtime and the simulator (issue 13): the actions the runtime takes in a
-step — gathers, frees, recomputations, reductions, in order — are the actions the simulator
+step — gathers, frees, recomputations, reductions, offload copies, in order — are the actions the simulator
 compiled for the same plan, for every kind of plan; and control flow that departs from the learned
 order is recorded as a deviation, not absorbed silently.
 """
@@ -36,6 +36,8 @@ PLANS = {
     "random2": ("mlp", {"random": 2}, 1),
     "random3": ("gpt", {"random": 3}, 1),
     "offload": ("gpt", "fsdp+offload", 1),
+    # copied back at each unit's backward: only the synchronising micro-batch's brings state back
+    "offload-accumulate": ("gpt", "fsdp+offload@backward", 3),
     "memory-windows": ("gpt", {"grouping": "unit", "window": "memory"}, 1, 1_000_000),
 }
 
@@ -50,15 +52,19 @@ def runtime_and_simulated_actions(model_name: str, plan_spec, micro: int, budget
         models.make(model_name), structure, (batches[0][0],), device=torch.device("cpu"),
         loss_fn=lambda out: models.loss_fn(model_name, out, batches[0][1]),
     )
-    if plan_spec == "fsdp+offload":  # every optimizer-state tensor on the host, back at the step
+    if plan_spec in ("fsdp+offload", "fsdp+offload@backward"):  # every optimizer-state tensor on the host
         from dataclasses import replace as _replace
 
         from autodist import OffloadFragment
         from autodist.builtins import fsdp_plan
 
         plan = fsdp_plan(structure, world)
+        unit_of = {p: u.name for u in plan.units for p in u.params}
         frags = [
-            OffloadFragment(p, "momentum_buffer", (0, -(-structure.params[p].shape[0] // world) * (structure.params[p].numel // structure.params[p].shape[0])), "step", "step")
+            OffloadFragment(
+                p, "momentum_buffer", (0, -(-structure.params[p].shape[0] // world) * (structure.params[p].numel // structure.params[p].shape[0])),
+                "step", "step" if plan_spec == "fsdp+offload" else f"backward:{unit_of[p]}",
+            )
             for p in structure.trainable
         ]
         plan = _replace(plan, offload=frags)
@@ -77,10 +83,10 @@ def runtime_and_simulated_actions(model_name: str, plan_spec, micro: int, budget
             x, y = batches[step * micro + m]
             with model.no_sync() if m < micro - 1 else torch.enable_grad():
                 models.loss_fn(model_name, model(x), y).backward()
-        if step == 0:  # record from the first step's optimizer step (persistent refreshes) on
+        if step == 0:  # record from the first step's optimizer step (persistent refreshes) on ...
             log = model.runtime.record_actions()
-        else:
-            model.runtime.record_actions(False)
+        else:  # ... to the second's sync point (offloaded state back), before its refreshes
+            opt.register_step_pre_hook(lambda *_: model.runtime.record_actions(False))
         opt.step()
         opt.zero_grad()
     in_force = model.plan

@@ -684,6 +684,7 @@ class Simulator:
                 copy_ops[k] = len(ops) - 1
                 emit((_ISSUE, len(ops) - 1))
                 state[k] = "out"
+                log.add("copy_out", f"{k[0]}/{k[1]}")
                 started = True
             if started:
                 offload_log.append(("copy-out start", managed[0]))
@@ -713,6 +714,7 @@ class Simulator:
                 copy_ops[k] = len(ops) - 1
                 emit((_ISSUE, len(ops) - 1))
                 state[k] = "back"
+                log.add("copy_back", f"{k[0]}/{k[1]}")
                 started = True
             if started:
                 offload_log.append(("copy-back start", managed[0]))

@@ -300,6 +300,7 @@ class Engine:
             g.record = self._record
         for b in self.reducer.buckets:
             b.record = self._record
+        self.offload.record = self._record
         self._compute_forward_triggers()
         self._install_hooks()
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -150,6 +150,7 @@ class OffloadManager:
         self.params = params
         self.fragments = fragments
         self.account = PoolAccount()
+        self.record: Callable[[str, object], None] | None = None  # the engine's action log, when on
         self.entries: dict[tuple[str, str], _Entry] = {}
         self._spec: dict[tuple[str, str], list[tuple[int, int]]] = {}
         self.out_at: dict[str, list[tuple[str, str]]] = {}  # anchor ("step" | "forward:u") -> keys
@@ -229,6 +230,8 @@ class OffloadManager:
                 continue
             e.status = FragState.OUT
             started = True
+            if self.record is not None:
+                self.record("copy_out", f"{e.param}/{e.state}")
             itemsize = e.t.element_size()
             e.d = torch.empty(e.kept_numel, dtype=e.t.dtype, device=e.t.device)
             self.account.device_bytes += e.kept_numel * itemsize
@@ -286,6 +289,8 @@ class OffloadManager:
                 continue
             e.status = FragState.BACK
             started = True
+            if self.record is not None:
+                self.record("copy_back", f"{e.param}/{e.state}")
             itemsize = e.t.element_size()
             e.t.untyped_storage().resize_(e.numel * itemsize)
             self.account.device_bytes += e.numel * itemsize
