@@ -116,7 +116,7 @@ class AutoDist(nn.Module):
             )
         if param_init_fn is not None and not callable(param_init_fn):
             raise TypeError(f"param_init_fn must be callable with a module, got {type(param_init_fn).__name__}")
-        mixed_precision = MixedPrecision.coerce(mixed_precision)
+        mixed_precision = MixedPrecision.coerce(mixed_precision, module)
         _check_plan_argument(plan)
         if (example_inputs is not None or example_kwargs is not None) and not (isinstance(plan, str) and plan == "auto"):
             raise ValueError("example_inputs/example_kwargs are only used by plan='auto'; drop them or pass plan='auto'")

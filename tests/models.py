@@ -106,16 +106,17 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    """Tied input/output embeddings: ``head.weight`` is ``wte.weight``."""
+    """Tied input/output embeddings: ``head.weight`` is ``wte.weight`` (unless ``tied=False``)."""
 
-    def __init__(self, vocab=53, d=24, layers=2, heads=2, seq=8):
+    def __init__(self, vocab=53, d=24, layers=2, heads=2, seq=8, tied=True):
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(seq, d)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.wte.weight
+        if tied:
+            self.head.weight = self.wte.weight
 
     def forward(self, idx):
         pos = torch.arange(idx.shape[1], device=idx.device)
@@ -255,6 +256,7 @@ MODELS = {
     "branchy": Branchy,
     "frozen": Frozen,
     "gpt": TinyGPT,
+    "gpt-untied": lambda: TinyGPT(tied=False),
     "gpt-ckpt-nonreentrant": lambda: CheckpointedGPT("nonreentrant"),
     "gpt-ckpt-reentrant": lambda: CheckpointedGPT("reentrant"),
     "gpt-ckpt-selective": lambda: CheckpointedGPT("selective"),

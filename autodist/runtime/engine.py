@@ -55,6 +55,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
+from torch.torch_version import TorchVersion
 
 from .._log import OnceLogger, logger
 from .._tree import output_leaves
@@ -80,13 +81,19 @@ from .reducer import BucketRuntime, Reducer
 LAUNCH_POLICIES = ("ready", "sampled")
 
 
+# torch 2.15 changed FSDP2's MixedPrecisionPolicy(reduce_dtype=None) from reducing in param_dtype to
+# reducing in the parameter's own dtype (see its docstring's "versionchanged")
+_FSDP2_REDUCES_IN_ORIGINAL_DTYPE = TorchVersion(torch.__version__) >= (2, 15)
+
+
 @dataclass
 class MixedPrecision:
     """Compute and reduction dtypes, as FSDP2's ``MixedPrecisionPolicy``.
 
     ``param_dtype``: dtype of the full parameters used in forward/backward (and of all-gathers);
     master parameters and optimizer state keep their own dtype. ``reduce_dtype``: dtype gradients
-    are reduced in (default: ``param_dtype``). ``cast_forward_inputs``: cast floating-point inputs of
+    are reduced in (default: ``param_dtype``, as FSDP2 before torch 2.15; a torch policy passed instead
+    keeps its own default, see ``coerce``). ``cast_forward_inputs``: cast floating-point inputs of
     the root forward to ``param_dtype``.
     """
 
@@ -95,13 +102,27 @@ class MixedPrecision:
     cast_forward_inputs: bool = True
 
     @classmethod
-    def coerce(cls, policy: object) -> MixedPrecision | None:
+    def coerce(cls, policy: object, module: nn.Module | None = None) -> MixedPrecision | None:
+        """``policy`` as a ``MixedPrecision``. torch's ``MixedPrecisionPolicy`` keeps its own meaning of
+        ``reduce_dtype=None``: from torch 2.15 FSDP2 reduces each gradient in its parameter's dtype
+        (before, in ``param_dtype``, as ``MixedPrecision`` does), so it is resolved against
+        ``module``'s floating-point parameters."""
         if policy is None or isinstance(policy, MixedPrecision):
             return policy
         if hasattr(policy, "param_dtype") and hasattr(policy, "reduce_dtype"):
+            reduce_dtype = policy.reduce_dtype
+            if reduce_dtype is None and policy.param_dtype is not None and module is not None and _FSDP2_REDUCES_IN_ORIGINAL_DTYPE:
+                dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
+                if len(dtypes) > 1:
+                    raise ValueError(
+                        f"torch's MixedPrecisionPolicy with reduce_dtype=None reduces each gradient in its parameter's "
+                        f"dtype (torch >= 2.15), and this model's parameters have several ({sorted(map(str, dtypes))}); "
+                        "AutoDist reduces in one dtype: set reduce_dtype explicitly"
+                    )
+                reduce_dtype = dtypes.pop() if dtypes else None
             return cls(
                 param_dtype=policy.param_dtype,
-                reduce_dtype=policy.reduce_dtype,
+                reduce_dtype=reduce_dtype,
                 cast_forward_inputs=getattr(policy, "cast_forward_inputs", True),
             )
         raise TypeError(
