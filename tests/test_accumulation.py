@@ -185,4 +185,8 @@ def test_torch_policy_without_reduce_dtype_on_a_model_of_several_dtypes_is_refus
         return
     with pytest.raises(ValueError, match="set reduce_dtype explicitly"):
         MixedPrecision.coerce(policy, model)
-    assert MixedPrecision.coerce(policy, models.make("mlp")).reduce_dtype == torch.float32
+    mlp = models.make("mlp")
+    assert MixedPrecision.coerce(policy, mlp).reduce_dtype == torch.float32
+    # a frozen parameter of another dtype has no gradient to reduce: it does not count
+    mlp.register_parameter("frozen_bf16", torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16), requires_grad=False))
+    assert MixedPrecision.coerce(policy, mlp).reduce_dtype == torch.float32

@@ -106,13 +106,13 @@ class MixedPrecision:
         """``policy`` as a ``MixedPrecision``. torch's ``MixedPrecisionPolicy`` keeps its own meaning of
         ``reduce_dtype=None``: from torch 2.15 FSDP2 reduces each gradient in its parameter's dtype
         (before, in ``param_dtype``, as ``MixedPrecision`` does), so it is resolved against
-        ``module``'s floating-point parameters."""
+        ``module``'s trainable floating-point parameters (frozen ones have no gradient to reduce)."""
         if policy is None or isinstance(policy, MixedPrecision):
             return policy
         if hasattr(policy, "param_dtype") and hasattr(policy, "reduce_dtype"):
             reduce_dtype = policy.reduce_dtype
             if reduce_dtype is None and policy.param_dtype is not None and module is not None and _FSDP2_REDUCES_IN_ORIGINAL_DTYPE:
-                dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
+                dtypes = {p.dtype for p in module.parameters() if p.is_floating_point() and p.requires_grad}
                 if len(dtypes) > 1:
                     raise ValueError(
                         f"torch's MixedPrecisionPolicy with reduce_dtype=None reduces each gradient in its parameter's "
