@@ -447,8 +447,10 @@ def _check_comm_options(args: argparse.Namespace) -> None:
 
 
 def _budget_line(e: Exception) -> str:
-    text = str(e)
-    return text.split(". ", 1)[0].rstrip(".")
+    """A :class:`~autodist.errors.BudgetError` without its advice (the command gives its own, in
+    its flags' words): everything before ``. To fit:`` — the breakdown itself contains full stops
+    (``activations (incl. the loss)``)."""
+    return str(e).split(". To fit:", 1)[0].rstrip(".")
 
 
 # ------------------------------------------------------------------------------------------------

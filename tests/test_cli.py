@@ -306,6 +306,20 @@ def test_plan_without_a_comm_model_says_how_to_get_one(cli: Cli, tmp_path: Path)
     assert "--bandwidth" in run.stderr and 'plan="auto"' in run.stderr
 
 
+def test_plan_under_a_budget_no_plan_fits_names_the_whole_breakdown(cli: Cli, tmp_path: Path) -> None:
+    """The one-line error keeps every part of the smallest plan's peak (the activations' category
+    name holds a full stop) and ends with the command's own advice."""
+    big_batch = [a if a != "4,16" else "8192,16" for a in TINY_ARGS]  # activations the largest part
+    run = cli.run("plan", *big_batch, "--world-size", "2", "--memory-limit", "64KB", "--out", tmp_path / "p.json")
+    assert_one_line_error(run, "autodist plan:")
+    line = run.stderr.strip()
+    assert "no plan fits the budget" in line and "made of" in line, line
+    assert re.search(r"made of activations \(incl\. the loss\) [\d.]+ [KMG]?i?B, ", line), line
+    assert "parameters (shards, replicas, compute copies)" in line, line
+    assert line.endswith("; raise --memory-limit or plan for more ranks"), line
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_an_interconnect_preset_and_bandwidth_latency_are_one_or_the_other(cli: Cli, tmp_path: Path) -> None:
     run = cli.run("plan", *TINY_ARGS, "--interconnect", "ib-hdr", "--world-size", "2", "--out", tmp_path / "p.json")
     assert_one_line_error(run, "autodist plan:")
