@@ -234,3 +234,38 @@ def test_a_backend_buffer_held_across_the_step_start_counts_toward_the_peak(worl
     across, inside, tensors = world2.run(_backend_buffer_across_the_window)[0]
     assert inside > tensors  # the backend's buffer is seen at all
     assert across == inside
+
+
+def _backend_buffers_of_collectives_issued_together():
+    """The peak while one all-gather, then two issued together, wait for a late peer (as a step's
+    persistent refreshes do, issued at the optimizer step), beyond the tensors themselves."""
+    import time
+
+    import torch.distributed as dist
+
+    from autodist.measure.memory import measure_step_peak
+
+    rank, n = dist.get_rank(), 1 << 20
+    shards, outs = [torch.ones(n // 2), torch.ones(n // 2)], [torch.empty(n), torch.empty(n)]
+
+    def issue(k: int) -> None:
+        if rank == 1:
+            time.sleep(0.3)  # rank 0's collectives wait for this rank: their buffers stay allocated
+        works = [dist.all_gather_into_tensor(outs[i], shards[i], async_op=True) for i in range(k)]
+        if rank == 0:
+            time.sleep(0.05)  # the backend's threads have taken them up
+        for w in works:
+            w.wait()
+
+    tensors = 2 * (n + n // 2) * 4
+    one = measure_step_peak(lambda: issue(1), torch.device("cpu"), lambda: shards + outs)
+    two = measure_step_peak(lambda: issue(2), torch.device("cpu"), lambda: shards + outs)
+    return one - tensors, two - tensors, n * 4
+
+
+def test_collectives_issued_together_hold_their_backend_buffers_at_once(world2):
+    # [Note: refresh buffers] in autodist/cost/simulator.py: gloo runs the refreshes an optimizer
+    # step issues on its worker threads at once, so the step starts with every one's buffer
+    one, two, message = world2.run(_backend_buffers_of_collectives_issued_together)[0]
+    assert one >= message  # one message-sized buffer
+    assert two >= 2 * message and two >= 1.9 * one, (one, two, message)

@@ -169,15 +169,16 @@ def test_a_reduce_scatters_backend_buffer_is_held_until_its_wait():
     assert r.breakdown["communication buffers in flight"] == 3024
 
 
-def test_a_step_starts_with_the_last_steps_sharded_gradients_and_the_first_refreshs_buffer():
+def test_a_step_starts_with_the_last_steps_sharded_gradients_and_every_refreshs_buffer():
     r = _sharded(residency="persistent", comm=_with_transient(all_gather=1.0))
     # static 3000 + persistent full parameters 2000 + the previous step's reduce-scatter outputs
     # (2 x 504: zero_grad dropped the gradients, their storage goes at the forward) = 6008
     assert r.static_bytes == 6008
-    # the refresh of u0, taken up by the backend before the step, holds its 1000-byte buffer: 7008;
-    # the forward releases the outputs (6000); the refresh of u0 completes at 2 (5000) and u1's
-    # starts (6000) and completes at 4 (5000)
-    assert r.memory[:7] == [(0.0, 6008), (0.0, 7008), (0.0, 6504), (0.0, 6000), (2 * MS, 5000), (2 * MS, 6000), (4 * MS, 5000)]
+    # the refreshes of u0 and u1, taken up together by the backend before the step (see
+    # test_collectives_issued_together_hold_their_backend_buffers_at_once in test_metrics.py), hold
+    # their 1000-byte buffers: 8008; the forward releases the outputs (7000); the refresh of u0
+    # completes at 2 (6000) and u1's at 4 (5000)
+    assert r.memory[:7] == [(0.0, 6008), (0.0, 7008), (0.0, 8008), (0.0, 7504), (0.0, 7000), (2 * MS, 6000), (4 * MS, 5000)]
 
 
 def test_bounded_inflight_reductions_wait_in_backward():

@@ -45,7 +45,8 @@ MAX_MEMORY_HEADROOM = 0.5
 # gather's full tensors and its receive buffer both held during the copy-out. 4: a reduce-scatter's
 # backend buffer held from launch to wait; the previous step's reduce-scatter outputs held until the
 # forward and the first persistent refresh's backend buffer from the step's start. 5: a collective's
-# time between the two fitted pieces' samples joins them (it dropped by up to 65% at the split).
+# time between the two fitted pieces' samples joins them (it dropped by up to 65% at the split);
+# the backend buffers of all the refreshes a step starts with are held from its start.
 SIMULATOR_VERSION = 5
 
 
