@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 # Measured by tools/simcheck.py on the four zoo models (2 CPU ranks, 60 plans: built-in, random and
-# searched; benchmarks/simcheck-*.json, simulator version 4, a quiet host: the same plan measured
-# twice came out 0.2-1.5% apart): the median absolute step-time error over all 60 plans (8.4%; per
-# model 7.3% gpt to 11.4% deep-mlp), and the largest measured excess of a peak over its prediction
-# (5.8%, a random plan of deep-mlp), below the 10% floor the headroom keeps.
+# searched; benchmarks/simcheck-*.json, simulator version 5, a quiet host: the same plan measured
+# twice came out 0.1-3.1% apart): the median absolute step-time error over all 60 plans (8.0%; per
+# model 4.6% wide-mlp to 22.4% deep-mlp), and the largest measured excess of a peak over its
+# prediction (4.7%, a searched plan of resnet18), below the 10% floor the headroom keeps.
 # tests/test_fidelity_defaults.py recomputes both from the committed JSON.
 DEFAULT_SEED_MARGIN = 0.08
 DEFAULT_MEMORY_HEADROOM = 0.10
