@@ -171,6 +171,18 @@ def test_a_plan_measured_twice_tells_the_measurement_s_own_noise():
     assert f["plans"] == 5 and f["median_abs_pct_error_time"] == pytest.approx(100 * 0.26 / 0.36)  # |0.1 - 0.36| / 0.36, the middle of five
 
 
+def test_the_spread_of_predictions_over_sweeps_is_each_plan_s_range_against_its_median():
+    from autodist.measure.fidelity import sweep_spread
+
+    rows = [{"plan": "ddp", "predicted_step_s_by_sweep": [0.10, 0.11, 0.09]},
+            {"plan": "fsdp", "predicted_step_s_by_sweep": [0.20, 0.30, 0.25]},
+            {"plan": "zero2", "predicted_step_s_by_sweep": [0.4, 0.4, 0.4]}]
+    s = sweep_spread(rows)
+    assert s["sweeps"] == 3 and s["max_plan"] == "fsdp"
+    assert s["max_pct"] == pytest.approx(100 * 0.10 / 0.25) and s["median_pct"] == pytest.approx(100 * 0.02 / 0.10)
+    assert sweep_spread([{"plan": "ddp", "predicted_step_s_by_sweep": [0.1]}]) == {}
+
+
 def test_a_plan_s_measured_step_is_the_lower_quartile_of_its_steps_as_the_profile_s_passes_are():
     """Predictions come from a profile summarised by the lower quartile of its passes; the measured
     steps they are checked against are summarised the same way ([Note: the lower quartile])."""

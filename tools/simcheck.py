@@ -7,12 +7,15 @@ for each plan — the built-in ddp/fsdp/zero2 plans, random valid plans (seeded;
 recomputed blocks and, with ``--accum N``, accumulation choices), and the plans the search picks
 under no budget and under two tighter ones (``--searched``) — predict step time and peak memory with
 the simulator and measure them (``--accum N``: steps of N micro-batches, the first N-1 under
-``no_sync``): the median step time over ``--steps``
-steps (the slowest rank's time per step) and the peak tensor memory of one more step (the slowest
+``no_sync``): the lower quartile of its step times over ``--passes`` passes of ``--steps`` steps
+(the slowest rank's time per step) and the peak tensor memory of one more step (the slowest
 rank's). Reports each plan, Spearman's rank correlation of predicted and measured step times, and
 the median absolute percentage error of time and of peak memory, as a table and (``--json``) as JSON
 with keys ``spearman``, ``median_abs_pct_error_time``, ``median_abs_pct_error_peak``, ``plans``.
 ``--trace-dir`` also writes, per plan, the simulated and the measured step as Chrome traces and PNGs.
+``--resweep`` measures the comm model again after every pass (as the profile is) and reports how far
+each plan's prediction moves from one sweep to another (``sweep_spread``): the comm model's own
+reproducibility on this host, apart from the simulator's error.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from autodist.measure.fidelity import (  # noqa: E402
     repeatability,
     slowest_over_ranks,
     summarize,
+    sweep_spread,
 )
 from autodist.measure.sweep import collective_train, sweep  # noqa: E402
 from autodist.measure.trace import profile_model  # noqa: E402
@@ -118,16 +122,25 @@ def worker(args: argparse.Namespace) -> None:
             print(f"[simcheck] {args.model} {c.name}: predicted {c.predicted.step_s * 1e3:.1f} ms, measured "
                   f"{c.measured_step_s * 1e3:.1f} ms", file=sys.stderr, flush=True)
 
+    sweeps = [comm]  # --resweep: the comm model measured again after every pass, as the profile is
+
+    def after_pass(p: int) -> None:
+        reprofile.after_pass(p)
+        if args.resweep:
+            sweeps.append(sweep(dist.group.WORLD, device))
+
     measure_plans(
         checks, wrap, batches, wl.loss, device=device, accum=args.accum, steps=args.steps, warmup=args.warmup,
         passes=args.passes, after_warmup=traces if args.trace_dir else None, progress=progress,
-        after_pass=reprofile.after_pass,
+        after_pass=after_pass,
     )
     # the predictions, from the profile of the minutes the plans were measured in
     prof = reprofile.predict(checks, structure, comm, world, record=bool(args.trace_dir))
+    by_sweep = [[Simulator(prof, structure, s, world_size=world).run(c.plan).step_s for s in sweeps] for c in checks]
     rows = [
-        dict(c.row(), simulate_ms=ms, measured_times_s=list(c.times), plan_json=json.loads(c.plan.to_json()))
-        for c, ms in zip(checks, sim_ms)
+        dict(c.row(), simulate_ms=ms, measured_times_s=list(c.times), plan_json=json.loads(c.plan.to_json()),
+             **({"predicted_step_s_by_sweep": preds} if args.resweep else {}))
+        for c, ms, preds in zip(checks, sim_ms, by_sweep)
     ]
     if rank == 0:
         overall = summarize(rows)
@@ -140,6 +153,7 @@ def worker(args: argparse.Namespace) -> None:
             "random_and_builtin": summarize([r for r in rows if not r["searched"]]),
             "searched": summarize([r for r in rows if r["searched"]]),
             "repeated": repeatability(rows),
+            "sweep_spread": sweep_spread(rows),
             "plans": rows,
             "comm_model": json.loads(comm.to_json()),
             "profile_compute_s": prof.compute_s,
@@ -174,6 +188,12 @@ def table(payload: dict) -> str:
             )
     for rep in payload.get("repeated", []):
         lines.append(f"  measured twice: {rep['plans'][0]} and {rep['plans'][1]}, {rep['pct_apart']:.1f}% apart (the noise floor)")
+    spread = payload.get("sweep_spread") or {}
+    if spread:
+        lines.append(
+            f"  predicted from {spread['sweeps']} comm sweeps: each plan's predictions {spread['median_pct']:.1f}% apart "
+            f"(median), {spread['max_pct']:.1f}% at most ({spread['max_plan']})"
+        )
     return "\n".join(lines)
 
 
@@ -192,6 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace-dir", default=None)
+    ap.add_argument("--resweep", action="store_true",
+                    help="measure the comm model again after every pass and report how far each plan's prediction moves with it")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -207,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
              "--accum", str(args.accum)]
     if args.searched:
         wargs.append("--searched")
+    if args.resweep:
+        wargs.append("--resweep")
     if args.batch is not None:
         wargs += ["--batch", str(args.batch)]
     if args.trace_dir:

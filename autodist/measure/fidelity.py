@@ -121,6 +121,24 @@ def repeatability(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def sweep_spread(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """How far each plan's prediction moves with the comm model it is made from: rows carry
+    ``predicted_step_s_by_sweep`` (the same profile, one comm model per sweep taken in the run);
+    per plan, the range of its predictions as a % of their median. Returns the number of sweeps,
+    the median and the largest range over the plans, and the plan with the largest (empty when no
+    row has two sweeps)."""
+    spreads = []
+    for r in rows:
+        preds = r.get("predicted_step_s_by_sweep") or []
+        if len(preds) > 1:
+            spreads.append((100 * (max(preds) - min(preds)) / statistics.median(preds), r["plan"], len(preds)))
+    if not spreads:
+        return {}
+    worst = max(spreads)
+    return {"sweeps": max(n for _, _, n in spreads), "median_pct": statistics.median(s for s, _, _ in spreads),
+            "max_pct": worst[0], "max_plan": worst[1]}
+
+
 def plans_to_check(
     space: PlanSpace, sim: Simulator, n: int, *, seed: int = 0, searched: bool = True,
     profile: Any = None, structure: Any = None, comm: Any = None, world: int = 1,
