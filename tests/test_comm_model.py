@@ -142,3 +142,31 @@ def test_the_model_s_contended_slowdown_is_its_time_under_the_train_against_alon
     assert factor == pytest.approx(2.5, rel=0.25)
     assert calls == [False] + [False, True] * 3  # one pass to size the train, then alone and contended in turn
     assert contended_slowdown(lambda: time.sleep(0.002), lambda s: (lambda: None), torch.device("cpu")) == pytest.approx(1.0, abs=0.3)
+
+
+def test_sweepcheck_tells_how_far_the_comm_models_move_each_plan_s_prediction():
+    """tools/sweepcheck.py: the committed deep-mlp simcheck record's plans, predicted from its own
+    comm model twice (nothing moves), then beside a copy whose all-gathers and reduce-scatters are
+    twice as slow while the compute thread waits — which moves the sharded plans, whose units wait
+    on them, and not ddp, which issues neither. A comm model of an older schema (another
+    checkout's) is read with this one's fields."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("sweepcheck_tool", root / "tools" / "sweepcheck.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    record = root / "benchmarks" / "simcheck-deep-mlp.json"
+    comm = json.loads(record.read_text())["comm_model"]
+    same = tool.spreads([str(record)], [json.dumps(comm), json.dumps(comm)])["deep-mlp"]
+    assert same["max_pct_apart"] == 0.0 and len(same["plans"]) == 15
+    slower = json.loads(json.dumps(comm))
+    for kind in ("all_gather", "reduce_scatter"):
+        for r in slower["contention"][kind]:
+            r[3] *= 2
+    slower["schema_version"] = 3  # measured by an older checkout
+    moved = {p["plan"]: p for p in tool.spreads([str(record)], [json.dumps(comm), json.dumps(slower)])["deep-mlp"]["plans"]}
+    fsdp = moved["fsdp"]
+    assert fsdp["predicted_step_s"][1] > fsdp["predicted_step_s"][0]
+    assert fsdp["pct_apart"] > 5 and moved["ddp"]["pct_apart"] == 0.0

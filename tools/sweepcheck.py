@@ -1,0 +1,141 @@
+"""How reproducible is the comm model on this host? Several sweeps, and how far they move predictions.
+
+    python tools/sweepcheck.py --sweeps 4 --json benchmarks/sweepcheck.json
+    python tools/sweepcheck.py --sweeps 4 --against ../other-checkout        # two versions, alternating
+
+Measures the comm model ``--sweeps`` times on 2 CPU ranks, one launch of torchrun per sweep (as a
+first ``plan="auto"`` on a machine measures it), then predicts every plan of the given simcheck
+records (``benchmarks/simcheck-*.json`` by default: each holds its model's profile and plans) from
+each sweep with this checkout's simulator and reports, per model, how far each plan's predictions
+lie apart (their range as a % of their median; the median and the largest over the plans). The
+profile and the plans are fixed, so what moves is only the comm model: its own reproducibility, apart
+from the simulator's error and from the profile's.
+
+``--against PATH`` also sweeps with the ``autodist`` package of another checkout, alternating
+launches (this one, the other, this one, ...), so that a host whose speed drifts over minutes
+touches both sets alike; its comm models are read with this checkout's fields whatever schema
+version they carry (the tool's business: a comparison of how two versions measure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+HERE = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def worker(repo: str, out: str) -> None:
+    """One sweep on the default process group with ``repo``'s package; rank 0 writes it to ``out``."""
+    sys.path.insert(0, repo)
+    import torch
+    import torch.distributed as dist
+
+    from autodist.measure.sweep import sweep
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    model = sweep(dist.group.WORLD, torch.device("cpu"))
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            f.write(model.to_json())
+    dist.destroy_process_group()
+
+
+def measure(repo: str, out: str, nproc: int) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.abspath(__file__), "--worker", "--repo", repo, "--out", out]
+    rc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL).returncode
+    if rc != 0:
+        raise SystemExit(f"sweepcheck: the sweep with {repo} failed (exit code {rc})")
+
+
+def spreads(records: list[str], comm_texts: list[str]) -> dict[str, dict]:
+    """Per simcheck record: each plan's predictions from every comm model, and their spread."""
+    import torch
+
+    from autodist.cost.comm import COMM_SCHEMA_VERSION, CommModel
+    from autodist.cost.profile import Profile
+    from autodist.cost.simulator import Simulator
+    from autodist.plan import Plan
+    from autodist.structure import discover
+    from autodist.zoo import zoo
+
+    models = []
+    for text in comm_texts:
+        d = json.loads(text)
+        d["schema_version"] = COMM_SCHEMA_VERSION  # see the module docstring (--against)
+        models.append(CommModel.from_dict(d))
+    out = {}
+    for path in records:
+        with open(path) as f:
+            rec = json.load(f)
+        torch.manual_seed(0)
+        structure = discover(zoo("default")[rec["model"]].build())
+        prof = Profile.from_json(json.dumps(rec["profile"]))
+        sims = [Simulator(prof, structure, m, world_size=rec["world_size"]) for m in models]
+        plans = []
+        for p in rec["plans"]:
+            plan = Plan.from_json(json.dumps(p["plan_json"]))
+            preds = [s.run(plan).step_s for s in sims]
+            plans.append({"plan": p["plan"], "predicted_step_s": preds,
+                          "pct_apart": 100 * (max(preds) - min(preds)) / statistics.median(preds)})
+        name = rec["model"] + (f"-accum{rec['accum']}" if rec.get("accum", 1) > 1 else "")
+        apart = [p["pct_apart"] for p in plans]
+        out[name] = {"median_pct_apart": statistics.median(apart), "max_pct_apart": max(apart), "plans": plans}
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("records", nargs="*", help="simcheck JSONs (default: benchmarks/simcheck-*.json)")
+    ap.add_argument("--sweeps", type=int, default=4, help="sweeps per checkout (default 4)")
+    ap.add_argument("--against", default=None, help="another checkout whose sweep is compared, alternating")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--repo", default=HERE, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args.repo, args.out)
+        return 0
+    records = args.records or sorted(glob.glob(os.path.join(HERE, "benchmarks", "simcheck-*.json")))
+    repos = {"this": HERE, **({"against": os.path.abspath(args.against)} if args.against else {})}
+    texts: dict[str, list[str]] = {k: [] for k in repos}
+    with tempfile.TemporaryDirectory() as d:
+        for i in range(args.sweeps):
+            for name, repo in repos.items():
+                path = os.path.join(d, f"{name}{i}.json")
+                measure(repo, path, args.nproc)
+                with open(path) as f:
+                    texts[name].append(f.read())
+                print(f"[sweepcheck] sweep {i + 1}/{args.sweeps} ({name}) done", file=sys.stderr, flush=True)
+    result = {name: spreads(records, t) for name, t in texts.items()}
+    payload = {"sweeps": args.sweeps, "checkouts": repos, "by_checkout": result,
+               "comm_models": {name: [json.loads(t) for t in ts] for name, ts in texts.items()}}
+    print(f"each plan's predictions from {args.sweeps} sweeps: % apart, median / largest over the model's plans")
+    print(f"  {'model':<16}" + "".join(f"{name:>20}" for name in repos))
+    for model in result["this"]:
+        cells = "".join(f"{result[n][model]['median_pct_apart']:>11.1f} / {result[n][model]['max_pct_apart']:>5.1f}" for n in repos)
+        print(f"  {model:<16}{cells}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
