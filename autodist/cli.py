@@ -796,7 +796,8 @@ def _check_worker(args: argparse.Namespace) -> int:
                       after_pass=reprofile.after_pass)
         reprofile.predict(checks, structure, comm, world)
         if rank == 0:
-            rows = [c.row() for c in checks]
+            # each row with its plan, so that a plan whose peak or time was off can be run again
+            rows = [dict(c.row(), plan_json=json.loads(c.plan.to_json())) for c in checks]
             overall = summarize(rows)
             record = FidelityRecord.from_summary(overall, args.model)
             stored = None
