@@ -1,6 +1,6 @@
 """How repeated timings are summarised wherever something is measured (the profile's passes, the
 optimizer's steps, the runtime-overhead calibration, the comm sweep's first-touch figures, and a
-plan's measured steps in ``autodist check`` and ``tools/simcheck.py``).
+plan's measured steps in ``autodist check`` and ``tools/simcheck.py``; the contention figures: trimmed_mean).
 
 [Note: the lower quartile] On a shared host, interference only ever adds time, so a timing's
 typical value is not its mean; the very fastest sample can be a fluke (a timer tick, a warm cache
@@ -20,3 +20,13 @@ def lower_quartile(values: Sequence[float]) -> float:
     """The lower quartile of ``values`` (not empty): the sample a quarter of the way up, no interpolation."""
     ordered = sorted(values)
     return ordered[(len(ordered) - 1) // 4]
+
+
+def trimmed_mean(values: Sequence[float]) -> float:
+    """The mean of ``values`` (not empty) without their lowest and highest, when there are at least
+    three: the typical cost of something a step repeats many times (its total is the mean times the
+    count), where one round disturbed either way does not move it. The comm sweep's contention
+    figures use it (see [Note: stable contention figures] in autodist/measure/sweep.py)."""
+    ordered = sorted(values)
+    middle = ordered[1:-1] if len(ordered) >= 3 else ordered
+    return sum(middle) / len(middle)

@@ -17,14 +17,15 @@ import torch
 import torch.distributed as dist
 
 from ..cost.comm import TRAIN_BYTES, CommModel, OpModel, Piece, fit_op
-from .robust import lower_quartile
+from .robust import lower_quartile, trimmed_mean
 
 
 @dataclass
 class SweepConfig:
-    """Sizes and repetitions of the sweep. Defaults keep it to a few seconds on 2 CPU ranks:
-    16 KiB to 16 MiB in 4x steps; each sample times as many calls as fill ``min_run_s`` (10 to 50),
-    spread over ``rounds`` interleaved passes, and keeps their median."""
+    """Sizes and repetitions of the operations' timings (3-4 s of the sweep's 19-21 on 2 CPU ranks;
+    the contention figures take 13): 16 KiB to 16 MiB in 4x steps; each sample times as
+    many calls as fill ``min_run_s`` (10 to 50), spread over ``rounds`` interleaved passes, and
+    keeps their 10th percentile ([Note: which statistic])."""
 
     sizes: tuple[int, ...] = tuple(16 * 1024 * 4**i for i in range(6))
     warmup: int = 2
@@ -244,9 +245,12 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
 
 
 CONTENTION_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)  # message bytes measured at
-CONTENTION_ROUNDS = 3  # each (kind, size) is measured this many times, in interleaved rounds; the median is kept
-CONTENTION_BUSY_S = 0.01  # each measurement runs collectives of at least this much base time ...
+CONTENTION_ROUNDS = 5  # each (kind, size) is measured this many times, in interleaved rounds (trimmed_mean) ...
+CONTENTION_LONG_S = 0.01  # ... but 3 times when its operation's base time is longer than this (see the Note)
+CONTENTION_BUSY_S = 0.01  # each full-overlap measurement runs collectives of at least this much base time ...
 CONTENTION_MAX_CALLS = 24  # ... in at most this many calls (small ones are slowed ~10x)
+CONTENTION_WAIT_S = 0.02  # each wait measurement runs collectives of at least this much base time ...
+CONTENTION_MAX_WAIT_CALLS = 48  # ... in at most this many calls (see [Note: the wait figure])
 
 
 def _contention(
@@ -269,9 +273,33 @@ def _contention(
     [Note: stable contention figures] A single measurement of a slowdown on a shared 2-core host
     moves 2-3x between runs (the "alone" rate and the train are each taken over tens of
     milliseconds). Every (kind, size) is measured ``CONTENTION_ROUNDS`` times in interleaved rounds,
-    with its own "alone" rate taken just before, and the median of its ratios is kept; then the
-    slowest rank's. Completion is seen by a waiter thread (gloo's list reduce-scatter cannot be
-    polled), so the compute thread notices it within one product.
+    with its own "alone" rate taken just before, and the mean of its middle rounds is kept
+    (:func:`trimmed_mean`: a step pays the mean over its collectives, not a typical one); then the
+    slowest rank's. Five rounds rather than three, so that one disturbed round either way is left
+    out and the mean still has three; operations of more than ``CONTENTION_LONG_S`` get three: at 16
+    and 64 MiB each round costs 0.1-0.4 s, and five would take a third of the sweep's time. What
+    remains is the host's state from minute to minute, which no statistic within a sweep removes:
+    over four sweeps taken one after another the full-overlap figure of a 256 KiB all-gather read
+    5.9-11.1, and ``tools/sweepcheck.py`` measures how far that moves predictions. Completion is
+    seen by a waiter thread (gloo's list reduce-scatter cannot be polled), so the compute thread
+    notices it within one product.
+
+    [Note: the wait figure] The third figure is how fast a collective the compute thread waits on
+    runs: the wait divided by the base time it had left. It is measured right after the issue —
+    the thread computes for half the operation's base time, then waits — so that nearly all of
+    the operation is left (``1 - 1/(2 x slow_comm)`` of it, 0.83-0.97 for the measured slowdowns)
+    whatever the noisy ``slow_comm`` is. It used to be measured after computing for half the
+    *contended* time: then half the operation was nominally left, but whether it had in fact
+    finished during the compute was a coin flip on a 2-core host (a 256 KiB all-gather's wait
+    after 1 ms of compute: 0.05-0.46 ms from one round to the next), and the ratio's denominator
+    moved with ``slow_comm``. Nine sweeps taken one after another in two batches on the development
+    host gave 1.44-4.93 for the 256 KiB all-gather, 1.25-4.97 for the reduce-scatter and 2.67-6.66
+    for the all-reduce, and deep-mlp's sharded plans — whose units wait on a 256 KiB gather each —
+    were predicted anywhere from 9% above to 36% below the same measured steps. Measured after
+    the issue, the same figures read 1.53-2.23, 2.19-2.87 and 1.71-3.06 over eight sweeps in two
+    batches; the wait is nearly independent of how long the thread computed first (0.40-0.55 ms
+    for that all-gather after 0.05 to 1 ms of compute: while both ranks compute, a small collective
+    hardly progresses).
     """
     a = torch.randn(128, 128, device=device)
     b = torch.randn(128, 128, device=device)
@@ -315,6 +343,8 @@ def _contention(
             for i in range(len(cells)) if r % 2 == 0 else reversed(range(len(cells))):
                 kind, nbytes, issue = cells[i]
                 t_op = ops[kind](nbytes)
+                if r >= 3 and t_op > CONTENTION_LONG_S:
+                    continue
                 # ops, hence k, agree across ranks
                 k = min(CONTENTION_MAX_CALLS, max(1, math.ceil(CONTENTION_BUSY_S / max(t_op, 1e-6))))
                 _once(issue)  # wake the backend's threads
@@ -337,14 +367,14 @@ def _contention(
                 computing = max(n / alone, 1e-9)  # what the products would take alone
                 slow_compute = max(1.0, busy / computing) if n else 1.0
                 slow_comm = max(1.0, busy / (k * t_op))
-                # half overlap: compute for half of the contended time, then wait for the rest
-                half = slow_comm * t_op / 2
+                # the wait: compute for half the base time, then wait ([Note: the wait figure])
+                kw = min(CONTENTION_MAX_WAIT_CALLS, max(1, math.ceil(CONTENTION_WAIT_S / max(t_op, 1e-6))))
                 dist.barrier(group=group)
                 left, waited = 0.0, 0.0
-                for _ in range(k):
+                for _ in range(kw):
                     work = issue()
                     tc = time.perf_counter()
-                    while time.perf_counter() - tc < half:
+                    while time.perf_counter() - tc < t_op / 2:
                         one()
                     computed = time.perf_counter() - tc
                     tw = time.perf_counter()
@@ -355,7 +385,7 @@ def _contention(
     finally:
         work_q.put(None)
         thread.join()
-    values = [statistics.median(x[j] for x in rs) for rs in ratios for j in (0, 1, 2)]
+    values = [trimmed_mean([x[j] for x in rs]) for rs in ratios for j in (0, 1, 2)]
     values = _max_over_ranks(values, group, device)
     out_rows: dict[str, list[list[float]]] = {}
     for i, (kind, nbytes, _) in enumerate(cells):
