@@ -123,18 +123,24 @@ def main(argv: list[str] | None = None) -> int:
                 with open(path) as f:
                     texts[name].append(f.read())
                 print(f"[sweepcheck] sweep {i + 1}/{args.sweeps} ({name}) done", file=sys.stderr, flush=True)
-    result = {name: spreads(records, t) for name, t in texts.items()}
-    payload = {"sweeps": args.sweeps, "checkouts": repos, "by_checkout": result,
+    payload = {"sweeps": args.sweeps, "checkouts": repos,
+               "by_checkout": {name: spreads(records, t) for name, t in texts.items()},
                "comm_models": {name: [json.loads(t) for t in ts] for name, ts in texts.items()}}
-    print(f"each plan's predictions from {args.sweeps} sweeps: % apart, median / largest over the model's plans")
-    print(f"  {'model':<16}" + "".join(f"{name:>20}" for name in repos))
-    for model in result["this"]:
-        cells = "".join(f"{result[n][model]['median_pct_apart']:>11.1f} / {result[n][model]['max_pct_apart']:>5.1f}" for n in repos)
-        print(f"  {model:<16}{cells}")
+    print(table(payload))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)
     return 0
+
+
+def table(payload: dict) -> str:
+    result = payload["by_checkout"]
+    lines = [f"each plan's predictions from {payload['sweeps']} sweeps: % apart, median / largest over the model's plans",
+             f"  {'model':<16}" + "".join(f"{name:>20}" for name in result)]
+    for model in result["this"]:
+        cells = "".join(f"{result[n][model]['median_pct_apart']:>11.1f} / {result[n][model]['max_pct_apart']:>5.1f}" for n in result)
+        lines.append(f"  {model:<16}{cells}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
