@@ -209,7 +209,9 @@ def test_check_measures_the_simulator_on_a_user_model_and_the_search_takes_its_m
     assert names[:3] == ["ddp", "fsdp", "zero2"] and any(n.startswith("searched@") for n in names)
     for r in payload["plans"]:
         assert r["measured_step_s"] > 0 and r["measured_peak_bytes"] > 0 and r["predicted_peak_bytes"] > 0
-        assert Plan.from_json(json.dumps(r["plan_json"])).units  # the plan itself, to run again
+        plan = Plan.from_json(json.dumps(r["plan_json"]))  # the plan measured, to run it again
+        assert (len(plan.sharded_units), len(plan.gather_groups), len(plan.buckets)) == (
+            r["sharded_units"], r["gather_groups"], r["buckets"])
         assert re.search(rf"^  {re.escape(r['plan'])} +{r['predicted_step_s'] * 1e3:.1f} +{r['measured_step_s'] * 1e3:.1f} ", run.stdout, re.M), run.stdout
     assert "all plans (" in run.stdout and "Stored for this machine in" in run.stdout
     # the record holds the measured error, and the search on this machine now uses it

@@ -66,7 +66,9 @@ def test_sweep_is_fast_identical_on_every_rank_and_fits_its_samples(world2):
     assert set(model.ops) == {"all_reduce", "all_gather", "reduce_scatter", "h2d", "d2h"}
     for op, err in results[0][1].items():
         assert err <= 0.20, f"{op}: a fitted sample is off by {err:.0%}"
-    assert results[0][2] < 30  # seconds, not minutes
+    # seconds, not minutes: 19-23 s on the development host, most of it the contention figures' five
+    # rounds (autodist/measure/sweep.py [Note: stable contention figures])
+    assert results[0][2] < 45
     assert model.compute_slowdown >= 1.0 and model.comm_slowdown >= 1.0
     assert json.loads(texts[0])["transient"]["all_gather"] > 0  # gloo stages all-gather output
     # the compute thread's own share of each collective, measured at every size, and fitted
@@ -170,3 +172,17 @@ def test_sweepcheck_tells_how_far_the_comm_models_move_each_plan_s_prediction():
     fsdp = moved["fsdp"]
     assert fsdp["predicted_step_s"][1] > fsdp["predicted_step_s"][0]
     assert fsdp["pct_apart"] > 5 and moved["ddp"]["pct_apart"] == 0.0
+    unknown = dict(comm, schema_version=2)  # fields this checkout does not know: refused, by name
+    with pytest.raises(SystemExit, match="schema version 2"):
+        tool.spreads([str(record)], [json.dumps(unknown)])
+
+
+def test_contention_figures_are_the_mean_of_their_middle_rounds_and_the_largest_messages_get_three():
+    from autodist.measure.robust import trimmed_mean
+    from autodist.measure.sweep import CONTENTION_ROUNDS, contention_rounds
+
+    assert trimmed_mean([5.0, 1.0, 2.0, 3.0, 100.0]) == pytest.approx(10 / 3)  # one disturbed round either way left out
+    assert trimmed_mean([4.0, 1.0, 9.0]) == 4.0  # three rounds: their median
+    assert trimmed_mean([1.0, 2.0]) == 1.5 and trimmed_mean([7.0]) == 7.0
+    assert CONTENTION_ROUNDS == 5
+    assert [contention_rounds(n) for n in (64 << 10, 16 << 20, 64 << 20, 256 << 20)] == [5, 5, 3, 3]

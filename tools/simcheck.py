@@ -136,7 +136,12 @@ def worker(args: argparse.Namespace) -> None:
     )
     # the predictions, from the profile of the minutes the plans were measured in
     prof = reprofile.predict(checks, structure, comm, world, record=bool(args.trace_dir))
-    by_sweep = [[Simulator(prof, structure, s, world_size=world).run(c.plan).step_s for s in sweeps] for c in checks]
+    by_sweep: list[list[float]] = [[] for _ in checks]
+    if args.resweep and rank == 0:
+        for s in sweeps:
+            sim_s = Simulator(prof, structure, s, world_size=world)
+            for preds, c in zip(by_sweep, checks):
+                preds.append(sim_s.run(c.plan).step_s)
     rows = [
         dict(c.row(), simulate_ms=ms, measured_times_s=list(c.times), plan_json=json.loads(c.plan.to_json()),
              **({"predicted_step_s_by_sweep": preds} if args.resweep else {}))
@@ -146,6 +151,7 @@ def worker(args: argparse.Namespace) -> None:
         overall = summarize(rows)
         payload = {
             "model": args.model,
+            "size": args.size,  # the zoo's size the profile and plans are of
             "world_size": world,
             "accum": args.accum,
             "simulator": SIMULATOR_VERSION,  # the committed figures behind the search's default margins

@@ -31,6 +31,9 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 HERE = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# comm model schema versions whose fields are this checkout's (3 -> 4 changed how a figure is
+# measured, not the fields): what --against may compare
+SAME_FIELDS = {3, 4}
 
 
 def worker(repo: str, out: str) -> None:
@@ -39,8 +42,11 @@ def worker(repo: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
+    import autodist
     from autodist.measure.sweep import sweep
 
+    if not os.path.abspath(autodist.__file__).startswith(os.path.join(os.path.abspath(repo), "")):
+        raise SystemExit(f"sweepcheck: {repo} has no autodist package of its own (imported {autodist.__file__})")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     model = sweep(dist.group.WORLD, torch.device("cpu"))
@@ -65,6 +71,7 @@ def spreads(records: list[str], comm_texts: list[str]) -> dict[str, dict]:
     from autodist.cost.comm import COMM_SCHEMA_VERSION, CommModel
     from autodist.cost.profile import Profile
     from autodist.cost.simulator import Simulator
+    from autodist.measure.fidelity import pct_apart
     from autodist.plan import Plan
     from autodist.structure import discover
     from autodist.zoo import zoo
@@ -72,6 +79,9 @@ def spreads(records: list[str], comm_texts: list[str]) -> dict[str, dict]:
     models = []
     for text in comm_texts:
         d = json.loads(text)
+        if d.get("schema_version") not in SAME_FIELDS:
+            raise SystemExit(f"sweepcheck: a comm model of schema version {d.get('schema_version')!r}; this checkout reads "
+                             f"{sorted(SAME_FIELDS)} (versions with the same fields)")
         d["schema_version"] = COMM_SCHEMA_VERSION  # see the module docstring (--against)
         models.append(CommModel.from_dict(d))
     out = {}
@@ -79,15 +89,14 @@ def spreads(records: list[str], comm_texts: list[str]) -> dict[str, dict]:
         with open(path) as f:
             rec = json.load(f)
         torch.manual_seed(0)
-        structure = discover(zoo("default")[rec["model"]].build())
+        structure = discover(zoo(rec.get("size", "default"))[rec["model"]].build())
         prof = Profile.from_json(json.dumps(rec["profile"]))
         sims = [Simulator(prof, structure, m, world_size=rec["world_size"]) for m in models]
         plans = []
         for p in rec["plans"]:
             plan = Plan.from_json(json.dumps(p["plan_json"]))
             preds = [s.run(plan).step_s for s in sims]
-            plans.append({"plan": p["plan"], "predicted_step_s": preds,
-                          "pct_apart": 100 * (max(preds) - min(preds)) / statistics.median(preds)})
+            plans.append({"plan": p["plan"], "predicted_step_s": preds, "pct_apart": pct_apart(preds)})
         name = rec["model"] + (f"-accum{rec['accum']}" if rec.get("accum", 1) > 1 else "")
         apart = [p["pct_apart"] for p in plans]
         out[name] = {"median_pct_apart": statistics.median(apart), "max_pct_apart": max(apart), "plans": plans}
@@ -136,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 def table(payload: dict) -> str:
     result = payload["by_checkout"]
     lines = [f"each plan's predictions from {payload['sweeps']} sweeps: % apart, median / largest over the model's plans",
-             f"  {'model':<16}" + "".join(f"{name:>20}" for name in result)]
+             f"  {'model':<16}" + "".join(f"{name:>19}" for name in result)]
     for model in result["this"]:
         cells = "".join(f"{result[n][model]['median_pct_apart']:>11.1f} / {result[n][model]['max_pct_apart']:>5.1f}" for n in result)
         lines.append(f"  {model:<16}{cells}")

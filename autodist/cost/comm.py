@@ -27,8 +27,9 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "h2d", "d2h")
 # (autodist.measure.sweep.collective_train; Profile.contended_slowdown)
 TRAIN_BYTES = 4 << 20
 # 4: the slowdown of a collective the compute thread waits on is measured right after its issue, and
-# every contention figure is the trimmed mean of five rounds (autodist/measure/sweep.py [Note: the wait
-# figure]): a model measured before moved 3x from sweep to sweep, so it is measured again
+# every contention figure is the trimmed mean of five rounds, the median of three at 64 MiB
+# (autodist/measure/sweep.py [Note: the wait figure]): a model measured before moved 3x from sweep
+# to sweep, so it is measured again
 COMM_SCHEMA_VERSION = 4
 
 

@@ -49,7 +49,8 @@ MAX_MEMORY_HEADROOM = 0.5
 # time between the two fitted pieces' samples joins them (it dropped by up to 65% at the split);
 # the backend buffers of all the refreshes a step starts with are held from its start. 6: the comm
 # model's slowdown of a collective the compute thread waits on, measured right after the issue
-# (comm model schema 4), and its contention figures the trimmed mean of five rounds.
+# (comm model schema 4), and its contention figures the trimmed mean of five rounds (the median of
+# three at 64 MiB).
 SIMULATOR_VERSION = 6
 
 

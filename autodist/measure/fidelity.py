@@ -121,6 +121,11 @@ def repeatability(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def pct_apart(values: Sequence[float]) -> float:
+    """How far apart ``values`` (predictions of one plan) lie: their range as a % of their median."""
+    return 100 * (max(values) - min(values)) / statistics.median(values)
+
+
 def sweep_spread(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """How far each plan's prediction moves with the comm model it is made from: rows carry
     ``predicted_step_s_by_sweep`` (the same profile, one comm model per sweep taken in the run);
@@ -131,7 +136,7 @@ def sweep_spread(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for r in rows:
         preds = r.get("predicted_step_s_by_sweep") or []
         if len(preds) > 1:
-            spreads.append((100 * (max(preds) - min(preds)) / statistics.median(preds), r["plan"], len(preds)))
+            spreads.append((pct_apart(preds), r["plan"], len(preds)))
     if not spreads:
         return {}
     worst = max(spreads)

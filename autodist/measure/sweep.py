@@ -246,11 +246,18 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
 
 CONTENTION_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)  # message bytes measured at
 CONTENTION_ROUNDS = 5  # each (kind, size) is measured this many times, in interleaved rounds (trimmed_mean) ...
-CONTENTION_LONG_S = 0.01  # ... but 3 times when its operation's base time is longer than this (see the Note)
+CONTENTION_LONG_BYTES = 64 << 20  # ... but messages of this size and more ...
+CONTENTION_LONG_ROUNDS = 3  # ... this many times (their median; see [Note: stable contention figures])
 CONTENTION_BUSY_S = 0.01  # each full-overlap measurement runs collectives of at least this much base time ...
 CONTENTION_MAX_CALLS = 24  # ... in at most this many calls (small ones are slowed ~10x)
 CONTENTION_WAIT_S = 0.02  # each wait measurement runs collectives of at least this much base time ...
 CONTENTION_MAX_WAIT_CALLS = 48  # ... in at most this many calls (see [Note: the wait figure])
+
+
+def contention_rounds(nbytes: int) -> int:
+    """How many rounds a contention figure of a message of ``nbytes`` is measured in (the same on
+    every rank: it depends on the size alone)."""
+    return CONTENTION_LONG_ROUNDS if nbytes >= CONTENTION_LONG_BYTES else CONTENTION_ROUNDS
 
 
 def _contention(
@@ -276,8 +283,9 @@ def _contention(
     with its own "alone" rate taken just before, and the mean of its middle rounds is kept
     (:func:`trimmed_mean`: a step pays the mean over its collectives, not a typical one); then the
     slowest rank's. Five rounds rather than three, so that one disturbed round either way is left
-    out and the mean still has three; operations of more than ``CONTENTION_LONG_S`` get three: at 16
-    and 64 MiB each round costs 0.1-0.4 s, and five would take a third of the sweep's time. What
+    out and the mean still has three; messages of ``CONTENTION_LONG_BYTES`` and more (64 MiB) get
+    three, whose trimmed mean is their median: each of their rounds costs about 0.4 s, and five
+    would take a third of the sweep's time (:func:`contention_rounds`). What
     remains is the host's state from minute to minute, which no statistic within a sweep removes:
     over four sweeps taken one after another the full-overlap figure of a 256 KiB all-gather read
     5.9-11.1, and ``tools/sweepcheck.py`` measures how far that moves predictions. Completion is
@@ -286,7 +294,9 @@ def _contention(
 
     [Note: the wait figure] The third figure is how fast a collective the compute thread waits on
     runs: the wait divided by the base time it had left. It is measured right after the issue —
-    the thread computes for half the operation's base time, then waits — so that nearly all of
+    the thread computes for half the operation's base time (at least one product, ~0.15 ms: about
+    the whole base time of a 64 KiB collective; ``left`` counts what it computed), then waits — so
+    that nearly all of
     the operation is left (``1 - 1/(2 x slow_comm)`` of it, 0.83-0.97 for the measured slowdowns)
     whatever the noisy ``slow_comm`` is. It used to be measured after computing for half the
     *contended* time: then half the operation was nominally left, but whether it had in fact
@@ -342,9 +352,9 @@ def _contention(
         for r in range(CONTENTION_ROUNDS):
             for i in range(len(cells)) if r % 2 == 0 else reversed(range(len(cells))):
                 kind, nbytes, issue = cells[i]
-                t_op = ops[kind](nbytes)
-                if r >= 3 and t_op > CONTENTION_LONG_S:
+                if r >= contention_rounds(nbytes):
                     continue
+                t_op = max(ops[kind](nbytes), 1e-6)  # a fit may read 0 (a ratio's denominator below)
                 # ops, hence k, agree across ranks
                 k = min(CONTENTION_MAX_CALLS, max(1, math.ceil(CONTENTION_BUSY_S / max(t_op, 1e-6))))
                 _once(issue)  # wake the backend's threads
