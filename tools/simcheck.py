@@ -44,6 +44,7 @@ from autodist.measure.fidelity import (  # noqa: E402
     measure_plans,
     optimizer_for,
     plans_to_check,
+    predictions_by_comm,
     repeatability,
     slowest_over_ranks,
     summarize,
@@ -136,12 +137,8 @@ def worker(args: argparse.Namespace) -> None:
     )
     # the predictions, from the profile of the minutes the plans were measured in
     prof = reprofile.predict(checks, structure, comm, world, record=bool(args.trace_dir))
-    by_sweep: list[list[float]] = [[] for _ in checks]
-    if args.resweep and rank == 0:
-        for s in sweeps:
-            sim_s = Simulator(prof, structure, s, world_size=world)
-            for preds, c in zip(by_sweep, checks):
-                preds.append(sim_s.run(c.plan).step_s)
+    by_sweep = (predictions_by_comm(prof, structure, sweeps, [c.plan for c in checks], world)
+                if args.resweep and rank == 0 else [[] for _ in checks])
     rows = [
         dict(c.row(), simulate_ms=ms, measured_times_s=list(c.times), plan_json=json.loads(c.plan.to_json()),
              **({"predicted_step_s_by_sweep": preds} if args.resweep else {}))

@@ -23,7 +23,6 @@ import argparse
 import glob
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -70,8 +69,7 @@ def spreads(records: list[str], comm_texts: list[str]) -> dict[str, dict]:
 
     from autodist.cost.comm import COMM_SCHEMA_VERSION, CommModel
     from autodist.cost.profile import Profile
-    from autodist.cost.simulator import Simulator
-    from autodist.measure.fidelity import pct_apart
+    from autodist.measure.fidelity import pct_apart, predictions_by_comm, sweep_spread
     from autodist.plan import Plan
     from autodist.structure import discover
     from autodist.zoo import zoo
@@ -91,15 +89,16 @@ def spreads(records: list[str], comm_texts: list[str]) -> dict[str, dict]:
         torch.manual_seed(0)
         structure = discover(zoo(rec.get("size", "default"))[rec["model"]].build())
         prof = Profile.from_json(json.dumps(rec["profile"]))
-        sims = [Simulator(prof, structure, m, world_size=rec["world_size"]) for m in models]
-        plans = []
-        for p in rec["plans"]:
-            plan = Plan.from_json(json.dumps(p["plan_json"]))
-            preds = [s.run(plan).step_s for s in sims]
-            plans.append({"plan": p["plan"], "predicted_step_s": preds, "pct_apart": pct_apart(preds)})
+        plans = [Plan.from_json(json.dumps(p["plan_json"])) for p in rec["plans"]]
+        by_plan = predictions_by_comm(prof, structure, models, plans, rec["world_size"])
+        rows = [{"plan": p["plan"], "predicted_step_s_by_sweep": preds} for p, preds in zip(rec["plans"], by_plan)]
+        spread = sweep_spread(rows) if len(models) > 1 else {"median_pct": 0.0, "max_pct": 0.0}
         name = rec["model"] + (f"-accum{rec['accum']}" if rec.get("accum", 1) > 1 else "")
-        apart = [p["pct_apart"] for p in plans]
-        out[name] = {"median_pct_apart": statistics.median(apart), "max_pct_apart": max(apart), "plans": plans}
+        out[name] = {
+            "median_pct_apart": spread["median_pct"], "max_pct_apart": spread["max_pct"],
+            "plans": [{"plan": r["plan"], "predicted_step_s": r["predicted_step_s_by_sweep"],
+                       "pct_apart": pct_apart(r["predicted_step_s_by_sweep"])} for r in rows],
+        }
     return out
 
 

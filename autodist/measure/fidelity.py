@@ -126,6 +126,14 @@ def pct_apart(values: Sequence[float]) -> float:
     return 100 * (max(values) - min(values)) / statistics.median(values)
 
 
+def predictions_by_comm(profile: Profile, structure: Any, comms: Sequence[Any], plans: Sequence[Plan],
+                        world: int) -> list[list[float]]:
+    """Per plan, its predicted step time from each of ``comms`` (comm models; the profile held
+    fixed): what :func:`sweep_spread` reads as ``predicted_step_s_by_sweep``."""
+    sims = [Simulator(profile, structure, c, world_size=world) for c in comms]
+    return [[sim.run(plan).step_s for sim in sims] for plan in plans]
+
+
 def sweep_spread(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """How far each plan's prediction moves with the comm model it is made from: rows carry
     ``predicted_step_s_by_sweep`` (the same profile, one comm model per sweep taken in the run);

@@ -354,9 +354,9 @@ def _contention(
                 kind, nbytes, issue = cells[i]
                 if r >= contention_rounds(nbytes):
                     continue
-                t_op = max(ops[kind](nbytes), 1e-6)  # a fit may read 0 (a ratio's denominator below)
+                t_op = max(ops[kind](nbytes), 1e-6)  # a fit may read 0: the calls below divide by it
                 # ops, hence k, agree across ranks
-                k = min(CONTENTION_MAX_CALLS, max(1, math.ceil(CONTENTION_BUSY_S / max(t_op, 1e-6))))
+                k = min(CONTENTION_MAX_CALLS, max(1, math.ceil(CONTENTION_BUSY_S / t_op)))
                 _once(issue)  # wake the backend's threads
                 dist.barrier(group=group)
                 alone = rate(0.015)
@@ -378,7 +378,7 @@ def _contention(
                 slow_compute = max(1.0, busy / computing) if n else 1.0
                 slow_comm = max(1.0, busy / (k * t_op))
                 # the wait: compute for half the base time, then wait ([Note: the wait figure])
-                kw = min(CONTENTION_MAX_WAIT_CALLS, max(1, math.ceil(CONTENTION_WAIT_S / max(t_op, 1e-6))))
+                kw = min(CONTENTION_MAX_WAIT_CALLS, max(1, math.ceil(CONTENTION_WAIT_S / t_op)))
                 dist.barrier(group=group)
                 left, waited = 0.0, 0.0
                 for _ in range(kw):
