@@ -174,6 +174,8 @@ class InFlight:
                 timing.work = work
 
     def wait(self) -> None:
+        """Wait for the collective; the work handle is dropped here, inside the wait's profiler range
+        (see [Note: a backend's buffer freed out of sight] in ``autodist/measure/memory.py``)."""
         if not self.waited:
             t0 = time.perf_counter()
             with record_function(f"autodist::wait({self.label})"):
@@ -182,10 +184,11 @@ class InFlight:
                 except RuntimeError as e:  # a peer died or the group timed out (DistBackendError too)
                     self.waited = True
                     raise self._peer_failure(e) from e
+                if self.timing is not None:  # a wait that blocked returns at completion
+                    self.timing.completed(time.perf_counter())
+                self.work = None
             if self.stats is not None:
                 self.stats.wait_seconds += time.perf_counter() - t0
-            if self.timing is not None:  # a wait that blocked returns at completion
-                self.timing.completed(time.perf_counter())
             self.waited = True
 
     def _peer_failure(self, error: BaseException) -> PeerFailure:
@@ -201,11 +204,14 @@ class InFlight:
         )
 
 
-def _mark(label: str) -> None:
-    """A zero-length profiler label where a collective is issued (the wait carries the duration;
-    see [Note: collectives issued under the profiler])."""
-    with record_function(label):
-        pass
+@contextlib.contextmanager
+def _issuing(label: str) -> Iterator[None]:
+    """A profiler range around the backend call that issues a collective, and nothing else: what is
+    allocated on this thread inside it is the backend's, owned by the work handle (see [Note: a
+    backend's buffer freed out of sight] in ``autodist/measure/memory.py``). The wait carries the
+    duration; see [Note: collectives issued under the profiler]."""
+    with record_function(label), _untraced():
+        yield
 
 
 @contextlib.contextmanager
@@ -217,8 +223,8 @@ def _untraced() -> Iterator[None]:
     profiler session ends first (a persistent refresh issued by the last profiled optimizer step,
     a reduction still in flight when the user's ``with profile():`` block exits), closing it
     crashes the process (SIGSEGV with gloo on torch 2.14, reproduced deterministically with an
-    all-gather waited after the session). The runtime's own labels — a mark at the issue, a range
-    around the wait — say where and how long; only the backend's record is dropped.
+    all-gather waited after the session). The runtime's own labels — a range around the issue, a
+    range around the wait — say where and how long; only the backend's record is dropped.
     ``_enable_record_function`` is torch-internal: without it, collectives are issued as usual.
     """
     toggle = getattr(torch._C._autograd, "_enable_record_function", None)
@@ -325,11 +331,11 @@ class Comm:
         self.stats.on_demand_gathers += int(on_demand)
         self.stats.gathered_bytes += out.numel() * out.element_size()
         self._record("all_gather", label)
-        _mark(f"autodist::all_gather({label})")
         if self.world_size == 1:
-            out.copy_(inp)
+            with _issuing(f"autodist::all_gather({label})"):
+                out.copy_(inp)
             return InFlight(None, (out, inp), label)
-        with _untraced():
+        with _issuing(f"autodist::all_gather({label})"):
             work = _all_gather_flat(out, inp, group=self.gather_pg, async_op=True)
         return InFlight(work, (out, inp), f"all_gather({label})", self.stats, self)
 
@@ -338,19 +344,20 @@ class Comm:
         self.stats.reduce_scatters += 1
         self.stats.reduced_bytes += inp.numel() * inp.element_size()
         self._record("reduce_scatter", label)
-        _mark(f"autodist::reduce_scatter({label})")
         if self.world_size == 1:
-            out.copy_(inp.view(-1)[: out.numel()])
+            with _issuing(f"autodist::reduce_scatter({label})"):
+                out.copy_(inp.view(-1)[: out.numel()])
             return InFlight(None, (out, inp), label)
         if self.backend == "gloo":
             # [Note: gloo reduce-scatter] gloo's flat reduce-scatter clones its whole input first;
             # the list form reduces in place from views (measured: half the transient memory and
-            # ~30% faster for 16 MiB shards on 2 ranks).
+            # ~30% faster for 16 MiB shards on 2 ranks). It still allocates one output-sized buffer
+            # of its own when issued, freed with the work handle.
             chunks = list(inp.view(self.world_size, -1).unbind(0))
-            with _untraced():
+            with _issuing(f"autodist::reduce_scatter({label})"):
                 work = dist.reduce_scatter(out, chunks, group=self.reduce_pg, async_op=True)
         else:
-            with _untraced():
+            with _issuing(f"autodist::reduce_scatter({label})"):
                 work = _reduce_scatter_flat(out, inp, group=self.reduce_pg, async_op=True)
         return InFlight(work, (out, inp), f"reduce_scatter({label})", self.stats, self)
 
@@ -358,10 +365,11 @@ class Comm:
         self.stats.all_reduces += 1
         self.stats.reduced_bytes += buf.numel() * buf.element_size()
         self._record("all_reduce", label)
-        _mark(f"autodist::all_reduce({label})")
         if self.world_size == 1:
+            with _issuing(f"autodist::all_reduce({label})"):
+                pass
             return InFlight(None, (buf,), label)
-        with _untraced():
+        with _issuing(f"autodist::all_reduce({label})"):
             work = dist.all_reduce(buf, group=self.reduce_pg, async_op=True)
         return InFlight(work, (buf,), f"all_reduce({label})", self.stats, self)
 
