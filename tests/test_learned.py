@@ -469,6 +469,29 @@ def test_collecting_writes_a_model_record_then_a_record_per_plan_with_every_even
         assert r["measured_step_s"] > 0 and r["predicted_step_s"] > 0
 
 
+def test_the_breakdown_adds_up_each_plans_events_by_kind_without_launching_ranks(timelines, tmp_path, capsys):
+    path, _ = timelines
+    out = tmp_path / "breakdown.json"
+    assert _tool("collect_timelines").main(["--breakdown", "--out", str(path), "--json", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    plans = [json.loads(line) for line in path.read_text().splitlines() if json.loads(line)["record"] == "plan"]
+    assert {(m, p) for m, ps in payload["breakdown"].items() for p in ps} == {(f"{r['model']}:tiny", r["plan_name"]) for r in plans}
+    for r in plans:
+        b = payload["breakdown"][f"{r['model']}:tiny"][r["plan_name"]]
+        assert sum(k["events"] for k in b["kinds"].values()) == len(r["events"])
+        compute = [e for e in r["events"] if e["stream"] == "compute"]
+        assert b["compute_busy_s"] == pytest.approx(sum(e["measured_s"] for e in compute))
+        assert b["comm_busy_s"] == pytest.approx(sum(e["measured_s"] for e in r["events"] if e["stream"] == "comm"))
+        assert sum(k["analytic_s"] for k in b["kinds"].values()) == pytest.approx(sum(e["analytic_s"] for e in r["events"]))
+        assert {k for k in b["kinds"] if not k.startswith(("comm:", "copy:"))} == {e["kind"] for e in compute}
+    assert "fsdp: measured" in capsys.readouterr().out
+
+
+def test_the_breakdown_of_a_missing_dataset_is_refused(tmp_path, capsys):
+    assert _tool("collect_timelines").main(["--breakdown", "--out", str(tmp_path / "none.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
 def test_training_reads_the_last_collection_of_each_model_and_leaves_out_plans_measured_on_a_busy_host(tmp_path):
     lines = [
         {"record": "model", "model": "gpt", "size": "tiny", "batch": 1},

@@ -19,6 +19,14 @@ over steps of the slowest rank's, as ``tools/simcheck.py`` measures it). A line 
 holds what recompiles the plans: the profile, the comm model and the workload's name and size.
 Lines are appended as plans finish, so an interrupted run keeps what it measured.
 
+``--breakdown`` reads a collected dataset instead of collecting (no ranks): per plan, the simulated,
+measured and thread-CPU seconds of each kind of event added up (compute sections by kind, the
+collectives by kind), the compute thread's busy time and the collectives' beside the measured
+step — where the simulator's time goes wrong, and whether compute and communication overlapped
+(a step near the sum of the two did not):
+
+    python tools/collect_timelines.py --breakdown --out timelines.jsonl --json breakdown.json
+
 A busy host stretches every event of a plan (the cores are shared): a fixed computation is timed
 before and after each plan (``host_probe``); a plan measured while it ran more than 25% slower than
 its fastest is measured again after waiting for quiet (at most ``--quiet-wait`` seconds), and
@@ -263,6 +271,53 @@ def plan_record(sim: Simulator, plan: Plan, everyone: list, times: list[float]) 
     }
 
 
+def breakdown(path: str) -> dict:
+    """Per model (``"<model>:<size>"``), per plan of the dataset at ``path`` (the last collection of
+    each model, as ``tools/train_estimator.py`` reads it, busy-host plans too): seconds per kind of
+    event, simulated (``analytic``), measured and thread CPU (compute sections), each added up over
+    the step's events; the compute thread's measured busy time (its sections) and the collectives'
+    (``comm``); the measured and predicted step."""
+    from train_estimator import load
+
+    _, collected = load([path], keep_disturbed=True)
+    models: dict[str, dict] = {}
+    for model, records in collected.items():
+        models[model] = {}
+        for r in records:
+            kinds: dict[str, dict[str, float]] = {}
+            busy = {"compute": 0.0, "comm": 0.0, "copy": 0.0}
+            for e in r["events"]:
+                key = e["kind"] if e["stream"] == "compute" else f"{e['stream']}:{e['kind']}"
+                k = kinds.setdefault(key, {"events": 0, "analytic_s": 0.0, "measured_s": 0.0, "thread_s": 0.0})
+                k["events"] += 1
+                k["analytic_s"] += e["analytic_s"]
+                k["measured_s"] += e.get("measured_s", 0.0)
+                k["thread_s"] += e.get("thread_s", 0.0)
+                busy[e["stream"]] += e.get("measured_s", 0.0)
+            models[model][r["plan_name"]] = {
+                "measured_step_s": r["measured_step_s"], "predicted_step_s": r["predicted_step_s"],
+                "compute_busy_s": busy["compute"], "comm_busy_s": busy["comm"], "copy_busy_s": busy["copy"],
+                "disturbed": bool(r.get("disturbed")), "kinds": kinds,
+            }
+    return {"out": path, "breakdown": models}
+
+
+def breakdown_table(payload: dict) -> str:
+    lines = []
+    for model, plans in payload["breakdown"].items():
+        for name, b in plans.items():
+            lines.append(
+                f"{model} {name}: measured {b['measured_step_s'] * 1e3:.1f} ms, predicted {b['predicted_step_s'] * 1e3:.1f} ms; "
+                f"busy: compute {b['compute_busy_s'] * 1e3:.1f} ms + collectives {b['comm_busy_s'] * 1e3:.1f} ms"
+                + (" [busy host]" if b["disturbed"] else "")
+            )
+            lines.append(f"    {'events':<22}{'n':>4}{'simulated':>11}{'measured':>10}{'thread':>9}  (ms)")
+            for kind, k in sorted(b["kinds"].items()):
+                thread = f"{k['thread_s'] * 1e3:>9.1f}" if not kind.startswith(("comm:", "copy:")) else f"{'':>9}"
+                lines.append(f"    {kind:<22}{k['events']:>4}{k['analytic_s'] * 1e3:>11.1f}{k['measured_s'] * 1e3:>10.1f}{thread}")
+    return "\n".join(lines)
+
+
 def table(payload: dict) -> str:
     lines = [f"timelines appended to {payload['out']} ({payload['world_size']} ranks)"]
     for name, m in payload["models"].items():
@@ -285,7 +340,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quiet-wait", type=float, default=60.0,
                     help="seconds to wait at most for a busy host to quiet down before each plan (default 60)")
     ap.add_argument("--out", default=None, help="the dataset (JSON lines, appended to; required)")
-    ap.add_argument("--json", default=None, help="also save the run's summary here")
+    ap.add_argument("--json", default=None, help="also save the run's summary (with --breakdown: the breakdown) here")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="collect nothing: add up each plan's events of the dataset --out by kind, simulated and measured")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dataset", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -297,8 +354,18 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     if not args.out:
-        print("--out is required: the dataset to append to", file=sys.stderr)
+        print("--out is required: the dataset to append to (with --breakdown: to read)", file=sys.stderr)
         return 2
+    if args.breakdown:
+        if not os.path.exists(args.out):
+            print(f"--breakdown reads a collected dataset: {args.out} does not exist", file=sys.stderr)
+            return 2
+        payload = breakdown(args.out)
+        print(breakdown_table(payload))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(payload, f, indent=1)
+        return 0
     unknown = set(args.models.split(",")) - set(zoo())
     if unknown:
         print(f"unknown model(s) {', '.join(sorted(unknown))}; choose from {', '.join(zoo())}", file=sys.stderr)

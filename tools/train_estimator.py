@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                       "events_p90_pct": {w: r["events"]["all"][w]["p90_pct"] for w in ("analytic", "estimator")}}
                   for k, r in held_out.items()}
     payload = {
-        "train": {"epochs": cfg.epochs, "seed": cfg.seed}, "held_out": held_out,
+        # the analytic model it is compared with and would correct
+        "train": {"epochs": cfg.epochs, "seed": cfg.seed, "simulator": learned.SIMULATOR_VERSION}, "held_out": held_out,
         "helps": learned.helps(validation),
     }
     if args.store:
