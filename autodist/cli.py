@@ -708,6 +708,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def _check_worker(args: argparse.Namespace) -> int:
     """One rank of ``autodist check`` (launched by torchrun)."""
+    from dataclasses import replace
+
     import torch
     import torch.distributed as dist
 
@@ -718,6 +720,8 @@ def _check_worker(args: argparse.Namespace) -> int:
     from .measure.fidelity import (
         Checked,
         Reprofile,
+        best_wait_scale,
+        errors_by_wait_scale,
         measure_plans,
         optimizer_for,
         plans_to_check,
@@ -794,12 +798,17 @@ def _check_worker(args: argparse.Namespace) -> int:
         measure_plans(checks, wrap, batches, loss, device=device, accum=args.accum, steps=args.steps, warmup=warmup,
                       passes=passes, progress=progress, forward=lambda m, x: m(x, **_input_kwargs(x, args)),
                       after_pass=reprofile.after_pass)
-        reprofile.predict(checks, structure, comm, world)
+        prof = reprofile.predict(checks, structure, comm, world)
         if rank == 0:
             # each row with its plan, so that a plan whose peak or time was off can be run again
             rows = [dict(c.row(), plan_json=json.loads(c.plan.to_json())) for c in checks]
             overall = summarize(rows)
-            record = FidelityRecord.from_summary(overall, args.model)
+            # the wait calibration that fits these plans best ([Note: the wait calibration]); the
+            # record's errors stay those measured at the sweep's scale
+            by_scale = errors_by_wait_scale(prof, structure, comm, [c.plan for c in checks],
+                                            [c.measured_step_s for c in checks], world)
+            fitted = best_wait_scale({s: {"": e} for s, e in by_scale.items()}, [""])
+            record = replace(FidelityRecord.from_summary(overall, args.model), wait_scale=fitted)
             stored = None
             if not args.no_record:
                 path = Cache(args.cache_dir).put("fidelity", comm_cache_key(world, device.type, device_name, backend), record.to_json())
@@ -812,6 +821,8 @@ def _check_worker(args: argparse.Namespace) -> int:
                 "builtin_and_random": summarize([r for r in rows if not r["searched"]]),
                 "searched": summarize([r for r in rows if r["searched"]]),
                 "repeated": repeatability(rows),
+                "calibration": {"wait_scale": fitted, "median_abs_pct_error_time": by_scale[fitted],
+                                "sweep_wait_scale": comm.wait_scale, "at_sweep_scale": overall["median_abs_pct_error_time"]},
                 "margins": {"prefer_seed_within": cfg.prefer_seed_within, "memory_headroom": cfg.memory_headroom,
                             "default_prefer_seed_within": SearchConfig().prefer_seed_within,
                             "default_memory_headroom": SearchConfig().memory_headroom},
@@ -853,6 +864,13 @@ def render_check(payload: dict[str, Any]) -> str:
             out.append(line(what, payload[key]))
     for rep in payload.get("repeated", []):
         out.append(f"  measured twice: {rep['plans'][0]} and {rep['plans'][1]}, {rep['pct_apart']:.1f}% apart (the measurement's noise)")
+    cal = payload.get("calibration")
+    if cal:
+        out.append(
+            f"  wait calibration: {cal['wait_scale']:.2f} fits these plans best (median |error| "
+            f"{cal['median_abs_pct_error_time']:.1f}%, against {cal['at_sweep_scale']:.1f}% at the sweep's "
+            f"{cal['sweep_wait_scale']:.2f}); the search here simulates with it"
+        )
     m = payload["margins"]
     out.append("")
     where = (f"Stored for this machine in {payload['record_path']}: plan=\"auto\" on {payload['world_size']} ranks here now"

@@ -158,6 +158,9 @@ class AutoPlanner:
                 "optimizer": optimizer_kind, "schema": SCHEMA_VERSION, "grad_accum_steps": self.w.grad_accum_steps,
                 # a plan searched with other margins (a machine `autodist check` measured since) is planned again
                 "margins": [round(self.search_config().prefer_seed_within, 4), round(self.search_config().memory_headroom, 4)],
+                # ... and so is one searched before `autodist check` fitted a wait calibration (without one,
+                # the key is what it always was)
+                **({"wait_scale": ws} if (ws := self.search_config().wait_scale) is not None else {}),
                 "mixed_precision": None if self.mp is None else [str(self.mp.param_dtype), str(self.mp.reduce_dtype)],
                 # a plan the learned estimator ranked is kept apart from the analytic one (and from
                 # another estimator's); without one, the key is what it always was
@@ -316,6 +319,7 @@ class AutoPlanner:
         return estimator, digest(entry.provenance)
 
     def search(self, profile: Profile, comm: CommModel, *, fixed: dict[str, str] | None) -> SearchResult:
+        comm = self.search_config().calibrated(comm)
         kw = {
             "world_size": self.world, "budget_bytes": self.search_config().planning_budget(self.w.budget_bytes),
             "param_dtype": self.mp.param_dtype if self.mp else None, "reduce_dtype": self.mp.reduce_dtype if self.mp else None,
@@ -872,12 +876,14 @@ def plan_offline(
     from .structure import discover
 
     device = device or torch.device("cpu")
+    config = config or SearchConfig()
+    comm = config.calibrated(comm)
     structure = discover(module)
     prof = profile or profile_model(module, structure, example_inputs, device=device, example_kwargs=example_kwargs)
     space = space_for(prof, structure, world_size, grad_accum_steps=grad_accum_steps)
     _, result = search_within_budget(
         space, lambda budget: Simulator(prof, structure, comm, world_size=world_size, budget_bytes=budget),
-        config or SearchConfig(), budget_bytes,
+        config, budget_bytes,
     )
     if not result.result.feasible:
         raise budget_error(budget_bytes, result, structure)

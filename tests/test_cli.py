@@ -198,7 +198,7 @@ def test_check_measures_the_simulator_on_a_user_model_and_the_search_takes_its_m
     cli: Cli, tmp_path: Path, cache_dir: Path
 ) -> None:
     from autodist.cli import _search_config
-    from autodist.cost.fidelity import FidelityRecord
+    from autodist.cost.fidelity import WAIT_SCALES, FidelityRecord
     from autodist.sched.search import SearchConfig
 
     out = tmp_path / "check.json"
@@ -223,7 +223,14 @@ def test_check_measures_the_simulator_on_a_user_model_and_the_search_takes_its_m
     assert record.median_abs_error_time == pytest.approx((errors[(n - 1) // 2] + errors[n // 2]) / 2)
     excess = max((r["measured_peak_bytes"] - r["predicted_peak_bytes"]) / r["predicted_peak_bytes"] for r in payload["plans"])
     assert record.max_peak_excess == pytest.approx(max(0.0, excess))
+    # the wait calibration that fits the measured plans best is stored, and the search here uses it
+    cal = payload["calibration"]
+    assert record.wait_scale == cal["wait_scale"] and cal["wait_scale"] in WAIT_SCALES
+    assert cal["at_sweep_scale"] == pytest.approx(payload["all"]["median_abs_pct_error_time"])
+    assert cal["median_abs_pct_error_time"] <= cal["at_sweep_scale"] + 1e-9  # the sweep's own scale was among those tried
+    assert f"wait calibration: {cal['wait_scale']:.2f} fits these plans best" in run.stdout
     cfg = _search_config(str(cache_dir), 2)
+    assert cfg.wait_scale == record.wait_scale
     assert cfg.prefer_seed_within == pytest.approx(min(0.5, record.median_abs_error_time))
     assert cfg.memory_headroom == pytest.approx(min(0.5, max(SearchConfig().memory_headroom, record.max_peak_excess)))
     assert _search_config(str(tmp_path / "elsewhere"), 2) == SearchConfig()

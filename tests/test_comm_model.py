@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from autodist.cost.comm import CommModel, fit_op
+from autodist.cost.fidelity import DEFAULT_CPU_WAIT_SCALE
 from autodist.measure.sweep import sweep
 
 
@@ -81,6 +82,8 @@ def test_sweep_is_fast_identical_on_every_rank_and_fits_its_samples(world2):
         rows = model.contention[op]
         assert [r[0] for r in rows] == sorted(r[0] for r in rows) and all(len(r) == 4 for r in rows)
         assert all(min(r[1:]) >= 1.0 for r in rows)
+    # a CPU sweep carries the machine class's wait calibration (autodist/cost/fidelity.py)
+    assert model.wait_scale == DEFAULT_CPU_WAIT_SCALE
 
 
 def test_contention_is_interpolated_in_log_size_between_measured_sizes():
@@ -101,6 +104,30 @@ def test_contention_is_interpolated_in_log_size_between_measured_sizes():
     assert CommModel.from_json(m.to_json()).slowdowns("all_gather", 4 << 20) == pytest.approx((1.5, 2.25, 1.0))
     m.contention["all_gather"] = [[1 << 20, 2.0, 3.0, 2.0], [16 << 20, 1.0, 1.5, 1.0]]
     assert m.slowdowns("all_gather", 4 << 20) == pytest.approx((1.5, 2.25, 1.5))
+
+
+def test_the_wait_scale_multiplies_only_the_slowdown_while_compute_waits_and_never_below_full_speed():
+    from dataclasses import replace
+
+    from autodist.cost.comm import OpModel, Piece
+
+    flat = OpModel(Piece(0.0, 1e-3), Piece(0.0, 1e-3), float("inf"))
+    m = CommModel(
+        "gloo", 2, "cpu", {"all_gather": flat}, compute_slowdown=1.5, comm_slowdown=1.25,
+        contention={"all_gather": [[1 << 20, 2.0, 3.0, 2.0], [16 << 20, 1.0, 1.5, 1.0]]}, wait_scale=1.5,
+    )
+    assert m.slowdowns("all_gather", 1 << 20) == (2.0, 3.0, 3.0)
+    assert m.slowdowns("all_gather", 16 << 20) == (1.0, 1.5, 1.5)
+    assert m.slowdowns("all_gather", 4 << 20) == pytest.approx((1.5, 2.25, 2.25))  # scaled, then interpolated
+    assert m.slowdowns("reduce_scatter") == (1.5, 1.25, 1.5)  # not measured: full speed, scaled
+    # a scale below 1 cannot make a collective faster than alone
+    assert replace(m, wait_scale=0.4).slowdowns("all_gather", 1 << 20) == (2.0, 3.0, 1.0)
+    again = CommModel.from_json(m.to_json())
+    assert again.wait_scale == 1.5 and again.slowdowns("all_gather", 4 << 20) == m.slowdowns("all_gather", 4 << 20)
+    older = json.loads(m.to_json())
+    older["schema_version"] = 4  # measured before the calibration existed: measured again, not read as 1
+    with pytest.raises(ValueError, match="schema_version 4 is not 5"):
+        CommModel.from_dict(older)
 
 
 def _trains_of_different_lengths():

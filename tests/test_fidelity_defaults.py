@@ -1,13 +1,25 @@
 """The search's default margins are the errors tools/simcheck.py measured, as committed in
-benchmarks/simcheck-*.json (see [Note: margins from measured error] in autodist/cost/fidelity.py):
-re-measuring the zoo and committing the JSON without updating the defaults fails here."""
+benchmarks/simcheck-*.json (see [Note: margins from measured error] in autodist/cost/fidelity.py),
+and the CPU wait calibration is the fit tools/calibrate.py makes to those records
+(benchmarks/calibration.json; [Note: the wait calibration]): re-measuring the zoo and committing the
+JSON without updating the defaults fails here."""
 
+import importlib.util
 import json
 import math
 import statistics
 from pathlib import Path
 
-from autodist.cost.fidelity import DEFAULT_MEMORY_HEADROOM, DEFAULT_SEED_MARGIN, SIMULATOR_VERSION
+import pytest
+
+from autodist.cost.fidelity import (
+    DEFAULT_CPU_WAIT_SCALE,
+    DEFAULT_MEMORY_HEADROOM,
+    DEFAULT_SEED_MARGIN,
+    SIMULATOR_VERSION,
+    WAIT_SCALES,
+)
+from autodist.measure.fidelity import best_wait_scale
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 ZOO = ("gpt", "wide-mlp", "deep-mlp", "resnet18")
@@ -32,3 +44,38 @@ def test_the_memory_headroom_covers_the_largest_peak_excess_over_the_zoo():
     excess = max((r["measured_peak_bytes"] - r["predicted_peak_bytes"]) / r["predicted_peak_bytes"] for r in _plans())
     # the smallest whole percent at or above the largest excess, and never below 10%
     assert DEFAULT_MEMORY_HEADROOM == max(0.10, math.ceil(excess * 100 - 1e-9) / 100)
+
+
+def _calibrate_tool():
+    spec = importlib.util.spec_from_file_location("calibrate_tool", BENCH.parent / "tools" / "calibrate.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_the_cpu_wait_scale_is_the_fit_to_every_committed_zoo_record():
+    tool = _calibrate_tool()
+    cal = json.loads((BENCH / "calibration.json").read_text())
+    assert DEFAULT_CPU_WAIT_SCALE == cal["wait_scale"]
+    assert sorted(Path(p).name for p in cal["records"]) == sorted(f"simcheck-{n}.json" for n in (*ZOO, "gpt-accum4"))
+    # the fit is the scale whose worst record is best, over the errors the file holds ...
+    errors = {float(k): v for k, v in cal["by_scale"].items()}
+    assert tuple(errors) == WAIT_SCALES
+    assert best_wait_scale(errors, list(cal["median_abs_pct_error_time"])) == cal["wait_scale"]
+    # ... and those errors are what the records' plans give when predicted again, at the fit and either side
+    fitted = cal["wait_scale"]
+    around = (round(fitted - 0.05, 2), fitted, round(fitted + 0.05, 2))
+    for path in cal["records"]:
+        record = json.loads((BENCH / Path(path).name).read_text())
+        assert record["simulator"] == SIMULATOR_VERSION
+        name = tool.record_name(record)
+        again = tool.errors_of(record, around)
+        assert again == pytest.approx({s: errors[s][name] for s in around}, rel=1e-9), name
+
+
+def test_the_fit_takes_the_best_worst_record_and_holds_a_model_s_records_out_together():
+    tool = _calibrate_tool()
+    errors = {1.0: {"a": 9.0, "b": 1.0}, 1.5: {"a": 4.0, "b": 7.0}, 2.0: {"a": 6.0, "b": 4.0}, 0.7: {"a": 6.0, "b": 4.0}}
+    assert best_wait_scale(errors, ["a", "b"]) == 0.7  # 2.0 and 0.7 tie on the worst record: the one nearer 1
+    assert best_wait_scale(errors, ["b"]) == 1.0
+    assert tool.family("gpt-accum4") == tool.family("gpt") == "gpt" and tool.family("deep-mlp") == "deep-mlp"

@@ -196,3 +196,35 @@ def test_a_budget_met_only_inside_the_headroom_is_searched_within_the_budget_its
     assert not none.result.feasible and not none.inside_headroom
     _, roomy = search_within_budget(_space(), sim, cfg, 10 * smallest)
     assert roomy.result.feasible and not roomy.inside_headroom
+
+
+def test_the_search_simulates_with_the_wait_calibration_autodist_check_fitted():
+    from dataclasses import replace
+
+    from autodist.cost.fidelity import FidelityRecord
+    from autodist.lifecycle import plan_offline
+
+    record = FidelityRecord(
+        median_abs_error_time=0.05, spearman=0.9, max_peak_excess=0.0, plans=5, model="m:f", measured_at=0.0, wait_scale=2.5
+    )
+    assert FidelityRecord.from_json(record.to_json()).wait_scale == 2.5
+    cfg = SearchConfig.for_machine(record)
+    assert cfg.calibrated(COMM).wait_scale == 2.5 and SearchConfig().calibrated(COMM) is COMM
+    plan, _, _ = plan_offline(_Three(), (), world_size=2, budget_bytes=1 << 30, comm=COMM, config=cfg, profile=PROFILE)
+
+    def step(scale: float) -> float:
+        return Simulator(PROFILE, STRUCTURE, replace(COMM, wait_scale=scale), world_size=2).run(plan).step_s
+
+    assert plan.predicted["step_seconds"] == pytest.approx(step(2.5)) and step(2.5) > step(1.0)
+
+
+@pytest.mark.parametrize("bad", [0.2, 3.5, True, "1.5", float("nan")])
+def test_a_fidelity_record_with_a_wait_scale_outside_the_calibration_s_range_is_refused(bad):
+    import json
+
+    from autodist.cost.fidelity import FidelityRecord
+
+    d = json.loads(FidelityRecord(0.05, 0.9, 0.0, 5, "m:f", 0.0).to_json())
+    d["wait_scale"] = bad
+    with pytest.raises(ValueError, match="wait_scale"):
+        FidelityRecord.from_json(json.dumps(d))

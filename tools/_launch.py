@@ -54,3 +54,11 @@ def run_tool(script: str, nproc: int, worker_args: list[str], table: Callable[[d
         with open(json_path, "w") as f:
             json.dump(payload, f, indent=1)
     return 0
+
+
+def report(text: str, payload: Any, path: str | None) -> None:
+    """Print a tool's table and, where ``path`` is given (``--json``), save its payload there."""
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=1)

@@ -51,7 +51,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _launch import run_tool  # noqa: E402
+from _launch import report, run_tool  # noqa: E402
 
 from autodist import AutoDist  # noqa: E402
 from autodist.cost.comm import CommModel  # noqa: E402
@@ -361,10 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--breakdown reads a collected dataset: {args.out} does not exist", file=sys.stderr)
             return 2
         payload = breakdown(args.out)
-        print(breakdown_table(payload))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(payload, f, indent=1)
+        report(breakdown_table(payload), payload, args.json)
         return 0
     unknown = set(args.models.split(",")) - set(zoo())
     if unknown:

@@ -30,6 +30,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _launch import report  # noqa: E402
+
 from autodist.cache import Cache, comm_cache_key  # noqa: E402
 from autodist.cost import learned  # noqa: E402
 from autodist.cost.comm import CommModel  # noqa: E402
@@ -209,10 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         key = comm_cache_key(machine["world"], machine["device"], machine["device_name"], machine["backend"])
         path = Cache(args.cache_dir).put("estimators", key, entry.to_json())
         payload["stored"] = str(path)
-    print(table(payload))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=1)
+    report(table(payload), payload, args.json)
     return 0
 
 

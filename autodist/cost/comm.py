@@ -29,8 +29,9 @@ TRAIN_BYTES = 4 << 20
 # 4: the slowdown of a collective the compute thread waits on is measured right after its issue, and
 # every contention figure is the trimmed mean of five rounds, the median of three at 64 MiB
 # (autodist/measure/sweep.py [Note: the wait figure]): a model measured before moved 3x from sweep
-# to sweep, so it is measured again
-COMM_SCHEMA_VERSION = 4
+# to sweep, so it is measured again; 5: ``wait_scale``, the wait figures' calibration against
+# measured steps (autodist/cost/fidelity.py [Note: the wait calibration])
+COMM_SCHEMA_VERSION = 5
 
 
 @dataclass
@@ -108,20 +109,25 @@ class CommModel:
     # costs this much more than writing one that exists (see [Note: fresh memory] in
     # autodist/measure/sweep.py); empty: nothing measured, no cost
     first_touch: list[list[float]] = field(default_factory=list)
+    # multiplies the slowdown of a collective the compute thread waits on (the third contention
+    # figure): the calibration of this machine class against measured steps, which the sweep sets
+    # (autodist/cost/fidelity.py [Note: the wait calibration])
+    wait_scale: float = 1.0
     meta: dict[str, Any] = field(default_factory=dict)
     schema_version: int = COMM_SCHEMA_VERSION
 
     def slowdowns(self, op: str, nbytes: float | None = None) -> tuple[float, float, float]:
         """(compute slowdown while ``op`` of ``nbytes`` runs, ``op``'s slowdown while compute runs,
-        ``op``'s slowdown while the compute thread waits): interpolated in log size between the
-        measured sizes, the nearest outside them; the largest measured size when ``nbytes`` is None.
-        Rows without the third figure (it was not measured) give 1: full speed while compute waits."""
+        ``op``'s slowdown while the compute thread waits, times ``wait_scale`` and at least 1):
+        interpolated in log size between the measured sizes, the nearest outside them; the largest
+        measured size when ``nbytes`` is None. Rows without the third figure (it was not measured)
+        give 1 before the scale: full speed while compute waits."""
         rows = self.contention.get(op)
         if not rows:
-            return self.compute_slowdown, self.comm_slowdown, 1.0
+            return self.compute_slowdown, self.comm_slowdown, max(1.0, self.wait_scale)
 
         def figures(row: list[float]) -> tuple[float, float, float]:
-            return row[1], row[2], row[3] if len(row) > 3 else 1.0
+            return row[1], row[2], max(1.0, (row[3] if len(row) > 3 else 1.0) * self.wait_scale)
 
         if nbytes is None or nbytes >= rows[-1][0]:
             return figures(rows[-1])

@@ -15,7 +15,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..cost.budget import format_bytes
+from ..cost.fidelity import WAIT_SCALES
 from ..cost.profile import Profile, slowest, typical
 from ..cost.simulator import SimResult, Simulator
 from ..plan import Plan
@@ -101,10 +102,30 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {
         "plans": len(rows),
         "spearman": spearman(pt, mt) if len(rows) > 2 else float("nan"),
-        "median_abs_pct_error_time": 100 * statistics.median(abs(p - m) / m for p, m in zip(pt, mt)),
-        "median_abs_pct_error_peak": 100 * statistics.median(abs(p - m) / m for p, m in zip(pp, mp)),
+        "median_abs_pct_error_time": median_pct_error(pt, mt),
+        "median_abs_pct_error_peak": median_pct_error(pp, mp),
         "max_pct_peak_excess": 100 * max((m - p) / p for p, m in zip(pp, mp)),
     }
+
+
+def median_pct_error(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """The median absolute error of ``predicted`` against ``measured``, in % of the measured."""
+    return 100 * statistics.median(abs(p - m) / m for p, m in zip(predicted, measured))
+
+
+def errors_by_wait_scale(profile: Profile, structure: Any, comm: Any, plans: Sequence[Plan], measured: Sequence[float],
+                         world: int, scales: Sequence[float] = WAIT_SCALES) -> dict[float, float]:
+    """Per wait scale (``CommModel.wait_scale``), the median % step-time error of ``plans``
+    predicted with ``comm`` at that scale against their ``measured`` step times (see [Note: the
+    wait calibration] in autodist/cost/fidelity.py)."""
+    by_plan = predictions_by_comm(profile, structure, [replace(comm, wait_scale=s) for s in scales], plans, world)
+    return {s: median_pct_error([p[i] for p in by_plan], measured) for i, s in enumerate(scales)}
+
+
+def best_wait_scale(errors: dict[float, dict[str, float]], names: Sequence[str]) -> float:
+    """The scale (a key of ``errors``: scale -> record -> median % error) whose largest error over
+    the records ``names`` is smallest; of equal ones, the one nearest 1."""
+    return min(errors, key=lambda s: (round(max(errors[s][n] for n in names), 9), abs(s - 1.0)))
 
 
 def repeatability(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

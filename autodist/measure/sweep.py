@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..cost.comm import TRAIN_BYTES, CommModel, OpModel, Piece, fit_op
+from ..cost.fidelity import DEFAULT_CPU_WAIT_SCALE
 from .robust import lower_quartile, trimmed_mean
 
 
@@ -221,6 +222,8 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
         costs = _max_over_ranks([s for _, s in first_touch], group, device)
         first_touch = [[b, s] for (b, _), s in zip(first_touch, costs)]
     model = CommModel(
+        # the wait figures' calibration for the machine class (see [Note: the wait calibration])
+        wait_scale=DEFAULT_CPU_WAIT_SCALE if device.type == "cpu" else 1.0,
         backend=dist.get_backend(group),
         world_size=world,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -309,7 +312,10 @@ def _contention(
     the issue, the same figures read 1.53-2.23, 2.19-2.87 and 1.71-3.06 over eight sweeps in two
     batches; the wait is nearly independent of how long the thread computed first (0.40-0.55 ms
     for that all-gather after 0.05 to 1 ms of compute: while both ranks compute, a small collective
-    hardly progresses).
+    hardly progresses). In a training step collectives are waited on more slowly still than this
+    lockstep measurement shows; the simulator scales the figure by the machine class's calibration
+    (``CommModel.wait_scale``, which :func:`sweep` sets; see [Note: the wait calibration] in
+    autodist/cost/fidelity.py).
     """
     a = torch.randn(128, 128, device=device)
     b = torch.randn(128, 128, device=device)

@@ -20,6 +20,7 @@ import random
 import time
 from dataclasses import dataclass, field, replace
 
+from ..cost.comm import CommModel
 from ..cost.fidelity import DEFAULT_MEMORY_HEADROOM, DEFAULT_SEED_MARGIN, FidelityRecord
 from ..cost.simulator import SimResult, Simulator
 from ..plan import Plan
@@ -52,6 +53,9 @@ class SearchConfig:
     prefer_seed_within: float = DEFAULT_SEED_MARGIN
     memory_headroom: float = DEFAULT_MEMORY_HEADROOM
     margin_source: str = "the simulator's error measured by tools/simcheck.py on the zoo models"
+    # the comm model's wait calibration fitted by `autodist check` on this machine (None: the one the
+    # sweep set; see [Note: the wait calibration] in cost/fidelity.py and calibrated)
+    wait_scale: float | None = None
 
     @classmethod
     def for_machine(cls, record: FidelityRecord | None) -> SearchConfig:
@@ -61,7 +65,12 @@ class SearchConfig:
         return cls(
             prefer_seed_within=record.seed_margin, memory_headroom=record.memory_headroom,
             margin_source=f"the simulator's error measured by {record.source} on {record.model} on this machine",
+            wait_scale=record.wait_scale,
         )
+
+    def calibrated(self, comm: CommModel) -> CommModel:
+        """``comm`` with this machine's wait calibration, where ``autodist check`` fitted one."""
+        return comm if self.wait_scale is None else replace(comm, wait_scale=self.wait_scale)
 
     def planning_budget(self, budget: int | None) -> int | None:
         return None if budget is None else int(budget * (1 - self.memory_headroom))

@@ -1,0 +1,126 @@
+"""Fit the comm model's wait calibration (``CommModel.wait_scale``) to measured steps.
+
+    python tools/calibrate.py benchmarks/simcheck-*.json --json benchmarks/calibration.json
+
+Reads ``tools/simcheck.py`` records — each holds the profile, the comm model and every plan with
+its measured step — and predicts every plan again with the slowdown of a collective the compute
+thread waits on scaled by each of ``WAIT_SCALES`` (0.5 to 3.0; autodist/cost/fidelity.py). The fitted scale is the one whose worst
+record (the largest median absolute step-time error of one record's plans) is smallest; of equal
+ones, the one nearest 1. Each record is also held out in turn — the scale fitted on the others
+(records of the same model, such as ``gpt`` and ``gpt`` with accumulation, held out together) and
+its error on the held-out one — so the report says how the fit does on a model it was not fitted
+to. No ranks, no measurement: it re-simulates what the records measured (seconds for the zoo).
+
+See [Note: the wait calibration] in autodist/cost/fidelity.py for what the scale is and where the
+sweep applies it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _launch import report  # noqa: E402
+
+# comm model schemas with the fields this checkout reads (5 added ``wait_scale``, 1 when absent)
+READABLE_SCHEMAS = {4, 5}
+
+
+def family(name: str) -> str:
+    """The model a record is of (``gpt-accum4`` is ``gpt``'s): held out together."""
+    return name.split("-accum")[0]
+
+
+def errors_of(record: dict, scales: Sequence[float]) -> dict[float, float]:
+    """Per scale, the median % step-time error of the record's plans predicted again with its own
+    profile and comm model at that wait scale."""
+    import torch
+
+    from autodist.cost.comm import COMM_SCHEMA_VERSION, CommModel
+    from autodist.cost.profile import Profile
+    from autodist.measure.fidelity import errors_by_wait_scale
+    from autodist.plan import Plan
+    from autodist.structure import discover
+    from autodist.zoo import zoo
+
+    d = dict(record["comm_model"])
+    if d.get("schema_version") not in READABLE_SCHEMAS:
+        raise SystemExit(f"calibrate: a comm model of schema version {d.get('schema_version')!r}; this checkout reads "
+                         f"{sorted(READABLE_SCHEMAS)}")
+    d["schema_version"] = COMM_SCHEMA_VERSION
+    torch.manual_seed(0)
+    structure = discover(zoo(record.get("size", "default"))[record["model"]].build())
+    plans = [Plan.from_json(json.dumps(p["plan_json"])) for p in record["plans"]]
+    return errors_by_wait_scale(Profile.from_json(json.dumps(record["profile"])), structure, CommModel.from_dict(d), plans,
+                                [p["measured_step_s"] for p in record["plans"]], record["world_size"], scales)
+
+
+def record_name(record: dict) -> str:
+    accum = record.get("accum", 1)
+    return record["model"] + (f"-accum{accum}" if accum > 1 else "")
+
+
+def calibrate(paths: Sequence[str]) -> dict:
+    from autodist.cost.fidelity import WAIT_SCALES as scales
+    from autodist.measure.fidelity import best_wait_scale as fit
+
+    records = []
+    for path in paths:
+        with open(path) as f:
+            records.append(json.load(f))
+    names = [record_name(r) for r in records]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"calibrate: two records of the same model: {sorted(names)}")
+    errors: dict[float, dict[str, float]] = {s: {} for s in scales}
+    for name, rec in zip(names, records):
+        for s, e in errors_of(rec, scales).items():
+            errors[s][name] = e
+    best = fit(errors, names)
+    held_out = {}
+    for name in names:
+        others = [n for n in names if family(n) != family(name)]
+        if not others:
+            continue
+        s = fit(errors, others)
+        held_out[name] = {"scale": s, "median_abs_pct_error_time": errors[s][name],
+                          "uncalibrated": errors[1.0][name] if 1.0 in errors else None}
+    return {
+        "records": list(paths),
+        "simulator": records[0].get("simulator") if records else None,
+        "wait_scale": best,
+        "median_abs_pct_error_time": errors[best],
+        "uncalibrated": errors.get(1.0),
+        "held_out": held_out,
+        "by_scale": {str(s): errors[s] for s in scales},
+    }
+
+
+def table(payload: dict) -> str:
+    lines = [f"fitted wait scale {payload['wait_scale']:.2f} (records of simulator version {payload['simulator']})",
+             f"{'record':<12} {'uncalibrated':>13} {'fitted':>8} {'held out (its scale)':>22}"]
+    for name, err in payload["median_abs_pct_error_time"].items():
+        h = payload["held_out"].get(name)
+        unc = payload["uncalibrated"][name] if payload["uncalibrated"] else float("nan")
+        ho = f"{h['median_abs_pct_error_time']:6.1f}% ({h['scale']:.2f})" if h else "-"
+        lines.append(f"{name:<12} {unc:12.1f}% {err:7.1f}% {ho:>22}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("records", nargs="+", help="tools/simcheck.py --json records")
+    ap.add_argument("--json", default=None, help="also save the fit and the held-out figures here")
+    args = ap.parse_args(argv)
+    payload = calibrate(args.records)
+    report(table(payload), payload, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
