@@ -78,4 +78,8 @@ def test_the_fit_takes_the_best_worst_record_and_holds_a_model_s_records_out_tog
     errors = {1.0: {"a": 9.0, "b": 1.0}, 1.5: {"a": 4.0, "b": 7.0}, 2.0: {"a": 6.0, "b": 4.0}, 0.7: {"a": 6.0, "b": 4.0}}
     assert best_wait_scale(errors, ["a", "b"]) == 0.7  # 2.0 and 0.7 tie on the worst record: the one nearer 1
     assert best_wait_scale(errors, ["b"]) == 1.0
+    # within a tolerance of the best, the scale nearest the prior (autodist check: the sweep's)
+    assert best_wait_scale(errors, ["a", "b"], prior=1.6) == 2.0  # the tie broken towards the prior
+    assert best_wait_scale(errors, ["a", "b"], prior=1.6, within=1.0) == 1.5  # worst 7: a point off the best
+    assert best_wait_scale(errors, ["a", "b"], prior=1.0, within=3.0) == 1.0
     assert tool.family("gpt-accum4") == tool.family("gpt") == "gpt" and tool.family("deep-mlp") == "deep-mlp"

@@ -2,6 +2,8 @@
 
     python tools/calibrate.py benchmarks/simcheck-*.json --json benchmarks/calibration.json
 
+(records may be given as patterns; none: ``benchmarks/simcheck-*.json``).
+
 Reads ``tools/simcheck.py`` records — each holds the profile, the comm model and every plan with
 its measured step — and predicts every plan again with the slowdown of a collective the compute
 thread waits on scaled by each of ``WAIT_SCALES`` (0.5 to 3.0; autodist/cost/fidelity.py). The fitted scale is the one whose worst
@@ -28,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _launch import report  # noqa: E402
 
+DEFAULT_RECORDS = os.path.join("benchmarks", "simcheck-*.json")
 # comm model schemas with the fields this checkout reads (5 added ``wait_scale``, 1 when absent)
 READABLE_SCHEMAS = {4, 5}
 
@@ -112,12 +115,28 @@ def table(payload: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("records", nargs="+", help="tools/simcheck.py --json records")
+    ap.add_argument("records", nargs="*", help="tools/simcheck.py --json records, or patterns of them "
+                    "(default: benchmarks/simcheck-*.json)")
     ap.add_argument("--json", default=None, help="also save the fit and the held-out figures here")
-    args = ap.parse_args(argv)
-    payload = calibrate(args.records)
+    return ap.parse_args(argv)
+
+
+def record_paths(patterns: Sequence[str]) -> list[str]:
+    """The records named (a pattern is expanded; none: the committed ones), each once, sorted."""
+    import glob
+
+    found = sorted({p for pat in (patterns or [DEFAULT_RECORDS]) for p in (glob.glob(pat) or [pat])})
+    missing = [p for p in found if not os.path.exists(p)]
+    if missing:
+        raise SystemExit(f"calibrate: no such record: {', '.join(missing)}")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    payload = calibrate(record_paths(args.records))
     report(table(payload), payload, args.json)
     return 0
 

@@ -58,10 +58,10 @@ SIMULATOR_VERSION = 7
 # compute thread waits for it (the third contention figure) with a single collective, both ranks in
 # lockstep (autodist/measure/sweep.py [Note: the wait figure]). In a training step the ranks reach
 # each wait on their own, gathers and reductions run on their own process groups, and on a CPU host
-# the compute thread takes the core while it computes: measured timelines of deep-mlp's fsdp showed
-# the compute thread's CPU time as the simulator has it (67.1 ms against 70.6), its compute *less*
-# slowed than simulated (77.5 ms wall against 90.3), and the collectives' total far longer (145 ms
-# against 117): the step is nearly compute plus communication, where the simulator overlapped a
+# the compute thread takes the core while it computes: measured timelines of deep-mlp's fsdp
+# (benchmarks/breakdown-deep-mlp.json) showed its compute *less* slowed than simulated (77.5 ms wall
+# for 67.1 ms of CPU, against 90.3) and its collectives far longer (144.9 ms against 117.3): the
+# 200.3 ms step is nearly compute plus communication, where the simulator's 143.8 ms overlapped a
 # third of it. With the isolated figures alone (simulator version 6) 70 of 71 zoo plans ran slower
 # than predicted, deep-mlp by a median 16.6% and resnet18 by 13.4%.
 #

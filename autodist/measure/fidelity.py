@@ -122,10 +122,15 @@ def errors_by_wait_scale(profile: Profile, structure: Any, comm: Any, plans: Seq
     return {s: median_pct_error([p[i] for p in by_plan], measured) for i, s in enumerate(scales)}
 
 
-def best_wait_scale(errors: dict[float, dict[str, float]], names: Sequence[str]) -> float:
+def best_wait_scale(errors: dict[float, dict[str, float]], names: Sequence[str], *, prior: float = 1.0,
+                    within: float = 0.0) -> float:
     """The scale (a key of ``errors``: scale -> record -> median % error) whose largest error over
-    the records ``names`` is smallest; of equal ones, the one nearest 1."""
-    return min(errors, key=lambda s: (round(max(errors[s][n] for n in names), 9), abs(s - 1.0)))
+    the records ``names`` is smallest; of those within ``within`` percentage points of it, the one
+    nearest ``prior`` (``autodist check`` fits a handful of plans of one model: a median a point
+    from the best does not tell two scales apart there, and the scale stays near the sweep's)."""
+    worst = {s: round(max(errors[s][n] for n in names), 9) for s in errors}
+    least = min(worst.values())
+    return min((s for s in errors if worst[s] <= least + within), key=lambda s: (abs(s - prior), worst[s]))
 
 
 def repeatability(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
