@@ -42,10 +42,6 @@ if TYPE_CHECKING:
 
 INPUT_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32")
 DEFAULT_INPUT_HIGH = 1000
-# `autodist check`'s wait calibration keeps, of the scales whose median step-time error is within
-# this many percentage points of the best, the one nearest the sweep's: on gpt's 7 plans the error
-# fell from 6.5% at the sweep's 1.45 to 0.7% at 2.8, with ddp measured twice 2.2% apart
-CHECK_SCALE_TOLERANCE = 1.0
 PNG_SIZE = (1400, 700)  # pixels: a step's streams and memory curve stay readable on one screen
 TIMELINE_SUFFIXES = (".json", ".png")
 TORCHRUN_VARS = (
@@ -434,7 +430,9 @@ def _comm_model(args: argparse.Namespace, world: int) -> tuple[Any, str]:
             f"{world} ranks first (it measures one and caches it)"
         )
     try:
-        return CommModel.from_json(path.read_text()), f"the comm model measured on this machine ({path})"
+        # with the wait calibration `autodist check` fitted here, as the search simulates with it
+        model = _search_config(args.cache_dir, world).calibrated(CommModel.from_json(path.read_text()))
+        return model, f"the comm model measured on this machine ({path})"
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CommandError(
             f"the cached comm model {path} cannot be read ({type(e).__name__}: {_first_line(e)}); remove it with "
@@ -719,7 +717,7 @@ def _check_worker(args: argparse.Namespace) -> int:
 
     from . import AutoDist
     from .cache import Cache, comm_cache_key
-    from .cost.fidelity import FidelityRecord
+    from .cost.fidelity import SCALE_TOLERANCE, WAIT_SCALES, FidelityRecord
     from .cost.simulator import Simulator
     from .measure.fidelity import (
         Checked,
@@ -810,9 +808,10 @@ def _check_worker(args: argparse.Namespace) -> int:
             # the wait calibration that fits these plans best ([Note: the wait calibration]); the
             # record's errors stay those measured at the sweep's scale
             by_scale = errors_by_wait_scale(prof, structure, comm, [c.plan for c in checks],
-                                            [c.measured_step_s for c in checks], world)
+                                            [c.measured_step_s for c in checks], world,
+                                            sorted({*WAIT_SCALES, comm.wait_scale}))
             fitted = best_wait_scale({s: {"": e} for s, e in by_scale.items()}, [""], prior=comm.wait_scale,
-                                     within=CHECK_SCALE_TOLERANCE)
+                                     within=SCALE_TOLERANCE)
             record = replace(FidelityRecord.from_summary(overall, args.model), wait_scale=fitted)
             stored = None
             if not args.no_record:
@@ -827,7 +826,7 @@ def _check_worker(args: argparse.Namespace) -> int:
                 "searched": summarize([r for r in rows if r["searched"]]),
                 "repeated": repeatability(rows),
                 "calibration": {"wait_scale": fitted, "median_abs_pct_error_time": by_scale[fitted],
-                                "sweep_wait_scale": comm.wait_scale, "at_sweep_scale": overall["median_abs_pct_error_time"]},
+                                "sweep_wait_scale": comm.wait_scale, "at_sweep_scale": by_scale[comm.wait_scale]},
                 "margins": {"prefer_seed_within": cfg.prefer_seed_within, "memory_headroom": cfg.memory_headroom,
                             "default_prefer_seed_within": SearchConfig().prefer_seed_within,
                             "default_memory_headroom": SearchConfig().memory_headroom},

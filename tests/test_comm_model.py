@@ -124,6 +124,9 @@ def test_the_wait_scale_multiplies_only_the_slowdown_while_compute_waits_and_nev
     assert replace(m, wait_scale=0.4).slowdowns("all_gather", 1 << 20) == (2.0, 3.0, 1.0)
     again = CommModel.from_json(m.to_json())
     assert again.wait_scale == 1.5 and again.slowdowns("all_gather", 4 << 20) == m.slowdowns("all_gather", 4 << 20)
+    for bad in (0, -1.5, float("inf"), "1.6", True):
+        with pytest.raises(ValueError, match="wait_scale"):
+            CommModel.from_dict(dict(json.loads(m.to_json()), wait_scale=bad))
     older = json.loads(m.to_json())
     older["schema_version"] = 4  # measured before the calibration existed: measured again, not read as 1
     with pytest.raises(ValueError, match="schema_version 4 is not 5"):

@@ -210,6 +210,9 @@ def test_the_search_simulates_with_the_wait_calibration_autodist_check_fitted():
     assert FidelityRecord.from_json(record.to_json()).wait_scale == 2.5
     cfg = SearchConfig.for_machine(record)
     assert cfg.calibrated(COMM).wait_scale == 2.5 and SearchConfig().calibrated(COMM) is COMM
+    # a link given by bandwidth and latency was not measured here: the calibration is not this link's
+    link = CommModel.analytic(2, bandwidth_bytes_s=50e9, latency_s=2e-5)
+    assert cfg.calibrated(link) is link
     plan, _, _ = plan_offline(_Three(), (), world_size=2, budget_bytes=1 << 30, comm=COMM, config=cfg, profile=PROFILE)
 
     def step(scale: float) -> float:

@@ -6,9 +6,10 @@
 
 Reads ``tools/simcheck.py`` records — each holds the profile, the comm model and every plan with
 its measured step — and predicts every plan again with the slowdown of a collective the compute
-thread waits on scaled by each of ``WAIT_SCALES`` (0.5 to 3.0; autodist/cost/fidelity.py). The fitted scale is the one whose worst
-record (the largest median absolute step-time error of one record's plans) is smallest; of equal
-ones, the one nearest 1. Each record is also held out in turn — the scale fitted on the others
+thread waits on scaled by each of ``WAIT_SCALES`` (0.5 to 3.0; autodist/cost/fidelity.py). The
+fitted scale is, of those whose worst record (the largest median absolute step-time error of one
+record's plans) is within ``SCALE_TOLERANCE`` (a point) of the smallest, the one whose worst record
+ranks its plans best (Spearman), then the one nearest 1. Each record is also held out in turn — the scale fitted on the others
 (records of the same model, such as ``gpt`` and ``gpt`` with accumulation, held out together) and
 its error on the held-out one — so the report says how the fit does on a model it was not fitted
 to. No ranks, no measurement: it re-simulates what the records measured (seconds for the zoo).
@@ -40,14 +41,16 @@ def family(name: str) -> str:
     return name.split("-accum")[0]
 
 
-def errors_of(record: dict, scales: Sequence[float]) -> dict[float, float]:
-    """Per scale, the median % step-time error of the record's plans predicted again with its own
-    profile and comm model at that wait scale."""
+def predictions_of(record: dict, scales: Sequence[float]) -> dict[float, list[float]]:
+    """Per scale, the record's plans predicted again with its own profile and comm model at that
+    wait scale."""
+    from dataclasses import replace
+
     import torch
 
     from autodist.cost.comm import COMM_SCHEMA_VERSION, CommModel
     from autodist.cost.profile import Profile
-    from autodist.measure.fidelity import errors_by_wait_scale
+    from autodist.measure.fidelity import predictions_by_comm
     from autodist.plan import Plan
     from autodist.structure import discover
     from autodist.zoo import zoo
@@ -57,11 +60,13 @@ def errors_of(record: dict, scales: Sequence[float]) -> dict[float, float]:
         raise SystemExit(f"calibrate: a comm model of schema version {d.get('schema_version')!r}; this checkout reads "
                          f"{sorted(READABLE_SCHEMAS)}")
     d["schema_version"] = COMM_SCHEMA_VERSION
+    comm = CommModel.from_dict(d)
     torch.manual_seed(0)
     structure = discover(zoo(record.get("size", "default"))[record["model"]].build())
     plans = [Plan.from_json(json.dumps(p["plan_json"])) for p in record["plans"]]
-    return errors_by_wait_scale(Profile.from_json(json.dumps(record["profile"])), structure, CommModel.from_dict(d), plans,
-                                [p["measured_step_s"] for p in record["plans"]], record["world_size"], scales)
+    by_plan = predictions_by_comm(Profile.from_json(json.dumps(record["profile"])), structure,
+                                  [replace(comm, wait_scale=s) for s in scales], plans, record["world_size"])
+    return {s: [p[i] for p in by_plan] for i, s in enumerate(scales)}
 
 
 def record_name(record: dict) -> str:
@@ -70,8 +75,10 @@ def record_name(record: dict) -> str:
 
 
 def calibrate(paths: Sequence[str]) -> dict:
+    from autodist.cost.fidelity import SCALE_TOLERANCE
     from autodist.cost.fidelity import WAIT_SCALES as scales
     from autodist.measure.fidelity import best_wait_scale as fit
+    from autodist.measure.fidelity import median_pct_error, spearman
 
     records = []
     for path in paths:
@@ -80,26 +87,43 @@ def calibrate(paths: Sequence[str]) -> dict:
     names = [record_name(r) for r in records]
     if len(set(names)) != len(names):
         raise SystemExit(f"calibrate: two records of the same model: {sorted(names)}")
+    versions = {r.get("simulator") for r in records}
+    if len(versions) > 1:
+        raise SystemExit(f"calibrate: records of simulator versions {sorted(map(str, versions))}: fit one version's")
+    predicted: dict[str, dict[float, list[float]]] = {}
     errors: dict[float, dict[str, float]] = {s: {} for s in scales}
     for name, rec in zip(names, records):
-        for s, e in errors_of(rec, scales).items():
-            errors[s][name] = e
-    best = fit(errors, names)
+        predicted[name] = predictions_of(rec, scales)
+        measured = [p["measured_step_s"] for p in rec["plans"]]
+        for s in scales:
+            errors[s][name] = median_pct_error(predicted[name][s], measured)
+    ranking = {s: {n: spearman(predicted[n][s], [p["measured_step_s"] for p in rec["plans"]])
+                   for n, rec in zip(names, records)} for s in scales}
+    best = fit(errors, names, within=SCALE_TOLERANCE, ranking=ranking)
     held_out = {}
     for name in names:
         others = [n for n in names if family(n) != family(name)]
         if not others:
             continue
-        s = fit(errors, others)
+        s = fit(errors, others, within=SCALE_TOLERANCE, ranking=ranking)
         held_out[name] = {"scale": s, "median_abs_pct_error_time": errors[s][name],
                           "uncalibrated": errors[1.0][name] if 1.0 in errors else None}
+    at_fit = {}
+    for name, rec in zip(names, records):
+        measured = [p["measured_step_s"] for p in rec["plans"]]
+        at_fit[name] = {
+            "spearman": spearman(predicted[name][best], measured),
+            "plans": [{"plan": p["plan"], "predicted_step_s": q, "measured_step_s": p["measured_step_s"]}
+                      for p, q in zip(rec["plans"], predicted[name][best])],
+        }
     return {
         "records": list(paths),
-        "simulator": records[0].get("simulator") if records else None,
+        "simulator": versions.pop() if versions else None,
         "wait_scale": best,
         "median_abs_pct_error_time": errors[best],
         "uncalibrated": errors.get(1.0),
         "held_out": held_out,
+        "at_fit": at_fit,  # every plan predicted at the fitted scale: what the default margins are taken from
         "by_scale": {str(s): errors[s] for s in scales},
     }
 

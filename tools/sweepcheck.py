@@ -30,8 +30,9 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 HERE = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-# comm model schema versions whose fields are this checkout's (3 -> 4 changed how a figure is
-# measured, not the fields): what --against may compare
+# comm model schema versions whose fields this checkout reads (3 -> 4 changed how a figure is
+# measured, not the fields; 5 added ``wait_scale``, which a model of 3 or 4 lacks and gets this
+# checkout's: both versions' sweeps are then compared at one calibration): what --against may compare
 SAME_FIELDS = {3, 4, 5}
 
 
@@ -68,6 +69,7 @@ def spreads(records: list[str], comm_texts: list[str]) -> dict[str, dict]:
     import torch
 
     from autodist.cost.comm import COMM_SCHEMA_VERSION, CommModel
+    from autodist.cost.fidelity import DEFAULT_CPU_WAIT_SCALE
     from autodist.cost.profile import Profile
     from autodist.measure.fidelity import pct_apart, predictions_by_comm, sweep_spread
     from autodist.plan import Plan
@@ -81,6 +83,7 @@ def spreads(records: list[str], comm_texts: list[str]) -> dict[str, dict]:
             raise SystemExit(f"sweepcheck: a comm model of schema version {d.get('schema_version')!r}; this checkout reads "
                              f"{sorted(SAME_FIELDS)} (versions with the same fields)")
         d["schema_version"] = COMM_SCHEMA_VERSION  # see the module docstring (--against)
+        d.setdefault("wait_scale", DEFAULT_CPU_WAIT_SCALE)  # an older sweep, compared at this checkout's calibration
         models.append(CommModel.from_dict(d))
     out = {}
     for path in records:

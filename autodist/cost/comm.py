@@ -180,6 +180,9 @@ class CommModel:
     def from_dict(cls, d: dict[str, Any]) -> CommModel:
         if d.get("schema_version") != COMM_SCHEMA_VERSION:
             raise ValueError(f"comm model schema_version {d.get('schema_version')!r} is not {COMM_SCHEMA_VERSION}")
+        ws = d.get("wait_scale", 1.0)
+        if isinstance(ws, bool) or not isinstance(ws, (int, float)) or not 0 < ws < math.inf:
+            raise ValueError(f"comm model wait_scale {ws!r} is not a positive number")
         d = dict(d)
 
         def fits(entries: dict[str, Any]) -> dict[str, OpModel]:

@@ -68,14 +68,16 @@ SIMULATOR_VERSION = 7
 # Of the three figures, scaling the wait figure is what moved the error without losing the ranking
 # (scaling the compute or the overlap figures instead cost Spearman 0.1-0.3 on resnet18 and gpt).
 # ``tools/calibrate.py`` fits that one scale to the committed simcheck records
-# (``benchmarks/calibration.json``): every record is predicted again at each scale from 0.5 to 3,
-# and the scale whose worst record has the smallest median error is kept. Fitted to version 6's
-# records it read 1.6 (each model held out got 1.55-1.65 from the others, and 2.0-5.6% error);
-# the zoo measured afresh with 1.6 — new profiles, sweeps and steps — came out within 2.0-9.2%
-# (median per model; Spearman 0.92-0.96), and refitted to those records it reads 1.45 (the records'
-# worst error 8.6% against 9.2% at 1.6; between 1.3 and 1.6 every record stays within 10%). A
-# synthetic step run in the sweep itself did not reproduce the effect (the simulator timed it within
-# about 10% unscaled, and fitted 0.8 to it): the scale stands for the runtime's own pattern, not the
+# (``benchmarks/calibration.json``): every record is predicted again at each scale from 0.5 to 3;
+# of the scales whose worst record's median error is within a point (``SCALE_TOLERANCE``) of the
+# smallest, the one whose worst record ranks its plans best is kept. Version 6's records (commit
+# 493eef3) by the smallest worst error alone gave 1.6 (1.4 by this rule); the zoo measured afresh
+# with 1.6 — new profiles, sweeps and steps — came out within 2.0-9.2% (median per model; Spearman
+# 0.923-0.956), and fitted to those records the rule reads 1.6 (the smallest worst error, 8.6%, is
+# at 1.45, where resnet18 ranks at 0.898; each model held out gets 1.5-1.7 from the others, and
+# deep-mlp held out reads 12.8% at 1.7). A synthetic step
+# run in the sweep itself did not reproduce the effect (the simulator timed it within about 10%
+# unscaled, and fitted 0.8 to it): the scale stands for the runtime's own pattern, not the
 # collectives alone.
 #
 # ``DEFAULT_CPU_WAIT_SCALE`` is that fit, for CPU hosts, the machine class it was measured on; the
@@ -83,9 +85,16 @@ SIMULATOR_VERSION = 7
 # accelerator, where nothing has been measured yet. ``autodist check`` fits the scale to the plans it
 # measures and stores it in the machine's record, which the search then uses
 # (``SearchConfig.calibrated``). tests/test_fidelity_defaults.py checks the default against the records.
-DEFAULT_CPU_WAIT_SCALE = 1.45
+DEFAULT_CPU_WAIT_SCALE = 1.6
 # the scales a calibration chooses from (tools/calibrate.py, ``autodist check``): 0.5 to 3.0
 WAIT_SCALES = tuple(round(0.5 + 0.05 * i, 2) for i in range(51))
+# ... keeping, of those whose (worst) median step-time error is within this many percentage points
+# of the best, the one that ranks best (the zoo's records) or the one nearest the sweep's (autodist
+# check's handful of plans): a point is the noise of a median on this host (on gpt's 7 plans in
+# `autodist check` the error fell from 6.5% at 1.45 to 0.7% at 2.8, with ddp measured twice 2.2%
+# apart; over the zoo's records the worst median read 8.6-9.6% from 1.35 to 1.6, while resnet18's
+# Spearman went from 0.877 to 0.923)
+SCALE_TOLERANCE = 1.0
 
 
 @dataclass(frozen=True)

@@ -123,14 +123,20 @@ def errors_by_wait_scale(profile: Profile, structure: Any, comm: Any, plans: Seq
 
 
 def best_wait_scale(errors: dict[float, dict[str, float]], names: Sequence[str], *, prior: float = 1.0,
-                    within: float = 0.0) -> float:
+                    within: float = 0.0, ranking: dict[float, dict[str, float]] | None = None) -> float:
     """The scale (a key of ``errors``: scale -> record -> median % error) whose largest error over
-    the records ``names`` is smallest; of those within ``within`` percentage points of it, the one
-    nearest ``prior`` (``autodist check`` fits a handful of plans of one model: a median a point
-    from the best does not tell two scales apart there, and the scale stays near the sweep's)."""
+    the records ``names`` is smallest — or, of those within ``within`` percentage points of it (a
+    median a point from the best does not tell two scales apart on a noisy host), the one whose
+    records rank best (``ranking``: scale -> record -> Spearman, its smallest over ``names``), then
+    the one nearest ``prior`` (``autodist check``, whose handful of plans rank too coarsely to tell:
+    the sweep's scale)."""
     worst = {s: round(max(errors[s][n] for n in names), 9) for s in errors}
     least = min(worst.values())
-    return min((s for s in errors if worst[s] <= least + within), key=lambda s: (abs(s - prior), worst[s]))
+
+    def rank(s: float) -> float:
+        return -round(min(ranking[s][n] for n in names), 9) if ranking is not None else 0.0
+
+    return min((s for s in errors if worst[s] <= least + within), key=lambda s: (rank(s), abs(s - prior), worst[s]))
 
 
 def repeatability(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

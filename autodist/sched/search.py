@@ -69,8 +69,12 @@ class SearchConfig:
         )
 
     def calibrated(self, comm: CommModel) -> CommModel:
-        """``comm`` with this machine's wait calibration, where ``autodist check`` fitted one."""
-        return comm if self.wait_scale is None else replace(comm, wait_scale=self.wait_scale)
+        """``comm`` with this machine's wait calibration, where ``autodist check`` fitted one; a
+        comm model from a bandwidth and latency (``CommModel.analytic``: a link that was not
+        measured here) is left as it is."""
+        if self.wait_scale is None or comm.meta.get("source") == "analytic":
+            return comm
+        return replace(comm, wait_scale=self.wait_scale)
 
     def planning_budget(self, budget: int | None) -> int | None:
         return None if budget is None else int(budget * (1 - self.memory_headroom))
