@@ -44,13 +44,11 @@ def family(name: str) -> str:
 def predictions_of(record: dict, scales: Sequence[float]) -> dict[float, list[float]]:
     """Per scale, the record's plans predicted again with its own profile and comm model at that
     wait scale."""
-    from dataclasses import replace
-
     import torch
 
     from autodist.cost.comm import COMM_SCHEMA_VERSION, CommModel
     from autodist.cost.profile import Profile
-    from autodist.measure.fidelity import predictions_by_comm
+    from autodist.measure.fidelity import predictions_by_wait_scale
     from autodist.plan import Plan
     from autodist.structure import discover
     from autodist.zoo import zoo
@@ -60,13 +58,11 @@ def predictions_of(record: dict, scales: Sequence[float]) -> dict[float, list[fl
         raise SystemExit(f"calibrate: a comm model of schema version {d.get('schema_version')!r}; this checkout reads "
                          f"{sorted(READABLE_SCHEMAS)}")
     d["schema_version"] = COMM_SCHEMA_VERSION
-    comm = CommModel.from_dict(d)
     torch.manual_seed(0)
     structure = discover(zoo(record.get("size", "default"))[record["model"]].build())
     plans = [Plan.from_json(json.dumps(p["plan_json"])) for p in record["plans"]]
-    by_plan = predictions_by_comm(Profile.from_json(json.dumps(record["profile"])), structure,
-                                  [replace(comm, wait_scale=s) for s in scales], plans, record["world_size"])
-    return {s: [p[i] for p in by_plan] for i, s in enumerate(scales)}
+    return predictions_by_wait_scale(Profile.from_json(json.dumps(record["profile"])), structure, CommModel.from_dict(d),
+                                     plans, record["world_size"], scales)
 
 
 def record_name(record: dict) -> str:

@@ -113,13 +113,20 @@ def median_pct_error(predicted: Sequence[float], measured: Sequence[float]) -> f
     return 100 * statistics.median(abs(p - m) / m for p, m in zip(predicted, measured))
 
 
+def predictions_by_wait_scale(profile: Profile, structure: Any, comm: Any, plans: Sequence[Plan], world: int,
+                              scales: Sequence[float] = WAIT_SCALES) -> dict[float, list[float]]:
+    """Per wait scale (``CommModel.wait_scale``), every plan's step time predicted with ``comm`` at
+    that scale (see [Note: the wait calibration] in autodist/cost/fidelity.py)."""
+    by_plan = predictions_by_comm(profile, structure, [replace(comm, wait_scale=s) for s in scales], plans, world)
+    return {s: [p[i] for p in by_plan] for i, s in enumerate(scales)}
+
+
 def errors_by_wait_scale(profile: Profile, structure: Any, comm: Any, plans: Sequence[Plan], measured: Sequence[float],
                          world: int, scales: Sequence[float] = WAIT_SCALES) -> dict[float, float]:
-    """Per wait scale (``CommModel.wait_scale``), the median % step-time error of ``plans``
-    predicted with ``comm`` at that scale against their ``measured`` step times (see [Note: the
-    wait calibration] in autodist/cost/fidelity.py)."""
-    by_plan = predictions_by_comm(profile, structure, [replace(comm, wait_scale=s) for s in scales], plans, world)
-    return {s: median_pct_error([p[i] for p in by_plan], measured) for i, s in enumerate(scales)}
+    """Per wait scale, the median % step-time error of ``plans`` predicted at that scale against
+    their ``measured`` step times."""
+    predicted = predictions_by_wait_scale(profile, structure, comm, plans, world, scales)
+    return {s: median_pct_error(predicted[s], measured) for s in scales}
 
 
 def best_wait_scale(errors: dict[float, dict[str, float]], names: Sequence[str], *, prior: float = 1.0,
