@@ -126,3 +126,55 @@ def test_a_stalled_rank_fails_the_others_after_the_process_group_timeout(world2)
     assert outcome is not None, "the step on rank 0 finished although rank 1 never joined it"
     assert outcome["seconds"] < 20
     assert "Timed out" in outcome["error"] or "timeout" in outcome["error"].lower()
+
+
+def _python_objects_held_by_collectives_issued_in_backward():
+    # [Note: a collective issued in backward outliving the interpreter]: inside backward, torch
+    # stashes a Python object in thread-local state; a work handle that captured it makes the
+    # backend's thread take the GIL to drop it, which aborts the process at interpreter exit. The
+    # probe puts an object of its own under that key, so the issued works are its only owners
+    # once the key is cleared.
+    import weakref
+
+    if not hasattr(torch._C, "_get_obj_in_tls"):
+        return None
+    m = AutoDist(models.make("mlp"), plan=make_plan(models.make("mlp"), 2, residency="persistent"))
+    comm = m.runtime.comm
+    held = {}
+
+    class Probe:
+        pass
+
+    def probe(grad):
+        held["context stashed"] = torch._C._is_key_in_tls("context")
+        ctx = torch._C._get_obj_in_tls("context")
+        torch._C._remove_obj_from_tls("context")
+        obj = Probe()
+        ref = weakref.ref(obj)
+        torch._C._stash_obj_in_tls("context", obj)
+        del obj
+        inflight = [
+            ("all_reduce", comm.all_reduce(torch.ones(4), "probe")),
+            ("reduce_scatter", comm.reduce_scatter(torch.empty(2), torch.ones(4), "probe")),
+            ("all_gather", comm.all_gather(torch.empty(4), torch.ones(2), "probe")),
+        ]
+        torch._C._remove_obj_from_tls("context")  # the key's owner gone: the works are what is left
+        torch._C._stash_obj_in_tls("context", ctx)
+        held["kept alive"] = ref() is not None
+        for _, f in inflight:
+            f.wait()
+        return grad
+
+    x = torch.ones(3, requires_grad=True)
+    y = x * 2
+    y.register_hook(probe)
+    y.sum().backward()
+    m.close()
+    return held
+
+
+def test_collectives_issued_in_backward_hold_no_python_object(world2):
+    held = world2.run(_python_objects_held_by_collectives_issued_in_backward)
+    if held[0] is None:
+        pytest.skip("this torch has no Python objects in thread-local state")
+    assert held == [{"context stashed": True, "kept alive": False}] * 2
