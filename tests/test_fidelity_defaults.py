@@ -98,3 +98,20 @@ def test_the_fit_ranks_within_a_point_of_the_best_and_holds_a_model_s_records_ou
     assert best_wait_scale(errors, ["a", "b"], within=1.0, ranking=ranking) == 1.5
     assert best_wait_scale(errors, ["a", "b"], within=0.0, ranking=ranking) == 2.0
     assert tool.family("gpt-accum4") == tool.family("gpt") == "gpt" and tool.family("deep-mlp") == "deep-mlp"
+
+
+def test_simcheck_reports_a_stored_record_with_the_measurement_s_own_ranking(capsys):
+    """``tools/simcheck.py --report``: a committed record's table, with how well its measurement
+    ranks the plans against itself, from the record's own step times (4 per pass)."""
+    from autodist.measure.fidelity import split_half_spearman
+
+    spec = importlib.util.spec_from_file_location("simcheck_tool", BENCH.parent / "tools" / "simcheck.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    record = BENCH / "simcheck-gpt.json"
+    assert tool.main(["--report", str(record)]) == 0
+    out = capsys.readouterr().out
+    rows = [r for r in json.loads(record.read_text())["plans"] if not r["searched"]]
+    own = split_half_spearman([r["measured_times_s"] for r in rows], 4)
+    assert -1 <= own <= 1 and f"built-in and random {own:.3f}" in out
+    assert "built-in and random (12): Spearman 0.888" in out  # the record's figures, unchanged

@@ -171,6 +171,26 @@ def test_a_plan_measured_twice_tells_the_measurement_s_own_noise():
     assert f["plans"] == 5 and f["median_abs_pct_error_time"] == pytest.approx(100 * 0.26 / 0.36)  # |0.1 - 0.36| / 0.36, the middle of five
 
 
+def test_the_measurement_s_own_ranking_compares_its_even_passes_with_its_odd_ones():
+    from autodist.measure.fidelity import split_half_spearman, summarize
+
+    # three plans, two steps per pass, four passes; the even passes rank a < b < c ...
+    even = {"a": [1.0, 1.1], "b": [2.0, 2.1], "c": [3.0, 3.1]}
+    agree = {"a": [1.2, 1.3], "b": [2.2, 2.3], "c": [3.2, 3.3]}  # ... and so do the odd ones
+    swap = {"a": [2.5, 2.6], "b": [1.5, 1.6], "c": [3.2, 3.3]}  # ... the odd ones put b before a
+    assert split_half_spearman([even[k] + agree[k] + even[k] + agree[k] for k in "abc"], 2) == pytest.approx(1.0)
+    assert split_half_spearman([even[k] + swap[k] + even[k] + swap[k] for k in "abc"], 2) == pytest.approx(0.5)
+    # a plan's slowest steps (a disturbed one) do not move its lower quartile
+    noisy = [even[k] + agree[k] + [v * (9 if k == "a" else 1) for v in even[k]] + agree[k] for k in "abc"]
+    assert split_half_spearman(noisy, 2) == pytest.approx(1.0)
+    assert split_half_spearman([[1.0, 1.1], [2.0, 2.1], [3.0, 3.1]], 2) != split_half_spearman([[1.0, 1.1], [2.0, 2.1], [3.0, 3.1]], 2)  # one pass: nan
+
+    rows = [{"plan": k, "measured_step_s": 1.0, "predicted_step_s": 1.0, "searched": False, "measured_peak_bytes": 1,
+             "predicted_peak_bytes": 1, "measured_times_s": even[k] + swap[k]} for k in "abc"]
+    assert summarize(rows, steps=2)["split_half_spearman"] == pytest.approx(0.5)
+    assert "split_half_spearman" not in summarize(rows)
+
+
 def test_the_spread_of_predictions_over_sweeps_is_each_plan_s_range_against_its_median():
     from autodist.measure.fidelity import sweep_spread
 

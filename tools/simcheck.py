@@ -11,7 +11,11 @@ the simulator and measure them (``--accum N``: steps of N micro-batches, the fir
 (the slowest rank's time per step) and the peak tensor memory of one more step (the slowest
 rank's). Reports each plan, Spearman's rank correlation of predicted and measured step times, and
 the median absolute percentage error of time and of peak memory, as a table and (``--json``) as JSON
-with keys ``spearman``, ``median_abs_pct_error_time``, ``median_abs_pct_error_peak``, ``plans``.
+with keys ``spearman``, ``median_abs_pct_error_time``, ``median_abs_pct_error_peak``, ``plans``; and
+``split_half_spearman``, how well the measurement ranks the plans against itself (each plan's even
+passes against its odd ones), which a prediction's Spearman is read against (see [Note: the
+measurement's own ranking] in ``autodist/measure/fidelity.py``). ``--report RECORD`` prints a
+stored record's table.
 ``--trace-dir`` also writes, per plan, the simulated and the measured step as Chrome traces and PNGs.
 ``--resweep`` measures the comm model again after every pass (as the profile is) and reports how far
 each plan's prediction moves from one sweep to another (``sweep_spread``): the comm model's own
@@ -145,16 +149,19 @@ def worker(args: argparse.Namespace) -> None:
         for c, ms, preds in zip(checks, sim_ms, by_sweep)
     ]
     if rank == 0:
-        overall = summarize(rows)
+        overall = summarize(rows, args.steps)
         payload = {
             "model": args.model,
             "size": args.size,  # the zoo's size the profile and plans are of
             "world_size": world,
             "accum": args.accum,
+            "steps": args.steps,
+            "passes": args.passes,
             "simulator": SIMULATOR_VERSION,  # the committed figures behind the search's default margins
             **{k: overall[k] for k in ("spearman", "median_abs_pct_error_time", "median_abs_pct_error_peak", "max_pct_peak_excess")},
-            "random_and_builtin": summarize([r for r in rows if not r["searched"]]),
-            "searched": summarize([r for r in rows if r["searched"]]),
+            "split_half_spearman": overall.get("split_half_spearman"),
+            "random_and_builtin": summarize([r for r in rows if not r["searched"]], args.steps),
+            "searched": summarize([r for r in rows if r["searched"]], args.steps),
             "repeated": repeatability(rows),
             "sweep_spread": sweep_spread(rows),
             "plans": rows,
@@ -165,6 +172,20 @@ def worker(args: argparse.Namespace) -> None:
         with open(args.out, "w") as f:
             json.dump(payload, f, indent=1)
     dist.destroy_process_group()
+
+
+def stored(path: str) -> dict:
+    """A record ``--json`` wrote; one written before the measurement's own ranking was reported gets
+    it from its step times (4 steps per pass, the default then)."""
+    with open(path) as f:
+        payload = json.load(f)
+    if "split_half_spearman" not in payload:
+        steps, rows = payload.get("steps", 4), payload["plans"]
+        payload["split_half_spearman"] = summarize(rows, steps).get("split_half_spearman")
+        for key, pick in (("random_and_builtin", False), ("searched", True)):
+            if payload.get(key):
+                payload[key] = summarize([r for r in rows if r["searched"] == pick], steps)
+    return payload
 
 
 def table(payload: dict) -> str:
@@ -189,6 +210,11 @@ def table(payload: dict) -> str:
                 f"  {what} ({f['plans']}): Spearman {f['spearman']:.3f}   median |error| time "
                 f"{f['median_abs_pct_error_time']:.1f}%   peak {f['median_abs_pct_error_peak']:.1f}%"
             )
+    halves = [(what, f["split_half_spearman"]) for what, f in (("all", payload), ("built-in and random", payload.get("random_and_builtin") or {}))
+              if f.get("split_half_spearman") is not None]
+    if halves:
+        lines.append("  measured against itself, even passes vs odd (Spearman; how reproducibly this host ranks the plans): "
+                     + ", ".join(f"{what} {v:.3f}" for what, v in halves))
     for rep in payload.get("repeated", []):
         lines.append(f"  measured twice: {rep['plans'][0]} and {rep['plans'][1]}, {rep['pct_apart']:.1f}% apart (the noise floor)")
     spread = payload.get("sweep_spread") or {}
@@ -202,7 +228,7 @@ def table(payload: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, choices=list(zoo()))
+    ap.add_argument("--model", choices=list(zoo()), help="the zoo model to check (required unless --report)")
     ap.add_argument("--plans", type=int, default=12, help="plans to run: 3 built-in + random (default 12)")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per plan and pass (default 4)")
     ap.add_argument("--warmup", type=int, default=2)
@@ -217,6 +243,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--resweep", action="store_true",
                     help="measure the comm model again after every pass and report how far each plan's prediction moves with it")
+    ap.add_argument("--report", default=None, metavar="RECORD",
+                    help="print the table of a stored record (a --json output) instead of measuring")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -224,6 +252,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report:
+        print(table(stored(args.report)))
+        return 0
+    if args.model is None:
+        sys.exit("simcheck: --model is required (or --report RECORD to print a stored record)")
     if args.worker:
         worker(args)
         return 0

@@ -11,6 +11,7 @@ order, so that a slow drift of the host touches every plan alike.
 from __future__ import annotations
 
 import gc
+import math
 import random
 import statistics
 import time
@@ -91,21 +92,48 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     return cov / (va * vb) if va and vb else float("nan")
 
 
-def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def summarize(rows: Sequence[dict[str, Any]], steps: int | None = None) -> dict[str, Any]:
     """Fidelity over ``rows`` (as :meth:`Checked.row` writes them): rank correlation of step times,
     median absolute percentage errors of time and peak, and the largest percentage by which a
-    measured peak exceeded its prediction (what the memory headroom must cover)."""
+    measured peak exceeded its prediction (what the memory headroom must cover). With ``steps``
+    (timed steps per pass) and each row's ``measured_times_s``, also the measurement's own
+    ranking of the plans from one half of its passes to the other (:func:`split_half_spearman`)."""
     if not rows:
         return {}
     pt, mt = [r["predicted_step_s"] for r in rows], [r["measured_step_s"] for r in rows]
     pp, mp = [r["predicted_peak_bytes"] for r in rows], [r["measured_peak_bytes"] for r in rows]
-    return {
+    out = {
         "plans": len(rows),
         "spearman": spearman(pt, mt) if len(rows) > 2 else float("nan"),
         "median_abs_pct_error_time": median_pct_error(pt, mt),
         "median_abs_pct_error_peak": median_pct_error(pp, mp),
         "max_pct_peak_excess": 100 * max((m - p) / p for p, m in zip(pp, mp)),
     }
+    if steps and len(rows) > 2 and all(r.get("measured_times_s") for r in rows):
+        out["split_half_spearman"] = split_half_spearman([r["measured_times_s"] for r in rows], steps)
+    return out
+
+
+def split_half_spearman(times: Sequence[Sequence[float]], steps: int) -> float:
+    """How well the measurement ranks its own plans: the rank correlation, over plans, of each
+    plan's step time (the lower quartile, as :attr:`Checked.measured_step_s`) from its even passes
+    against that from its odd passes. ``times`` holds each plan's step times pass by pass,
+    ``steps`` a pass, as :func:`measure_plans` appends them; nan with fewer than two passes.
+
+    [Note: the measurement's own ranking] On a shared host plans a few % apart trade places from
+    one measurement to the next, so a prediction's Spearman against the measured times is limited
+    by how reproducibly the measurement ranks the plans at all. This is that reproducibility, from
+    the same run. Each half holds half the steps, so it understates the whole measurement's (which
+    averages twice as many passes): a perfect predictor would be expected to score above it, though
+    not at 1. A
+    prediction that ranks the plans far below it is the simulator's error; near it, the host's
+    noise, which more passes reduce.
+    """
+    halves = [[lower_quartile([t for j, t in enumerate(ts) if (j // steps) % 2 == h] or [math.nan])
+               for ts in times] for h in (0, 1)]
+    if any(math.isnan(x) for half in halves for x in half):
+        return float("nan")
+    return spearman(*halves)
 
 
 def median_pct_error(predicted: Sequence[float], measured: Sequence[float]) -> float:
