@@ -4,7 +4,7 @@
   torch version, optimizer kind, budget and mixed precision is used: no profiling, no search.
 * **Miss with example inputs** — profile now (a few forward/backward passes of the plain module,
   no optimizer step, nothing left changed), get the comm model (cached per machine, else a sweep of
-  about 20 s on 2 CPU ranks), search on rank 0, broadcast, store.
+  about 50 s on 2 CPU ranks, three passes), search on rank 0, broadcast, store.
 * **Miss without example inputs** — wrap with a safe plan (the placement stored for this model if
   any; else replicate everything when parameters, gradients and optimizer state fit in half the
   budget, shard everything otherwise). At the first forward, look the full plan up by the input
@@ -233,7 +233,7 @@ class AutoPlanner:
         if text is not None:
             return CommModel.from_json(text)
         if self.rank == 0:
-            logger.info("autodist: measuring the communication cost model (about 20 s on 2 CPU ranks, once per machine)")
+            logger.info("autodist: measuring the communication cost model (about 50 s on 2 CPU ranks, once per machine)")
         # the sweep draws random tensors (and seeds its own overhead probe): the user's generator is kept
         rng_devices = [self.device] if self.device.type == "cuda" else []
         with progress("measuring the comm model", enabled=self.rank == 0), torch.random.fork_rng(devices=rng_devices):

@@ -84,6 +84,40 @@ def test_sweep_is_fast_identical_on_every_rank_and_fits_its_samples(world2):
         assert all(min(r[1:]) >= 1.0 for r in rows)
     # a CPU sweep carries the machine class's wait calibration (autodist/cost/fidelity.py)
     assert model.wait_scale == DEFAULT_CPU_WAIT_SCALE
+    assert model.meta["passes"] == 1 and model.meta["pass_spread"] == 0  # AUTODIST_SWEEP_PASSES=1 (tests/conftest.py)
+
+
+def test_a_sweep_in_passes_keeps_each_figure_s_median_so_one_pass_read_high_is_left_out():
+    from autodist.measure.sweep import _combine, _Pass, _pass_spread
+
+    def one(scale, wait, spread):
+        samples = {"all_gather": [(1024.0, 1e-4 * scale), (4096.0, 2e-4 * scale)]}
+        host = {"all_gather": [(1024.0, 1e-5 * scale), (4096.0, 1e-5 * scale)]}
+        return _Pass(samples, host, {"all_gather": [[1024.0, 1.2, 3.0 * scale, wait], [4096.0, 1.1, 2.0, wait]]}, spread)
+
+    passes = [one(1.0, 1.5, 1.2), one(1.5, 2.7, 1.9), one(1.1, 1.6, 1.3)]  # the second read high throughout
+    c = _combine(passes)
+    assert c.samples == {"all_gather": [(1024.0, pytest.approx(1.1e-4)), (4096.0, pytest.approx(2.2e-4))]}
+    assert c.host_samples["all_gather"][0] == (1024.0, pytest.approx(1.1e-5))
+    assert c.contention == {"all_gather": [[1024.0, 1.2, pytest.approx(3.3), 1.6], [4096.0, 1.1, 2.0, 1.6]]}
+    assert c.spread == 1.3
+    # how far the passes disagreed, the median over the eight figures: three at 0.5/1.1 (the two
+    # times, the 1 KiB comm slowdown), two at 1.2/1.6 (the waits), three at 0
+    assert _pass_spread(passes) == pytest.approx(0.5 / 1.1)
+    assert _pass_spread(passes[:1]) == 0 and _combine(passes[:1]).contention == passes[0].contention
+
+
+def test_the_sweep_s_passes_come_from_the_environment_with_a_clear_error_for_a_bad_value(monkeypatch):
+    from autodist.measure.sweep import SWEEP_PASSES, SweepConfig
+
+    monkeypatch.delenv("AUTODIST_SWEEP_PASSES", raising=False)
+    assert SweepConfig().passes == SWEEP_PASSES == 3
+    monkeypatch.setenv("AUTODIST_SWEEP_PASSES", "2")
+    assert SweepConfig().passes == 2
+    for bad in ("0", "three", "-1"):
+        monkeypatch.setenv("AUTODIST_SWEEP_PASSES", bad)
+        with pytest.raises(ValueError, match=f"AUTODIST_SWEEP_PASSES='{bad}'.*at least 1"):
+            SweepConfig()
 
 
 def test_contention_is_interpolated_in_log_size_between_measured_sizes():
@@ -127,9 +161,14 @@ def test_the_wait_scale_multiplies_only_the_slowdown_while_compute_waits_and_nev
     for bad in (0, -1.5, float("inf"), "1.6", True):
         with pytest.raises(ValueError, match="wait_scale"):
             CommModel.from_dict(dict(json.loads(m.to_json()), wait_scale=bad))
+    from autodist.cost.comm import COMM_SCHEMA_VERSION
+
     older = json.loads(m.to_json())
     older["schema_version"] = 4  # measured before the calibration existed: measured again, not read as 1
-    with pytest.raises(ValueError, match="schema_version 4 is not 5"):
+    with pytest.raises(ValueError, match=f"schema_version 4 is not {COMM_SCHEMA_VERSION}"):
+        CommModel.from_dict(older)
+    older["schema_version"] = 5  # one pass ([Note: a sweep in passes]): measured again too
+    with pytest.raises(ValueError, match=f"schema_version 5 is not {COMM_SCHEMA_VERSION}"):
         CommModel.from_dict(older)
 
 

@@ -14,6 +14,10 @@ ranks its plans best (Spearman), then the one nearest 1. Each record is also hel
 its error on the held-out one — so the report says how the fit does on a model it was not fitted
 to. No ranks, no measurement: it re-simulates what the records measured (seconds for the zoo).
 
+``--apply`` also rewrites the records' predictions at the fit, keeping what they were first predicted
+with under ``out_of_sample``: records measured with one default and fitted to another then hold the
+predictions the new default makes, as the search's margins and the tests read them.
+
 See [Note: the wait calibration] in autodist/cost/fidelity.py for what the scale is and where the
 sweep applies it.
 """
@@ -32,8 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _launch import report  # noqa: E402
 
 DEFAULT_RECORDS = os.path.join("benchmarks", "simcheck-*.json")
-# comm model schemas with the fields this checkout reads (5 added ``wait_scale``, 1 when absent)
-READABLE_SCHEMAS = {4, 5}
+# comm model schemas with the fields this checkout reads (5 added ``wait_scale``, 1 when absent; 6 measures
+# in passes, with the same fields)
+READABLE_SCHEMAS = {4, 5, 6}
 
 
 def family(name: str) -> str:
@@ -140,6 +145,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("records", nargs="*", help="tools/simcheck.py --json records, or patterns of them "
                     "(default: benchmarks/simcheck-*.json)")
     ap.add_argument("--json", default=None, help="also save the fit and the held-out figures here")
+    ap.add_argument("--apply", action="store_true",
+                    help="rewrite the records' predictions at the fit (what they were measured with stays under out_of_sample)")
     return ap.parse_args(argv)
 
 
@@ -154,9 +161,43 @@ def record_paths(patterns: Sequence[str]) -> list[str]:
     return found
 
 
+def apply(payload: dict) -> None:
+    """Rewrite each record's predictions at the fitted scale (``--apply``): its plans'
+    ``predicted_step_s``, its comm model's ``wait_scale`` and its summaries. What it was measured
+    with first stays, once, under ``out_of_sample`` (the scale and the summaries then: a record
+    predicted at a scale fitted before it was measured); ``predicted_step_s_by_sweep`` and
+    ``sweep_spread`` stay at that scale (the other sweeps are not stored)."""
+    from autodist.measure.fidelity import summarize
+
+    fitted = payload["wait_scale"]
+    for path in payload["records"]:
+        with open(path) as f:
+            record = json.load(f)
+        rows, steps = record["plans"], record.get("steps")
+        if "out_of_sample" not in record:
+            record["out_of_sample"] = {
+                "wait_scale": record["comm_model"].get("wait_scale", 1.0),
+                "all": summarize(rows, steps),
+                "random_and_builtin": summarize([r for r in rows if not r["searched"]], steps),
+                "searched": summarize([r for r in rows if r["searched"]], steps),
+            }
+        for row, again in zip(rows, payload["at_fit"][record_name(record)]["plans"]):
+            row["predicted_step_s"] = again["predicted_step_s"]
+        record["comm_model"]["wait_scale"] = fitted
+        overall = summarize(rows, steps)
+        record.update({k: overall[k] for k in ("spearman", "median_abs_pct_error_time", "median_abs_pct_error_peak",
+                                               "max_pct_peak_excess")})
+        record["random_and_builtin"] = summarize([r for r in rows if not r["searched"]], steps)
+        record["searched"] = summarize([r for r in rows if r["searched"]], steps)
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     payload = calibrate(record_paths(args.records))
+    if args.apply:
+        apply(payload)
     report(table(payload), payload, args.json)
     return 0
 

@@ -30,8 +30,10 @@ TRAIN_BYTES = 4 << 20
 # every contention figure is the trimmed mean of five rounds, the median of three at 64 MiB
 # (autodist/measure/sweep.py [Note: the wait figure]): a model measured before moved 3x from sweep
 # to sweep, so it is measured again; 5: ``wait_scale``, the wait figures' calibration against
-# measured steps (autodist/cost/fidelity.py [Note: the wait calibration])
-COMM_SCHEMA_VERSION = 5
+# measured steps (autodist/cost/fidelity.py [Note: the wait calibration]); 6: the timings and the
+# contention figures are measured in three passes and each keeps its median (autodist/measure/sweep.py
+# [Note: a sweep in passes]): a model of one pass is measured again
+COMM_SCHEMA_VERSION = 6
 
 
 @dataclass

@@ -6,11 +6,12 @@ runtime). See that module for what is measured and how it is fitted.
 from __future__ import annotations
 
 import math
+import os
 import queue
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -23,10 +24,23 @@ from .robust import lower_quartile, trimmed_mean
 
 @dataclass
 class SweepConfig:
-    """Sizes and repetitions of the operations' timings (3-4 s of the sweep's 19-21 on 2 CPU ranks;
+    """Sizes and repetitions of the operations' timings (3-4 s of a pass's 17-21 on 2 CPU ranks;
     the contention figures take 13): 16 KiB to 16 MiB in 4x steps; each sample times as
-    many calls as fill ``min_run_s`` (10 to 50), spread over ``rounds`` interleaved passes, and
-    keeps their 10th percentile ([Note: which statistic])."""
+    many calls as fill ``min_run_s`` (10 to 50), spread over ``rounds`` interleaved rounds, and
+    keeps their 10th percentile ([Note: which statistic]). The timings and the contention figures
+    are measured ``passes`` times and each figure keeps its median ([Note: a sweep in passes]).
+
+    [Note: a sweep in passes] Within a pass, rounds interleave the measurements so that a
+    disturbance touches a few calls of many samples; but the host's state also moves from one
+    twenty-second window to the next, and a whole pass can read high or low. Six sweeps taken back
+    to back on the development host (2 shared vCPUs, 2 ranks) read the 16 MiB all-gather at
+    8.3-10.5 ms and the wait figure of a 4 MiB all-gather at 1.37-2.77; in a simcheck run of gpt
+    (8 passes, 9 sweeps) the first sweep ranked the built-in and random plans at Spearman 0.664
+    and predicted five of them 11-14% slow, where each later sweep ranked them at 0.88-0.97, and
+    the median of the first three sweeps' predictions at 0.965 (1.5% median error). The median of
+    three passes leaves out one pass read high or low; each pass's contention figures are relative
+    to its own base times, as a single sweep's are. ``meta["pass_spread"]`` says how far the passes
+    disagreed (a figure's range over its median, the median over the figures)."""
 
     sizes: tuple[int, ...] = tuple(16 * 1024 * 4**i for i in range(6))
     warmup: int = 2
@@ -34,6 +48,26 @@ class SweepConfig:
     max_calls: int = 50
     min_run_s: float = 0.05
     rounds: int = 5
+    passes: int = field(default_factory=lambda: sweep_passes())
+
+
+SWEEP_PASSES = 3  # see [Note: a sweep in passes]; AUTODIST_SWEEP_PASSES overrides it
+
+
+def sweep_passes() -> int:
+    """How many passes a sweep takes: ``AUTODIST_SWEEP_PASSES`` if set (1 trades the comm model's
+    reproducibility for a third of the time: the test suite does), else ``SWEEP_PASSES``."""
+    text = os.environ.get("AUTODIST_SWEEP_PASSES")
+    if text is None:
+        return SWEEP_PASSES
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"AUTODIST_SWEEP_PASSES={text!r}: the comm sweep's passes must be a whole number of at least 1 "
+                         f"(default {SWEEP_PASSES}); unset it for the default")
+    return n
 
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
@@ -132,35 +166,26 @@ def _max_over_ranks(values: list[float], group: dist.ProcessGroup, device: torch
 DISTURBED_SPREAD = 2.0  # a sweep whose typical call takes twice its 10th percentile ran on a busy host
 
 
-def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | None = None) -> CommModel:
-    """Measure and fit the comm model on ``group`` (a collective: call on every rank); ``cfg``
-    defaults to ``SweepConfig()``."""
-    cfg = cfg or SweepConfig()
-    from ..runtime.comm import Comm  # the same collective calls the runtime issues
+@dataclass
+class _Pass:
+    """One pass of the sweep: every operation's samples ``{op: [(bytes, seconds)]}`` (the slowest
+    rank's), the caller's share of each collective's, the contention figures, and how disturbed
+    the host was."""
 
+    samples: dict[str, list[tuple[float, float]]]
+    host_samples: dict[str, list[tuple[float, float]]]
+    contention: dict[str, list[list[float]]]
+    spread: float
+
+
+def _measure_pass(
+    comm: Any, group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig, cases: list[tuple[str, int, Any]],
+    calls: list[int],
+) -> _Pass:
     world = dist.get_world_size(group)
-    comm = Comm(group)
-    t_start = time.perf_counter()
-    fdt = torch.float32
-    cases: list[tuple[str, int, Any]] = []  # (op, message bytes, issue: returns the work or None)
-    keep: list[torch.Tensor] = []
-    for nbytes in cfg.sizes:
-        n = max(world, nbytes // 4 // world * world)
-        buf = torch.zeros(n, dtype=fdt, device=device)
-        shard = torch.zeros(n // world, dtype=fdt, device=device)
-        out = torch.empty(n, dtype=fdt, device=device)
-        host = torch.empty(n, dtype=fdt, pin_memory=device.type == "cuda")
-        keep += [buf, shard, out, host]
-        nb = n * 4
-        if world > 1:
-            cases += [(op, nb, issue) for op, issue in _collectives(comm, buf, shard, out)]
-        nonblock = device.type == "cuda"
-        cases.append(("d2h", nb, lambda host=host, buf=buf, nonblock=nonblock: _copy(host, buf, nonblock)))
-        cases.append(("h2d", nb, lambda host=host, buf=buf, nonblock=nonblock: _copy(buf, host, nonblock)))
     # Samples are collected in interleaved rounds, so a disturbance of the host (another process,
     # the scheduler) touches a few calls of many samples instead of all calls of one; the median
     # of each sample's calls then ignores it.
-    calls = [_calls_for(issue, group, device, cfg) for _, _, issue in cases]
     per_round = [max(1, -(-c // cfg.rounds)) for c in calls]
     issued: list[list[float]] = [[] for _ in cases]
     durations: list[list[float]] = [[] for _ in cases]
@@ -198,20 +223,92 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
         samples.setdefault(op, []).append((float(nb), t))
         if op in COLLECTIVES:
             host_samples.setdefault(op, []).append((float(nb), i + collected[op]))
-    for pts in samples.values():
-        # A message is never cheaper than a smaller one of the same kind: a sample slower than a
-        # larger message's was disturbed (seen on 2 cores: a 16 KiB reduce-scatter at 1.5x the
-        # 64 KiB one), and is capped at the larger one's time before fitting.
-        pts.sort()
-        for i in range(len(pts) - 2, -1, -1):
-            pts[i] = (pts[i][0], min(pts[i][1], pts[i + 1][1]))
-    ops = {op: fit_op(pts) for op, pts in samples.items()}
-    host = {op: fit_op(pts) for op, pts in host_samples.items()}
+    # the contention figures are relative to this pass's own base times (what the pass measured)
+    ops = {op: fit_op(_monotone(pts)) for op, pts in samples.items()}
+    contention = _contention(comm, group, device, ops, collected) if world > 1 else {}
+    return _Pass(samples, host_samples, contention, spread)
+
+
+def _monotone(pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``pts`` (bytes, seconds) in order of size, each capped at the next larger one's time.
+
+    A message is never cheaper than a smaller one of the same kind: a sample slower than a larger
+    message's was disturbed (seen on 2 cores: a 16 KiB reduce-scatter at 1.5x the 64 KiB one), and
+    is capped at the larger one's time before fitting."""
+    out = sorted(pts)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = (out[i][0], min(out[i][1], out[i + 1][1]))
+    return out
+
+
+def _combine(passes: list[_Pass]) -> _Pass:
+    """The passes as one ([Note: a sweep in passes]): each (operation, size)'s time, each
+    contention figure and the host's spread, the median over the passes."""
+
+    def samples(per_pass: list[dict[str, list[tuple[float, float]]]]) -> dict[str, list[tuple[float, float]]]:
+        return {op: [(nb, statistics.median(dict(p[op])[nb] for p in per_pass)) for nb, _ in pts]
+                for op, pts in per_pass[0].items()}
+
+    contention = {
+        kind: [[row[0], *(statistics.median(p.contention[kind][i][j] for p in passes) for j in (1, 2, 3))]
+               for i, row in enumerate(rows)]
+        for kind, rows in passes[0].contention.items()
+    }
+    return _Pass(samples([p.samples for p in passes]), samples([p.host_samples for p in passes]), contention,
+                 statistics.median(p.spread for p in passes))
+
+
+def _pass_spread(passes: list[_Pass]) -> float:
+    """How far the passes disagreed: over every collective's time and contention figure, the median
+    of its range over the passes as a fraction of its median (0 with one pass)."""
+    if len(passes) < 2:
+        return 0.0
+    figures: list[list[float]] = []
+    for op, pts in passes[0].samples.items():
+        for nb, _ in pts:
+            figures.append([dict(p.samples[op])[nb] for p in passes])
+    for kind, rows in passes[0].contention.items():
+        for i in range(len(rows)):
+            for j in (1, 2, 3):
+                figures.append([p.contention[kind][i][j] for p in passes])
+    return statistics.median((max(f) - min(f)) / max(statistics.median(f), 1e-12) for f in figures)
+
+
+def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | None = None) -> CommModel:
+    """Measure and fit the comm model on ``group`` (a collective: call on every rank); ``cfg``
+    defaults to ``SweepConfig()``."""
+    cfg = cfg or SweepConfig()
+    from ..runtime.comm import Comm  # the same collective calls the runtime issues
+
+    world = dist.get_world_size(group)
+    comm = Comm(group)
+    t_start = time.perf_counter()
+    fdt = torch.float32
+    cases: list[tuple[str, int, Any]] = []  # (op, message bytes, issue: returns the work or None)
+    keep: list[torch.Tensor] = []
+    for nbytes in cfg.sizes:
+        n = max(world, nbytes // 4 // world * world)
+        buf = torch.zeros(n, dtype=fdt, device=device)
+        shard = torch.zeros(n // world, dtype=fdt, device=device)
+        out = torch.empty(n, dtype=fdt, device=device)
+        host = torch.empty(n, dtype=fdt, pin_memory=device.type == "cuda")
+        keep += [buf, shard, out, host]
+        nb = n * 4
+        if world > 1:
+            cases += [(op, nb, issue) for op, issue in _collectives(comm, buf, shard, out)]
+        nonblock = device.type == "cuda"
+        cases.append(("d2h", nb, lambda host=host, buf=buf, nonblock=nonblock: _copy(host, buf, nonblock)))
+        cases.append(("h2d", nb, lambda host=host, buf=buf, nonblock=nonblock: _copy(buf, host, nonblock)))
+    calls = [_calls_for(issue, group, device, cfg) for _, _, issue in cases]
+    passes = [_measure_pass(comm, group, device, cfg, cases, calls) for _ in range(max(1, cfg.passes))]
+    combined = _combine(passes)
+    ops = {op: fit_op(_monotone(pts)) for op, pts in combined.samples.items()}
+    host = {op: fit_op(pts) for op, pts in combined.host_samples.items()}
     if world == 1:
         zero = OpModel(Piece(0.0, 0.0), Piece(0.0, 0.0), float("inf"))
         for op in ("all_reduce", "all_gather", "reduce_scatter"):
             ops[op] = zero
-    contention = _contention(comm, group, device, ops, collected) if world > 1 else {}
+    contention, spread = combined.contention, combined.spread
     slow_compute, slow_comm = contention["all_reduce"][-1][1:3] if contention else (1.0, 1.0)
     transient = _transient_bytes(comm, device) if world > 1 else {}
     from .overhead import measure_runtime_overhead
@@ -237,8 +334,10 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
         first_touch=first_touch,
         meta={
             "sweep_seconds": time.perf_counter() - t_start, "torch": torch.__version__,
-            # median over samples of (median call / 10th percentile): ~1 on a quiet host
-            "spread": round(spread, 3), "disturbed": spread > DISTURBED_SPREAD,
+            # median over samples of (median call / 10th percentile): ~1 on a quiet host (the median pass)
+            "spread": round(spread, 3), "disturbed": spread > DISTURBED_SPREAD, "passes": len(passes),
+            # how far the passes disagreed: a figure's range over its median, the median over the figures
+            "pass_spread": round(_pass_spread(passes), 3),
         },
     )
     comm.destroy()
