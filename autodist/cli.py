@@ -729,7 +729,7 @@ def _check_worker(args: argparse.Namespace) -> int:
         plans_to_check,
         repeatability,
         slowest_over_ranks,
-        summarize,
+        summaries,
     )
     from .measure.sweep import collective_train, sweep
     from .measure.trace import model_loss, profile_model, surrogate_loss
@@ -804,7 +804,8 @@ def _check_worker(args: argparse.Namespace) -> int:
         if rank == 0:
             # each row with its plan, so that a plan whose peak or time was off can be run again
             rows = [dict(c.row(), plan_json=json.loads(c.plan.to_json())) for c in checks]
-            overall = summarize(rows)
+            fidelity = summaries(rows)
+            overall = fidelity["all"]
             # the wait calibration that fits these plans best ([Note: the wait calibration]); the
             # record's errors stay those measured at the sweep's scale
             by_scale = errors_by_wait_scale(prof, structure, comm, [c.plan for c in checks],
@@ -822,8 +823,8 @@ def _check_worker(args: argparse.Namespace) -> int:
                 "model": args.model, "world_size": world, "device": device_name, "backend": backend,
                 "input_shape": list(args.input_shape), "accum": args.accum, "steps": args.steps, "passes": passes,
                 "plans": rows, "all": overall,
-                "builtin_and_random": summarize([r for r in rows if not r["searched"]]),
-                "searched": summarize([r for r in rows if r["searched"]]),
+                "builtin_and_random": fidelity["random_and_builtin"],
+                "searched": fidelity["searched"],
                 "repeated": repeatability(rows),
                 "calibration": {"wait_scale": fitted, "median_abs_pct_error_time": by_scale[fitted],
                                 "sweep_wait_scale": comm.wait_scale, "at_sweep_scale": by_scale[comm.wait_scale]},

@@ -167,7 +167,7 @@ def apply(payload: dict) -> None:
     with first stays, once, under ``out_of_sample`` (the scale and the summaries then: a record
     predicted at a scale fitted before it was measured); ``predicted_step_s_by_sweep`` and
     ``sweep_spread`` stay at that scale (the other sweeps are not stored)."""
-    from autodist.measure.fidelity import summarize
+    from autodist.measure.fidelity import summaries
 
     fitted = payload["wait_scale"]
     for path in payload["records"]:
@@ -175,20 +175,14 @@ def apply(payload: dict) -> None:
             record = json.load(f)
         rows, steps = record["plans"], record.get("steps")
         if "out_of_sample" not in record:
-            record["out_of_sample"] = {
-                "wait_scale": record["comm_model"].get("wait_scale", 1.0),
-                "all": summarize(rows, steps),
-                "random_and_builtin": summarize([r for r in rows if not r["searched"]], steps),
-                "searched": summarize([r for r in rows if r["searched"]], steps),
-            }
+            record["out_of_sample"] = {"wait_scale": record["comm_model"].get("wait_scale", 1.0), **summaries(rows, steps)}
         for row, again in zip(rows, payload["at_fit"][record_name(record)]["plans"]):
             row["predicted_step_s"] = again["predicted_step_s"]
         record["comm_model"]["wait_scale"] = fitted
-        overall = summarize(rows, steps)
-        record.update({k: overall[k] for k in ("spearman", "median_abs_pct_error_time", "median_abs_pct_error_peak",
-                                               "max_pct_peak_excess")})
-        record["random_and_builtin"] = summarize([r for r in rows if not r["searched"]], steps)
-        record["searched"] = summarize([r for r in rows if r["searched"]], steps)
+        fidelity = summaries(rows, steps)
+        record.update({k: fidelity["all"][k] for k in ("spearman", "median_abs_pct_error_time", "median_abs_pct_error_peak",
+                                                       "max_pct_peak_excess")})
+        record.update(random_and_builtin=fidelity["random_and_builtin"], searched=fidelity["searched"])
         with open(path, "w") as f:
             json.dump(record, f, indent=1)
 

@@ -51,7 +51,7 @@ from autodist.measure.fidelity import (  # noqa: E402
     predictions_by_comm,
     repeatability,
     slowest_over_ranks,
-    summarize,
+    summaries,
     sweep_spread,
 )
 from autodist.measure.sweep import collective_train, sweep  # noqa: E402
@@ -149,7 +149,8 @@ def worker(args: argparse.Namespace) -> None:
         for c, ms, preds in zip(checks, sim_ms, by_sweep)
     ]
     if rank == 0:
-        overall = summarize(rows, args.steps)
+        fidelity = summaries(rows, args.steps)
+        overall = fidelity["all"]
         payload = {
             "model": args.model,
             "size": args.size,  # the zoo's size the profile and plans are of
@@ -160,8 +161,8 @@ def worker(args: argparse.Namespace) -> None:
             "simulator": SIMULATOR_VERSION,  # the committed figures behind the search's default margins
             **{k: overall[k] for k in ("spearman", "median_abs_pct_error_time", "median_abs_pct_error_peak", "max_pct_peak_excess")},
             "split_half_spearman": overall.get("split_half_spearman"),
-            "random_and_builtin": summarize([r for r in rows if not r["searched"]], args.steps),
-            "searched": summarize([r for r in rows if r["searched"]], args.steps),
+            "random_and_builtin": fidelity["random_and_builtin"],
+            "searched": fidelity["searched"],
             "repeated": repeatability(rows),
             "sweep_spread": sweep_spread(rows),
             "plans": rows,
@@ -180,11 +181,9 @@ def stored(path: str) -> dict:
     with open(path) as f:
         payload = json.load(f)
     if "split_half_spearman" not in payload:
-        steps, rows = payload.get("steps", 4), payload["plans"]
-        payload["split_half_spearman"] = summarize(rows, steps).get("split_half_spearman")
-        for key, pick in (("random_and_builtin", False), ("searched", True)):
-            if payload.get(key):
-                payload[key] = summarize([r for r in rows if r["searched"] == pick], steps)
+        fidelity = summaries(payload["plans"], payload.get("steps", 4))
+        payload["split_half_spearman"] = fidelity["all"].get("split_half_spearman")
+        payload.update({k: fidelity[k] for k in ("random_and_builtin", "searched") if payload.get(k)})
     return payload
 
 

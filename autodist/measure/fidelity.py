@@ -114,6 +114,16 @@ def summarize(rows: Sequence[dict[str, Any]], steps: int | None = None) -> dict[
     return out
 
 
+def summaries(rows: Sequence[dict[str, Any]], steps: int | None = None) -> dict[str, dict[str, Any]]:
+    """:func:`summarize` over all ``rows``, over the built-in and random plans, and over the
+    searched ones (``"all"``, ``"random_and_builtin"``, ``"searched"``)."""
+    return {
+        "all": summarize(rows, steps),
+        "random_and_builtin": summarize([r for r in rows if not r["searched"]], steps),
+        "searched": summarize([r for r in rows if r["searched"]], steps),
+    }
+
+
 def split_half_spearman(times: Sequence[Sequence[float]], steps: int) -> float:
     """How well the measurement ranks its own plans: the rank correlation, over plans, of each
     plan's step time (the lower quartile, as :attr:`Checked.measured_step_s`) from its even passes
@@ -125,9 +135,8 @@ def split_half_spearman(times: Sequence[Sequence[float]], steps: int) -> float:
     by how reproducibly the measurement ranks the plans at all. This is that reproducibility, from
     the same run. Each half holds half the steps, so it understates the whole measurement's (which
     averages twice as many passes): a perfect predictor would be expected to score above it, though
-    not at 1. A
-    prediction that ranks the plans far below it is the simulator's error; near it, the host's
-    noise, which more passes reduce.
+    not at 1. A prediction that ranks the plans far below it is the simulator's error; near it, the
+    host's noise, which more passes reduce.
     """
     halves = [[lower_quartile([t for j, t in enumerate(ts) if (j // steps) % 2 == h] or [math.nan])
                for ts in times] for h in (0, 1)]
