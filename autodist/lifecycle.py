@@ -666,8 +666,6 @@ class AutoPlanner:
             recompute_anchor=dict(last["pass"].recompute),
             block_input_bytes=dict(last["pass"].block_inputs),
             grad_accum_steps=max(1, self.w._engine.stats.grad_accum_steps),
-            # recorded under the plan in force: replicated gradients were views of bucket buffers
-            fresh_gradients=any(u.placement == "shard" for u in self.w._engine.plan.units),
             meta={"source": "first training steps", "steps": len(measured), "torch": torch.__version__},
             **loss_fields(0, (0, 0), self._out_fp32, "estimated"),
         )

@@ -5,7 +5,8 @@
 On 2 CPU ranks (re-launched under torchrun), for the model: profile it, sweep the comm model, then
 for each plan — the built-in ddp/fsdp/zero2 plans, random valid plans (seeded; they include
 recomputed blocks and, with ``--accum N``, accumulation choices), and the plans the search picks
-under no budget and under two tighter ones (``--searched``) — predict step time and peak memory with
+under no budget and under ``--budgets`` tighter ones (``--searched``; 4 by default, so that the
+searched plans' own Spearman is over up to five plans, not three) — predict step time and peak memory with
 the simulator and measure them (``--accum N``: steps of N micro-batches, the first N-1 under
 ``no_sync``): the lower quartile of its step times over ``--passes`` passes of ``--steps`` steps
 (the slowest rank's time per step) and the peak tensor memory of one more step (the slowest
@@ -93,7 +94,8 @@ def worker(args: argparse.Namespace) -> None:
     space = space_for(prof, structure, world, grad_accum_steps=args.accum)
     sim = Simulator(prof, structure, comm, world_size=world)
     chosen = plans_to_check(
-        space, sim, args.plans, seed=args.seed, searched=args.searched, profile=prof, structure=structure, comm=comm, world=world
+        space, sim, args.plans, seed=args.seed, searched=args.searched, profile=prof, structure=structure, comm=comm, world=world,
+        budgets=args.budgets,
     )
     checks, sim_ms = [], []
     for name, genome, searched in chosen:
@@ -236,7 +238,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--size", default="default", choices=["default", "tiny"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--accum", type=int, default=1, help="micro-batches (of --batch each) per step (default 1)")
-    ap.add_argument("--searched", action="store_true", help="also measure the plans the search picks (3 budgets)")
+    ap.add_argument("--searched", action="store_true",
+                    help="also measure the plans the search picks: without a budget and under --budgets tighter ones")
+    ap.add_argument("--budgets", type=int, default=4,
+                    help="with --searched: tighter budgets, evenly spaced below the unbudgeted pick's peak (default 4)")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace-dir", default=None)
@@ -263,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
              "--warmup", str(args.warmup), "--passes", str(args.passes), "--size", args.size, "--seed", str(args.seed),
              "--accum", str(args.accum)]
     if args.searched:
-        wargs.append("--searched")
+        wargs += ["--searched", "--budgets", str(args.budgets)]
     if args.resweep:
         wargs.append("--resweep")
     if args.batch is not None:

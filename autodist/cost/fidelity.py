@@ -50,8 +50,9 @@ MAX_MEMORY_HEADROOM = 0.5
 # model's slowdown of a collective the compute thread waits on, measured right after the issue
 # (comm model schema 4), and its contention figures the trimmed mean of five rounds (the median of
 # three at 64 MiB). 7: the wait figure scaled by the calibration of the machine class
-# (``DEFAULT_CPU_WAIT_SCALE``, comm model schema 5).
-SIMULATOR_VERSION = 7
+# (``DEFAULT_CPU_WAIT_SCALE``, comm model schema 5). 8: a replicated gradient costs the profile's
+# fresh memory like any other (autodist/cost/simulator.py [Note: gradients are fresh memory]).
+SIMULATOR_VERSION = 8
 
 # [Note: the wait calibration] The sweep measures how much slower a collective runs while the
 # compute thread waits for it (the third contention figure) with a single collective, both ranks in

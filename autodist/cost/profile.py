@@ -91,10 +91,6 @@ class Profile:
     # model's figures for a reference computation; see [Note: the model's own contention] in
     # autodist/measure/trace.py)
     contended_slowdown: float | None = None
-    # whether the backward times include writing every gradient into freshly allocated memory: the
-    # plain module profiled with its gradients freed each pass (True), or the first training steps
-    # under a replicated plan, whose gradients are views of bucket buffers (False)
-    fresh_gradients: bool = True
     meta: dict[str, Any] = field(default_factory=dict)
     schema_version: int = PROFILE_SCHEMA_VERSION
 
@@ -120,6 +116,9 @@ class Profile:
         if d.get("schema_version") != PROFILE_SCHEMA_VERSION:
             raise ValueError(f"profile schema_version {d.get('schema_version')!r} is not {PROFILE_SCHEMA_VERSION}")
         d = dict(d)
+        # written until simulator version 8, which found every gradient written into fresh memory
+        # ([Note: gradients are fresh memory] in autodist/cost/simulator.py): nothing to read
+        d.pop("fresh_gradients", None)
         d["units"] = [UnitProfile(**u) for u in d["units"]]
         d["optimizer"] = OptimizerProfile(**d.get("optimizer", {}))
         return cls(**d)

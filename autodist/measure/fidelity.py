@@ -228,15 +228,26 @@ def sweep_spread(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "max_pct": worst[0], "max_plan": worst[1]}
 
 
+def budget_fractions(budgets: int) -> list[float]:
+    """Where :func:`plans_to_check`'s ``budgets`` tighter budgets lie, from the loosest: evenly
+    spaced fractions of the way from the smallest peak among the other plans to the unbudgeted
+    pick's (2: 2/3 and 1/3; 4: 0.8, 0.6, 0.4 and 0.2)."""
+    if budgets < 0:
+        raise ValueError(f"budgets must be 0 or more, not {budgets}")
+    return [k / (budgets + 1) for k in range(budgets, 0, -1)]
+
+
 def plans_to_check(
     space: PlanSpace, sim: Simulator, n: int, *, seed: int = 0, searched: bool = True,
-    profile: Any = None, structure: Any = None, comm: Any = None, world: int = 1,
+    profile: Any = None, structure: Any = None, comm: Any = None, world: int = 1, budgets: int = 2,
 ) -> list[tuple[str, Genome, bool]]:
     """``(name, genome, searched)``: the built-in plans (ddp, fsdp, zero2), random valid plans up to
-    ``n`` in all, then (``searched``) the plans the search picks without a budget and under two
-    tighter ones — 60% and 20% of the way from the smallest peak among the others to the unbudgeted
-    pick's peak (``profile``, ``structure``, ``comm`` and ``world`` build those budgets' simulators);
-    a pick equal to a plan listed before it is named ``searched@…=that plan`` and measured again.
+    ``n`` in all, then (``searched``) the plans the search picks without a budget and under
+    ``budgets`` tighter ones (:func:`budget_fractions`: by default two, 2/3 and 1/3 of the way from
+    the smallest peak among the others to the unbudgeted pick's peak; ``profile``, ``structure``,
+    ``comm`` and ``world`` build those budgets' simulators); a pick equal to a plan listed before it
+    is named ``searched@…=that plan`` and measured again. Over three searched plans one swapped
+    pair reads Spearman 0.5; more budgets make their ranking a measurement.
 
     A collective when a process group exists: rank 0 chooses and every rank gets its list, as
     ``plan="auto"`` broadcasts rank 0's plan — the search stops on a time budget, so ranks that
@@ -244,14 +255,15 @@ def plans_to_check(
     if dist.is_initialized() and dist.get_world_size() > 1:
         box: list[object] = [None]
         if dist.get_rank() == 0:
-            box[0] = _choose_plans(space, sim, n, seed, searched, profile, structure, comm, world)
+            box[0] = _choose_plans(space, sim, n, seed, searched, profile, structure, comm, world, budgets)
         dist.broadcast_object_list(box, src=0)
         return box[0]  # type: ignore[return-value]
-    return _choose_plans(space, sim, n, seed, searched, profile, structure, comm, world)
+    return _choose_plans(space, sim, n, seed, searched, profile, structure, comm, world, budgets)
 
 
 def _choose_plans(
     space: PlanSpace, sim: Simulator, n: int, seed: int, searched: bool, profile: Any, structure: Any, comm: Any, world: int,
+    budgets: int,
 ) -> list[tuple[str, Genome, bool]]:
     out: list[tuple[str, Genome, bool]] = [("ddp", space.ddp(), False), ("fsdp", space.fsdp(), False), ("zero2", space.zero2(), False)]
     seen = {g for _, g, _ in out}
@@ -266,7 +278,7 @@ def _choose_plans(
     if searched:
         free = Searcher(space, sim, SearchConfig()).run()
         floor = min(sim.run(space.to_plan(g)).peak_bytes for _, g, _ in out)
-        budgets = [None] + [int(floor + f * (free.result.peak_bytes - floor)) for f in (0.6, 0.2)]
+        budgets = [None] + [int(floor + f * (free.result.peak_bytes - floor)) for f in budget_fractions(budgets)]
         for b in budgets:
             if b is None:
                 found = free
