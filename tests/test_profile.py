@@ -212,3 +212,12 @@ def test_a_plan_s_measured_step_is_the_lower_quartile_of_its_steps_as_the_profil
     c = Checked("ddp", plan=None, predicted=None, times=[0.50, 0.36, 0.61, 0.40, 0.38, 0.90, 0.44, 0.47])
     assert c.measured_step_s == 0.38  # sorted: 0.36, 0.38, ...: the second of eight
     assert lower_quartile([3.0]) == 3.0 and lower_quartile([4.0, 1.0, 3.0, 2.0, 5.0]) == 2.0
+
+
+def test_the_searched_plans_are_picked_under_evenly_spaced_budgets():
+    from autodist.measure.fidelity import budget_fractions
+
+    assert budget_fractions(4) == pytest.approx([0.8, 0.6, 0.4, 0.2])
+    assert budget_fractions(2) == pytest.approx([2 / 3, 1 / 3]) and budget_fractions(0) == []
+    with pytest.raises(ValueError, match="budgets must be 0 or more"):
+        budget_fractions(-1)

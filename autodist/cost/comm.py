@@ -89,6 +89,12 @@ class OpModel:
         return max(t_hi, self.large(nbytes))
 
 
+# the wait calibration scales the wait figure of messages below this size; from it up a collective
+# the compute thread waits on runs at the sweep's own figure, and between the measured sizes either
+# side of it the figure is interpolated (autodist/cost/fidelity.py [Note: the wait calibration])
+WAIT_SCALED_BELOW_BYTES = 16 << 20
+
+
 @dataclass
 class CommModel:
     backend: str
@@ -120,16 +126,18 @@ class CommModel:
 
     def slowdowns(self, op: str, nbytes: float | None = None) -> tuple[float, float, float]:
         """(compute slowdown while ``op`` of ``nbytes`` runs, ``op``'s slowdown while compute runs,
-        ``op``'s slowdown while the compute thread waits, times ``wait_scale`` and at least 1):
-        interpolated in log size between the measured sizes, the nearest outside them; the largest
-        measured size when ``nbytes`` is None. Rows without the third figure (it was not measured)
-        give 1 before the scale: full speed while compute waits."""
+        ``op``'s slowdown while the compute thread waits, times ``wait_scale`` below
+        ``WAIT_SCALED_BELOW_BYTES`` and at least 1): interpolated in log size between the measured
+        sizes, the nearest outside them; the largest measured size when ``nbytes`` is None. Rows
+        without the third figure (it was not measured) give 1 before the scale: full speed while
+        compute waits."""
         rows = self.contention.get(op)
         if not rows:
             return self.compute_slowdown, self.comm_slowdown, max(1.0, self.wait_scale)
 
         def figures(row: list[float]) -> tuple[float, float, float]:
-            return row[1], row[2], max(1.0, (row[3] if len(row) > 3 else 1.0) * self.wait_scale)
+            scale = self.wait_scale if row[0] < WAIT_SCALED_BELOW_BYTES else 1.0
+            return row[1], row[2], max(1.0, (row[3] if len(row) > 3 else 1.0) * scale)
 
         if nbytes is None or nbytes >= rows[-1][0]:
             return figures(rows[-1])
