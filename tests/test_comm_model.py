@@ -156,7 +156,13 @@ def test_the_wait_scale_multiplies_only_the_slowdown_of_small_messages_while_com
     assert m.slowdowns("all_gather", 16 << 20) == (1.0, 1.5, 1.2)  # a large message: the sweep's own figure
     assert m.slowdowns("all_gather", 4 << 20) == pytest.approx((1.5, 2.25, 2.1))  # scaled below, then interpolated
     assert m.slowdowns("all_gather") == (1.0, 1.5, 1.0)
-    assert m.slowdowns("reduce_scatter") == (1.5, 1.25, 1.5)  # not measured: full speed, scaled
+    # rows as a sweep on 3 ranks writes them: each size padded down to a multiple of the world size
+    padded = replace(m, contention={"all_gather": [[r[0] // 12 * 12, *r[1:]] for r in m.contention["all_gather"]]})
+    assert padded.contention["all_gather"][1][0] < 16 << 20
+    assert padded.slowdowns("all_gather", 16 << 20) == pytest.approx((1.0, 1.5, 1.2))
+    assert m.slowdowns("reduce_scatter", 1 << 20) == (1.5, 1.25, 1.5)  # not measured: full speed, scaled ...
+    assert m.slowdowns("reduce_scatter", 16 << 20) == (1.5, 1.25, 1.0)  # ... below 16 MiB
+    assert m.slowdowns("reduce_scatter") == (1.5, 1.25, 1.0)
     # a scale below 1 cannot make a collective faster than alone
     assert replace(m, wait_scale=0.4).slowdowns("all_gather", 1 << 20) == (2.0, 3.0, 1.0)
     again = CommModel.from_json(m.to_json())

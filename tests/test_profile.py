@@ -221,3 +221,15 @@ def test_the_searched_plans_are_picked_under_evenly_spaced_budgets():
     assert budget_fractions(2) == pytest.approx([2 / 3, 1 / 3]) and budget_fractions(0) == []
     with pytest.raises(ValueError, match="budgets must be 0 or more"):
         budget_fractions(-1)
+
+
+def test_a_profile_written_before_version_8_loads_without_its_fresh_gradients_flag():
+    import json
+
+    from autodist.cost.profile import Profile, UnitProfile
+
+    p = Profile(units=[UnitProfile("u", fwd_s=1.0, bwd_s=2.0, act_bytes=100, ready=["u.w"])], ready_order=["u.w"])
+    older = dict(json.loads(p.to_json()), fresh_gradients=False)  # the flag version 7's simulator read
+    assert Profile.from_dict(older) == p
+    with pytest.raises(TypeError):  # any other unknown field is still refused
+        Profile.from_dict(dict(json.loads(p.to_json()), unknown=1))

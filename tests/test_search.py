@@ -231,3 +231,31 @@ def test_a_fidelity_record_with_a_wait_scale_outside_the_calibration_s_range_is_
     d["wait_scale"] = bad
     with pytest.raises(ValueError, match="wait_scale"):
         FidelityRecord.from_json(json.dumps(d))
+
+
+def test_plans_to_check_picks_the_searched_plans_under_evenly_spaced_tighter_budgets():
+    from dataclasses import replace
+
+    from autodist.measure.fidelity import plans_to_check
+
+    # gathers cost, so the unbudgeted pick is the replicated plan, the largest peak: the budgets differ
+    comm = replace(COMM, ops={**COMM.ops, "all_gather": _lin(2e-6, 2e-3)})
+    sim = Simulator(PROFILE, STRUCTURE, comm, world_size=2)
+    kw = {"seed": 0, "profile": PROFILE, "structure": STRUCTURE, "comm": comm, "world": 2}
+    for budgets in (0, 1, 4):
+        chosen = plans_to_check(_space(), sim, 5, budgets=budgets, **kw)
+        searched = [(name, g) for name, g, is_searched in chosen if is_searched]
+        assert [name for name, _, s in chosen if not s][:3] == ["ddp", "fsdp", "zero2"]
+        assert searched[0][0].startswith("searched@none")
+        assert len(searched) == 1 + budgets
+        # the budgets fall from the loosest, and the search's pick under each fits it
+        units = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20}
+        limits = []
+        for name, g in searched[1:]:
+            text = name.split("@")[1].split("=")[0]
+            unit = next(u for u in ("KiB", "MiB", "B") if text.endswith(u))
+            limits.append(float(text[: -len(unit)]) * units[unit])
+            assert sim.run(_space().to_plan(g)).peak_bytes <= limits[-1] * 1.001, name
+        assert limits == sorted(limits, reverse=True) and len(set(limits)) == len(limits)
+    with pytest.raises(ValueError, match="budgets must be 0 or more"):
+        plans_to_check(_space(), sim, 5, budgets=-1, **kw)

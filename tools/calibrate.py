@@ -6,7 +6,8 @@
 
 Reads ``tools/simcheck.py`` records — each holds the profile, the comm model and every plan with
 its measured step — and predicts every plan again with the slowdown of a collective the compute
-thread waits on scaled by each of ``WAIT_SCALES`` (0.5 to 3.0; autodist/cost/fidelity.py). The
+thread waits on (of messages below 16 MiB: ``WAIT_SCALED_BELOW_BYTES`` in autodist/cost/comm.py)
+scaled by each of ``WAIT_SCALES`` (0.5 to 3.0; autodist/cost/fidelity.py). The
 fitted scale is, of those whose worst record (the largest median absolute step-time error of one
 record's plans) is within ``SCALE_TOLERANCE`` (a point) of the smallest, the one whose worst record
 ranks its plans best (Spearman), then the one nearest 1. Each record is also held out in turn — the scale fitted on the others

@@ -160,6 +160,8 @@ def worker(args: argparse.Namespace) -> None:
             "accum": args.accum,
             "steps": args.steps,
             "passes": args.passes,
+            "seed": args.seed,  # the random plans'
+            "budgets": args.budgets if args.searched else 0,  # tighter budgets the searched plans were picked under
             "simulator": SIMULATOR_VERSION,  # the committed figures behind the search's default margins
             **{k: overall[k] for k in ("spearman", "median_abs_pct_error_time", "median_abs_pct_error_peak", "max_pct_peak_excess")},
             "split_half_spearman": overall.get("split_half_spearman"),
@@ -256,6 +258,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.budgets < 0:
+        sys.exit(f"simcheck: --budgets must be 0 or more, not {args.budgets}")
     if args.report:
         print(table(stored(args.report)))
         return 0

@@ -90,9 +90,19 @@ class OpModel:
 
 
 # the wait calibration scales the wait figure of messages below this size; from it up a collective
-# the compute thread waits on runs at the sweep's own figure, and between the measured sizes either
-# side of it the figure is interpolated (autodist/cost/fidelity.py [Note: the wait calibration])
+# the compute thread waits on runs at the sweep's own figure. The sweep measures at 4 and 16 MiB, so
+# the scale applies in full up to the 4 MiB row and fades out by 16 MiB (interpolated in log size);
+# a row's size may fall short of its nominal size by the padding to the world size
+# (autodist/measure/sweep.py ``_contention``), which ``_scaled_wait`` allows for (autodist/cost/
+# fidelity.py [Note: the wait calibration])
 WAIT_SCALED_BELOW_BYTES = 16 << 20
+
+
+def _scaled_wait(nbytes: float | None) -> bool:
+    """Whether the wait calibration applies to a message (or measured row) of ``nbytes``: below
+    ``WAIT_SCALED_BELOW_BYTES``, less a part in a thousand for the padding; None (the largest
+    message) is not."""
+    return nbytes is not None and nbytes < WAIT_SCALED_BELOW_BYTES * 0.999
 
 
 @dataclass
@@ -118,8 +128,9 @@ class CommModel:
     # autodist/measure/sweep.py); empty: nothing measured, no cost
     first_touch: list[list[float]] = field(default_factory=list)
     # multiplies the slowdown of a collective the compute thread waits on (the third contention
-    # figure): the calibration of this machine class against measured steps, which the sweep sets
-    # (autodist/cost/fidelity.py [Note: the wait calibration])
+    # figure) for messages below ``WAIT_SCALED_BELOW_BYTES``: the calibration of this machine class
+    # against measured steps, which the sweep sets (autodist/cost/fidelity.py [Note: the wait
+    # calibration])
     wait_scale: float = 1.0
     meta: dict[str, Any] = field(default_factory=dict)
     schema_version: int = COMM_SCHEMA_VERSION
@@ -133,10 +144,10 @@ class CommModel:
         compute waits."""
         rows = self.contention.get(op)
         if not rows:
-            return self.compute_slowdown, self.comm_slowdown, max(1.0, self.wait_scale)
+            return self.compute_slowdown, self.comm_slowdown, max(1.0, self.wait_scale if _scaled_wait(nbytes) else 1.0)
 
         def figures(row: list[float]) -> tuple[float, float, float]:
-            scale = self.wait_scale if row[0] < WAIT_SCALED_BELOW_BYTES else 1.0
+            scale = self.wait_scale if _scaled_wait(row[0]) else 1.0
             return row[1], row[2], max(1.0, (row[3] if len(row) > 3 else 1.0) * scale)
 
         if nbytes is None or nbytes >= rows[-1][0]:

@@ -27,12 +27,12 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-# Measured by tools/simcheck.py on the four zoo models (2 CPU ranks, 60 plans: built-in, random and
-# searched; benchmarks/simcheck-*.json, simulator version 7, comm models of three passes; the same
-# plan measured twice came out 0.0-1.9% apart), predicted at the wait calibration below: the median
-# absolute step-time error over all 60 plans (4.0%; per model 3.6% gpt to 4.2% deep-mlp), and the
-# largest measured excess of a peak over its prediction (3.1%, deep-mlp's random2), below the 10%
-# floor the headroom keeps. tests/test_fidelity_defaults.py recomputes both from the committed JSON.
+# Measured by tools/simcheck.py on the four zoo models (2 CPU ranks, 68 plans: built-in, random and
+# searched; benchmarks/simcheck-*.json, simulator version 8, comm models of three passes; the same
+# plan measured twice came out 1.2-2.4% apart), predicted at the wait calibration below: the median
+# absolute step-time error over all 68 plans (4.1%; per model 2.9% wide-mlp to 8.5% resnet18), and
+# the largest measured excess of a peak over its prediction (3.0%, resnet18's), below the 10% floor
+# the headroom keeps. tests/test_fidelity_defaults.py recomputes both from the committed JSON.
 DEFAULT_SEED_MARGIN = 0.04
 DEFAULT_MEMORY_HEADROOM = 0.10
 # A record cannot push the margins beyond these: past them the simulator is not worth searching with,
@@ -89,8 +89,8 @@ SIMULATOR_VERSION = 8
 # unscaled, and fitted 0.8 to it): the scale stands for the runtime's own pattern, not the
 # collectives alone.
 #
-# The scale stops at large messages (``WAIT_SCALED_BELOW_BYTES`` in autodist/cost/comm.py, 16 MiB;
-# simulator version 8). What it corrects is seen on small collectives, which wait for the other
+# The scale stops at large messages (``WAIT_SCALED_BELOW_BYTES`` in autodist/cost/comm.py: in full
+# up to the sweep's 4 MiB row, none from its 16 MiB row; simulator version 8). What it corrects is seen on small collectives, which wait for the other
 # rank's threads to be scheduled at every round trip; a large one streams, and waited on in a step
 # it ran at about the sweep's own figure: wide-mlp's plan of one 160 MiB all-reduce bucket,
 # exposed after backward, measured 98 ms for it (benchmarks/breakdown-wide-mlp.json), simulated 180

@@ -252,6 +252,7 @@ def plans_to_check(
     A collective when a process group exists: rank 0 chooses and every rank gets its list, as
     ``plan="auto"`` broadcasts rank 0's plan — the search stops on a time budget, so ranks that
     searched by themselves could pick different plans (and then fail the plan-hash check)."""
+    budget_fractions(budgets)  # a bad count raises here, on every rank, not on rank 0 alone mid-broadcast
     if dist.is_initialized() and dist.get_world_size() > 1:
         box: list[object] = [None]
         if dist.get_rank() == 0:
@@ -278,8 +279,8 @@ def _choose_plans(
     if searched:
         free = Searcher(space, sim, SearchConfig()).run()
         floor = min(sim.run(space.to_plan(g)).peak_bytes for _, g, _ in out)
-        budgets = [None] + [int(floor + f * (free.result.peak_bytes - floor)) for f in budget_fractions(budgets)]
-        for b in budgets:
+        limits = [None] + [int(floor + f * (free.result.peak_bytes - floor)) for f in budget_fractions(budgets)]
+        for b in limits:
             if b is None:
                 found = free
             else:

@@ -412,9 +412,9 @@ def _contention(
     batches; the wait is nearly independent of how long the thread computed first (0.40-0.55 ms
     for that all-gather after 0.05 to 1 ms of compute: while both ranks compute, a small collective
     hardly progresses). In a training step collectives are waited on more slowly still than this
-    lockstep measurement shows; the simulator scales the figure by the machine class's calibration
-    (``CommModel.wait_scale``, which :func:`sweep` sets; see [Note: the wait calibration] in
-    autodist/cost/fidelity.py).
+    lockstep measurement shows; the simulator scales the figure of messages below 16 MiB by the
+    machine class's calibration (``CommModel.wait_scale``, which :func:`sweep` sets; see [Note: the
+    wait calibration] in autodist/cost/fidelity.py).
     """
     a = torch.randn(128, 128, device=device)
     b = torch.randn(128, 128, device=device)
