@@ -168,7 +168,7 @@ def apply(payload: dict) -> None:
     with first stays, once, under ``out_of_sample`` (the scale and the summaries then: a record
     predicted at a scale fitted before it was measured); ``predicted_step_s_by_sweep`` and
     ``sweep_spread`` stay at that scale (the other sweeps are not stored)."""
-    from autodist.measure.fidelity import summaries
+    from autodist.measure.fidelity import record_fidelity, summaries
 
     fitted = payload["wait_scale"]
     for path in payload["records"]:
@@ -180,10 +180,7 @@ def apply(payload: dict) -> None:
         for row, again in zip(rows, payload["at_fit"][record_name(record)]["plans"]):
             row["predicted_step_s"] = again["predicted_step_s"]
         record["comm_model"]["wait_scale"] = fitted
-        fidelity = summaries(rows, steps)
-        record.update({k: fidelity["all"][k] for k in ("spearman", "median_abs_pct_error_time", "median_abs_pct_error_peak",
-                                                       "max_pct_peak_excess")})
-        record.update(random_and_builtin=fidelity["random_and_builtin"], searched=fidelity["searched"])
+        record.update(record_fidelity(rows, steps))
         with open(path, "w") as f:
             json.dump(record, f, indent=1)
 

@@ -50,9 +50,9 @@ from autodist.measure.fidelity import (  # noqa: E402
     optimizer_for,
     plans_to_check,
     predictions_by_comm,
+    record_fidelity,
     repeatability,
     slowest_over_ranks,
-    summaries,
     sweep_spread,
 )
 from autodist.measure.sweep import collective_train, sweep  # noqa: E402
@@ -151,8 +151,6 @@ def worker(args: argparse.Namespace) -> None:
         for c, ms, preds in zip(checks, sim_ms, by_sweep)
     ]
     if rank == 0:
-        fidelity = summaries(rows, args.steps)
-        overall = fidelity["all"]
         payload = {
             "model": args.model,
             "size": args.size,  # the zoo's size the profile and plans are of
@@ -163,10 +161,7 @@ def worker(args: argparse.Namespace) -> None:
             "seed": args.seed,  # the random plans'
             "budgets": args.budgets if args.searched else 0,  # tighter budgets the searched plans were picked under
             "simulator": SIMULATOR_VERSION,  # the committed figures behind the search's default margins
-            **{k: overall[k] for k in ("spearman", "median_abs_pct_error_time", "median_abs_pct_error_peak", "max_pct_peak_excess")},
-            "split_half_spearman": overall.get("split_half_spearman"),
-            "random_and_builtin": fidelity["random_and_builtin"],
-            "searched": fidelity["searched"],
+            **record_fidelity(rows, args.steps),
             "repeated": repeatability(rows),
             "sweep_spread": sweep_spread(rows),
             "plans": rows,
@@ -184,10 +179,8 @@ def stored(path: str) -> dict:
     it from its step times (4 steps per pass, the default then)."""
     with open(path) as f:
         payload = json.load(f)
-    if "split_half_spearman" not in payload:
-        fidelity = summaries(payload["plans"], payload.get("steps", 4))
-        payload["split_half_spearman"] = fidelity["all"].get("split_half_spearman")
-        payload.update({k: fidelity[k] for k in ("random_and_builtin", "searched") if payload.get(k)})
+    if "split_half_spearman" not in payload:  # the same figures again from the same rows, with it
+        payload.update(record_fidelity(payload["plans"], payload.get("steps", 4)))
     return payload
 
 

@@ -124,6 +124,19 @@ def summaries(rows: Sequence[dict[str, Any]], steps: int | None = None) -> dict[
     }
 
 
+RECORD_FIELDS = ("spearman", "median_abs_pct_error_time", "median_abs_pct_error_peak", "max_pct_peak_excess",
+                 "split_half_spearman")  # of all the plans, at a record's top level
+
+
+def record_fidelity(rows: Sequence[dict[str, Any]], steps: int | None = None) -> dict[str, Any]:
+    """The fidelity figures a simcheck record holds beside its plans (``rows``): those of all the
+    plans at its top level (``RECORD_FIELDS``), and the built-in and random plans' and the searched
+    ones' under ``random_and_builtin`` and ``searched`` (:func:`summaries`)."""
+    fidelity = summaries(rows, steps)
+    return {**{k: fidelity["all"].get(k) for k in RECORD_FIELDS},
+            "random_and_builtin": fidelity["random_and_builtin"], "searched": fidelity["searched"]}
+
+
 def split_half_spearman(times: Sequence[Sequence[float]], steps: int) -> float:
     """How well the measurement ranks its own plans: the rank correlation, over plans, of each
     plan's step time (the lower quartile, as :attr:`Checked.measured_step_s`) from its even passes
