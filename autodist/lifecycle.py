@@ -43,7 +43,7 @@ from .cost.budget import format_bytes
 from .cost.comm import CommModel
 from .cost.fidelity import FidelityRecord
 from .cost.learned import Estimator, estimator_entry
-from .cost.profile import OptimizerProfile, Profile, slowest
+from .cost.profile import PROFILE_SCHEMA_VERSION, OptimizerProfile, Profile, slowest
 from .cost.simulator import Simulator
 from .errors import AutoDistError, BudgetError, mark_raised_on_every_rank, reported_once
 from .measure.sweep import collective_train, sweep
@@ -697,6 +697,8 @@ def plan_entry(text: str, structure: Any, world: int) -> Plan:
 
 def profile_entry(text: str) -> Profile:
     prof = Profile.from_json(text)
+    if prof.schema_version != PROFILE_SCHEMA_VERSION:  # an older one reads, but lacks what is measured now
+        raise ValueError(f"profile of schema version {prof.schema_version}, before {PROFILE_SCHEMA_VERSION}: the model is profiled again")
     _check_fields(prof, "profile")
     _check_fields(prof.optimizer, "profile.optimizer")
     for i, u in enumerate(prof.units):

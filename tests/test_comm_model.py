@@ -197,7 +197,7 @@ def test_a_collective_train_is_the_same_on_every_rank_whatever_each_asks(world2)
     assert world2.run(_trains_of_different_lengths) == [2.0, 2.0]
 
 
-def test_the_model_s_contended_slowdown_is_its_time_under_the_train_against_alone():
+def test_the_model_s_contended_slowdown_and_its_sensitivity_are_taken_against_the_reference_under_the_same_train():
     import time
 
     from autodist.measure.trace import contended_slowdown
@@ -206,8 +206,12 @@ def test_the_model_s_contended_slowdown_is_its_time_under_the_train_against_alon
     calls = []
 
     def train_backward():  # 2 ms alone, 5 ms while the train runs
-        calls.append(busy[0])
+        calls.append(("model", busy[0]))
         time.sleep(0.005 if busy[0] else 0.002)
+
+    def reference():  # 2 ms alone, 4 ms while the train runs
+        calls.append(("reference", busy[0]))
+        time.sleep(0.004 if busy[0] else 0.002)
 
     def contention(seconds):
         assert seconds > 0.0015  # sized from a pass measured first
@@ -218,10 +222,15 @@ def test_the_model_s_contended_slowdown_is_its_time_under_the_train_against_alon
 
         return stop
 
-    factor = contended_slowdown(train_backward, contention, torch.device("cpu"), rounds=3)
-    assert factor == pytest.approx(2.5, rel=0.25)
-    assert calls == [False] + [False, True] * 3  # one pass to size the train, then alone and contended in turn
-    assert contended_slowdown(lambda: time.sleep(0.002), lambda s: (lambda: None), torch.device("cpu")) == pytest.approx(1.0, abs=0.3)
+    slowdown, sensitivity = contended_slowdown(train_backward, contention, torch.device("cpu"), rounds=3, reference=reference)
+    assert slowdown == pytest.approx(2.5, rel=0.25)
+    assert sensitivity == pytest.approx(1.25, rel=0.25)
+    model, ref = [("model", False), ("model", True)], [("reference", False), ("reference", True)]
+    # one pass to size the train, then each alone and under its own train, which goes first alternating
+    assert calls == [("model", False)] + model + ref + ref + model + model + ref
+    calls.clear()
+    assert contended_slowdown(lambda: time.sleep(0.002), lambda s: (lambda: None), torch.device("cpu")) == (
+        pytest.approx(1.0, abs=0.3), pytest.approx(1.0, abs=0.3))
 
 
 def test_sweepcheck_tells_how_far_the_comm_models_move_each_plan_s_prediction():

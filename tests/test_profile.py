@@ -142,6 +142,7 @@ def test_profiles_merge_into_the_slowest_rank_and_into_the_typical_of_several_ti
         return Profile(
             units=[UnitProfile("u", fwd_s=f, bwd_s=b, act_bytes=100, ready=["u.w"])], ready_order=["u.w"], pre_fwd_s=f / 10,
             optimizer=OptimizerProfile(per_byte_s=opt), contended_slowdown=contended,
+            contention_sensitivity=None if contended is None else contended / 2,
         )
 
     a, b, c = prof(1.0, 2.0, 3.0, 1.5), prof(2.0, 1.0, 1.0, None), prof(4.0, 5.0, 2.0, 2.5)
@@ -150,11 +151,12 @@ def test_profiles_merge_into_the_slowest_rank_and_into_the_typical_of_several_ti
     assert (s.units[0].fwd_s, s.units[0].bwd_s, s.pre_fwd_s, s.optimizer.per_byte_s, s.contended_slowdown) == (
         2.0, 2.0, 0.2, 3.0, 1.5,
     )
+    assert s.contention_sensitivity == 0.75
     # one model measured at several times: each time the median; a figure not measured stays out
     t = typical([a, b, c])
     assert (t.units[0].fwd_s, t.units[0].bwd_s, t.pre_fwd_s, t.optimizer.per_byte_s) == (2.0, 2.0, 0.2, 2.0)
-    assert t.contended_slowdown == 2.0 and t.meta["profiles"] == 3
-    assert typical([b]).contended_slowdown is None
+    assert t.contended_slowdown == 2.0 and t.contention_sensitivity == 1.0 and t.meta["profiles"] == 3
+    assert typical([b]).contended_slowdown is None and typical([b]).contention_sensitivity is None
     assert t.units[0].act_bytes == 100  # sizes from the first
 
 
@@ -233,3 +235,23 @@ def test_a_profile_written_before_version_8_loads_without_its_fresh_gradients_fl
     assert Profile.from_dict(older) == p
     with pytest.raises(TypeError):  # any other unknown field is still refused
         Profile.from_dict(dict(json.loads(p.to_json()), unknown=1))
+
+
+def test_an_older_profile_reads_without_a_sensitivity_and_the_cache_measures_the_model_again():
+    import json
+
+    from autodist.cost.profile import PROFILE_SCHEMA_VERSION, Profile, UnitProfile
+    from autodist.lifecycle import profile_entry
+
+    current = Profile(units=[UnitProfile("u", fwd_s=1.0, ready=["u.w"])], ready_order=["u.w"], contended_slowdown=1.8,
+                      contention_sensitivity=1.1)
+    assert profile_entry(current.to_json()).contention_sensitivity == 1.1
+    older = json.loads(current.to_json())
+    older["schema_version"] = 3  # measured before the sensitivity was (as the simcheck records of version 8 hold)
+    del older["contention_sensitivity"]
+    read = Profile.from_dict(older)
+    assert (read.contended_slowdown, read.contention_sensitivity, read.schema_version) == (1.8, None, 3)
+    with pytest.raises(ValueError, match=f"schema version 3, before {PROFILE_SCHEMA_VERSION}: the model is profiled again"):
+        profile_entry(json.dumps(older))
+    with pytest.raises(ValueError, match="schema_version 2 is not one of"):
+        Profile.from_dict(dict(older, schema_version=2))

@@ -237,6 +237,27 @@ def test_slowdown_stretches_overlapped_compute():
     assert r.step_s == pytest.approx(66 * MS)
 
 
+def test_compute_slows_by_the_sweeps_figure_times_the_models_measured_sensitivity():
+    from dataclasses import replace
+
+    # the sweep's reference computation slows 2x under an all-reduce (every size)
+    slow = CommModel("test", 2, "cpu", COMM.ops, contention={"all_reduce": [[1.0, 2.0, 1.0, 1.0]]})
+    plan = _two_all_reduce_buckets()
+
+    def step(**measured):
+        return Simulator(replace(PROFILE, **measured), STRUCTURE, slow, world_size=2).run(plan).step_s
+
+    # bwd u1 20..40; AR u1 [40,44] under bwd u0, which computes at 1/(2 x sensitivity) of its speed
+    # for those 4 ms; then the rest of bwd u0, and AR u0 (4 ms) waited for at once
+    assert step() == pytest.approx((44 + (20 - 4 / 2) + 4) * MS)  # nothing measured: the reference's 2x
+    three_times = (44 + (20 - 4 / 3) + 4) * MS
+    assert step(contention_sensitivity=1.5) == pytest.approx(three_times)
+    # the model measured against the reference under the same train wins over its slowdown alone ...
+    assert step(contended_slowdown=4.0, contention_sensitivity=1.5) == pytest.approx(three_times)
+    # ... which an older profile has alone: taken against the sweep's figure for the train's all-reduce
+    assert step(contended_slowdown=3.0) == pytest.approx(three_times)
+
+
 def test_runtime_overheads_and_copies_are_charged_to_compute():
     costly = CommModel(
         "test", 2, "cpu",

@@ -53,7 +53,9 @@ MAX_MEMORY_HEADROOM = 0.5
 # (``DEFAULT_CPU_WAIT_SCALE``, comm model schema 5). 8: a replicated gradient costs the profile's
 # fresh memory like any other (autodist/cost/simulator.py [Note: gradients are fresh memory]); the
 # wait calibration stops at messages of 16 MiB (autodist/cost/comm.py ``WAIT_SCALED_BELOW_BYTES``).
-SIMULATOR_VERSION = 8
+# 9: the model's contention sensitivity measured against the reference computation under the same
+# train (profile schema 4; autodist/measure/trace.py [Note: the model's own contention]).
+SIMULATOR_VERSION = 9
 
 # [Note: the wait calibration] The sweep measures how much slower a collective runs while the
 # compute thread waits for it (the third contention figure) with a single collective, both ranks in

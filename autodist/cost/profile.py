@@ -10,7 +10,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PROFILE_SCHEMA_VERSION = 3
+# 4: ``contention_sensitivity`` measured beside the model's contended slowdown; a profile of 3 reads
+# (as records hold them) with it unmeasured, but the cache measures the model again
+PROFILE_SCHEMA_VERSION = 4
+READABLE_PROFILE_SCHEMAS = (3, 4)
 
 
 @dataclass
@@ -91,6 +94,10 @@ class Profile:
     # model's figures for a reference computation; see [Note: the model's own contention] in
     # autodist/measure/trace.py)
     contended_slowdown: float | None = None
+    # how many times more that is than the slowdown of the comm sweep's reference computation under
+    # the same train, measured in the same rounds: what the simulator scales the sweep's compute
+    # slowdowns by (None: not measured; see [Note: the model's own contention])
+    contention_sensitivity: float | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     schema_version: int = PROFILE_SCHEMA_VERSION
 
@@ -113,8 +120,8 @@ class Profile:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Profile:
-        if d.get("schema_version") != PROFILE_SCHEMA_VERSION:
-            raise ValueError(f"profile schema_version {d.get('schema_version')!r} is not {PROFILE_SCHEMA_VERSION}")
+        if d.get("schema_version") not in READABLE_PROFILE_SCHEMAS:
+            raise ValueError(f"profile schema_version {d.get('schema_version')!r} is not one of {READABLE_PROFILE_SCHEMAS}")
         d = dict(d)
         # written until simulator version 8, which found every gradient written into fresh memory
         # ([Note: gradients are fresh memory] in autodist/cost/simulator.py): nothing to read
@@ -160,8 +167,9 @@ def slowest(profiles: list[Profile]) -> Profile:
         for b, n in other.block_input_bytes.items():
             out.block_input_bytes[b] = max(out.block_input_bytes.get(b, 0), n)
         out.optimizer.per_tensor_s = max(out.optimizer.per_tensor_s, other.optimizer.per_tensor_s)
-        if other.contended_slowdown is not None:
-            out.contended_slowdown = max(out.contended_slowdown or 0.0, other.contended_slowdown)
+        for key in ("contended_slowdown", "contention_sensitivity"):
+            if getattr(other, key) is not None:
+                setattr(out, key, max(getattr(out, key) or 0.0, getattr(other, key)))
     return out
 
 
@@ -182,8 +190,9 @@ def typical(profiles: list[Profile]) -> Profile:
         setattr(out, key, statistics.median(getattr(p, key) for p in profiles))
     for key in ("per_tensor_s", "per_byte_s", "fixed_s"):
         setattr(out.optimizer, key, statistics.median(getattr(p.optimizer, key) for p in profiles))
-    measured = [p.contended_slowdown for p in profiles if p.contended_slowdown is not None]
-    out.contended_slowdown = statistics.median(measured) if measured else None
+    for key in ("contended_slowdown", "contention_sensitivity"):
+        measured = [getattr(p, key) for p in profiles if getattr(p, key) is not None]
+        setattr(out, key, statistics.median(measured) if measured else None)
     out.meta = dict(out.meta, profiles=len(profiles))
     return out
 

@@ -17,7 +17,7 @@ Two stages:
    memory where the runtime allocates it each step (``CommModel.first_touch``), and the
    collective-order check at the end of backward. While compute and a collective overlap they
    share the machine: compute runs slower by the sweep's factor for the collective's kind and size,
-   scaled by the model's own measured sensitivity (``Profile.contended_slowdown``), and the
+   scaled by the model's own measured sensitivity (``Profile.contention_sensitivity``), and the
    collective by its factor; while the compute thread waits, the collective runs at its own rate
    for that case (on a CPU host a small collective stays slowed by the other rank's threads). On a
    GPU all of these are near 1. One steady-state step is simulated with a preamble: the persistent
@@ -301,11 +301,17 @@ class Simulator:
 
     def _compute_sensitivity(self) -> float:
         """How much more this model's compute slows under communication than the comm model's
-        reference computation: its measured slowdown under a train of all-reduces of
-        ``TRAIN_BYTES`` against the reference's under the same (1 when the profile did not measure
-        it; see [Note: the model's own contention] in autodist/measure/trace.py)."""
+        reference computation: as the profile measured the two under the same train of collectives
+        (``Profile.contention_sensitivity``); for a profile of before that, its own slowdown under
+        the train against the sweep's figure for the reference under an all-reduce of
+        ``TRAIN_BYTES``; 1 when the profile measured neither (see [Note: the model's own
+        contention] in autodist/measure/trace.py)."""
+        if not self.comm.contention:
+            return 1.0
+        if self.profile.contention_sensitivity is not None:
+            return self.profile.contention_sensitivity
         measured = self.profile.contended_slowdown
-        if measured is None or not self.comm.contention:
+        if measured is None:
             return 1.0
         return measured / max(self.comm.slowdowns("all_reduce", TRAIN_BYTES)[0], 1e-9)
 

@@ -11,6 +11,7 @@ import queue
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -356,6 +357,20 @@ CONTENTION_WAIT_S = 0.02  # each wait measurement runs collectives of at least t
 CONTENTION_MAX_WAIT_CALLS = 48  # ... in at most this many calls (see [Note: the wait figure])
 
 
+def reference_product(device: torch.device) -> Callable[[], None]:
+    """One step of the reference computation the contention figures are measured with: a product
+    of two 128x128 matrices and a tanh, written in place (~0.15 ms on a CPU core). A profile
+    measures the model's slowdown under communication against this one's under the same
+    (autodist/measure/trace.py [Note: the model's own contention])."""
+    a = torch.randn(128, 128, device=device)
+    b = torch.randn(128, 128, device=device)
+
+    def one() -> None:
+        torch.tanh(a @ b, out=b)
+
+    return one
+
+
 def contention_rounds(nbytes: int) -> int:
     """How many rounds a contention figure of a message of ``nbytes`` is measured in (the same on
     every rank: it depends on the size alone)."""
@@ -416,11 +431,7 @@ def _contention(
     machine class's calibration (``CommModel.wait_scale``, which :func:`sweep` sets; see [Note: the
     wait calibration] in autodist/cost/fidelity.py).
     """
-    a = torch.randn(128, 128, device=device)
-    b = torch.randn(128, 128, device=device)
-
-    def one() -> None:
-        torch.tanh(a @ b, out=b)
+    one = reference_product(device)
 
     def rate(seconds: float) -> float:
         n, t0 = 0, time.perf_counter()

@@ -512,8 +512,9 @@ def profile_model(
     then measured on the model (:func:`measure_optimizer`), else Adam is assumed and estimated.
     ``contention``: starts a train of collectives on every rank for about the given seconds and
     returns the function that waits for it (``autodist.measure.sweep.collective_train``; every
-    rank profiles at once); the model's slowdown under it is then measured
-    (``Profile.contended_slowdown``, see :func:`contended_slowdown`)."""
+    rank profiles at once); the model's slowdown under it, and how much more that is than the
+    reference computation's, are then measured (``Profile.contended_slowdown``,
+    ``Profile.contention_sensitivity``; see :func:`contended_slowdown`)."""
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs)
@@ -570,7 +571,7 @@ def profile_model(
             p.grad = None
         loss_fn(module(*inputs, **kwargs)).backward()
 
-    slowdown = None
+    slowdown = sensitivity = None
     with _preserved(module, device):  # after the tracer, which drops gradients as they arrive
         if optimizer is not None:
             opt_profile = measure_optimizer(module, optimizer, train_backward, device)
@@ -578,7 +579,7 @@ def profile_model(
             numels = [p.numel for p in structure.params.values() if p.requires_grad]
             opt_profile = estimate_optimizer(device, param_numels=numels)
         if contention is not None:
-            slowdown = contended_slowdown(train_backward, contention, device)
+            slowdown, sensitivity = contended_slowdown(train_backward, contention, device)
     assert last is not None
     seq = list(dict.fromkeys(u for _, kind, u in last.fwd if kind == "enter"))
     order = seq + [u for u in unit_names if u not in set(seq)]
@@ -620,6 +621,7 @@ def profile_model(
         recompute_anchor=dict(last.recompute),
         block_input_bytes=dict(last.block_inputs),
         contended_slowdown=slowdown,
+        contention_sensitivity=sensitivity,
         meta={
             "warmup": warmup, "passes": len(results), "torch": torch.__version__,
             "spread": round(_spread(results), 4), "noisy": _spread(results) > NOISY_SPREAD,
@@ -645,41 +647,78 @@ OPTIMIZER_SAMPLE_BYTES = 32 << 20  # the most parameter bytes the Adam estimate 
 CACHE_FLUSH_BYTES = 64 << 20  # written before each timed step: larger than a CPU's last-level cache or a GPU's L2
 
 
+CONTENDED_ROUNDS = 5  # rounds of the model's and the reference's passes alone and under the train
+
+
 def contended_slowdown(train_backward: Callable[[], None], contention: Callable[[float], Callable[[], None]],
-                       device: torch.device, rounds: int = 3) -> float:
-    """How many times longer the model's forward and backward (``train_backward``) take in
-    wall-clock time while a train of collectives runs (``contention``): passes alone and under the
-    train, interleaved (``rounds`` of each), median against median; at least 1.
+                       device: torch.device, rounds: int = CONTENDED_ROUNDS,
+                       reference: Callable[[], None] | None = None) -> tuple[float, float]:
+    """(How many times longer the model's forward and backward, ``train_backward``, take in
+    wall-clock time while a train of collectives runs (``contention``), at least 1; how many times
+    more that is than the reference computation's slowdown under the same train, the model's
+    *sensitivity*). Each round times the model and the reference alone and under a train of their
+    own, the two in turn (which goes first alternates); the slowdown is the median over rounds, the
+    sensitivity the median of each round's ratio. ``reference``: one pass of the reference
+    computation, by default :func:`~autodist.measure.sweep.reference_product` repeated for about
+    as long as the model's pass.
 
     [Note: the model's own contention] While a collective runs, the compute it overlaps slows down:
     on an accelerator a little (the collective's kernels take SMs and memory bandwidth), on a CPU
     host a lot (the backend's threads take the cores the ranks compute on, and the memory
     bandwidth). The comm sweep measures it per collective and size with a reference computation
-    (small matrix products), but how much a model slows depends on its own kernels: under the same
-    train of 4 MiB all-reduces on the development host, the reference slowed 1.14x, the zoo's
-    resnet18 1.80x, deep-mlp 1.95x, gpt 1.49x. The simulator scales the sweep's figures by the
-    model's slowdown against the reference's at the train's message size."""
-    now = time.perf_counter
-    alone, contended = [], []
+    (small matrix products); the simulator scales those figures by how much more this model slows
+    than the reference does. That ratio is taken here, the model and the reference each under a
+    train of their own in the same round — not the model's slowdown here against the sweep's figure
+    for the reference, which was measured minutes apart and under one collective at a time rather
+    than a queued train: that ratio read resnet18 1.48, wide-mlp 1.30, deep-mlp 1.13 and gpt 1.10 in
+    the zoo's simcheck records (slowdowns 1.71-1.98 against the sweep's 1.34-1.57), where both
+    under the same train read 1.16, 1.13, 0.91 and 1.03 (slowdowns 1.44-1.78 against the
+    reference's 1.44-1.72). resnet18's plans that overlap their reductions with backward were
+    predicted 8-15% slow relative to those that wait at once, because its compute was taken to
+    slow 1.48x more than the reference does under every collective."""
+    from .sweep import reference_product  # measurement beside measurement: no cycle at import
 
-    def timed() -> float:
+    now = time.perf_counter
+
+    def timed(fn: Callable[[], None]) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = now()
-        train_backward()
+        fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return now() - t0
 
-    typical = timed()
-    for _ in range(rounds):
-        alone.append(timed())
+    typical = timed(train_backward)
+    if reference is None:
+        product = reference_product(device)
+        product()
+        per = timed(lambda: [product() for _ in range(16)]) / 16
+        n = max(1, round(typical / max(per, 1e-9)))
+
+        def reference() -> None:
+            for _ in range(n):
+                product()
+
+    def under_train(fn: Callable[[], None]) -> float:
+        alone = timed(fn)
         stop = contention(typical)
         try:
-            contended.append(timed())
+            return timed(fn) / max(alone, 1e-9)
         finally:
             stop()
-    return max(1.0, statistics.median(contended) / statistics.median(alone))
+
+    model, ratios = [], []
+    for r in range(rounds):
+        if r % 2 == 0:
+            m = under_train(train_backward)
+            ref = under_train(reference)
+        else:
+            ref = under_train(reference)
+            m = under_train(train_backward)
+        model.append(m)
+        ratios.append(max(m, 1.0) / max(ref, 1.0))
+    return max(1.0, statistics.median(model)), statistics.median(ratios)
 
 
 def estimate_optimizer(device: torch.device, kind: str = "Adam", param_numels: Sequence[int] | None = None) -> OptimizerProfile:
