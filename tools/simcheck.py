@@ -206,7 +206,8 @@ def table(payload: dict) -> str:
                 f"  {what} ({f['plans']}): Spearman {f['spearman']:.3f}   median |error| time "
                 f"{f['median_abs_pct_error_time']:.1f}%   peak {f['median_abs_pct_error_peak']:.1f}%"
             )
-    halves = [(what, f["split_half_spearman"]) for what, f in (("all", payload), ("built-in and random", payload.get("random_and_builtin") or {}))
+    halves = [(what, f["split_half_spearman"]) for what, f in (("all", payload), ("built-in and random", payload.get("random_and_builtin") or {}),
+                                                                ("searched", payload.get("searched") or {}))
               if f.get("split_half_spearman") is not None]
     if halves:
         lines.append("  measured against itself, even passes vs odd (Spearman; how reproducibly this host ranks the plans): "

@@ -181,13 +181,17 @@ def errors_by_wait_scale(profile: Profile, structure: Any, comm: Any, plans: Seq
 
 def best_wait_scale(errors: dict[float, dict[str, float]], names: Sequence[str], *, prior: float = 1.0,
                     within: float = 0.0, ranking: dict[float, dict[str, float]] | None = None) -> float:
-    """The scale (a key of ``errors``: scale -> record -> median % error) whose largest error over
-    the records ``names`` is smallest — or, of those within ``within`` percentage points of it (a
-    median a point from the best does not tell two scales apart on a noisy host), the one whose
-    records rank best (``ranking``: scale -> record -> Spearman, its smallest over ``names``), then
-    the one nearest ``prior`` (``autodist check``, whose handful of plans rank too coarsely to tell:
-    the sweep's scale)."""
-    worst = {s: round(max(errors[s][n] for n in names), 9) for s in errors}
+    """The scale (a key of ``errors``: scale -> record -> median % error) at which no record of
+    ``names`` is far from the smallest error it reaches at any scale: the one whose largest such
+    excess is smallest — or, of those within ``within`` percentage points of it (a median a point
+    from the best does not tell two scales apart on a noisy host), the one whose records rank best
+    (``ranking``: scale -> record -> Spearman, its smallest over ``names``), then the one nearest
+    ``prior`` (``autodist check``, whose handful of plans rank too coarsely to tell: the sweep's
+    scale). Each record is measured against its own best, not its error itself: a record the scale
+    hardly moves (wide-mlp, whose collectives are mostly larger than the scale applies to) would
+    otherwise be every scale's worst and leave the choice to the tie-breaks."""
+    own_best = {n: min(errors[s][n] for s in errors) for n in names}
+    worst = {s: round(max(errors[s][n] - own_best[n] for n in names), 9) for s in errors}
     least = min(worst.values())
 
     def rank(s: float) -> float:
