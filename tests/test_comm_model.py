@@ -222,15 +222,41 @@ def test_the_model_s_contended_slowdown_and_its_sensitivity_are_taken_against_th
 
         return stop
 
-    slowdown, sensitivity = contended_slowdown(train_backward, contention, torch.device("cpu"), rounds=3, reference=reference)
-    assert slowdown == pytest.approx(2.5, rel=0.25)
-    assert sensitivity == pytest.approx(1.25, rel=0.25)
+    got = contended_slowdown(train_backward, contention, torch.device("cpu"), rounds=3, reference=reference)
+    assert got.slowdown == pytest.approx(2.5, rel=0.25)
+    assert got.sensitivity == pytest.approx(1.25, rel=0.25)
+    assert got.rounds == 3 and got.spread < 0.25  # steady rounds: one batch
     model, ref = [("model", False), ("model", True)], [("reference", False), ("reference", True)]
     # one pass to size the train, then each alone and under its own train, which goes first alternating
     assert calls == [("model", False)] + model + ref + ref + model + model + ref
-    calls.clear()
-    assert contended_slowdown(lambda: time.sleep(0.002), lambda s: (lambda: None), torch.device("cpu")) == (
-        pytest.approx(1.0, abs=0.3), pytest.approx(1.0, abs=0.3))
+    quiet = contended_slowdown(lambda: time.sleep(0.002), lambda s: (lambda: None), torch.device("cpu"))
+    assert (quiet.slowdown, quiet.sensitivity) == (pytest.approx(1.0, abs=0.3), pytest.approx(1.0, abs=0.3))
+
+
+def test_a_contention_measurement_whose_rounds_spread_takes_more_rounds_and_keeps_their_median():
+    import itertools
+    import time
+
+    from autodist.measure.trace import contended_slowdown
+
+    busy = [False]
+    # the model's contended pass alternates 2 ms and 8 ms (a disturbed host), the reference's is 4 ms;
+    # alone both take 2 ms: round ratios 1 / 2 and 4 / 2 in turn
+    slow = itertools.cycle([0.002, 0.008])
+
+    def train_backward():
+        time.sleep(next(slow) if busy[0] else 0.002)
+
+    def reference():
+        time.sleep(0.004 if busy[0] else 0.002)
+
+    def contention(seconds):
+        busy[0] = True
+        return lambda: busy.__setitem__(0, False)
+
+    got = contended_slowdown(train_backward, contention, torch.device("cpu"), rounds=3, reference=reference, batches=3)
+    assert got.rounds == 9 and got.spread > 1.0  # never steady: every batch it may take
+    assert got.sensitivity == pytest.approx(0.5, rel=0.3)  # rounds 0.5, 2, 0.5, ...: five of nine at 0.5
 
 
 def test_sweepcheck_tells_how_far_the_comm_models_move_each_plan_s_prediction():
