@@ -197,6 +197,46 @@ def test_a_collective_train_is_the_same_on_every_rank_whatever_each_asks(world2)
     assert world2.run(_trains_of_different_lengths) == [2.0, 2.0]
 
 
+def _contention_with_a_disturbed_rank():
+    """Rank 1's contended passes alternate 2 and 8 ms (a disturbed host), rank 0's are steady:
+    rank 1 alone would take more batches of rounds, each with trains the other rank must join."""
+    import itertools
+    import time
+
+    from autodist.measure.sweep import collective_train
+    from autodist.measure.trace import contended_slowdown
+
+    train = collective_train(dist.group.WORLD, torch.device("cpu"))
+    busy = [False]
+    slow = itertools.cycle([0.002, 0.008] if dist.get_rank() == 1 else [0.004])
+
+    def train_backward():
+        time.sleep(next(slow) if busy[0] else 0.002)
+
+    def reference():
+        time.sleep(0.004 if busy[0] else 0.002)
+
+    def contention(seconds):
+        stop = train(seconds)
+        busy[0] = True
+
+        def done():
+            busy[0] = False
+            stop()
+
+        return done
+
+    got = contended_slowdown(train_backward, contention, torch.device("cpu"), rounds=3, reference=reference,
+                             batches=3, agree=train.largest)
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the ranks still pair their collectives: none left over from a train
+    return got.rounds, t.item()
+
+
+def test_every_rank_takes_as_many_contention_rounds_as_the_most_disturbed_one(world2):
+    assert world2.run(_contention_with_a_disturbed_rank) == [(9, 2.0), (9, 2.0)]
+
+
 def test_the_model_s_contended_slowdown_and_its_sensitivity_are_taken_against_the_reference_under_the_same_train():
     import time
 

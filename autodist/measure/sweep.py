@@ -524,29 +524,33 @@ def _contention(
     return out_rows
 
 
-def collective_train(group: dist.ProcessGroup, device: torch.device) -> Any:
+class CollectiveTrain:
     """What :func:`~autodist.measure.trace.profile_model` computes against to measure the model's
-    own slowdown while communication runs: ``start(seconds)`` issues, on every rank of ``group``
-    (a collective: every rank calls it at the same point), enough asynchronous all-reduces of
-    ``TRAIN_BYTES``, queued at once, to keep the backend busy for ``seconds`` of the slowest
-    rank's estimate, and returns the function that waits for them all. ``None`` on a world of one
-    (nothing to contend with)."""
-    if dist.get_world_size(group) == 1:
-        return None
-    buf = torch.zeros(TRAIN_BYTES // 4, device=device)
-    dist.all_reduce(buf, group=group)  # wake the backend's threads
-    dist.barrier(group=group)
-    t0 = time.perf_counter()
-    for _ in range(3):
-        dist.all_reduce(buf, group=group)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    once = (time.perf_counter() - t0) / 3
+    own slowdown while communication runs. Calling it with ``seconds`` issues, on every rank of
+    ``group`` (a collective: every rank calls it at the same point), enough asynchronous
+    all-reduces of ``TRAIN_BYTES``, queued at once, to keep the backend busy for ``seconds`` of the
+    slowest rank's estimate, and returns the function that waits for them all. :meth:`largest`
+    gives a figure's largest value over the ranks, so that a decision to measure more (another
+    batch of rounds) is the same on every rank: one rank measuring on alone would wait for
+    collectives the others never issue."""
 
-    def start(seconds: float) -> Any:
-        n = torch.tensor([max(1, math.ceil(1.5 * seconds / max(once, 1e-6)))], dtype=torch.int64, device=device)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
-        works = [dist.all_reduce(buf, group=group, async_op=True) for _ in range(int(n.item()))]
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group = group
+        self.device = device
+        self.buf = torch.zeros(TRAIN_BYTES // 4, device=device)
+        dist.all_reduce(self.buf, group=group)  # wake the backend's threads
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            dist.all_reduce(self.buf, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.once = (time.perf_counter() - t0) / 3
+
+    def __call__(self, seconds: float) -> Callable[[], None]:
+        n = torch.tensor([max(1, math.ceil(1.5 * seconds / max(self.once, 1e-6)))], dtype=torch.int64, device=self.device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+        works = [dist.all_reduce(self.buf, group=self.group, async_op=True) for _ in range(int(n.item()))]
 
         def stop() -> None:
             for w in works:
@@ -554,7 +558,15 @@ def collective_train(group: dist.ProcessGroup, device: torch.device) -> Any:
 
         return stop
 
-    return start
+    def largest(self, value: float) -> float:
+        return _max_over_ranks([value], self.group, self.device)[0]
+
+
+def collective_train(group: dist.ProcessGroup, device: torch.device) -> CollectiveTrain | None:
+    """The :class:`CollectiveTrain` of ``group``; ``None`` on a world of one (nothing to contend with)."""
+    if dist.get_world_size(group) == 1:
+        return None
+    return CollectiveTrain(group, device)
 
 
 FIRST_TOUCH_MIB = (4, 16, 24, 32, 40, 48, 64)  # sizes the cost of fresh memory is measured at

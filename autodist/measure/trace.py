@@ -20,7 +20,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ from ..cost.profile import OptimizerProfile, Profile, UnitProfile, estimated_los
 from ..runtime.backward import in_backward
 from ..structure import ModelStructure
 from .robust import lower_quartile
+
+if TYPE_CHECKING:
+    from .sweep import CollectiveTrain
 
 
 class _Clock:
@@ -503,7 +506,7 @@ def profile_model(
     memory: bool = True,
     example_kwargs: dict[str, Any] | None = None,
     optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
-    contention: Callable[[float], Callable[[], None]] | None = None,
+    contention: CollectiveTrain | None = None,
 ) -> Profile:
     """Profile ``module`` on one forward: ``module(*example_inputs, **example_kwargs)``. Without a
     ``loss_fn``, the loss is the one the model returns (``output.loss``, as Hugging Face models do
@@ -511,8 +514,8 @@ def profile_model(
     ``optimizer``: builds the optimizer training will use over a list of parameters; its step is
     then measured on the model (:func:`measure_optimizer`), else Adam is assumed and estimated.
     ``contention``: starts a train of collectives on every rank for about the given seconds and
-    returns the function that waits for it (``autodist.measure.sweep.collective_train``; every
-    rank profiles at once); the model's slowdown under it, and how much more that is than the
+    returns the function that waits for it (:func:`autodist.measure.sweep.collective_train`; every
+    rank profiles at once, and takes as many rounds as every other); the model's slowdown under it, and how much more that is than the
     reference computation's, are then measured (``Profile.contended_slowdown``,
     ``Profile.contention_sensitivity``; see :func:`contended_slowdown`)."""
     if not isinstance(example_inputs, tuple):
@@ -580,7 +583,7 @@ def profile_model(
             numels = [p.numel for p in structure.params.values() if p.requires_grad]
             opt_profile = estimate_optimizer(device, param_numels=numels)
         if contention is not None:
-            measured = contended_slowdown(train_backward, contention, device)
+            measured = contended_slowdown(train_backward, contention, device, agree=contention.largest)
             slowdown, sensitivity = measured.slowdown, measured.sensitivity
             contention_meta = {"contention_rounds": measured.rounds, "contention_spread": round(measured.spread, 4)}
     assert last is not None
@@ -677,7 +680,8 @@ def _quartile_spread(values: Sequence[float]) -> float:
 
 def contended_slowdown(train_backward: Callable[[], None], contention: Callable[[float], Callable[[], None]],
                        device: torch.device, rounds: int = CONTENDED_ROUNDS,
-                       reference: Callable[[], None] | None = None, batches: int = CONTENDED_BATCHES) -> Contention:
+                       reference: Callable[[], None] | None = None, batches: int = CONTENDED_BATCHES,
+                       agree: Callable[[float], float] | None = None) -> Contention:
     """How many times longer the model's forward and backward (``train_backward``) take in
     wall-clock time while a train of collectives runs (``contention``), at least 1; and how many
     times more that is than the reference computation's slowdown under the same train, the model's
@@ -685,9 +689,12 @@ def contended_slowdown(train_backward: Callable[[], None], contention: Callable[
     own, the two in turn (which goes first alternates); the slowdown is the median over rounds, the
     sensitivity the median of each round's ratio. Rounds come in batches of ``rounds``; another
     batch is run, up to ``batches``, while the rounds' sensitivities spread by more than
-    ``CONTENDED_SPREAD`` (a disturbed host). ``reference``: one pass of the reference computation,
-    by default :func:`~autodist.measure.sweep.reference_product` repeated for about as long as the
-    model's pass.
+    ``CONTENDED_SPREAD`` (a disturbed host) on any rank: ``agree`` gives a figure's largest value
+    over the ranks (``CollectiveTrain.largest``), so every rank runs as many batches, and so issues
+    as many trains, as every other; without it the figure is this process's own (one rank, or
+    no collectives). ``reference``: one pass of the reference computation, by default
+    :func:`~autodist.measure.sweep.reference_product` repeated for about as long as the model's
+    pass.
 
     [Note: the model's own contention] While a collective runs, the compute it overlaps slows down:
     on an accelerator a little (the collective's kernels take SMs and memory bandwidth), on a CPU
@@ -750,7 +757,8 @@ def contended_slowdown(train_backward: Callable[[], None], contention: Callable[
                 m = under_train(train_backward)
             model.append(m)
             ratios.append(max(m, 1.0) / max(ref, 1.0))
-        if _quartile_spread(ratios) <= CONTENDED_SPREAD:
+        spread = _quartile_spread(ratios)
+        if (agree(spread) if agree is not None else spread) <= CONTENDED_SPREAD:
             break
     return Contention(max(1.0, statistics.median(model)), statistics.median(ratios), len(ratios), _quartile_spread(ratios))
 
