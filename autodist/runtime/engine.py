@@ -974,10 +974,10 @@ class Engine:
         touched = {id(mp) for mp in mps}
         for mp in mps:
             mp.mark_stale()  # compute-dtype copies are re-cast (an optimizer may write p.data)
-        for g in sorted(
-            (g for g in self.groups if g.residency == "persistent" and g.state is not GroupState.SHARDED),
-            key=lambda g: min(self.unit_pos.get(u, 0) for u in g.units),
-        ):
+        # In plan order, which every rank shares: not in the order units ran here — a persistent unit
+        # one rank skipped would move to the end of that rank's observed order, and its refresh with
+        # it (gloo pairs gathers of different units, or aborts when their sizes differ).
+        for g in (g for g in self.groups if g.residency == "persistent" and g.state is not GroupState.SHARDED):
             # unconditional: an optimizer may write p.data without bumping any version counter
             if any(id(mp) in touched for mp in g.params) and g.issue(force=True):
                 self.stats.persistent_refreshes += 1
