@@ -1,6 +1,7 @@
 """The comm model: fitting, and the sweep on the real process group."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -108,16 +109,44 @@ def test_a_sweep_in_passes_keeps_each_figure_s_median_so_one_pass_read_high_is_l
 
 
 def test_the_sweep_s_passes_come_from_the_environment_with_a_clear_error_for_a_bad_value(monkeypatch):
-    from autodist.measure.sweep import SWEEP_PASSES, SweepConfig
+    from autodist.measure.sweep import SWEEP_PASSES, sweep_passes
 
     monkeypatch.delenv("AUTODIST_SWEEP_PASSES", raising=False)
-    assert SweepConfig().passes == SWEEP_PASSES == 3
+    assert sweep_passes() == SWEEP_PASSES == 3
     monkeypatch.setenv("AUTODIST_SWEEP_PASSES", "2")
-    assert SweepConfig().passes == 2
+    assert sweep_passes() == 2
     for bad in ("0", "three", "-1"):
         monkeypatch.setenv("AUTODIST_SWEEP_PASSES", bad)
         with pytest.raises(ValueError, match=f"AUTODIST_SWEEP_PASSES='{bad}'.*at least 1"):
-            SweepConfig()
+            sweep_passes()
+
+
+def _passes_with_rank1_environment(value):
+    from autodist.measure.sweep import agreed_passes
+
+    saved = os.environ.get("AUTODIST_SWEEP_PASSES")
+    if dist.get_rank() == 1:
+        os.environ["AUTODIST_SWEEP_PASSES"] = value
+    try:
+        return agreed_passes(None, dist.group.WORLD, torch.device("cpu"))
+    except ValueError as e:
+        return str(e)
+    finally:
+        if saved is None:
+            os.environ.pop("AUTODIST_SWEEP_PASSES", None)
+        else:
+            os.environ["AUTODIST_SWEEP_PASSES"] = saved
+
+
+def test_every_rank_refuses_sweep_passes_that_differ_between_ranks_or_are_bad_on_one(world2):
+    # each rank reads its own environment (a variable set on one node only); a rank that took more
+    # passes would wait in collectives the others never issue, so every rank raises instead
+    assert world2.run(_passes_with_rank1_environment, "1") == [1, 1]  # tests/conftest.py sets 1
+    differ = world2.run(_passes_with_rank1_environment, "2")
+    assert all(isinstance(m, str) and "1 to 2 comm sweep passes" in m and "same on every node" in m for m in differ)
+    bad = world2.run(_passes_with_rank1_environment, "three")
+    assert "AUTODIST_SWEEP_PASSES='three'" in bad[1] and "at least 1" in bad[1]
+    assert "not a whole number of at least 1 on another rank" in bad[0]
 
 
 def test_contention_is_interpolated_in_log_size_between_measured_sizes():

@@ -12,7 +12,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -49,7 +49,7 @@ class SweepConfig:
     max_calls: int = 50
     min_run_s: float = 0.05
     rounds: int = 5
-    passes: int = field(default_factory=lambda: sweep_passes())
+    passes: int | None = None  # None: sweep_passes() (the environment); agreed over the ranks either way
 
 
 SWEEP_PASSES = 3  # see [Note: a sweep in passes]; AUTODIST_SWEEP_PASSES overrides it
@@ -68,6 +68,26 @@ def sweep_passes() -> int:
     if n < 1:
         raise ValueError(f"AUTODIST_SWEEP_PASSES={text!r}: the comm sweep's passes must be a whole number of at least 1 "
                          f"(default {SWEEP_PASSES}); unset it for the default")
+    return n
+
+
+def agreed_passes(passes: int | None, group: dist.ProcessGroup, device: torch.device) -> int:
+    """The passes every rank of ``group`` takes (a collective): ``passes``, else :func:`sweep_passes`.
+    Each rank reads its own environment, and a rank that took more passes than another would wait in
+    collectives the other never issues; so the ranks compare first and all raise the same error when
+    any value is bad or they differ (a variable set on one node only)."""
+    try:
+        n, problem = (passes if passes is not None else sweep_passes()), ""
+    except ValueError as e:
+        n, problem = 0, str(e)
+    neg_lo, hi = _max_over_ranks([float(-n), float(n)], group, device)
+    lo = int(-neg_lo)
+    if lo < 1:
+        raise ValueError(problem or "AUTODIST_SWEEP_PASSES is not a whole number of at least 1 on another rank: set it "
+                         "to one on every rank, or unset it everywhere")
+    if lo != int(hi):
+        raise ValueError(f"the ranks would take {lo} to {int(hi)} comm sweep passes (AUTODIST_SWEEP_PASSES differs "
+                         "between them): set it the same on every node, or unset it everywhere")
     return n
 
 
@@ -282,6 +302,7 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
     from ..runtime.comm import Comm  # the same collective calls the runtime issues
 
     world = dist.get_world_size(group)
+    n_passes = agreed_passes(cfg.passes, group, device)
     comm = Comm(group)
     t_start = time.perf_counter()
     fdt = torch.float32
@@ -301,7 +322,7 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
         cases.append(("d2h", nb, lambda host=host, buf=buf, nonblock=nonblock: _copy(host, buf, nonblock)))
         cases.append(("h2d", nb, lambda host=host, buf=buf, nonblock=nonblock: _copy(buf, host, nonblock)))
     calls = [_calls_for(issue, group, device, cfg) for _, _, issue in cases]
-    passes = [_measure_pass(comm, group, device, cfg, cases, calls) for _ in range(max(1, cfg.passes))]
+    passes = [_measure_pass(comm, group, device, cfg, cases, calls) for _ in range(n_passes)]
     combined = _combine(passes)
     ops = {op: fit_op(_monotone(pts)) for op, pts in combined.samples.items()}
     host = {op: fit_op(pts) for op, pts in combined.host_samples.items()}
