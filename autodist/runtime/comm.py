@@ -489,7 +489,9 @@ class Comm:
             f"ranks issued different collectives in a step: collective #{i + 1} was {what0} on rank 0 but "
             f"{what1} on rank {first}. Sharded units must run in the same order on every rank (as with FSDP); "
             "a unit whose control flow depends on the rank must be replicated (make its placement 'replicate' "
-            "in the plan), or make the control flow the same on every rank."
+            "in the plan), or make the control flow the same on every rank. A replicated unit that some ranks "
+            "skip shifts their prefetch positions too: when gather groups after it have different prefetch "
+            "windows, give them all the same window."
         )
 
     def all_gather_object(self, obj: object) -> list[object]:
