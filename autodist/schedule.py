@@ -5,15 +5,21 @@ The runtime (``autodist/runtime/engine.py``) carries these rules out at its hook
 explicit program). Both also write the actions they take in one vocabulary (:class:`ActionLog`), so
 a test can check that what ran is what was simulated.
 
-[Note: prefetch triggers] A gather group with window ``w`` is issued when the unit ``w`` positions
-before its first use starts (position -1 is the start of the root forward or of the backward).
-Forward positions follow the previous step's observed unit order (the plan's order before the first
-step). Backward positions follow the reverse of *this* step's forward, except that a unit whose
-forward is recomputed is first needed where that recomputation happens (its *anchor*: the unit
-whose backward is running then — the last unit of a checkpointed block). Triggers fire in position
-order, so the issue order is a function of the plan and the control flow only, identical on every
-rank that runs the same control flow. A group whose first use is already behind when its trigger
-fires (its units were skipped) is not gathered for nothing.
+[Note: prefetch triggers] A gather group with window ``w`` is issued when the gathering unit ``w``
+positions before its first use starts (position -1 is the start of the root forward or of the
+backward). Positions count *gathering* units only — the units of gather groups that are gathered
+each step, not persistent ones — so a replicated or persistent unit that one rank skips (a
+rank-dependent branch) moves no other unit's position: every other unit keeps its position on every
+rank, and each rank issues the same gathers in the same order. A unit that is not counted carries
+the position of the last gathering unit before it, and fires nothing that unit did not. (FSDP2
+counts the same way: it prefetches among FSDP modules only.) Forward positions follow the previous
+step's observed unit order (the plan's order before the first step). Backward positions follow the
+reverse of *this* step's forward, except that a unit whose forward is recomputed is first needed
+where that recomputation happens (its *anchor*: the unit whose backward is running then — the last
+unit of a checkpointed block). Triggers fire in position order, so the issue order is a function of
+the plan and the control flow of the gathering units only, identical on every rank where the
+sharded units take the same branches (which their collectives need anyway). A group whose first use
+is already behind when its trigger fires (its units were skipped) is not gathered for nothing.
 
 [Note: memory windows] A plan may ask for a window of ``"memory"``: prefetch as far ahead as the
 budget allows. Before a step runs, each such group gets the longest window (at most
@@ -26,7 +32,7 @@ issues the same gathers in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 
@@ -40,13 +46,13 @@ class Trigger:
 
 
 def triggers(
-    group_units: Sequence[Sequence[str]], windows: Sequence[int], positions: dict[str, int], *, missing: int | None = None
+    group_units: Sequence[Sequence[str]], windows: Sequence[int], pos: dict[str, int], *, missing: int | None = None
 ) -> list[Trigger]:
-    """The prefetch triggers of groups whose units have ``positions`` (units without one are skipped;
-    ``missing``: the position to assume for them instead, e.g. after every known unit)."""
+    """The prefetch triggers of groups whose units have positions ``pos`` (units without one are
+    skipped; ``missing``: the position to assume for them instead, e.g. after every known unit)."""
     out = []
     for gi, units in enumerate(group_units):
-        firsts = [positions[u] for u in units if u in positions]
+        firsts = [pos[u] for u in units if u in pos]
         if not firsts:
             if missing is None:
                 continue
@@ -98,18 +104,40 @@ class TriggerCursor:
         return out
 
 
-def backward_positions(forward_sequence: Sequence[str], anchors: dict[str, str | None]) -> tuple[dict[str, int], dict[str, int]]:
-    """(position of each unit's own backward, position where its parameters are first needed in
-    backward) for a forward that ran ``forward_sequence``; ``anchors``: recomputed unit -> the unit
-    whose backward runs when it is recomputed (``None``: the start of backward)."""
-    order = list(reversed(forward_sequence))
-    bpos = {u: i for i, u in enumerate(order)}
+def positions(order: Sequence[str], counted: Collection[str]) -> dict[str, int]:
+    """Each unit's prefetch position in ``order`` (see [Note: prefetch triggers]): a ``counted``
+    (gathering) unit's index among the counted units; any other unit, the position of the last
+    counted unit before it (-1 before the first)."""
+    out: dict[str, int] = {}
+    n = -1
+    for u in order:
+        if u in counted:
+            n += 1
+        out.setdefault(u, n)
+    return out
+
+
+def gathering_units(group_units: Sequence[Sequence[str]], residencies: Sequence[str]) -> set[str]:
+    """The units prefetch positions count (see [Note: prefetch triggers]): those of gather groups
+    gathered every step (``residencies``: each group's; persistent groups stay gathered)."""
+    return {u for units, r in zip(group_units, residencies, strict=True) if r != "persistent" for u in units}
+
+
+def backward_positions(
+    forward_sequence: Sequence[str], anchors: dict[str, str | None], counted: Collection[str]
+) -> dict[str, int]:
+    """The position where each unit's parameters are first needed in the backward of a forward
+    that ran ``forward_sequence``: its own backward's position in the reverse order (positions of
+    :func:`positions` over the ``counted`` units), or its anchor's when earlier; ``anchors``:
+    recomputed unit -> the unit whose backward runs when it is recomputed (``None``: the start of
+    backward)."""
+    bpos = positions(list(reversed(forward_sequence)), counted)
     need = dict(bpos)
     for u, anchor in anchors.items():
         if u in need:
             a = -1 if anchor is None else bpos.get(anchor, need[u])
             need[u] = min(need[u], a)
-    return bpos, need
+    return need
 
 
 def block_anchor(block_units: Sequence[str]) -> str:

@@ -18,12 +18,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ._log import logger
 from .builtins import BUILTIN_PLANS, builtin_plan
 from .cost.budget import format_bytes, parse_memory_limit
-from .errors import AutoDistError, PlanError, RankMismatchError, mark_raised_on_every_rank, reported_once
+from .errors import AutoDistError, InitError, PlanError, RankMismatchError, mark_raised_on_every_rank, reported_once
 from .plan import Plan, validate_plan
 from .runtime.comm import Comm, init_distributed
 from .runtime.engine import Engine, MixedPrecision
 from .runtime.materialize import Materializer, is_meta_model
-from .runtime.state import full_state_dict, load_full_state_dict
+from .runtime.state import agree_on_state_dict, full_state_dict, load_full_state_dict
 from .structure import ModelStructure, discover
 
 PLAN_CHOICES = ("auto",) + BUILTIN_PLANS
@@ -185,7 +185,12 @@ class AutoDist(nn.Module):
             budget_bytes=self.budget_bytes,
         )
         if materializer is not None:
-            self._materialize(materializer)
+            try:  # an initialiser that fails on one rank fails on every rank ([Note: a failure on one rank])
+                self._agree(lambda: self._materialize(materializer), "initialise the model",
+                            "no rank keeps a model another could not initialise", fail=InitError)
+            except AutoDistError:
+                self._engine.close()
+                raise
             if self._auto is not None:
                 self._agree(self._auto.profile_wrapped)
         from .metrics import StepMeter
@@ -294,8 +299,10 @@ class AutoDist(nn.Module):
                 plan.label, format_bytes(r.peak_bytes), parts, format_bytes(self.budget_bytes),
             )
 
-    def _agree(self, fn: Any) -> Any:
-        """Run ``fn`` on every rank; if it raises on any rank, raise on every rank (never hang)."""
+    def _agree(self, fn: Any, what: str = "resolve the plan", why: str = "every rank must see the same plan",
+               fail: Callable[[str], AutoDistError] = lambda m: PlanError(m, source=None)) -> Any:
+        """Run ``fn`` on every rank; if it raises on any rank, raise on every rank (never hang): its
+        own error where it raised, ``fail``'s saying that rank could not do ``what`` elsewhere."""
         error: BaseException | None = None
         try:
             result = fn()
@@ -308,12 +315,26 @@ class AutoDist(nn.Module):
         if failed:
             r, m = failed[0]
             raise mark_raised_on_every_rank(
-                PlanError(f"rank {r} could not resolve the plan ({m}); every rank must see the same plan", source=None)
+                fail(f"rank {r} could not {what} ({m}); {why}")
             )
         return result
 
     def _check_rank_agreement(self, plan: Plan) -> None:
-        hashes = self._comm.all_gather_object(plan.hash())
+        # Which units a module's own code reads is found in its class's source (structure.py
+        # find_functional_uses), read by each rank from its own files: the gathers it adds must be
+        # the same on every rank, like the plan's.
+        uses = sorted((m, list(u)) for m, u in self._structure.functional_uses.items())
+        seen = self._comm.all_gather_object((plan.hash(), uses))
+        hashes = [h for h, _ in seen]
+        differ = next((r for r, (_, u) in enumerate(seen) if u != uses), None)
+        if differ is not None:
+            theirs = dict(seen[differ][1])
+            m = next(m for m in sorted(set(dict(uses)) | set(theirs)) if dict(uses).get(m) != theirs.get(m))
+            raise mark_raised_on_every_rank(RankMismatchError(
+                f"ranks read different model code: module {m or '(root)'!r}'s own forward reads the parameters "
+                f"of {dict(uses).get(m, [])} on rank {self._comm.rank} but {theirs.get(m, [])} on rank {differ}. "
+                "Every rank must run the same version of the model's source files."
+            ))
         if len(set(hashes)) > 1:
             differing = [r for r, h in enumerate(hashes) if h != hashes[0]]
             raise mark_raised_on_every_rank(RankMismatchError(
@@ -410,6 +431,7 @@ class AutoDist(nn.Module):
         """Load full tensors (or DTensors) saved under any plan or world size. A collective."""
         if assign:
             raise ValueError("AutoDist.load_state_dict does not support assign=True: parameters are managed in place")
+        self._agree(lambda: agree_on_state_dict(self.module, state_dict, self._comm.all_gather_object))
         self._engine.quiesce()  # no gather may read a shard while it is written
         result = load_full_state_dict(self.module, self._engine.params, state_dict, strict=strict)
         self._engine.mark_stale()

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import models
-from autodist import AutoDist
+from autodist import AutoDist, RankMismatchError
 from parity import make_plan
 
 
@@ -86,6 +86,37 @@ def _load_missing():
     finally:
         m.close()
     return "no error"
+
+
+def _load_differing_or_bad(kind):
+    rank = dist.get_rank()
+    m = AutoDist(models.make("mlp"), plan="fsdp")
+    sd = {k: v + 1.0 for k, v in m.state_dict().items()}
+    if kind == "rank-local keys" and rank == 1:
+        del sd["layers.0.weight"]  # strict=False on rank 1 only would load a different subset there
+    if kind == "late size mismatch":
+        sd["layers.2.bias"] = torch.zeros(5)  # the last key: the ones before it must stay as they were
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    try:
+        m.load_state_dict(sd, strict=False)
+    except (RankMismatchError, RuntimeError) as e:
+        after = m.state_dict()
+        return type(e).__name__, str(e), all(torch.equal(before[k], after[k]) for k in before)
+    finally:
+        m.close()
+    return None, "no error", False
+
+
+def test_load_state_dict_refuses_different_keys_per_rank_on_every_rank_and_changes_nothing(world2):
+    for name, msg, unchanged in world2.run(_load_differing_or_bad, "rank-local keys"):
+        assert name == "RankMismatchError" and "'layers.0.weight'" in msg and "on rank 1" in msg, msg
+        assert unchanged
+
+
+def test_a_size_mismatch_in_a_state_dict_changes_nothing(world2):
+    for name, msg, unchanged in world2.run(_load_differing_or_bad, "late size mismatch"):
+        assert name == "RuntimeError" and "size mismatch for layers.2.bias" in msg, msg
+        assert unchanged
 
 
 def _count_collectives(plan, use_context):

@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import models
-from autodist import AutoDist
+from autodist import AutoDist, RankMismatchError
+from autodist.plan import Prefetch
 from parity import _full, make_plan
 
 
@@ -236,3 +237,127 @@ def test_persistent_units_refresh_in_plan_order_when_one_rank_skipped_one(world2
     assert refresh0 == refresh1
     assert all(step[-4:] == ["l0", "l1", "l2", "l3"] for step in refresh0)  # the optimizer step's refreshes
     assert max(err0, err1) < 1e-5
+
+
+class _BranchInTheMiddle(torch.nn.Module):
+    """Five equal layers; ``skip`` leaves out the middle one (replicated by the plan: control flow of
+    this rank's own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.l1, self.r, self.l2, self.l3 = (torch.nn.Linear(8, 8) for _ in range(5))
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.l1(torch.tanh(self.l0(x))))
+        if not self.skip:
+            x = torch.tanh(self.r(x))
+        return self.l3(torch.tanh(self.l2(x)))
+
+
+def _replicated_unit_skipped_on_one_rank(steps=4):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * s + r)) for s in range(steps) for r in range(world)]
+    skips = lambda s, r: s in (0, 2) and r == 1  # noqa: E731 - rank 1 leaves r out in steps 0 and 2
+
+    torch.manual_seed(0)
+    ref = _BranchInTheMiddle()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for s in range(steps):
+        for r in range(world):
+            ref.skip = skips(s, r)
+            (ref(batches[s * world + r]).square().mean() / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    torch.manual_seed(0)
+    net = _BranchInTheMiddle()
+    plan = make_plan(_BranchInTheMiddle(), world, replicate_units=("r",))
+    # windows (forward, backward) under which positions counted over every unit put l3's forward
+    # gather before l1's on the rank that skipped r, and l0's backward gather before l2's
+    windows = {"l0": (1, 4), "l1": (1, 1), "l2": (1, 1), "l3": (4, 1)}
+    for g in plan.gather_groups:
+        g.prefetch = Prefetch(*windows[g.units[0]])
+    m = AutoDist(net, plan=plan)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    gathers = []
+    for s in range(steps):
+        m.runtime.comm.stats.log = log = []
+        net.skip = skips(s, rank)
+        m(batches[s * world + rank]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        gathers.append([label for kind, label in log if kind == "all_gather"])
+    ours = {n: _full(p.detach()) for n, p in m.named_parameters()}
+    err = max((ours[n] - p).abs().max().item() for n, p in ref.named_parameters())
+    m.close()
+    return gathers, err
+
+
+def test_a_replicated_unit_one_rank_skips_moves_no_gather(world2):
+    # Prefetch positions used to count every unit: the rank that skipped r counted the units after it
+    # one earlier, and with these windows issued l3's gather before l1's in the next forward and l0's
+    # before l2's in the skipping step's backward (equal sizes: the ranks paired different layers).
+    (gathers0, err0), (gathers1, err1) = world2.run(_replicated_unit_skipped_on_one_rank)
+    assert gathers0 == gathers1
+    # forward, counted over the four gathering units: l3's window of 4 reaches the start of forward
+    assert gathers0[1][:4] == ["l0", "l3", "l1", "l2"]
+    assert max(err0, err1) < 1e-5
+
+
+def _grad_scaler_with_inf_in_one_shard(kind, steps=4):
+    # a mixed plan whose first unit is replicated: torch's DTensor rule for GradScaler combines the
+    # inf/NaN finding across ranks only when the first gradient it checks is sharded
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * s + r)) for s in range(steps) for r in range(world)]
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+
+    ref = make()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    for s in range(steps):
+        total = sum(ref(batches[s * world + r]).square().mean() for r in range(world)) / world
+        ref_scaler.scale(total).backward()
+        if s == 1:
+            ref[2].weight.grad[0, 0] = float("inf")  # row 0: in rank 0's shard
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+
+    net = make()
+    m = AutoDist(net, plan=make_plan(make(), world, replicate_units=("0",)))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = ShardedGradScaler("cpu", init_scale=4.0) if kind == "sharded" else torch.amp.GradScaler("cpu", init_scale=4.0)
+    try:
+        for s in range(steps):
+            scaler.scale(m(batches[s * world + rank]).square().mean()).backward()
+            if s == 1 and rank == 0:
+                with torch.no_grad():
+                    net[2].weight.grad.to_local().view(-1)[0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    except RankMismatchError as e:
+        return str(e), None
+    finally:
+        m.close()
+    ours = {n: _full(p.detach()) for n, p in m.named_parameters()}
+    return None, max((ours[n] - p).abs().max().item() for n, p in ref.named_parameters())
+
+
+def test_a_grad_scaler_step_skipped_on_one_rank_is_reported_on_every_rank(world2):
+    # plain GradScaler: rank 0 finds the inf and skips the step, rank 1 steps; the next backward's
+    # check names it instead of training on with parameters that differ between ranks
+    for error, _ in world2.run(_grad_scaler_with_inf_in_one_shard, "plain"):
+        assert error is not None and "the optimizer stepped on rank 1 but not on rank 0" in error, error
+        assert "ShardedGradScaler" in error
+
+
+def test_a_sharded_grad_scaler_skips_on_every_rank_and_matches_the_reference(world2):
+    for error, err in world2.run(_grad_scaler_with_inf_in_one_shard, "sharded"):
+        assert error is None and err < 1e-5, (error, err)

@@ -184,3 +184,31 @@ def test_an_initialiser_writing_a_tensor_that_is_not_materialised_is_refused(wor
 def test_param_init_fn_is_refused_for_a_model_that_is_not_on_the_meta_device():
     with pytest.raises(ValueError, match="param_init_fn initialises a model built on the meta device"):
         AutoDist(models.make("mlp"), plan="ddp", param_init_fn=lambda m: None)
+
+
+def _init_fails_on_rank1_only() -> dict:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    rank = dist.get_rank()
+    with torch.device("meta"):
+        model = models.MLP()
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            if rank == 1 and module is model.layers[1] and not isinstance(module.weight, FakeTensor):
+                raise RuntimeError("CUDA out of memory (simulated)")  # the trial on fake tensors passed
+            module.reset_parameters()
+
+    try:
+        AutoDist(model, plan="fsdp", param_init_fn=init)
+    except InitError as e:
+        return {"error": str(e), "hooks": len(model.layers[0]._forward_pre_hooks)}
+    return {"error": None}
+
+
+def test_an_initialiser_failing_on_one_rank_fails_on_every_rank_without_a_hang(world2):
+    # the failing rank used to raise while the others waited in the next broadcast
+    r0, r1 = world2.run(_init_fails_on_rank1_only, timeout=120)
+    assert "rank 1 could not initialise the model" in r0["error"] and "out of memory (simulated)" in r0["error"]
+    assert "initialising module 'layers.1'" in r1["error"] and "out of memory (simulated)" in r1["error"]
+    assert r0["hooks"] == r1["hooks"] == 0  # the half-built wrapper let the module go

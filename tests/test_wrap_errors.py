@@ -88,6 +88,53 @@ def test_ranks_with_different_plans_are_refused(world2):
         assert "ranks disagree on the plan" in r["error"]
 
 
+_NET_SOURCE = """
+import torch
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return {head}
+"""
+
+
+def _different_source_per_rank(directory):
+    # each rank imports the model class from its own file, as nodes with different checkouts would:
+    # on rank 0 the root's forward reads the head's weight itself, on rank 1 it calls the head
+    import importlib.util
+
+    rank = dist.get_rank()
+    head = "torch.nn.functional.linear(self.body(x), self.head.weight)" if rank == 0 else "self.head(self.body(x))"
+    path = os.path.join(directory, f"net_rank{rank}.py")
+    with open(path, "w") as f:
+        f.write(_NET_SOURCE.format(head=head))
+    spec = importlib.util.spec_from_file_location(f"net_rank{rank}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    m = mod.Net()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    try:
+        AutoDist(m, plan=fsdp_plan(discover(m), 2))
+    except RankMismatchError as e:
+        return {"error": str(e), "unchanged": all(bool((before[k] == v).all()) for k, v in m.state_dict().items())}
+    return {"error": None}
+
+
+def test_ranks_whose_model_source_differs_are_refused(world2):
+    # the units a module's own code reads come from each rank's source files: a plan alike on every
+    # rank would still gather the head for the root's forward on rank 0 only
+    with tempfile.TemporaryDirectory() as d:
+        res = world2.run(_different_source_per_rank, d, timeout=60)
+    for r in res:
+        assert r["error"] is not None and "ranks read different model code" in r["error"], r
+        assert "'(root)'" in r["error"] and "['head']" in r["error"] and r["unchanged"]
+
+
 @contextlib.contextmanager
 def _cwd(path):
     old = os.getcwd()

@@ -46,8 +46,10 @@ from ..schedule import (
     TriggerCursor,
     backward_positions,
     freed_after_forward,
+    gathering_units,
     group_label,
     memory_windows,
+    positions,
     resident_state_bytes,
     triggers,
 )
@@ -183,7 +185,6 @@ class _Group:
     refreshing: bool = False  # an in-place refresh of resident full parameters is in flight
     op: int = -1
     grads_ready: int = 0
-    active_last: str = ""
     pending_bwd: int = 0  # forwards (units) that used it this micro-batch and have not finished backward
     untokened: bool = False  # used by a forward whose inputs need no gradient
     untokened_open: bool = False  # ... whose parameters' gradients are not all in yet
@@ -403,9 +404,8 @@ class Simulator:
             for un in g.units:
                 group_of_unit[un] = grp
         group_of_param = {p: grp for grp in groups for p in grp.params}
-        pos = {u: i for i, u in enumerate(self.order)}
-        for grp in groups:
-            grp.active_last = max(grp.units, key=lambda u: pos.get(u, -1))
+        gathering = gathering_units([g.units for g in groups], [g.residency for g in groups])
+        pos = positions(self.order, gathering)
 
         # ---- buckets -------------------------------------------------------------------------
         sharded_accumulation = {
@@ -635,8 +635,8 @@ class Simulator:
         block_anchor = {units[-1]: b for b, units in recomputed.items()}
         block_last_bwd = {units[0]: b for b, units in recomputed.items()}
         in_recomputed = {u for units in recomputed.values() for u in units}
-        _, need = backward_positions(self.order, anchor_of)
-        fwd_trig = triggers([g.units for g in groups], [g.fw for g in groups], pos, missing=len(pos))
+        need = backward_positions(self.order, anchor_of, gathering)
+        fwd_trig = triggers([g.units for g in groups], [g.fw for g in groups], pos, missing=max(pos.values(), default=-1) + 1)
         late = [g for g in groups if g.residency == "after_forward"]
         bwd_trig = [
             replace(t, group=late[t.group].index)

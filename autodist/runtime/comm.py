@@ -478,6 +478,16 @@ class Comm:
         i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
         what0 = a[i] if i < len(a) else "nothing more"
         what1 = b[i] if i < len(b) else "nothing more"
+        if "optimizer_step" in what0 + what1:
+            stepped, skipped = (0, first) if what0.startswith("optimizer_step") else (first, 0)
+            raise RankMismatchError(
+                f"the optimizer stepped on rank {stepped} but not on rank {skipped} after the same backward, so "
+                "their parameters now differ. A torch.amp.GradScaler skips the step on a rank that finds inf/NaN "
+                "in its gradients; with a plan that shards some units and replicates others, each rank holds only "
+                "its shard of a sharded gradient, and torch combines that finding across ranks only when the first "
+                "gradient it checks is sharded. Use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler, "
+                "which combines it over the ranks, and skip or take every step on every rank alike."
+            )
         if set(bad) == {2}:
             raise RankMismatchError(
                 f"ranks interleaved gathers and reductions differently in a step (collective #{i + 1} was {what0} "
@@ -489,9 +499,7 @@ class Comm:
             f"ranks issued different collectives in a step: collective #{i + 1} was {what0} on rank 0 but "
             f"{what1} on rank {first}. Sharded units must run in the same order on every rank (as with FSDP); "
             "a unit whose control flow depends on the rank must be replicated (make its placement 'replicate' "
-            "in the plan), or make the control flow the same on every rank. A replicated unit that some ranks "
-            "skip shifts their prefetch positions too: when gather groups after it have different prefetch "
-            "windows, give them all the same window."
+            "in the plan), or make the control flow the same on every rank."
         )
 
     def all_gather_object(self, obj: object) -> list[object]:

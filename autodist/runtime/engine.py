@@ -21,15 +21,10 @@ reducer, and drives them from these hooks:
   shards and bring offloaded state back; after it, refresh persistent groups and compute-dtype copies
   and start offload copy-outs.
 
-[Note: prefetch triggers] A gather group with window ``w`` is issued when the unit ``w`` positions
-before its first use starts (position -1 is the start of the root forward or of the backward).
-Forward positions follow the previous step's observed unit order (the plan's order before the first
-step). Backward positions follow the reverse of *this* step's forward, except that a unit whose
-forward was recomputed in the previous step is first needed where that recomputation happened (its
-*anchor*: the unit whose backward was running, e.g. the last unit of a checkpointed block). Triggers
-are processed in position order, so the issue order is a function of the plan and the control flow
-only — identical on every rank that runs the same control flow. A unit whose group was not
-prefetched gathers on demand; the deviation is counted and logged once.
+Prefetch follows [Note: prefetch triggers] in ``autodist/schedule.py``: positions count gathering
+units only, forward in the previous step's observed order, backward in the reverse of this step's
+forward with recomputed units needed at their anchors. A unit whose group was not prefetched gathers
+on demand; the deviation is counted and logged once.
 
 [Note: one issue order for NCCL] Gathers and reductions run on two process groups (comm.py). With
 gloo they are independent. NCCL, however, requires every rank to launch collectives on concurrently
@@ -65,7 +60,9 @@ from ..schedule import (
     TriggerCursor,
     backward_positions,
     freed_after_forward,
+    gathering_units,
     memory_windows,
+    positions,
     resident_state_bytes,
     triggers,
 )
@@ -159,7 +156,6 @@ class _Step:
     fwd_schedule: TriggerCursor = field(default_factory=lambda: TriggerCursor([]))
     in_backward: bool = False
     bwd_schedule: TriggerCursor = field(default_factory=lambda: TriggerCursor([]))
-    bwd_pos: dict[str, int] = field(default_factory=dict)
     bwd_need: dict[str, int] = field(default_factory=dict)  # first backward use (recomputation anchors)
     bwd_current: str | None = None  # the unit whose backward is running
     anchors: dict[str, str | None] = field(default_factory=dict)  # recomputed unit -> anchor, this step
@@ -304,6 +300,7 @@ class Engine:
         self._resolve_memory_windows(plan, windows)
         self.group_of_param = {id(mp): grt for grt in self.groups for mp in grt.params}
         self.has_persistent = any(g.residency == "persistent" for g in self.groups)
+        self._gathering = gathering_units([g.units for g in self.groups], [g.residency for g in self.groups])
         policy = self._launch_policy_arg or ("sampled" if self.comm.backend == "nccl" else "ready")
         self.launch_policy = policy if self.groups else "ready"
         if getattr(self, "recompute", None) is not None:
@@ -455,10 +452,11 @@ class Engine:
         return buckets
 
     def _compute_forward_triggers(self) -> None:
-        pos = {u: i for i, u in enumerate(self.unit_order)}
+        pos = positions(self.unit_order, self._gathering)
         self.unit_pos = pos
         self._fwd_triggers = triggers(
-            [g.units for g in self.groups], [g.forward_window for g in self.groups], pos, missing=len(pos)
+            [g.units for g in self.groups], [g.forward_window for g in self.groups], pos,
+            missing=max(pos.values(), default=-1) + 1,
         )
 
     def _fire(self, cursor: TriggerCursor, pos: int) -> None:
@@ -812,7 +810,7 @@ class Engine:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         # Backward order: reverse of this step's forward; recomputed units are first needed at their
         # anchor (see [Note: prefetch triggers] in autodist/schedule.py).
-        step.bwd_pos, step.bwd_need = backward_positions(step.fwd_sequence, self._anchors)
+        step.bwd_need = backward_positions(step.fwd_sequence, self._anchors, self._gathering)
         late = [g for g in self.groups if g.residency == "after_forward"]
         trig = triggers([g.units for g in late], [g.backward_window for g in late], step.bwd_need)
         step.bwd_schedule = TriggerCursor([replace(t, group=late[t.group].index) for t in trig])
@@ -968,6 +966,9 @@ class Engine:
         if not self._in_step.get(optimizer):
             return
         self._in_step[optimizer] = False
+        # In the sequence the end-of-backward check compares: a rank that skipped this step (a
+        # GradScaler that found inf/NaN in its own gradient shards) is reported, not left to diverge.
+        self.comm.sequence.record("optimizer_step", str(len(self._params_of(optimizer))))
         if self.stats.micro_batches:
             self.stats.grad_accum_steps, self.stats.micro_batches = self.stats.micro_batches, 0
         mps = self._params_of(optimizer)

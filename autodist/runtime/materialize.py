@@ -365,6 +365,11 @@ class Materializer:
             starting.setdefault(e.first, []).append(i)
             ending.setdefault(e.last, []).append(i)
         live: set[int] = set()
+        # [Note: a failure on one rank] Every rank runs the initialisers, and the broadcasts that
+        # follow are collectives: a rank whose initialiser fails (out of memory, say) keeps taking
+        # part in them, with values nobody keeps, and raises once every broadcast is done. The
+        # caller compares the ranks' outcomes, so every rank raises instead of the others waiting.
+        failure: InitError | None = None
         for ci, call in enumerate(self.calls):
             for i in starting.get(ci, []):
                 e = self.entries[i]
@@ -373,37 +378,49 @@ class Materializer:
                 e.aliased = kept is not None
                 e.register(e.live)
                 live.add(i)
-            expected = {i: self.entries[i].live if self.entries[i].live is not None else self.entries[i].original for i in call.subtree}
-            keys = {i: _storage_key(t) for i, t in expected.items()}
-            recorder = _WriteRecorder(dry=False)
-            try:
-                with recorder, self._scratch(call, torch.empty_strided):
-                    call.fn()
-            except Exception as exc:
-                raise InitError(f"initialising module {call.name or '(root)'!r} ({type(call.module).__name__}) failed: {exc}") from exc
-            stray = sorted({meta_keys[k] for k in recorder.written if k in meta_keys})
-            replaced = self._replaced(call, expected, keys)
-            stray += [i for i in replaced if self.entries[i].live is None]
-            if stray:
-                e = self.entries[stray[0]]
-                raise InitError(
-                    f"the initialiser of module {call.name or '(root)'!r} wrote {e.name}, which its trial run on fake "
-                    "tensors did not write (its writes depend on values or on something outside the module). "
-                    "Pass a param_init_fn whose writes stay within the module it is called with."
-                )
-            for i in live:
-                e = self.entries[i]
-                if _storage_key(e.live) in recorder.written:
-                    e.written = True
-            for i in replaced:
-                self._adopt(self.entries[i])
-            self._finish([self.entries[i] for i in ending.get(ci, [])], params, broadcast, device)
+            done = [self.entries[i] for i in ending.get(ci, [])]
+            if failure is None:
+                try:
+                    self._call(call, live, meta_keys)
+                    self._check_written(done)
+                except InitError as exc:
+                    failure = exc
+            self._finish(done, params, broadcast, device)
             live.difference_update(ending.get(ci, []))
+        if failure is not None:
+            raise failure
         best, at = self.held_bytes_profile()
         return MaterializeReport(
             tensors=len(self.entries), calls=len(self.calls), total_bytes=sum(e.nbytes for e in self.entries),
             largest_live_bytes=best, largest_live_at=at,
         )
+
+    def _call(self, call: Any, live: set[int], meta_keys: dict[object, int]) -> None:
+        """Run one initialiser call on the live tensors and take what it wrote."""
+        expected = {i: self.entries[i].live if self.entries[i].live is not None else self.entries[i].original for i in call.subtree}
+        keys = {i: _storage_key(t) for i, t in expected.items()}
+        recorder = _WriteRecorder(dry=False)
+        try:
+            with recorder, self._scratch(call, torch.empty_strided):
+                call.fn()
+        except Exception as exc:
+            raise InitError(f"initialising module {call.name or '(root)'!r} ({type(call.module).__name__}) failed: {exc}") from exc
+        stray = sorted({meta_keys[k] for k in recorder.written if k in meta_keys})
+        replaced = self._replaced(call, expected, keys)
+        stray += [i for i in replaced if self.entries[i].live is None]
+        if stray:
+            e = self.entries[stray[0]]
+            raise InitError(
+                f"the initialiser of module {call.name or '(root)'!r} wrote {e.name}, which its trial run on fake "
+                "tensors did not write (its writes depend on values or on something outside the module). "
+                "Pass a param_init_fn whose writes stay within the module it is called with."
+            )
+        for i in live:
+            e = self.entries[i]
+            if _storage_key(e.live) in recorder.written:
+                e.written = True
+        for i in replaced:
+            self._adopt(self.entries[i])
 
     @staticmethod
     def _kept_storage(e: _Entry, params: dict[str, Any], device: torch.device) -> torch.Tensor | None:
@@ -432,15 +449,18 @@ class Materializer:
         e.register(e.live)
         e.written = True
 
-    def _finish(self, done: list[_Entry], params: dict[str, Any], broadcast: Callable[[list[torch.Tensor]], None],
-                device: torch.device) -> None:
-        """Broadcast rank 0's values of the tensors no later call writes and hand them over."""
+    @staticmethod
+    def _check_written(done: list[_Entry]) -> None:
         unwritten = [e.name for e in done if not e.written]
         if unwritten:
             raise InitError(
                 f"the model is on the meta device, but no initialiser wrote {', '.join(unwritten[:6])}; give their "
                 "modules a reset_parameters() that initialises them, or pass a param_init_fn that does"
             )
+
+    def _finish(self, done: list[_Entry], params: dict[str, Any], broadcast: Callable[[list[torch.Tensor]], None],
+                device: torch.device) -> None:
+        """Broadcast rank 0's values of the tensors no later call writes and hand them over."""
         values = [e.live.detach().to(device) for e in done]
         for e in done:  # on an accelerator the device copy is what is kept: the host copy goes now
             e.live = None

@@ -8,13 +8,16 @@ plan shards anything: call them on every rank.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
+from ..errors import RankMismatchError
 from .params import ManagedParam
 
 
@@ -41,6 +44,35 @@ def _strip_prefix(state_dict: dict[str, object], own_keys: set[str]) -> dict[str
     return dict(state_dict)
 
 
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        kind = "DTensor" if isinstance(value, DTensor) else "tensor"
+        return f"{kind} of shape {tuple(value.shape)}, {value.dtype}"
+    return type(value).__name__
+
+
+def agree_on_state_dict(
+    module: nn.Module, state_dict: dict[str, object], all_gather_object: Callable[[object], list[object]]
+) -> None:
+    """Raise on every rank if the ranks were given state dicts with different keys or tensor shapes
+    and dtypes (values are not compared): loading is a collective (DTensor values are gathered)
+    and each rank would otherwise write a different subset of its parameters."""
+    state_dict = _strip_prefix(state_dict, set(module.state_dict(keep_vars=True)))
+    mine = sorted((k, _describe(v)) for k, v in state_dict.items())
+    digests = all_gather_object(hashlib.sha256(repr(mine).encode()).hexdigest())
+    if len(set(digests)) == 1:
+        return
+    everyone = [dict(d) for d in all_gather_object(mine)]
+    other = next(r for r, d in enumerate(digests) if d != digests[0])
+    a, b = everyone[0], everyone[other]
+    key = next(k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+    raise RankMismatchError(
+        f"load_state_dict was given different state dicts on different ranks: {key!r} is "
+        f"{a.get(key, 'missing')} on rank 0 but {b.get(key, 'missing')} on rank {other}. It is a collective "
+        "(as with FSDP2): give every rank the same full state dict, e.g. load the same checkpoint file on each."
+    )
+
+
 @torch.no_grad()
 def load_full_state_dict(
     module: nn.Module,
@@ -49,6 +81,8 @@ def load_full_state_dict(
     *,
     strict: bool = True,
 ) -> _IncompatibleKeys:
+    """Write ``state_dict``'s full tensors into the module's parameters and buffers: every key and
+    shape is checked before anything is written, so a refused state dict changes nothing."""
     targets = module.state_dict(keep_vars=True)
     state_dict = _strip_prefix(state_dict, set(targets))
     by_visible = {id(mp.visible): mp for mp in params.values()}
@@ -64,27 +98,23 @@ def load_full_state_dict(
             "Error(s) in loading state_dict for AutoDist: " + "; ".join(parts)
             + ". Keys are those of the wrapped module (no 'module.' prefix); pass strict=False to load a subset."
         )
+    writes = []
     for key, target in targets.items():
-        if key not in state_dict:
-            continue
-        value = state_dict[key]
+        value = state_dict.get(key)
         if not isinstance(value, torch.Tensor):
             continue
+        mp = by_visible.get(id(target))
+        if mp is None:
+            target = target.to_local() if isinstance(target, DTensor) else target
+        shape = mp.shape if mp is not None else tuple(target.shape)
+        if tuple(value.shape) != shape:
+            raise RuntimeError(f"size mismatch for {key}: checkpoint has shape {tuple(value.shape)}, the model has {shape}")
+        writes.append((value, mp, target))
+    for value, mp, target in writes:
         if isinstance(value, DTensor):
             value = value.full_tensor()
-        mp = by_visible.get(id(target))
         if mp is not None:
-            if tuple(value.shape) != mp.shape:
-                raise RuntimeError(
-                    f"size mismatch for {key}: checkpoint has shape {tuple(value.shape)}, the model has {mp.shape}"
-                )
             mp.load_full_(value)
         else:
-            target = target.to_local() if isinstance(target, DTensor) else target
-            if tuple(value.shape) != tuple(target.shape):
-                raise RuntimeError(
-                    f"size mismatch for {key}: checkpoint has shape {tuple(value.shape)}, the model has "
-                    f"{tuple(target.shape)}"
-                )
             target.copy_(value.to(device=target.device, dtype=target.dtype))
     return _IncompatibleKeys(missing, unexpected)
