@@ -196,37 +196,45 @@ class _SkipsAMiddleLayer(torch.nn.Module):
         return self.l3(torch.tanh(self.l2(x)))
 
 
-def _persistent_units_skipped_on_one_rank(steps=4):
+def _train_with_a_rank_skipping(make, plan, skips, steps=4):
+    """Train ``make()`` under ``plan`` where ``skips(step, rank)`` sets the model's ``skip`` (a
+    rank-dependent branch), against a single-process reference over every rank's batch: the
+    all-gathers of each step (the runtime's log) and the largest parameter error."""
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * s + r)) for s in range(steps) for r in range(world)]
-    skips = lambda s, r: s == 0 and r == 1  # noqa: E731 - rank 1 leaves l1 out in the first step only
 
     torch.manual_seed(0)
-    ref = _SkipsAMiddleLayer()
+    ref = make()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for s in range(steps):
-        for r in range(world):  # the mean over ranks of each rank's gradient (l1's is zero where it was left out)
+        for r in range(world):  # the mean over ranks of each rank's gradient (zero where a layer was left out)
             ref.skip = skips(s, r)
             (ref(batches[s * world + r]).square().mean() / world).backward()
         ref_opt.step()
         ref_opt.zero_grad()
 
     torch.manual_seed(0)
-    net = _SkipsAMiddleLayer()
-    m = AutoDist(net, plan=make_plan(_SkipsAMiddleLayer(), world, residency="persistent", grouping="unit", window=1))
+    net = make()
+    m = AutoDist(net, plan=plan)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    refreshes = []
+    gathers = []
     for s in range(steps):
         m.runtime.comm.stats.log = log = []
         net.skip = skips(s, rank)
         m(batches[s * world + rank]).square().mean().backward()
         opt.step()
         opt.zero_grad()
-        refreshes.append([label for kind, label in log if kind == "all_gather"])
+        gathers.append([label for kind, label in log if kind == "all_gather"])
     ours = {n: _full(p.detach()) for n, p in m.named_parameters()}
     err = max((ours[n] - p).abs().max().item() for n, p in ref.named_parameters())
     m.close()
-    return refreshes, err
+    return gathers, err
+
+
+def _persistent_units_skipped_on_one_rank():
+    plan = make_plan(_SkipsAMiddleLayer(), dist.get_world_size(), residency="persistent", grouping="unit", window=1)
+    # rank 1 leaves l1 out in the first step only
+    return _train_with_a_rank_skipping(_SkipsAMiddleLayer, plan, lambda s, r: s == 0 and r == 1)
 
 
 def test_persistent_units_refresh_in_plan_order_when_one_rank_skipped_one(world2):
@@ -255,43 +263,15 @@ class _BranchInTheMiddle(torch.nn.Module):
         return self.l3(torch.tanh(self.l2(x)))
 
 
-def _replicated_unit_skipped_on_one_rank(steps=4):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * s + r)) for s in range(steps) for r in range(world)]
-    skips = lambda s, r: s in (0, 2) and r == 1  # noqa: E731 - rank 1 leaves r out in steps 0 and 2
-
-    torch.manual_seed(0)
-    ref = _BranchInTheMiddle()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for s in range(steps):
-        for r in range(world):
-            ref.skip = skips(s, r)
-            (ref(batches[s * world + r]).square().mean() / world).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-
-    torch.manual_seed(0)
-    net = _BranchInTheMiddle()
-    plan = make_plan(_BranchInTheMiddle(), world, replicate_units=("r",))
+def _replicated_unit_skipped_on_one_rank():
+    plan = make_plan(_BranchInTheMiddle(), dist.get_world_size(), replicate_units=("r",))
     # windows (forward, backward) under which positions counted over every unit put l3's forward
     # gather before l1's on the rank that skipped r, and l0's backward gather before l2's
     windows = {"l0": (1, 4), "l1": (1, 1), "l2": (1, 1), "l3": (4, 1)}
     for g in plan.gather_groups:
         g.prefetch = Prefetch(*windows[g.units[0]])
-    m = AutoDist(net, plan=plan)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    gathers = []
-    for s in range(steps):
-        m.runtime.comm.stats.log = log = []
-        net.skip = skips(s, rank)
-        m(batches[s * world + rank]).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        gathers.append([label for kind, label in log if kind == "all_gather"])
-    ours = {n: _full(p.detach()) for n, p in m.named_parameters()}
-    err = max((ours[n] - p).abs().max().item() for n, p in ref.named_parameters())
-    m.close()
-    return gathers, err
+    # rank 1 leaves r out in steps 0 and 2
+    return _train_with_a_rank_skipping(_BranchInTheMiddle, plan, lambda s, r: s in (0, 2) and r == 1)
 
 
 def test_a_replicated_unit_one_rank_skips_moves_no_gather(world2):
