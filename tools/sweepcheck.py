@@ -31,9 +31,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 HERE = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 # comm model schema versions whose fields this checkout reads (3 -> 4 changed how a figure is
-# measured, not the fields, as 5 -> 6 did; 5 added ``wait_scale``, which a model of 3 or 4 lacks and gets this
+# measured, not the fields, as 5 -> 6 and 6 -> 7 did; 5 added ``wait_scale``, which a model of 3 or 4 lacks and gets this
 # checkout's: both versions' sweeps are then compared at one calibration): what --against may compare
-SAME_FIELDS = {3, 4, 5, 6}
+SAME_FIELDS = {3, 4, 5, 6, 7}
 
 
 def worker(repo: str, out: str) -> None:

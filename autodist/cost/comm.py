@@ -32,8 +32,9 @@ TRAIN_BYTES = 4 << 20
 # to sweep, so it is measured again; 5: ``wait_scale``, the wait figures' calibration against
 # measured steps (autodist/cost/fidelity.py [Note: the wait calibration]); 6: the timings and the
 # contention figures are measured in three passes and each keeps its median (autodist/measure/sweep.py
-# [Note: a sweep in passes]): a model of one pass is measured again
-COMM_SCHEMA_VERSION = 6
+# [Note: a sweep in passes]): a model of one pass is measured again; 7: a host-device copy is timed
+# whole (on the CPU it runs inside the call, which schema 6 subtracted: its copies read as free)
+COMM_SCHEMA_VERSION = 7
 
 
 @dataclass

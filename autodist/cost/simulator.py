@@ -679,7 +679,8 @@ class Simulator:
                 kept = n - r
                 emit((_MEM, kept, OPTIMIZER))
                 managed[0] += kept
-                secs = comm.time("d2h", r) + comm.memcpy(kept)
+                # the kept part goes to a fresh buffer (runtime/offload.py copy_out): its pages are new
+                secs = comm.time("d2h", r) + comm.memcpy(kept) + comm.first_touch_s(kept)
                 ops.append(CommOp("copy_out", f"{k[0]}/{k[1]}", r, secs, 0, end_bytes=-n, stream=1))
                 copy_ops[k] = len(ops) - 1
                 emit((_ISSUE, len(ops) - 1))
@@ -709,7 +710,8 @@ class Simulator:
                 n, r = entries[k]
                 emit((_MEM, n, OPTIMIZER))
                 managed[0] += n
-                secs = comm.time("h2d", r) + comm.memcpy(n - r)
+                # the whole tensor's storage is allocated again and written (copy_back): fresh pages
+                secs = comm.time("h2d", r) + comm.memcpy(n - r) + comm.first_touch_s(n)
                 ops.append(CommOp("copy_back", f"{k[0]}/{k[1]}", r, secs, 0, end_bytes=0, stream=1))
                 copy_ops[k] = len(ops) - 1
                 emit((_ISSUE, len(ops) - 1))
