@@ -387,22 +387,3 @@ def test_contention_figures_are_the_mean_of_their_middle_rounds_and_the_largest_
     assert trimmed_mean([1.0, 2.0]) == 1.5 and trimmed_mean([7.0]) == 7.0
     assert CONTENTION_ROUNDS == 5
     assert [contention_rounds(n) for n in (64 << 10, 16 << 20, 64 << 20, 256 << 20)] == [5, 5, 3, 3]
-
-
-def _overhead_on_half_of_the_job():
-    from autodist.measure.overhead import measure_runtime_overhead
-
-    rank = dist.get_rank()
-    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    if rank >= 2:
-        return None  # a model on the other ranks' sub-mesh: these take no part in its profiling
-    return measure_runtime_overhead(torch.device("cpu"), halves[0], units=4)
-
-
-def test_the_runtime_overhead_is_measured_by_the_sub_mesh_s_ranks_alone(world4):
-    # it used to make its one-rank groups with a collective over the whole job (new_subgroups) and
-    # take the maximum over the default group: ranks outside the model's mesh never joined either
-    res = world4.run(_overhead_on_half_of_the_job, timeout=120)
-    assert res[2] is None and res[3] is None
-    assert res[0] == res[1]  # the slowest of the two ranks' figures, on both
-    assert res[0].per_unit_s >= 0 and res[0].per_gather_s >= 0

@@ -71,19 +71,16 @@ def _train_step(run: object, module: nn.Module, x: torch.Tensor):
     return one
 
 
-def measure_runtime_overhead(device: torch.device, group: dist.ProcessGroup | None = None, units: int = 12) -> RuntimeOverhead:
-    """A collective over ``group`` (the default group if None): every rank of it measures on a
-    process group of its own, and the slowest rank's values win. Ranks outside ``group`` take no
-    part (a model on a sub-mesh is profiled by its own ranks)."""
+def measure_runtime_overhead(device: torch.device, units: int = 12) -> RuntimeOverhead:
+    """A collective over the default group (every rank measures; the slowest rank's values win)."""
     from ..plan import Bucket, GatherGroup, Plan, Prefetch, UnitPlan
     from ..runtime.comm import Comm
     from ..runtime.engine import Engine
     from ..structure import discover
 
-    world = dist.get_world_size(group)
-    # a group of this rank alone, made without the other ranks (new_subgroups is a collective over
-    # the whole job, which ranks outside ``group`` never join)
-    own = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    own, _ = dist.new_subgroups(group_size=1)
     from torch.distributed.device_mesh import DeviceMesh
 
     mesh = DeviceMesh.from_group(own, device.type)
@@ -143,9 +140,10 @@ def measure_runtime_overhead(device: torch.device, group: dist.ProcessGroup | No
     opt_dts = torch.optim.AdamW(dts, lr=1e-3)
     opt = _interleaved({"plain": opt_plain.step, "dtensor": opt_dts.step}, device, warmup=1)
     dt_extra = max(0.0, (opt["dtensor"] - opt["plain"]) / n)
-    values = torch.tensor([unit, gather, bucket, dt_extra], dtype=torch.float64, device=device)  # NCCL reduces device tensors
+    values = torch.tensor([unit, gather, bucket, dt_extra], dtype=torch.float64)
     if world > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
     dist.destroy_process_group(own)
-    u, g, b, d = values.cpu().tolist()
+    del rank
+    u, g, b, d = values.tolist()
     return RuntimeOverhead(per_unit_s=u, per_gather_s=g, per_bucket_s=b, dtensor_opt_per_tensor_s=d)

@@ -341,7 +341,7 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
     transient = _transient_bytes(comm, device) if world > 1 else {}
     from .overhead import measure_runtime_overhead
 
-    overhead = asdict(measure_runtime_overhead(device, group))
+    overhead = asdict(measure_runtime_overhead(device))
     first_touch = _first_touch(device)
     if world > 1:  # the slowest rank's (every rank derives the same plan from the same model)
         costs = _max_over_ranks([s for _, s in first_touch], group, device)

@@ -966,12 +966,12 @@ class Engine:
         if not self._in_step.get(optimizer):
             return
         self._in_step[optimizer] = False
+        mps = self._params_of(optimizer)
         # In the sequence the end-of-backward check compares: a rank that skipped this step (a
         # GradScaler that found inf/NaN in its own gradient shards) is reported, not left to diverge.
-        self.comm.sequence.record("optimizer_step", str(len(self._params_of(optimizer))))
+        self.comm.sequence.record("optimizer_step", str(len(mps)))
         if self.stats.micro_batches:
             self.stats.grad_accum_steps, self.stats.micro_batches = self.stats.micro_batches, 0
-        mps = self._params_of(optimizer)
         touched = {id(mp) for mp in mps}
         for mp in mps:
             mp.mark_stale()  # compute-dtype copies are re-cast (an optimizer may write p.data)
