@@ -237,11 +237,11 @@ class AutoPlanner:
         # the sweep draws random tensors (and seeds its own overhead probe): the user's generator is kept
         rng_devices = [self.device] if self.device.type == "cuda" else []
         with progress("measuring the comm model", enabled=self.rank == 0), torch.random.fork_rng(devices=rng_devices):
-            model = sweep(self.comm.group, self.device)
+            model = sweep(self.comm.group, self.device, comm=self.comm)
             if model.meta.get("disturbed"):  # retaken once; a second disturbed sweep is kept, flagged
                 if self.rank == 0:
                     logger.info("autodist: the host was busy during the comm sweep (spread %.1fx); measuring again", model.meta["spread"])
-                again = sweep(self.comm.group, self.device)
+                again = sweep(self.comm.group, self.device, comm=self.comm)
                 model = again if again.meta.get("spread", 9e9) <= model.meta.get("spread", 9e9) else model
         if model.meta.get("disturbed") and self.rank == 0:
             logger.warning(

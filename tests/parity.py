@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import models
@@ -36,6 +37,9 @@ class Case:
     clip: float | None = None
     extra: dict = field(default_factory=dict)
     meta: bool = False  # build the AutoDist model on the meta device (the reference on the CPU)
+    # ranks per mesh (0: one mesh of every rank): the job is split into meshes of this many ranks
+    # (``new_subgroups``), each training on its own; ``plan`` may then be a tuple, one per mesh
+    mesh_size: int = 0
 
 
 def make_plan(
@@ -153,18 +157,24 @@ def _optimizer(name: str, params) -> torch.optim.Optimizer:
 
 
 def run_case(case: Case) -> dict[str, float]:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    group, extra, plan = None, dict(case.extra), case.plan
+    if case.mesh_size:
+        group, _ = dist.new_subgroups(group_size=case.mesh_size)
+        extra["mesh"] = DeviceMesh.from_group(group, "cpu")
+        if isinstance(plan, tuple):
+            plan = plan[dist.get_rank() // case.mesh_size]
+            if plan != "auto":  # the case's cache is for the meshes that plan "auto"
+                extra.pop("cache_dir", None)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     ref = models.make(case.model)
     rng_after_build = torch.get_rng_state()
     base = models.make(case.model, meta=case.meta)
-    if isinstance(case.plan, dict) and "random" in case.plan:
-        plan = random_plan(base, world, case.plan["random"])
-    elif isinstance(case.plan, dict):
-        plan = make_plan(base, world, **case.plan)
-    else:
-        plan = case.plan
+    if isinstance(plan, dict) and "random" in plan:
+        plan = random_plan(base, world, plan["random"])
+    elif isinstance(plan, dict):
+        plan = make_plan(base, world, **plan)
     mpol = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.bf16 else None
-    model = AutoDist(base, plan=plan, mixed_precision=mpol, **case.extra)
+    model = AutoDist(base, plan=plan, mixed_precision=mpol, **extra)
     initial: dict[str, Any] = {}
     if case.meta:  # materialised as the CPU build: the same values and the generator where it left it
         sd = model.state_dict()
@@ -212,7 +222,7 @@ def run_case(case: Case) -> dict[str, float]:
                 rl = models.loss_fn(case.model, ref(x), y) / case.accumulate
                 rl.backward()
                 ref_total += rl.item()
-        dist.all_reduce(total_loss)
+        dist.all_reduce(total_loss, group=group)
         worst["loss"] = max(worst["loss"], abs(total_loss.item() / world - ref_total))
         named = dict(model.named_parameters())
         for name, p in named.items():
@@ -240,7 +250,12 @@ def run_case(case: Case) -> dict[str, float]:
     worst["sharded_units"] = len(model.plan.sharded_units)
     worst["grad_accum_steps"] = model.plan.grad_accum_steps
     worst["initial"] = initial
+    worst["sweeps"] = model._auto.stats.sweeps if model._auto is not None else 0
+    comm = model.runtime.comm
+    worst["group_names"] = [comm.gather_pg.group_name, comm.reduce_pg.group_name]
     model.close()
+    if group is not None:
+        dist.destroy_process_group(group)
     return worst
 
 

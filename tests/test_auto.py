@@ -208,3 +208,33 @@ def test_the_search_takes_its_margins_from_the_machine_fidelity_record(world2):
         for impossible, used in world2.run(_margins_from_the_machine_record, d, '{"median_abs_error_time": "x"'):
             assert "plans are kept 10% below it" in impossible
             assert 0.75 < used <= 0.94
+
+
+def _meshes_then_a_group_over_every_rank(case):
+    out = run_case(case)
+    # made by every rank: c10d names it by its group counter, so this group comes together only if
+    # every rank has made as many groups as every other so far
+    group = dist.new_group(list(range(dist.get_world_size())))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    dist.destroy_process_group(group)
+    out["everyone"] = t.item()
+    return out
+
+
+@pytest.mark.parametrize("plans", [("auto", "ddp"), ("fsdp", "fsdp")], ids=["auto-beside-ddp", "fsdp-beside-fsdp"])
+def test_meshes_of_disjoint_ranks_train_at_once(world4, plans):
+    # Two 2-rank meshes wrap at the same time. The first plans "auto" with an empty cache, so it
+    # sweeps while the other does not: the sweep used to make one-rank groups over the whole job and
+    # waited for ranks outside its mesh forever ([Note: a one-rank world of its own]). Two meshes
+    # wrapping at once used to make groups of one name, whose rendezvous could cross meshes and hang
+    # ([Note: AutoDist's own process groups]).
+    with tempfile.TemporaryDirectory() as d:
+        case = Case(model="mlp", plan=plans, steps=6, optim="adamw", mesh_size=2, extra={"cache_dir": d})
+        results = world4.run(_meshes_then_a_group_over_every_rank, case, timeout=600)
+    check(results, atol=ATOL)
+    assert [r["sweeps"] for r in results] == [int(p == "auto") for p in plans for _ in range(2)]
+    assert all(r["everyone"] == 4 for r in results)
+    # each mesh's groups are named apart from the other's: their rendezvous keys cannot collide
+    names = [r["group_names"] for r in results]
+    assert names[0] == names[1] and names[2] == names[3] and not set(names[0]) & set(names[2]), names

@@ -106,6 +106,50 @@ def test_sweep_is_fast_identical_on_every_rank_and_fits_its_samples(world2):
         assert copy_s / 3 < model.time(op, 16 << 20) < copy_s * 3, (op, model.time(op, 16 << 20), copy_s)
 
 
+def _runtime_overhead_both_ways():
+    import logging
+    from dataclasses import astuple
+
+    from autodist.measure import overhead
+    from autodist.runtime.comm import Comm
+
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("autodist").addHandler(handler)
+    comm = Comm(dist.group.WORLD)
+    real = overhead._in_a_child
+    try:
+        child = astuple(overhead.measure_runtime_overhead(torch.device("cpu"), comm))
+        child_warnings = list(warnings)
+        if dist.get_rank() == 1:  # the child cannot run on one rank only
+            overhead._in_a_child = lambda device: ("no interpreter (forced by the test)", [])
+        fallback = astuple(overhead.measure_runtime_overhead(torch.device("cpu"), comm))
+    finally:
+        overhead._in_a_child = real
+        logging.getLogger("autodist").removeHandler(handler)
+        comm.destroy()
+    return child, child_warnings, fallback, warnings[len(child_warnings):]
+
+
+def test_the_runtime_overhead_is_measured_in_a_world_of_its_own_or_on_every_rank_without_it(world2):
+    # [Note: a one-rank world of its own]: the figures come from a child process on every rank, with
+    # no group made in the job; where the child fails on one rank, every rank measures on the job's
+    # groups instead (a rank that went on alone would wait in the other's collectives), and says so
+    results = world2.run(_runtime_overhead_both_ways, timeout=300)
+    (child0, warned0, fallback0, fell0), (child1, warned1, fallback1, fell1) = results
+    assert child0 == child1 and fallback0 == fallback1  # the slowest rank's figures, on every rank
+    assert not warned0 and not warned1
+    per_unit, per_gather, per_bucket, _ = child0
+    assert 1e-6 < per_unit < 1e-2 and per_gather < 1e-2 and per_bucket < 1e-2, child0
+    assert all(v >= 0 for v in fallback0) and fallback0[0] > 1e-6
+    assert "forced by the test" in fell1[0] and "on another rank" in fell0[0], (fell0, fell1)
+
+
 def test_a_sweep_in_passes_keeps_each_figure_s_median_so_one_pass_read_high_is_left_out():
     from autodist.measure.sweep import _combine, _Pass, _pass_spread
 

@@ -1,7 +1,7 @@
 """What the runtime itself costs on the host: Python hooks, collective bookkeeping, DTensor dispatch.
 
-Measured, not assumed: ``measure_runtime_overhead`` runs AutoDist on a one-rank group (collectives
-become local copies, so only the runtime's own work remains) over a synthetic model of small units
+Measured, not assumed: ``measure_runtime_overhead`` runs AutoDist in a one-rank world of its own (a
+child process; collectives become local copies, so only the runtime's own work remains) over a synthetic model of small units
 in three configurations and solves for the cost per hooked unit, per gather and per bucket; it also
 times an optimizer step over DTensor parameters against plain ones. On models with large layers
 these are small; on models of many small layers they decide whether sharding pays.
@@ -9,14 +9,27 @@ these are small; on models of many small layers they decide whether sharding pay
 
 from __future__ import annotations
 
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from .robust import lower_quartile
+
+if TYPE_CHECKING:
+    from ..runtime.comm import Comm
+
+logger = logging.getLogger("autodist")
 
 
 @dataclass
@@ -71,19 +84,71 @@ def _train_step(run: object, module: nn.Module, x: torch.Tensor):
     return one
 
 
-def measure_runtime_overhead(device: torch.device, units: int = 12) -> RuntimeOverhead:
-    """A collective over the default group (every rank measures; the slowest rank's values win)."""
+def measure_runtime_overhead(device: torch.device, comm: Comm) -> RuntimeOverhead:
+    """A collective over ``comm``'s group: every rank measures, the slowest rank's figures win.
+
+    [Note: a one-rank world of its own] The runtime's own work is measured in a child process that
+    is a one-rank world of its own (``python -m autodist.measure.overhead``): its collectives are
+    local copies, so only the runtime's bookkeeping is left, and the collectives' issue cost, which
+    the comm model takes from the sweep, is not counted twice. It used to run on one-rank groups
+    made in this process by ``new_subgroups``, a collective over the whole job: a sweep on a mesh
+    smaller than the job then waited for ranks outside it, and a group made by some ranks only
+    advances their group counter, which names every later group (the next group made over every
+    rank then waited forever). The child makes no group here. Where it cannot run (no interpreter
+    to start, a crash) on some rank, every rank measures on ``comm``'s own groups instead, warned:
+    the collectives are then real, and their issue cost is counted in the figures as well."""
+    error, figures = _in_a_child(device)
+    failed = torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64, device=device)
+    if comm.world_size > 1:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=comm.group)
+    if failed.item():
+        logger.warning(
+            "autodist: the runtime's overhead could not be measured in a process of its own (%s); measuring "
+            "it on the mesh's own process groups, which counts each collective's issue cost twice",
+            error or "on another rank",
+        )
+        figures = _measure(device, comm.sharing_groups(), DeviceMesh.from_group(comm.group, device.type))
+    values = torch.tensor(figures, dtype=torch.float64, device=device)
+    if comm.world_size > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=comm.group)
+    u, g, b, d = values.tolist()
+    return RuntimeOverhead(per_unit_s=u, per_gather_s=g, per_bucket_s=b, dtensor_opt_per_tensor_s=d)
+
+
+CHILD_TIMEOUT_S = 300.0
+_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _in_a_child(device: torch.device) -> tuple[str | None, list[float]]:
+    """(None, the four figures) measured in a child process, or (what went wrong, [])."""
+    import autodist
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(autodist.__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    cmd = [sys.executable, "-m", "autodist.measure.overhead", "--device", str(device), "--threads", str(torch.get_num_threads())]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{type(e).__name__}: {e}", []
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = done.stderr.strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+        return f"the child exited with status {done.returncode}: {tail[0]}", []
+    try:
+        figures = [float(v) for v in json.loads(lines[-1])]
+    except (ValueError, TypeError) as e:
+        return f"the child's answer was unreadable: {e}", []
+    if len(figures) != 4 or not all(math.isfinite(v) and v >= 0 for v in figures):
+        return f"the child's answer was not four figures: {lines[-1]!r}", []
+    return None, figures
+
+
+def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12) -> list[float]:
+    """[per unit, per gather, per bucket, DTensor optimizer per tensor] in seconds, on ``comm``."""
     from ..plan import Bucket, GatherGroup, Plan, Prefetch, UnitPlan
-    from ..runtime.comm import Comm
     from ..runtime.engine import Engine
     from ..structure import discover
-
-    world = dist.get_world_size()
-    rank = dist.get_rank()
-    own, _ = dist.new_subgroups(group_size=1)
-    from torch.distributed.device_mesh import DeviceMesh
-
-    mesh = DeviceMesh.from_group(own, device.type)
 
     def make() -> nn.Module:
         torch.manual_seed(0)
@@ -100,12 +165,11 @@ def measure_runtime_overhead(device: torch.device, units: int = 12) -> RuntimeOv
             buckets = [Bucket(list(u.params), "reduce_scatter") for u in reversed(structure.units)]
         else:
             buckets = [Bucket(order, "reduce_scatter")]
-        return Plan(world_size=1, units=ups, gather_groups=groups, buckets=buckets)
+        return Plan(world_size=comm.world_size, units=ups, gather_groups=groups, buckets=buckets)
 
     x = torch.randn(4, 8, device=device)
     plain = make()
     steps = {"plain": _train_step(plain, plain, x)}
-    comm = Comm(own)
     engines = []
     for key, (pg, pb) in {"A": (True, True), "B": (False, False), "C": (True, False)}.items():
         module = make()
@@ -140,10 +204,32 @@ def measure_runtime_overhead(device: torch.device, units: int = 12) -> RuntimeOv
     opt_dts = torch.optim.AdamW(dts, lr=1e-3)
     opt = _interleaved({"plain": opt_plain.step, "dtensor": opt_dts.step}, device, warmup=1)
     dt_extra = max(0.0, (opt["dtensor"] - opt["plain"]) / n)
-    values = torch.tensor([unit, gather, bucket, dt_extra], dtype=torch.float64)
-    if world > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    dist.destroy_process_group(own)
-    del rank
-    u, g, b, d = values.tolist()
-    return RuntimeOverhead(per_unit_s=u, per_gather_s=g, per_bucket_s=b, dtensor_opt_per_tensor_s=d)
+    return [unit, gather, bucket, dt_extra]
+
+
+def _child(argv: list[str] | None = None) -> None:
+    """The child process: a one-rank world of its own, the figures as one JSON line on stdout."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="measure the AutoDist runtime's own overhead (a one-rank world)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "gloo" if device.type == "cpu" else dist.get_default_backend_for_device(device)
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        from ..runtime.comm import Comm
+
+        torch.manual_seed(0)
+        figures = _measure(device, Comm(dist.group.WORLD), DeviceMesh.from_group(dist.group.WORLD, device.type))
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.write(json.dumps(figures) + "\n")
+
+
+if __name__ == "__main__":
+    _child()

@@ -301,15 +301,17 @@ def _pass_spread(passes: list[_Pass]) -> float:
     return statistics.median((max(f) - min(f)) / max(statistics.median(f), 1e-12) for f in figures)
 
 
-def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | None = None) -> CommModel:
+def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | None = None, *, comm: Any = None) -> CommModel:
     """Measure and fit the comm model on ``group`` (a collective: call on every rank); ``cfg``
-    defaults to ``SweepConfig()``."""
+    defaults to ``SweepConfig()``. Given ``comm`` (an AutoDist instance's :class:`Comm` on
+    ``group``), the sweep measures on its process groups and makes none (see [Note: AutoDist's own
+    process groups]); else it makes its own and destroys them at the end."""
     cfg = cfg or SweepConfig()
     from ..runtime.comm import Comm  # the same collective calls the runtime issues
 
     world = dist.get_world_size(group)
     n_passes = agreed_passes(cfg.passes, group, device)
-    comm = Comm(group)
+    comm = Comm(group) if comm is None else comm.sharing_groups()
     t_start = time.perf_counter()
     fdt = torch.float32
     cases: list[tuple[str, int, Any]] = []  # (op, message bytes, issue: returns the work or None)
@@ -341,7 +343,7 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
     transient = _transient_bytes(comm, device) if world > 1 else {}
     from .overhead import measure_runtime_overhead
 
-    overhead = asdict(measure_runtime_overhead(device))
+    overhead = asdict(measure_runtime_overhead(device, comm))
     first_touch = _first_touch(device)
     if world > 1:  # the slowest rank's (every rank derives the same plan from the same model)
         costs = _max_over_ranks([s for _, s in first_touch], group, device)

@@ -337,7 +337,19 @@ def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
 
 
 class Comm:
-    """The collectives of one AutoDist instance, on its own gather and reduce process groups."""
+    """The collectives of one AutoDist instance, on its own gather and reduce process groups.
+
+    [Note: AutoDist's own process groups] Gathers and reductions run on two groups of the mesh's
+    ranks made here (and, on NCCL, a gloo group for the collective-order check), so that they can
+    proceed concurrently. They are made with ``use_local_synchronization``: only the mesh's ranks
+    take part, and torch names such a group by a hash of its ranks. Made the default way, a group's
+    name is c10d's group counter alone, and a collective over the whole job: two meshes of
+    disjoint ranks wrapping at once (``new_subgroups``, a pipeline's stages) made groups of the same
+    name, whose rendezvous keys in the store collided, and a rank could connect to another mesh's
+    peer and hang (seen on 4 CPU ranks, one run in three). Every rank that makes a group still
+    advances torch's group counter, so a job that later makes a group over every rank needs every
+    rank to have wrapped the same number of AutoDist instances; the comm sweep makes no group of its
+    own (it measures through :meth:`sharing_groups`)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group or dist.group.WORLD
@@ -347,16 +359,31 @@ class Comm:
         ranks = dist.get_process_group_ranks(self.group)
         if self.world_size > 1:
             timeout = group_timeout(self.group)  # see [Note: inherited timeout]
-            self.gather_pg = dist.new_group(ranks, timeout=timeout)
-            self.reduce_pg = dist.new_group(ranks, timeout=timeout)
+            self.gather_pg = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+            self.reduce_pg = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
             # the collective-order check runs on the host (gloo): on NCCL it neither synchronises the
             # device nor waits on the step's critical path (see check_sequence)
-            self.check_pg = self.group if self.backend == "gloo" else dist.new_group(ranks, timeout=timeout, backend="gloo")
+            self.check_pg = self.group if self.backend == "gloo" else dist.new_group(
+                ranks, timeout=timeout, backend="gloo", use_local_synchronization=True,
+            )
         else:
             self.gather_pg = self.reduce_pg = self.check_pg = self.group
+        self._owns_groups = True
         self.stats = CommStats()
         self.sequence = CollectiveSequence()
         self._check: tuple | None = None  # a sequence check in flight: (work, tensor, entries, interleaving)
+
+    def sharing_groups(self) -> Comm:
+        """A ``Comm`` on this one's process groups with statistics and a collective sequence of its
+        own: it makes no group, and its :meth:`destroy` leaves the groups to this one."""
+        twin = object.__new__(Comm)
+        for name in ("group", "backend", "rank", "world_size", "gather_pg", "reduce_pg", "check_pg"):
+            setattr(twin, name, getattr(self, name))
+        twin._owns_groups = False
+        twin.stats = CommStats()
+        twin.sequence = CollectiveSequence()
+        twin._check = None
+        return twin
 
     def _record(self, kind: str, label: str) -> None:
         self.stats.record(kind, label)
@@ -517,7 +544,7 @@ class Comm:
         return box[0]
 
     def destroy(self) -> None:
-        if self.world_size > 1:
+        if self.world_size > 1 and self._owns_groups:
             pgs = [self.gather_pg, self.reduce_pg] + ([self.check_pg] if self.check_pg is not self.group else [])
             for pg in pgs:
                 try:
