@@ -717,7 +717,7 @@ def _check_worker(args: argparse.Namespace) -> int:
 
     from . import AutoDist
     from .cache import Cache, comm_cache_key
-    from .cost.fidelity import SCALE_TOLERANCE, WAIT_SCALES, FidelityRecord
+    from .cost.fidelity import MIN_SEED_MARGIN, SCALE_TOLERANCE, WAIT_SCALES, FidelityRecord
     from .cost.simulator import Simulator
     from .measure.fidelity import (
         Checked,
@@ -830,6 +830,7 @@ def _check_worker(args: argparse.Namespace) -> int:
                                 "sweep_wait_scale": comm.wait_scale, "at_sweep_scale": by_scale[comm.wait_scale]},
                 "margins": {"prefer_seed_within": cfg.prefer_seed_within, "memory_headroom": cfg.memory_headroom,
                             "default_prefer_seed_within": SearchConfig().prefer_seed_within,
+                            "min_prefer_seed_within": MIN_SEED_MARGIN,
                             "default_memory_headroom": SearchConfig().memory_headroom},
                 "record_path": stored,
             }
@@ -883,7 +884,7 @@ def render_check(payload: dict[str, Any]) -> str:
              if payload.get("record_path") else f"Not stored (--no-record); stored, it would make plan=\"auto\" on {payload['world_size']} ranks here")
     out.append(
         f"{where} keeps a built-in plan unless a searched one is predicted {m['prefer_seed_within']:.1%} faster (default "
-        f"{m['default_prefer_seed_within']:.0%}), and plans {m['memory_headroom']:.1%} below the memory budget (default "
+        f"{m['default_prefer_seed_within']:.0%}; never less than {m['min_prefer_seed_within']:.0%}), and plans {m['memory_headroom']:.1%} below the memory budget (default "
         f"{m['default_memory_headroom']:.0%}; never less)."
     )
     return "\n".join(out)

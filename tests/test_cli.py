@@ -198,7 +198,7 @@ def test_check_measures_the_simulator_on_a_user_model_and_the_search_takes_its_m
     cli: Cli, tmp_path: Path, cache_dir: Path
 ) -> None:
     from autodist.cli import _search_config
-    from autodist.cost.fidelity import WAIT_SCALES, FidelityRecord
+    from autodist.cost.fidelity import MIN_SEED_MARGIN, WAIT_SCALES, FidelityRecord
     from autodist.sched.search import SearchConfig
 
     out = tmp_path / "check.json"
@@ -231,7 +231,7 @@ def test_check_measures_the_simulator_on_a_user_model_and_the_search_takes_its_m
     assert f"wait calibration: {cal['wait_scale']:.2f} fits these plans" in run.stdout
     cfg = _search_config(str(cache_dir), 2)
     assert cfg.wait_scale == record.wait_scale
-    assert cfg.prefer_seed_within == pytest.approx(min(0.5, record.median_abs_error_time))
+    assert cfg.prefer_seed_within == pytest.approx(min(0.5, max(MIN_SEED_MARGIN, record.median_abs_error_time)))
     assert cfg.memory_headroom == pytest.approx(min(0.5, max(SearchConfig().memory_headroom, record.max_peak_excess)))
     assert _search_config(str(tmp_path / "elsewhere"), 2) == SearchConfig()
 

@@ -16,6 +16,7 @@ from autodist.cost.fidelity import (
     DEFAULT_CPU_WAIT_SCALE,
     DEFAULT_MEMORY_HEADROOM,
     DEFAULT_SEED_MARGIN,
+    MIN_SEED_MARGIN,
     SCALE_TOLERANCE,
     SIMULATOR_VERSION,
     WAIT_SCALES,
@@ -39,6 +40,20 @@ def test_the_seed_margin_is_the_median_step_time_error_over_the_zoo():
     errors = [abs(r["predicted_step_s"] - r["measured_step_s"]) / r["measured_step_s"] for r in _plans()]
     assert len(errors) >= 48
     assert DEFAULT_SEED_MARGIN == round(statistics.median(errors), 2)
+
+
+def test_a_record_s_seed_margin_is_never_below_the_smallest_median_error_of_one_zoo_model():
+    medians = []
+    for name in ZOO:
+        rows = json.loads((BENCH / f"simcheck-{name}.json").read_text())["plans"]
+        assert len(rows) >= 12
+        medians.append(statistics.median(abs(r["predicted_step_s"] - r["measured_step_s"]) / r["measured_step_s"] for r in rows))
+    assert MIN_SEED_MARGIN == round(min(medians), 2)
+    from autodist.cost.fidelity import FidelityRecord
+
+    quiet = FidelityRecord(median_abs_error_time=0.004, spearman=0.99, max_peak_excess=0.0, plans=7, model="m", measured_at=0)
+    assert quiet.seed_margin == MIN_SEED_MARGIN
+    assert FidelityRecord(0.07, 0.9, 0.0, 7, "m", 0).seed_margin == 0.07
 
 
 def test_the_memory_headroom_covers_the_largest_peak_excess_over_the_zoo():
