@@ -126,6 +126,8 @@ def _in_a_child(device: torch.device) -> tuple[str | None, list[float]]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(autodist.__file__)))
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith("TORCHELASTIC_")}
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    if device.type == "cuda" and device.index is None:  # the child runs on this rank's device
+        device = torch.device("cuda", torch.cuda.current_device())
     cmd = [sys.executable, "-m", "autodist.measure.overhead", "--device", str(device), "--threads", str(torch.get_num_threads())]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
