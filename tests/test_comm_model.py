@@ -106,7 +106,9 @@ def test_sweep_is_fast_identical_on_every_rank_and_fits_its_samples(world2):
         assert copy_s / 3 < model.time(op, 16 << 20) < copy_s * 3, (op, model.time(op, 16 << 20), copy_s)
 
 
-def _runtime_overhead_both_ways():
+def _runtime_overhead(mesh_size, fail_on=None):
+    """``measure_runtime_overhead`` on meshes of ``mesh_size`` ranks (the job's own group when it is
+    every rank), the child process failing on rank ``fail_on``: (figures, warnings logged)."""
     import logging
     from dataclasses import astuple
 
@@ -121,33 +123,42 @@ def _runtime_overhead_both_ways():
 
     handler = Keep(level=logging.WARNING)
     logging.getLogger("autodist").addHandler(handler)
-    comm = Comm(dist.group.WORLD)
+    group = None if mesh_size == dist.get_world_size() else dist.new_subgroups(group_size=mesh_size)[0]
+    comm = Comm(group)
     real = overhead._in_a_child
+    if dist.get_rank() == fail_on:
+        overhead._in_a_child = lambda device: ("no interpreter (forced by the test)", [])
     try:
-        child = astuple(overhead.measure_runtime_overhead(torch.device("cpu"), comm))
-        child_warnings = list(warnings)
-        if dist.get_rank() == 1:  # the child cannot run on one rank only
-            overhead._in_a_child = lambda device: ("no interpreter (forced by the test)", [])
-        fallback = astuple(overhead.measure_runtime_overhead(torch.device("cpu"), comm))
+        figures = astuple(overhead.measure_runtime_overhead(torch.device("cpu"), comm))
     finally:
         overhead._in_a_child = real
         logging.getLogger("autodist").removeHandler(handler)
         comm.destroy()
-    return child, child_warnings, fallback, warnings[len(child_warnings):]
+        if group is not None:
+            dist.destroy_process_group(group)
+    return figures, warnings
 
 
-def test_the_runtime_overhead_is_measured_in_a_world_of_its_own_or_on_every_rank_without_it(world2):
-    # [Note: a one-rank world of its own]: the figures come from a child process on every rank, with
-    # no group made in the job; where the child fails on one rank, every rank measures on the job's
-    # groups instead (a rank that went on alone would wait in the other's collectives), and says so
-    results = world2.run(_runtime_overhead_both_ways, timeout=300)
-    (child0, warned0, fallback0, fell0), (child1, warned1, fallback1, fell1) = results
-    assert child0 == child1 and fallback0 == fallback1  # the slowest rank's figures, on every rank
+def _sane(figures):
+    per_unit, per_gather, per_bucket, per_tensor = figures
+    return 1e-6 < per_unit < 1e-2 and 0 <= per_gather < 1e-2 and 0 <= per_bucket < 1e-2 and 0 <= per_tensor < 1e-2
+
+
+def test_the_runtime_overhead_over_the_whole_job_is_measured_on_one_rank_groups(world2):
+    (fig0, warned0), (fig1, warned1) = world2.run(_runtime_overhead, 2, timeout=300)
+    assert fig0 == fig1 and _sane(fig0), (fig0, fig1)  # the slowest rank's figures, on every rank
     assert not warned0 and not warned1
-    per_unit, per_gather, per_bucket, _ = child0
-    assert 1e-6 < per_unit < 1e-2 and per_gather < 1e-2 and per_bucket < 1e-2, child0
-    assert all(v >= 0 for v in fallback0) and fallback0[0] > 1e-6
-    assert "forced by the test" in fell1[0] and "on another rank" in fell0[0], (fell0, fell1)
+
+
+def test_the_runtime_overhead_on_a_smaller_mesh_comes_from_a_child_or_on_every_rank_of_the_mesh_without_it(world4):
+    # [Note: a one-rank world of its own]: meshes [0, 1] and [2, 3] measure at once, without any
+    # group made over the job; the child fails on rank 1 only, and both ranks of its mesh measure on
+    # the mesh's groups instead (a rank that went on alone would wait in the other's collectives)
+    results = world4.run(_runtime_overhead, 2, 1, timeout=300)
+    (fig0, warned0), (fig1, warned1), (fig2, warned2), (fig3, warned3) = results
+    assert fig0 == fig1 and fig2 == fig3 and _sane(fig0) and _sane(fig2), results
+    assert not warned2 and not warned3
+    assert "forced by the test" in warned1[0] and "on another rank" in warned0[0], (warned0, warned1)
 
 
 def test_a_sweep_in_passes_keeps_each_figure_s_median_so_one_pass_read_high_is_left_out():
