@@ -348,8 +348,9 @@ class Comm:
     name, whose rendezvous keys in the store collided, and a rank could connect to another mesh's
     peer and hang (seen on 4 CPU ranks, one run in three). Every rank that makes a group still
     advances torch's group counter, so a job that later makes a group over every rank needs every
-    rank to have wrapped the same number of AutoDist instances; the comm sweep makes no group of its
-    own (it measures through :meth:`sharing_groups`)."""
+    rank to have wrapped the same number of AutoDist instances. The comm sweep makes no group of the
+    mesh's ranks (it measures through :meth:`sharing_groups`), and none at all on a mesh smaller
+    than the job (autodist/measure/overhead.py [Note: a one-rank world of its own])."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group or dist.group.WORLD
