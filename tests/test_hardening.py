@@ -184,6 +184,10 @@ TORCH_TRANSFORMER = {
     "zero2": Case(model="torch-transformer", plan="zero2"),
     "per-unit": Case(model="torch-transformer", plan={"grouping": "unit", "window": 1}),
     "random": Case(model="torch-transformer", plan={"random": 5}),
+    # recomputed under sharded plans: [Note: inputs keep their identity] (self-attention took another
+    # path in the recomputation than in forward, and torch's checkpoint refused the backward)
+    "recompute": Case(model="torch-transformer", plan={"recompute": ["layers.0", "layers.1"]}),
+    "random-recompute": Case(model="torch-transformer", plan={"random": 8}, accumulate=2),
 }
 
 

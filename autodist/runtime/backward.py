@@ -69,13 +69,29 @@ class PostBackward(torch.autograd.Function):
 
 def attach_post_backward(args: tuple, kwargs: dict, callback: Callable[[], None]) -> tuple[tuple, dict] | None:
     """Route the tensors of ``(args, kwargs)`` that require grad through :class:`PostBackward`.
-    Returns the new ``(args, kwargs)``, or ``None`` when no input requires grad (no signal)."""
+    Returns the new ``(args, kwargs)``, or ``None`` when no input requires grad (no signal).
+
+    [Note: inputs keep their identity] A tensor passed more than once is routed once, and every
+    place that held it gets the same output: modules branch on identity (``nn.MultiheadAttention``
+    takes ``query is key is value`` as self-attention and projects it with one packed matmul). Routed
+    one place at a time, the copies were distinct, so the module took its other path in forward; in
+    a recomputation, which is not routed (the original forward's signal is in the graph), it took
+    the packed one, saved a different number of tensors, and torch's checkpoint refused the
+    backward (``nn.TransformerEncoderLayer`` recomputed under any sharded plan)."""
     leaves, spec = tree_flatten((args, kwargs))
-    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-    if not idx:
+    distinct: list[torch.Tensor] = []
+    slot_of: dict[int, int] = {}  # id of a tensor -> its place in ``distinct``
+    places: list[tuple[int, int]] = []  # (leaf index, place in ``distinct``)
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            if id(x) not in slot_of:
+                slot_of[id(x)] = len(distinct)
+                distinct.append(x)
+            places.append((i, slot_of[id(x)]))
+    if not distinct:
         return None
-    outs = PostBackward.apply(callback, *(leaves[i] for i in idx))
-    for i, t in zip(idx, outs):
-        leaves[i] = t
+    outs = PostBackward.apply(callback, *distinct)
+    for i, k in places:
+        leaves[i] = outs[k]
     new_args, new_kwargs = tree_unflatten(leaves, spec)
     return new_args, new_kwargs
