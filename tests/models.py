@@ -37,6 +37,37 @@ class ConvBN(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
+class ResidualBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int = 1, momentum: float | None = 0.1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout, momentum=momentum)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)))
+        h = self.bn2(self.conv2(h))
+        return F.relu(h + (x if self.down is None else self.down(x)))
+
+
+class TinyResNet(nn.Module):
+    """A residual network with BatchNorm in every block (one with a cumulative average, which
+    reads its batch counter): recomputing a block must not update the running statistics twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+        self.blocks = nn.Sequential(ResidualBlock(8, 8), ResidualBlock(8, 12, stride=2, momentum=None), ResidualBlock(12, 12))
+        self.head = nn.Linear(12, 5)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+
+
 class WithUnused(nn.Module):
     """``unused`` never takes part in the loss; ``sometimes`` only on even steps (caller's flag)."""
 
@@ -252,6 +283,7 @@ class MixedDtypes(nn.Module):
 MODELS = {
     "mlp": MLP,
     "convbn": ConvBN,
+    "resnet": TinyResNet,
     "unused": WithUnused,
     "branchy": Branchy,
     "frozen": Frozen,
@@ -282,7 +314,7 @@ def make(name: str, seed: int = 0, *, meta: bool = False) -> nn.Module:
 def _family(name: str) -> str:
     if name.startswith("gpt") or name == "torch-transformer":
         return "gpt"
-    return {"late-read": "branchy", "dtypes": "branchy", "dtypes-exact": "branchy"}.get(name, name)
+    return {"late-read": "branchy", "dtypes": "branchy", "dtypes-exact": "branchy", "resnet": "convbn"}.get(name, name)
 
 
 def batch(name: str, n: int, generator: torch.Generator):
@@ -310,4 +342,4 @@ def loss_fn(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
-__all__ = ["make", "batch", "loss_fn", "MLP", "ConvBN", "WithUnused", "Branchy", "Frozen", "TinyGPT", "math"]
+__all__ = ["make", "batch", "loss_fn", "MLP", "ConvBN", "TinyResNet", "WithUnused", "Branchy", "Frozen", "TinyGPT", "math"]

@@ -151,6 +151,11 @@ PLANNED = {
     "mlp-after-backward": Case(model="mlp", plan={"residency": "after_backward", "grouping": "unit", "recompute": "all"}),
     "mlp-persistent-adamw": Case(model="mlp", plan={"residency": "persistent", "recompute": "all"}, optim="adamw"),
     "mlp-replicated": Case(model="mlp", plan={"placement": "replicate", "recompute": "all"}),
+    # BatchNorm in every block: the running statistics and batch counters must be updated once per
+    # forward, as without recomputation (compared on rank 0, whose buffers DDP's semantics keep)
+    "resnet-replicated": Case(model="resnet", plan={"placement": "replicate", "recompute": "all"}),
+    "resnet-sharded": Case(model="resnet", plan={"grouping": "block", "recompute": "all"}),
+    "resnet-mixed-accumulate": Case(model="resnet", plan={"placement": "mixed", "grouping": "unit", "recompute": "all"}, accumulate=2),
 }
 
 

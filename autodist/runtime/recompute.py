@@ -10,12 +10,34 @@ model's own checkpointing (backward.py): its gathers are prefetched, nothing is 
 block's backward is complete. The block's ``forward`` is wrapped by an instance attribute that
 shadows the class's method — the module keeps its class, its code, its parameters and their names,
 and ``remove()`` (a plan switch, ``AutoDist.close()``) restores it exactly.
+
+[Note: the recomputation leaves the block's state alone] A block's forward may change its own
+buffers: BatchNorm in training adds the batch to its running statistics and counts it. Run again
+during backward, it would do so twice, and the model's running statistics would silently differ from
+training without recomputation (torch's checkpoint does nothing about this; BatchNorm's kernel even
+writes its running statistics without bumping their version counter, so a change can only be seen by
+value). So the recomputation runs on the buffers as the forward saw them and leaves them as the
+forward left them:
+
+- The first forward of a block with gradients on copies every buffer of the block, and compares
+  afterwards: the buffers it changed (by value, by version or by being replaced) are the block's
+  *state*. Every later forward copies the state alone beforehand (BatchNorm: two vectors and a
+  counter per layer, held until the block's backward), and adds any buffer it is seen to change by
+  version or replacement.
+- The recomputation swaps the forward's copies in, runs, and puts back what the buffers held before
+  it (the values after this forward, or after a later call of the same block), so the recomputed
+  forward computes what the forward did and the model keeps the state training without recomputation
+  would have.
+- A buffer the recomputation changes that the forward was not seen to change (control flow taking
+  another branch) is also put back; the two forwards then differed, which torch's checkpoint reports
+  where it changes what is saved.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -27,21 +49,104 @@ from .backward import in_backward
 _MISSING = object()
 
 
+class _BlockState:
+    """Which of a block's buffers its forward changes (the block's state), learnt from its
+    forwards; see [Note: the recomputation leaves the block's state alone]."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+        self.state: set[str] | None = None  # None until a forward has been watched whole
+
+    def before_forward(self) -> _Snapshot:
+        buffers = dict(self.block.named_buffers())
+        return _Snapshot(buffers, buffers if self.state is None else self.state)
+
+    def after_forward(self, before: _Snapshot) -> None:
+        changed = before.changed(dict(self.block.named_buffers()), by_value=self.state is None)
+        if self.state is None:
+            self.state = changed
+            before.keep_only(changed)
+        else:
+            self.state |= changed
+
+    @contextlib.contextmanager
+    def as_in_forward(self, before: _Snapshot) -> Iterator[None]:
+        """Run the recomputation on the buffers as this forward found them, then put back what
+        they held before it."""
+        now = dict(self.block.named_buffers())
+        kept = _Snapshot(now, now)  # every buffer, for as long as the recomputation runs
+        before.load(self.block, before.values)
+        try:
+            yield
+        finally:
+            stray = kept.changed(dict(self.block.named_buffers()), by_value=False)
+            kept.load(self.block, set(before.values) | stray)
+
+
+class _Snapshot:
+    """A block's buffers at one moment: the tensor each name held, its version counter then, and
+    copies of the values of the buffers named ``copy``."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor], copy: Iterable[str]) -> None:
+        self.tensors = dict(buffers)
+        self.versions = {n: t._version for n, t in buffers.items()}
+        self.values = {n: buffers[n].detach().clone() for n in copy if n in buffers}
+
+    def changed(self, buffers: dict[str, torch.Tensor], *, by_value: bool) -> set[str]:
+        """Names whose buffer has been replaced, removed or written since (by value too: only
+        where a copy was kept, and only when ``by_value``)."""
+        out = {n for n in self.tensors if n not in buffers}
+        for n, t in buffers.items():
+            if self.tensors.get(n) is not t or self.versions[n] != t._version:
+                out.add(n)
+            elif by_value and n in self.values and not torch.equal(self.values[n], t):
+                out.add(n)
+        return out
+
+    def keep_only(self, names: set[str]) -> None:
+        self.values = {n: v for n, v in self.values.items() if n in names}
+
+    def load(self, block: nn.Module, names: Iterable[str]) -> None:
+        """Make each buffer of ``names`` the tensor it was, holding the value copied then.
+
+        The value is written through ``.data``, out of sight of the tensor's version counter, as
+        BatchNorm's kernel writes its running statistics: a running statistic is saved for
+        BatchNorm's backward, and every buffer ends the recomputation holding what it held before
+        it, so nothing saved for backward sees another value than it would have."""
+        for name in names:
+            if name not in self.values:
+                continue
+            owner, _, attr = name.rpartition(".")
+            module = block.get_submodule(owner)
+            tensor = self.tensors[name]
+            if module._buffers.get(attr) is not tensor:
+                module._buffers[attr] = tensor
+            tensor.data.copy_(self.values[name])
+
+
 def _recomputed(block: nn.Module, forward: Callable[..., Any], on_recompute: Callable[[], None]) -> Callable[..., Any]:
-    def again(*args: Any, **kwargs: Any) -> Any:
-        if in_backward():
-            on_recompute()
-            # The recomputation goes through the block's ``__call__``, so its own hooks run as they
-            # did in forward (a block that owns parameters itself is gathered and swapped in, as
-            # when a model checkpoints a whole module); ``run`` below then calls ``forward``.
-            return block(*args, **kwargs)
-        return forward(*args, **kwargs)
+    watch = _BlockState(block)
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled() or in_backward():
             return forward(*args, **kwargs)  # no graph to save (eval, or the recomputation itself)
-        return checkpoint(again, *args, use_reentrant=False, **kwargs)
+        before = watch.before_forward()
+
+        def again(*args: Any, **kwargs: Any) -> Any:
+            if in_backward():
+                on_recompute()
+                # The recomputation goes through the block's ``__call__``, so its own hooks run as
+                # they did in forward (a block that owns parameters itself is gathered and swapped
+                # in, as when a model checkpoints a whole module); ``run`` above then calls
+                # ``forward``.
+                with watch.as_in_forward(before):
+                    return block(*args, **kwargs)
+            return forward(*args, **kwargs)
+
+        out = checkpoint(again, *args, use_reentrant=False, **kwargs)
+        watch.after_forward(before)
+        return out
 
     return run
 
