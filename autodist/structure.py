@@ -129,7 +129,16 @@ def find_blocks(model: nn.Module) -> list[str]:
 _ATTR_CHAIN = re.compile(r"\bself((?:\.[A-Za-z_]\w*)+)")
 
 
-_NOT_FORWARD = {"__init__", "reset_parameters", "_reset_parameters", "_init_weights", "init_weights", "extra_repr", "__setstate__"}
+_NOT_FORWARD = {"extra_repr", "__setstate__", "__repr__"}
+
+
+def _initialiser(method: str) -> bool:
+    """Whether a method is not run by a forward: constructors and initialisers by name
+    (``__init__``, ``reset_parameters``, ``init_weights``, timm's ``zero_init_last``, which reads
+    ``self.bn2.weight``: taken for a use, it held BatchNorm's gathered weight across the whole
+    residual block and gathered it again on demand in every backward), and a few dunders."""
+    lowered = method.lower()
+    return method in _NOT_FORWARD or "init" in lowered or lowered.lstrip("_").startswith("reset")
 
 
 def _class_source(cls: type, cache: dict[type, str]) -> str:
@@ -142,7 +151,7 @@ def _class_source(cls: type, cache: dict[type, str]) -> str:
         if base is nn.Module or base is object:
             break
         for name, fn in vars(base).items():
-            if name in _NOT_FORWARD or not inspect.isfunction(fn):
+            if _initialiser(name) or not inspect.isfunction(fn):
                 continue
             try:
                 parts.append(inspect.getsource(fn))

@@ -38,8 +38,9 @@ class ConvBN(nn.Module):
 
 
 class ResidualBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int = 1, momentum: float | None = 0.1):
+    def __init__(self, cin: int, cout: int, stride: int = 1, momentum: float | None = 0.1, inplace: bool = False):
         super().__init__()
+        self.inplace = inplace
         self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(cout, momentum=momentum)
         self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
@@ -48,20 +49,30 @@ class ResidualBlock(nn.Module):
         if stride != 1 or cin != cout:
             self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
 
+    def zero_init_last(self):
+        """As timm's blocks have it: reads ``self.bn2.weight``, never during a forward."""
+        nn.init.zeros_(self.bn2.weight)
+
     def forward(self, x):
         h = F.relu(self.bn1(self.conv1(x)))
         h = self.bn2(self.conv2(h))
-        return F.relu(h + (x if self.down is None else self.down(x)))
+        shortcut = x if self.down is None else self.down(x)
+        if self.inplace:  # as timm and torchvision write it
+            h += shortcut
+            return F.relu(h)
+        return F.relu(h + shortcut)
 
 
 class TinyResNet(nn.Module):
     """A residual network with BatchNorm in every block (one with a cumulative average, which
     reads its batch counter): recomputing a block must not update the running statistics twice."""
 
-    def __init__(self):
+    def __init__(self, inplace: bool = False):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
-        self.blocks = nn.Sequential(ResidualBlock(8, 8), ResidualBlock(8, 12, stride=2, momentum=None), ResidualBlock(12, 12))
+        self.blocks = nn.Sequential(
+            ResidualBlock(8, 8, inplace=inplace), ResidualBlock(8, 12, stride=2, momentum=None, inplace=inplace), ResidualBlock(12, 12, inplace=inplace)
+        )
         self.head = nn.Linear(12, 5)
 
     def forward(self, x):
@@ -280,10 +291,22 @@ class MixedDtypes(nn.Module):
         return self.c(h).float()
 
 
+def timm_model(name: str, **kwargs) -> nn.Module:
+    """A timm model as timm builds it (an optional test dependency: tests that use one skip
+    without timm), small enough for the CPU, classifying 32x32 images into 5 classes."""
+    import timm
+
+    return timm.create_model(name, pretrained=False, num_classes=5, **kwargs)
+
+
 MODELS = {
     "mlp": MLP,
     "convbn": ConvBN,
     "resnet": TinyResNet,
+    "resnet-inplace": lambda: TinyResNet(inplace=True),
+    "timm-resnet": lambda: timm_model("resnet10t"),
+    "timm-vit": lambda: timm_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2),
+    "timm-convnext": lambda: timm_model("convnext_atto"),
     "unused": WithUnused,
     "branchy": Branchy,
     "frozen": Frozen,
@@ -314,7 +337,7 @@ def make(name: str, seed: int = 0, *, meta: bool = False) -> nn.Module:
 def _family(name: str) -> str:
     if name.startswith("gpt") or name == "torch-transformer":
         return "gpt"
-    return {"late-read": "branchy", "dtypes": "branchy", "dtypes-exact": "branchy", "resnet": "convbn"}.get(name, name)
+    return {"late-read": "branchy", "dtypes": "branchy", "dtypes-exact": "branchy", "resnet": "convbn", "resnet-inplace": "convbn"}.get(name, "image" if name.startswith("timm-") else name)
 
 
 def batch(name: str, n: int, generator: torch.Generator):
@@ -324,6 +347,8 @@ def batch(name: str, n: int, generator: torch.Generator):
         return torch.randn(n, 13, generator=generator), torch.randn(n, 7, generator=generator)
     if name == "convbn":
         return torch.randn(n, 3, 6, 6, generator=generator), torch.randn(n, 5, generator=generator)
+    if name == "image":
+        return torch.randn(n, 3, 32, 32, generator=generator), torch.randn(n, 5, generator=generator)
     if name == "unused":
         return torch.randn(n, 11, generator=generator), torch.randn(n, 5, generator=generator)
     if name == "branchy":

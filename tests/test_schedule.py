@@ -39,6 +39,9 @@ PLANS = {
     # copied back at each unit's backward: only the synchronising micro-batch's brings state back
     "offload-accumulate": ("gpt", "fsdp+offload@backward", 3),
     "memory-windows": ("gpt", {"grouping": "unit", "window": "memory"}, 1, 1_000_000),
+    # residual blocks whose class reads a child's parameter in an initialiser only (timm's
+    # zero_init_last): not a use in forward, so nothing is gathered for the block itself
+    "resnet-per-unit": ("resnet", {"grouping": "unit"}, 1),
 }
 
 
