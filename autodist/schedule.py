@@ -14,12 +14,28 @@ rank, and each rank issues the same gathers in the same order. A unit that is no
 the position of the last gathering unit before it, and fires nothing that unit did not. (FSDP2
 counts the same way: it prefetches among FSDP modules only.) Forward positions follow the previous
 step's observed unit order (the plan's order before the first step). Backward positions follow the
-reverse of *this* step's forward, except that a unit whose forward is recomputed is first needed
-where that recomputation happens (its *anchor*: the unit whose backward is running then — the last
-unit of a checkpointed block). Triggers fire in position order, so the issue order is a function of
-the plan and the control flow of the gathering units only, identical on every rank where the
-sharded units take the same branches (which their collectives need anyway). A group whose first use
-is already behind when its trigger fires (its units were skipped) is not gathered for nothing.
+reverse of the order *this* step's forwards finished in ([Note: nested units]), except that a unit
+whose forward is recomputed is first needed where that recomputation happens (its *anchor*: the unit
+whose backward is running then — the last unit of a checkpointed block). Triggers fire in position
+order, so the issue order is a function of the plan and the control flow of the gathering units
+only, identical on every rank where the sharded units take the same branches (which their
+collectives need anyway). A group whose first use is already behind when its trigger fires (its
+units were skipped) is not gathered for nothing.
+
+[Note: nested units] A unit's module may call other units' modules inside its own forward (a
+ConvNeXt block owns its layer scale and calls its convolution and MLP; a ViT's root owns the class
+token and position embedding and calls every block). Its forward then starts before theirs and
+finishes after them, and its backward begins first (its output's gradient arrives before theirs)
+and ends last (its input's gradient after theirs). So the order backward passes *begin* in, which
+backward prefetch positions count, is the reverse of the order forwards *finish* in, not of the order
+they start in; a group is freed after forward when its units' forwards have finished, and after
+backward when their backward passes have ended. The order forwards finish in is derived from the
+order they start in and the module names (a unit encloses the units after it whose modules are its
+module's descendants), by the runtime and the simulator alike. A parameter of an enclosing unit used
+just before it calls another (a ViT's position embedding, added before the first block) gets its
+gradient after that unit's backward has ended, not during it. Where a model calls a descendant
+from outside its parent's forward, the derived order is wrong only for prefetch timing: nothing
+is freed before its forward or backward has finished, whatever the order.
 
 [Note: memory windows] A plan may ask for a window of ``"memory"``: prefetch as far ahead as the
 budget allows. Before a step runs, each such group gets the longest window (at most
@@ -123,15 +139,40 @@ def gathering_units(group_units: Sequence[Sequence[str]], residencies: Sequence[
     return {u for units, r in zip(group_units, residencies, strict=True) if r != "persistent" for u in units}
 
 
+def finish_order(forward_sequence: Sequence[str], module_of: dict[str, str]) -> list[str]:
+    """The order in which units finish their forward, given the order they start it (see [Note:
+    nested units]); ``module_of``: unit -> its module's name ("" for the root)."""
+    out: list[str] = []
+    open_: list[str] = []  # started and not finished, each enclosing the next
+    for u in forward_sequence:
+        m = module_of.get(u, u)
+        while open_ and not encloses(module_of.get(open_[-1], open_[-1]), m):
+            out.append(open_.pop())
+        open_.append(u)
+    out.extend(reversed(open_))
+    return out
+
+
+def encloses(parent: str, module: str) -> bool:
+    """Whether module ``parent``'s forward encloses the forward of module ``module`` (a descendant)."""
+    return parent == "" or module.startswith(parent + ".")
+
+
+def backward_order(forward_sequence: Sequence[str], module_of: dict[str, str]) -> list[str]:
+    """The order units' backward passes begin in (the reverse of the order their forwards finish);
+    each ends in the reverse of the order the forwards started (see [Note: nested units])."""
+    return list(reversed(finish_order(forward_sequence, module_of)))
+
+
 def backward_positions(
-    forward_sequence: Sequence[str], anchors: dict[str, str | None], counted: Collection[str]
+    forward_sequence: Sequence[str], anchors: dict[str, str | None], counted: Collection[str], module_of: dict[str, str]
 ) -> dict[str, int]:
     """The position where each unit's parameters are first needed in the backward of a forward
-    that ran ``forward_sequence``: its own backward's position in the reverse order (positions of
-    :func:`positions` over the ``counted`` units), or its anchor's when earlier; ``anchors``:
-    recomputed unit -> the unit whose backward runs when it is recomputed (``None``: the start of
-    backward)."""
-    bpos = positions(list(reversed(forward_sequence)), counted)
+    that ran ``forward_sequence``: where its own backward begins (positions of :func:`positions`
+    over the ``counted`` units in :func:`backward_order`), or its anchor's when earlier;
+    ``anchors``: recomputed unit -> the unit whose backward runs when it is recomputed (``None``:
+    the start of backward)."""
+    bpos = positions(backward_order(forward_sequence, module_of), counted)
     need = dict(bpos)
     for u, anchor in anchors.items():
         if u in need:
@@ -140,11 +181,12 @@ def backward_positions(
     return need
 
 
-def block_anchor(block_units: Sequence[str]) -> str:
-    """Where the plan's recomputation of a block happens: the backward of its last unit in forward
-    order, the first of its units backward reaches (non-reentrant checkpointing recomputes the whole
-    block at the first saved tensor it needs)."""
-    return block_units[-1]
+def block_anchor(block_units: Sequence[str], module_of: dict[str, str]) -> str:
+    """Where the plan's recomputation of a block happens: the backward of the first of its units
+    backward reaches (non-reentrant checkpointing recomputes the whole block at the first saved
+    tensor it needs): its last unit in forward order, or the unit that encloses the others (see
+    [Note: nested units])."""
+    return backward_order(block_units, module_of)[0]
 
 
 def freed_after_forward(group_units: Sequence[str], done: set[str], expected: set[str]) -> bool:

@@ -79,6 +79,40 @@ class TinyResNet(nn.Module):
         return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
 
 
+class LayerScaleBlock(nn.Module):
+    """A unit that owns a parameter and calls other units (ConvNeXt's block: its layer scale is
+    applied after its MLP)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((d,), 0.5))
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.gamma * self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+
+class NestedMLP(nn.Module):
+    """Units inside units: the root owns an input offset used first and an output scale used last
+    (as a ViT's root owns its position embedding), and each block owns its layer scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.offset = nn.Parameter(torch.randn(13) * 0.1)
+        self.scale = nn.Parameter(torch.ones(7))
+        self.inp = nn.Linear(13, 16)
+        self.blocks = nn.ModuleList(LayerScaleBlock(16) for _ in range(3))
+        self.out = nn.Linear(16, 7)
+
+    def forward(self, x):
+        h = self.inp(x + self.offset)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h) * self.scale
+
+
 class WithUnused(nn.Module):
     """``unused`` never takes part in the loss; ``sometimes`` only on even steps (caller's flag)."""
 
@@ -301,6 +335,7 @@ def timm_model(name: str, **kwargs) -> nn.Module:
 
 MODELS = {
     "mlp": MLP,
+    "nested": NestedMLP,
     "convbn": ConvBN,
     "resnet": TinyResNet,
     "resnet-inplace": lambda: TinyResNet(inplace=True),
@@ -337,7 +372,7 @@ def make(name: str, seed: int = 0, *, meta: bool = False) -> nn.Module:
 def _family(name: str) -> str:
     if name.startswith("gpt") or name == "torch-transformer":
         return "gpt"
-    return {"late-read": "branchy", "dtypes": "branchy", "dtypes-exact": "branchy", "resnet": "convbn", "resnet-inplace": "convbn"}.get(name, "image" if name.startswith("timm-") else name)
+    return {"late-read": "branchy", "dtypes": "branchy", "dtypes-exact": "branchy", "resnet": "convbn", "resnet-inplace": "convbn", "nested": "mlp"}.get(name, "image" if name.startswith("timm-") else name)
 
 
 def batch(name: str, n: int, generator: torch.Generator):
@@ -367,4 +402,4 @@ def loss_fn(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
-__all__ = ["make", "batch", "loss_fn", "MLP", "ConvBN", "TinyResNet", "WithUnused", "Branchy", "Frozen", "TinyGPT", "math"]
+__all__ = ["make", "batch", "loss_fn", "MLP", "NestedMLP", "ConvBN", "TinyResNet", "WithUnused", "Branchy", "Frozen", "TinyGPT", "math"]

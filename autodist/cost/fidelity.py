@@ -65,7 +65,10 @@ MAX_MEMORY_HEADROOM = 0.5
 # 10: prefetch positions count gathering units only (autodist/schedule.py [Note: prefetch
 # triggers]): a window reaches past replicated and persistent units, in the runtime as here. 11: an
 # offload copy takes the comm model's copy time (schema 7, timed whole) and the first touch of the
-# fresh memory it writes (the kept part on copy-out, the whole tensor on copy-back).
+# fresh memory it writes (the kept part on copy-out, the whole tensor on copy-back). The order of
+# units inside units (autodist/schedule.py [Note: nested units]) changed predictions only for
+# models that have them, none of the records' (their predictions were compared before and after,
+# plan by plan), so it is not a version of its own.
 SIMULATOR_VERSION = 11
 
 # [Note: the wait calibration] The sweep measures how much slower a collective runs while the

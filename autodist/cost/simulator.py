@@ -44,7 +44,11 @@ from ..plan import Plan
 from ..schedule import (
     ActionLog,
     TriggerCursor,
+    backward_order,
     backward_positions,
+    block_anchor,
+    encloses,
+    finish_order,
     freed_after_forward,
     gathering_units,
     group_label,
@@ -272,7 +276,7 @@ class Simulator:
             for owner in used:
                 if owner in self.uses and owner not in self.uses[user]:
                     self.uses[user].append(owner)
-        del module_of_unit
+        self.module_of = module_of_unit  # unit -> its module's name ([Note: nested units])
         self.block_of = {u.name: u.block for u in structure.units}
         # modules that register parameters of other units but own none (a tied output layer)
         self.site_uses: dict[str, list[str]] = {}
@@ -618,24 +622,39 @@ class Simulator:
                 free(grp)
 
         # ---- recomputation: the plan's blocks and the model's own checkpointing ----------------
-        rev = list(reversed(self.order))
-        bpos = {u: i for i, u in enumerate(rev)}
+        # backward passes begin in ``bstart`` order and end in ``bend`` order ([Note: nested units])
+        bstart = backward_order(self.order, self.module_of)
+        bend = list(reversed(self.order))
+        finishing = finish_order(self.order, self.module_of)
+        # gradients the profile saw arrive during a unit's backward: those of an enclosing unit's
+        # parameters arrive when that backward has ended ([Note: nested units])
+        ready_at_start: dict[str, list[str]] = {}
+        ready_at_end: dict[str, list[str]] = {}
+        for u in self.order:
+            up = self.uprof.get(u)
+            for p in up.ready if up is not None else ():
+                if p not in trainable:
+                    continue
+                owner = st.unit_of_param[p]
+                late = owner != u and encloses(self.module_of.get(owner, owner), self.module_of.get(u, u))
+                (ready_at_end if late else ready_at_start).setdefault(u, []).append(p)
         recomputed = self._recomputed_blocks(plan)
+        anchors = {b: block_anchor(units, self.module_of) for b, units in recomputed.items()}
         anchor_of: dict[str, str] = {}  # unit -> the unit whose backward first needs it again
         for u, a in prof.recompute_anchor.items():
-            if u in bpos:
-                anchor_of[u] = a if a in bpos else rev[0]
-        for units in recomputed.values():
+            if u in self.uses:
+                anchor_of[u] = a if a in self.uses else bstart[0]
+        for b, units in recomputed.items():
             for u in units:
-                anchor_of[u] = units[-1]
+                anchor_of[u] = anchors[b]
         recompute_at: dict[str, list[str]] = {}  # anchor -> units gathered for a recomputation there
         for u, a in anchor_of.items():
             recompute_at.setdefault(a, []).append(u)
         block_first = {units[0]: b for b, units in recomputed.items()}  # forward: where its input is kept
-        block_anchor = {units[-1]: b for b, units in recomputed.items()}
+        recomputed_at = {anchors[b]: b for b in recomputed}
         block_last_bwd = {units[0]: b for b, units in recomputed.items()}
         in_recomputed = {u for units in recomputed.values() for u in units}
-        need = backward_positions(self.order, anchor_of, gathering)
+        need = backward_positions(self.order, anchor_of, gathering, self.module_of)
         fwd_trig = triggers([g.units for g in groups], [g.fw for g in groups], pos, missing=max(pos.values(), default=-1) + 1)
         late = [g for g in groups if g.residency == "after_forward"]
         bwd_trig = [
@@ -803,6 +822,9 @@ class Simulator:
             emit((_C, prof.pre_fwd_s, "forward", 0))
             fcur = TriggerCursor(fwd_trig)
             fire(fcur, -1)
+            used_by: dict[str, list[_Group]] = {}
+            started: set[str] = set()
+            nfinished = 0
             for u in self.order:
                 sections.append((len(prog), f"fwd {u}{at}"))
                 up = self.uprof.get(u)
@@ -824,10 +846,16 @@ class Simulator:
                     emit((_C, up.fwd_s + hook_s.get(u, 0.0), f"fwd {u}", up.fwd_peak_bytes))
                     if u not in in_recomputed:
                         emit((_MEM, up.act_bytes, ACTIVATIONS))
-                for grp in used:
-                    grp.fwd_done.update(self.uses[u])
-                    if grp.residency == "after_forward" and freed_after_forward(grp.units, grp.fwd_done, set(self.order)):
-                        free(grp)
+                used_by[u] = used
+                started.add(u)
+                # the forwards that finish now (this one, and those enclosing it whose last unit it is)
+                while nfinished < len(finishing) and finishing[nfinished] in started:
+                    f = finishing[nfinished]
+                    nfinished += 1
+                    for grp in used_by[f]:
+                        grp.fwd_done.update(self.uses[f])
+                        if grp.residency == "after_forward" and freed_after_forward(grp.units, grp.fwd_done, set(self.order)):
+                            free(grp)
                 # modules that only reuse other units' parameters (tied weights) run after this unit;
                 # a group freed after forward is gathered again for them, kept to the end of forward
                 for owner in self.site_uses.get(u, ()):
@@ -847,7 +875,9 @@ class Simulator:
             emit((_MEM, -prof.loss_act_bytes, ACTIVATIONS))
             bcur = TriggerCursor(bwd_trig)
             fire(bcur, -1)
-            for u in rev:
+            begun: set[str] = set()
+            nended = 0
+            for u in bstart:
                 sections.append((len(prog), f"bwd {u}{at}"))
                 up = self.uprof.get(u)
                 if f"backward:{u}" in back_at and sync:
@@ -869,25 +899,32 @@ class Simulator:
                         grp = group_of_unit.get(owner)
                         if grp is not None:
                             ensure(grp)
-                if u in block_anchor:  # the plan's recomputation: the block's forward runs again
-                    units = recomputed[block_anchor[u]]
+                if u in recomputed_at:  # the plan's recomputation: the block's forward runs again
+                    units = recomputed[recomputed_at[u]]
                     ups = [self.uprof[x] for x in units if x in self.uprof]
-                    emit((_C, sum(x.fwd_s for x in ups), f"recompute {block_anchor[u]}", max((x.fwd_peak_bytes for x in ups), default=0)))
+                    emit((_C, sum(x.fwd_s for x in ups), f"recompute {recomputed_at[u]}", max((x.fwd_peak_bytes for x in ups), default=0)))
                     emit((_MEM, sum(x.act_bytes for x in ups), ACTIVATIONS))
                 if up is not None:
                     emit((_C, max(0.0, up.bwd_s + hook_s.get(u, 0.0)), f"bwd {u}", up.bwd_peak_bytes))
                     emit((_MEM, -up.act_bytes, ACTIVATIONS))
-                    for p in up.ready:
-                        if p in trainable:
-                            grad_ready(p, sync)
-                # the end of this unit's backward: groups no later backward reads are freed
-                for grp in _distinct(group_of_unit.get(o) for o in self.uses[u]):
-                    if up is None or up.input_requires_grad:
-                        grp.pending_bwd -= 1
-                        if not grp.untokened:
-                            post_backward(grp)
-                if u in block_last_bwd:
-                    emit((_MEM, -prof.block_input_bytes.get(block_last_bwd[u], 0), ACTIVATIONS))
+                for p in ready_at_start.get(u, ()):
+                    grad_ready(p, sync)
+                begun.add(u)
+                # the backward passes that end now (this one, and those enclosing it whose last unit
+                # it is): groups no later backward reads are freed
+                while nended < len(bend) and bend[nended] in begun:
+                    e = bend[nended]
+                    nended += 1
+                    ep = self.uprof.get(e)
+                    for grp in _distinct(group_of_unit.get(o) for o in self.uses[e]):
+                        if ep is None or ep.input_requires_grad:
+                            grp.pending_bwd -= 1
+                            if not grp.untokened:
+                                post_backward(grp)
+                    for p in ready_at_end.get(e, ()):
+                        grad_ready(p, sync)
+                    if e in block_last_bwd:
+                        emit((_MEM, -prof.block_input_bytes.get(block_last_bwd[e], 0), ACTIVATIONS))
             sections.append((len(prog), f"backward{at}"))
             emit((_C, prof.post_bwd_s, "backward", 0))
             # flush: launch what is left in order (gradients that never arrived count as zeros), wait all

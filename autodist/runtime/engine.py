@@ -231,6 +231,7 @@ class Engine:
         self._step = _Step()
         self._order_learned = False
         self._anchors: dict[str, str | None] = {}  # learned recomputation anchors (previous step)
+        self._module_of_unit = {u.name: u.module_name for u in structure.units}  # [Note: nested units]
         self._last_seen: set[str] = set()
         self.observer = None  # plan="auto"'s step recorder while it profiles (autodist/lifecycle.py)
         # the actions taken, in the schedule's vocabulary (autodist/schedule.py); None: not recorded
@@ -808,9 +809,10 @@ class Engine:
             return
         step.in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        # Backward order: reverse of this step's forward; recomputed units are first needed at their
-        # anchor (see [Note: prefetch triggers] in autodist/schedule.py).
-        step.bwd_need = backward_positions(step.fwd_sequence, self._anchors, self._gathering)
+        # Backward order: reverse of the order this step's forwards finished in; recomputed units
+        # are first needed at their anchor (see [Note: prefetch triggers] and [Note: nested units]
+        # in autodist/schedule.py).
+        step.bwd_need = backward_positions(step.fwd_sequence, self._anchors, self._gathering, self._module_of_unit)
         late = [g for g in self.groups if g.residency == "after_forward"]
         trig = triggers([g.units for g in late], [g.backward_window for g in late], step.bwd_need)
         step.bwd_schedule = TriggerCursor([replace(t, group=late[t.group].index) for t in trig])
