@@ -37,6 +37,15 @@ gradient after that unit's backward has ended, not during it. Where a model call
 from outside its parent's forward, the derived order is wrong only for prefetch timing: nothing
 is freed before its forward or backward has finished, whatever the order.
 
+[Note: where a recomputation begins] Non-reentrant checkpointing recomputes a block the first time
+backward unpacks a tensor its forward saved. That is in the backward of the first of its units
+backward reaches — its last unit in forward order, or the unit that encloses the others — unless
+the block's own code saves a tensor after its last unit has finished (a residual block's final
+ReLU): that tensor is needed first, before any of its units' backward begins, while the backward
+of the unit before it in backward order (the next one in forward order) has just ended. The
+profile records which blocks save so (``Profile.block_tail_saves``); the runtime learns each
+anchor from the step before (``Engine._anchors``) and the simulator takes it from this rule.
+
 [Note: memory windows] A plan may ask for a window of ``"memory"``: prefetch as far ahead as the
 budget allows. Before a step runs, each such group gets the longest window (at most
 ``MAX_MEMORY_WINDOW``) for which it and the groups before it fit in half of what the budget leaves
@@ -181,12 +190,15 @@ def backward_positions(
     return need
 
 
-def block_anchor(block_units: Sequence[str], module_of: dict[str, str]) -> str:
-    """Where the plan's recomputation of a block happens: the backward of the first of its units
-    backward reaches (non-reentrant checkpointing recomputes the whole block at the first saved
-    tensor it needs): its last unit in forward order, or the unit that encloses the others (see
-    [Note: nested units])."""
-    return backward_order(block_units, module_of)[0]
+def block_anchor(block_units: Sequence[str], order: Sequence[str], module_of: dict[str, str], saves_after_units: bool) -> str:
+    """The unit whose backward runs when the plan's recomputation of a block happens (see [Note:
+    where a recomputation begins]): ``block_units`` in forward order, ``order`` the model's."""
+    first = backward_order(block_units, module_of)[0]
+    if not saves_after_units:
+        return first
+    everything = backward_order(order, module_of)
+    i = everything.index(first) if first in everything else 0
+    return everything[i - 1] if i > 0 else first
 
 
 def freed_after_forward(group_units: Sequence[str], done: set[str], expected: set[str]) -> bool:

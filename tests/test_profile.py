@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+import models
 from autodist.measure.trace import profile_model
 from autodist.structure import discover
 
@@ -255,3 +256,15 @@ def test_an_older_profile_reads_without_a_sensitivity_and_the_cache_measures_the
         profile_entry(json.dumps(older))
     with pytest.raises(ValueError, match="schema_version 2 is not one of"):
         Profile.from_dict(dict(older, schema_version=2))
+
+
+def test_the_profile_records_blocks_whose_own_code_saves_after_their_last_unit():
+    """[Note: where a recomputation begins]: a residual block's final ReLU saves its output after the
+    block's last unit; a transformer block ending in a residual addition saves nothing there."""
+    resnet = models.make("resnet")
+    prof = profile_model(resnet, discover(resnet), (torch.randn(2, 3, 6, 6),), device=CPU, repeats=1)
+    assert prof.block_tail_saves == ["blocks.0", "blocks.1", "blocks.2"]
+    gpt = models.make("gpt")
+    structure = discover(gpt)
+    prof = profile_model(gpt, structure, (torch.randint(0, 53, (2, 8)),), device=CPU, repeats=1)
+    assert structure.blocks and prof.block_tail_saves == []

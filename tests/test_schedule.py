@@ -47,6 +47,9 @@ PLANS = {
     "nested-per-unit": ("nested", {"grouping": "unit"}, 1),
     "nested-recompute-accumulate": ("nested", {"grouping": "unit", "recompute": "all", "accumulate": "sharded"}, 2),
     "nested-random": ("nested", {"random": 4}, 2),
+    # residual blocks ending in a ReLU after their last unit ([Note: where a recomputation begins])
+    "resnet-recompute": ("resnet", {"grouping": "unit", "recompute": "all"}, 1),
+    "resnet-recompute-accumulate": ("resnet-inplace", {"grouping": "block", "recompute": "all"}, 2),
 }
 
 

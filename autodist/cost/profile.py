@@ -12,8 +12,10 @@ from typing import Any
 
 # 4: ``contention_sensitivity`` measured beside the model's contended slowdown; a profile of 3 reads
 # (as records hold them) with it unmeasured, but the cache measures the model again
-PROFILE_SCHEMA_VERSION = 4
-READABLE_PROFILE_SCHEMAS = (3, 4)
+# 5: ``block_tail_saves``; a profile of 4 reads with none (each block recomputed where its last unit's
+# backward begins, as before), but the cache measures the model again
+PROFILE_SCHEMA_VERSION = 5
+READABLE_PROFILE_SCHEMAS = (3, 4, 5)
 
 
 @dataclass
@@ -87,6 +89,10 @@ class Profile:
     # per block (structure.blocks): bytes of the tensors its forward takes as inputs (what a
     # recomputed block keeps from its forward to its backward)
     block_input_bytes: dict[str, int] = field(default_factory=dict)
+    # blocks whose forward saves a tensor for backward after its last unit has finished (a residual
+    # block's final ReLU): recomputed, such a block runs again before any of its units' backward
+    # begins (autodist/schedule.py [Note: where a recomputation begins])
+    block_tail_saves: list[str] = field(default_factory=list)
     # micro-batches per optimizer step observed while profiling (1 when not observed)
     grad_accum_steps: int = 1
     # how many times longer this model's forward and backward take, in wall-clock time, while a

@@ -35,6 +35,7 @@ unit's forward to the end of its backward), gradients waiting for their bucket, 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -615,6 +616,22 @@ class Simulator:
             for gi in cursor.fire(p):
                 issue_gather(groups[gi])
 
+        def recompute(units: Sequence[str], blocks: Sequence[str]) -> None:
+            """Recomputations here (the plan's blocks, or the model's own checkpointing): each
+            recomputed unit's forward runs again and needs its parameters; a block the plan
+            recomputes costs its units' forward again."""
+            for r in units:
+                log.add("recompute", r)
+                for owner in self.uses[r]:
+                    grp = group_of_unit.get(owner)
+                    if grp is not None:
+                        ensure(grp)
+                fire(bcur, need[r])  # the runtime's recomputed forward fires prefetch at its anchor
+            for b in blocks:
+                ups = [self.uprof[x] for x in recomputed[b] if x in self.uprof]
+                emit((_C, sum(x.fwd_s for x in ups), f"recompute {b}", max((x.fwd_peak_bytes for x in ups), default=0)))
+                emit((_MEM, sum(x.act_bytes for x in ups), ACTIVATIONS))
+
         def post_backward(grp: _Group) -> None:
             """Free ``grp`` when no backward computation reads it any more (the runtime's rule:
             every forward that used it has finished its backward)."""
@@ -639,19 +656,27 @@ class Simulator:
                 late = owner != u and encloses(self.module_of.get(owner, owner), self.module_of.get(u, u))
                 (ready_at_end if late else ready_at_start).setdefault(u, []).append(p)
         recomputed = self._recomputed_blocks(plan)
-        anchors = {b: block_anchor(units, self.module_of) for b, units in recomputed.items()}
+        tail = set(prof.block_tail_saves)
+        anchors = {b: block_anchor(units, self.order, self.module_of, b in tail) for b, units in recomputed.items()}
         anchor_of: dict[str, str] = {}  # unit -> the unit whose backward first needs it again
         for u, a in prof.recompute_anchor.items():
             if u in self.uses:
                 anchor_of[u] = a if a in self.uses else bstart[0]
+        after_anchor: set[str] = set()  # recomputed once the anchor's backward has ended
         for b, units in recomputed.items():
             for u in units:
                 anchor_of[u] = anchors[b]
-        recompute_at: dict[str, list[str]] = {}  # anchor -> units gathered for a recomputation there
+            if b in tail and anchors[b] not in units:
+                after_anchor.update(units)
+        # anchor -> (units gathered for a recomputation there, the plan's blocks recomputed there),
+        # before the anchor's own backward and after it has ended
+        recompute_before: dict[str, tuple[list[str], list[str]]] = {}
+        recompute_after: dict[str, tuple[list[str], list[str]]] = {}
         for u, a in anchor_of.items():
-            recompute_at.setdefault(a, []).append(u)
+            (recompute_after if u in after_anchor else recompute_before).setdefault(a, ([], []))[0].append(u)
+        for b, units in recomputed.items():
+            (recompute_after if units[0] in after_anchor else recompute_before).setdefault(anchors[b], ([], []))[1].append(b)
         block_first = {units[0]: b for b, units in recomputed.items()}  # forward: where its input is kept
-        recomputed_at = {anchors[b]: b for b in recomputed}
         block_last_bwd = {units[0]: b for b, units in recomputed.items()}
         in_recomputed = {u for units in recomputed.values() for u in units}
         need = backward_positions(self.order, anchor_of, gathering, self.module_of)
@@ -891,19 +916,7 @@ class Simulator:
                     if grp is not None:
                         ensure(grp)
                 fire(bcur, need[u])
-                # recomputations here (the plan's blocks, or the model's own checkpointing): each
-                # recomputed unit's forward runs again and needs its parameters
-                for r in recompute_at.get(u, ()):
-                    log.add("recompute", r)
-                    for owner in self.uses[r]:
-                        grp = group_of_unit.get(owner)
-                        if grp is not None:
-                            ensure(grp)
-                if u in recomputed_at:  # the plan's recomputation: the block's forward runs again
-                    units = recomputed[recomputed_at[u]]
-                    ups = [self.uprof[x] for x in units if x in self.uprof]
-                    emit((_C, sum(x.fwd_s for x in ups), f"recompute {recomputed_at[u]}", max((x.fwd_peak_bytes for x in ups), default=0)))
-                    emit((_MEM, sum(x.act_bytes for x in ups), ACTIVATIONS))
+                recompute(*recompute_before.get(u, ((), ())))
                 if up is not None:
                     emit((_C, max(0.0, up.bwd_s + hook_s.get(u, 0.0)), f"bwd {u}", up.bwd_peak_bytes))
                     emit((_MEM, -up.act_bytes, ACTIVATIONS))
@@ -925,6 +938,7 @@ class Simulator:
                         grad_ready(p, sync)
                     if e in block_last_bwd:
                         emit((_MEM, -prof.block_input_bytes.get(block_last_bwd[e], 0), ACTIVATIONS))
+                recompute(*recompute_after.get(u, ((), ())))
             sections.append((len(prog), f"backward{at}"))
             emit((_C, prof.post_bwd_s, "backward", 0))
             # flush: launch what is left in order (gradients that never arrived count as zeros), wait all

@@ -100,6 +100,9 @@ class _Pass:
     pre_seen: set[str] = field(default_factory=set)
     recompute: dict[str, str] = field(default_factory=dict)  # unit recomputed in backward -> anchor
     block_inputs: dict[str, int] = field(default_factory=dict)  # block -> bytes of its forward's inputs
+    # block -> its forward saved a tensor for backward after the last of its units had finished (see
+    # [Note: where a recomputation begins])
+    block_tail: dict[str, bool] = field(default_factory=dict)
     bwd_current: str = ""  # the unit whose backward runs (its pre-backward hook fired last)
     input_grad: dict[str, bool] = field(default_factory=dict)  # unit -> a forward input requires grad
 
@@ -130,12 +133,16 @@ class UnitTracer:
         self._pass: _Pass | None = None
         self._stack: list[str] = []
         self._last: str | None = None
+        # open blocks, innermost last: [name, depth of the unit stack at its start, the unit last
+        # finished when its forward saved a tensor outside any unit of its own]
+        self._blocks: list[list[Any]] = []
         self._handles: list[Any] = []
         self.site_after: dict[str, str] = {}
         blocks = set(structure.blocks)
         for name, sub in module.named_modules():
             if name in blocks:
                 self._handles.append(sub.register_forward_pre_hook(self._block(name), with_kwargs=True))
+                self._handles.append(sub.register_forward_hook(self._block_exit(name), always_call=True))
             if id(sub) in self.unit_of:
                 u = self.unit_of[id(sub)]
                 self._handles.append(sub.register_forward_pre_hook(self._enter(u), with_kwargs=True))
@@ -170,8 +177,20 @@ class UnitTracer:
     def _block(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             p = self._pass
-            if p is not None and not in_backward() and name not in p.block_inputs:
-                p.block_inputs[name] = _storage_bytes((args, kwargs))
+            if p is not None and not in_backward():
+                if name not in p.block_inputs:
+                    p.block_inputs[name] = _storage_bytes((args, kwargs))
+                self._blocks.append([name, len(self._stack), None])
+
+        return hook
+
+    def _block_exit(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            p = self._pass
+            if p is None or in_backward() or not self._blocks or self._blocks[-1][0] != name:
+                return
+            _, _, tail = self._blocks.pop()
+            p.block_tail.setdefault(name, tail is not None and tail == self._last)
 
         return hook
 
@@ -226,6 +245,8 @@ class UnitTracer:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         p = self._pass
+        if p is not None and not in_backward() and self._blocks and len(self._stack) == self._blocks[-1][1]:
+            self._blocks[-1][2] = self._last  # saved by the innermost block's own code, after this unit
         if p is not None and not in_backward():  # a recomputation's tensors live only in backward
             try:
                 key = t.untyped_storage().data_ptr()
@@ -241,7 +262,7 @@ class UnitTracer:
         """Record hooks into ``pass_`` until ``stop()``."""
         self.param_storages = {p.untyped_storage().data_ptr() for _, p in self.params}
         self.param_storages |= {p.untyped_storage().data_ptr() for p in self.module.parameters() if not hasattr(p, "_local_tensor")}
-        self._pass, self._stack, self._last = pass_, [], None
+        self._pass, self._stack, self._last, self._blocks = pass_, [], None, []
 
     def stop(self) -> None:
         self._pass = None
@@ -626,6 +647,7 @@ def profile_model(
         site_after=dict(tracer.site_after),
         recompute_anchor=dict(last.recompute),
         block_input_bytes=dict(last.block_inputs),
+        block_tail_saves=[b for b, saves in last.block_tail.items() if saves],
         contended_slowdown=slowdown,
         contention_sensitivity=sensitivity,
         meta={
