@@ -273,6 +273,16 @@ def check(results: list[dict[str, float]], *, atol: float) -> None:
             assert r[key] <= atol, f"rank {rank}: max {key} difference {r[key]:.3g} exceeds {atol:.1g} ({r})"
 
 
+def check_cases(results: list[list[dict[str, float]]], names: list[str], *, atol: float) -> None:
+    """:func:`check` every case of a :func:`run_cases` run (``results``: per rank, per case), naming
+    the case that fails."""
+    for i, name in enumerate(names):
+        try:
+            check([r[i] for r in results], atol=atol)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+
+
 def profiled_mlp(plan_kw: dict[str, Any], world: int = 2) -> tuple[Any, Any, Plan, torch.Tensor, torch.Tensor]:
     """On this rank: the test MLP's structure and profile (one pass, no memory), a plan of
     ``plan_kw`` (:func:`make_plan`) and this rank's batch of 4 — what a test comparing a wrapped

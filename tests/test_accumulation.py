@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import models
 from autodist import AutoDist, MixedPrecision
-from parity import Case, check, make_plan, run_case, run_cases
+from parity import Case, check, check_cases, make_plan, run_case, run_cases
 
 ATOL = 2e-5
 COMBOS = [
@@ -39,11 +39,7 @@ def test_accumulation_matches_single_process_under_every_residency_and_mode(worl
         for r, m, n in COMBOS
     ]
     results = world2.run(run_cases, cases, timeout=400)
-    for i, name in enumerate(names):
-        try:
-            check([r[i] for r in results], atol=ATOL)
-        except AssertionError as e:
-            raise AssertionError(f"{name}: {e}") from None
+    check_cases(results, names, atol=ATOL)
 
 
 def test_accumulation_with_recomputation_and_mixed_placement(world2):

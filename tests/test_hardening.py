@@ -21,7 +21,7 @@ import torch.distributed as dist
 import models
 from autodist import AutoDist
 from autodist.errors import RankMismatchError
-from parity import Case, check, make_plan, run_case, run_cases
+from parity import Case, check, check_cases, make_plan, run_case, run_cases
 
 ATOL = 2e-5
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -194,11 +194,7 @@ TORCH_TRANSFORMER = {
 def test_pytorch_transformer_layers_train_under_sharded_plans(world2):
     names = list(TORCH_TRANSFORMER)
     results = world2.run(run_cases, [TORCH_TRANSFORMER[n] for n in names], timeout=300)
-    for i, name in enumerate(names):
-        try:
-            check([r[i] for r in results], atol=ATOL)
-        except AssertionError as e:
-            raise AssertionError(f"{name}: {e}") from None
+    check_cases(results, names, atol=ATOL)
 
 
 def test_pytorch_transformer_layers_under_ddp_with_bf16(world2):

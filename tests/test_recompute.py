@@ -8,7 +8,7 @@ Tolerance: float32, as test_shard (2e-5): a recomputed forward is bitwise the or
 
 import pytest
 
-from parity import Case, check, run_case, run_cases
+from parity import Case, check_cases, run_case, run_cases
 
 ATOL = 2e-5
 MODES = ["nonreentrant", "reentrant", "selective", "wrapper", "alternate"]
@@ -26,19 +26,11 @@ PLANS = {
 }
 
 
-def _check_all(results, names, atol):
-    for i, name in enumerate(names):
-        try:
-            check([r[i] for r in results], atol=atol)
-        except AssertionError as e:
-            raise AssertionError(f"{name}: {e}") from None
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_user_checkpointed_blocks_match_single_process_under_every_plan(world2, mode):
     names = list(PLANS)
     cases = [Case(model=f"gpt-ckpt-{mode}", plan=PLANS[n], steps=3) for n in names]
-    _check_all(world2.run(run_cases, cases, timeout=400), names, ATOL)
+    check_cases(world2.run(run_cases, cases, timeout=400), names, atol=ATOL)
 
 
 def test_user_checkpointed_blocks_on_four_ranks(world4):
@@ -50,7 +42,7 @@ def test_user_checkpointed_blocks_on_four_ranks(world4):
         Case(model="gpt", plan={"grouping": "block", "recompute": "all"}, per_rank=2),
         Case(model="mlp", plan={"placement": "mixed", "grouping": "unit", "recompute": "all"}, per_rank=2),
     ]
-    _check_all(world4.run(run_cases, cases, timeout=400), names, ATOL)
+    check_cases(world4.run(run_cases, cases, timeout=400), names, atol=ATOL)
 
 
 def test_checkpointing_with_gradient_accumulation_and_bf16(world2):
@@ -61,8 +53,8 @@ def test_checkpointing_with_gradient_accumulation_and_bf16(world2):
         Case(model="gpt-ckpt-selective", plan={"residency": "persistent", "grouping": "block"}, accumulate=3),
     ]
     results = world2.run(run_cases, cases, timeout=400)
-    _check_all([[r[0], r[2]] for r in results], [names[0], names[2]], ATOL)
-    _check_all([[r[1]] for r in results], [names[1]], 3e-2)
+    check_cases([[r[0], r[2]] for r in results], [names[0], names[2]], atol=ATOL)
+    check_cases([[r[1]] for r in results], [names[1]], atol=3e-2)
 
 
 def _counts(model: str, plan, steps: int = 3) -> dict:
@@ -162,7 +154,7 @@ PLANNED = {
 def test_blocks_the_plan_recomputes_match_single_process(world2):
     names = list(PLANNED)
     results = world2.run(run_cases, [PLANNED[n] for n in names], timeout=400)
-    _check_all(results, names, ATOL)
+    check_cases(results, names, atol=ATOL)
     for per_rank in results:
         counts = {n: r["runtime"]["recomputed_blocks"] for n, r in zip(names, per_rank)}
         assert all(c > 0 for c in counts.values()), counts

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from parity import Case, check, run_cases
+from parity import Case, check_cases, run_cases
 
 ATOL = 2e-5
 RECOMPUTE_ALL = {"grouping": "block", "recompute": "all"}
@@ -35,10 +35,6 @@ def test_timm_models_train_under_autodist_as_in_one_process(world2):
     pytest.importorskip("timm", reason="timm is not installed (an optional test dependency; CI need not install it)")
     names = list(CASES)
     results = world2.run(run_cases, [CASES[n] for n in names], timeout=600)
-    for i, name in enumerate(names):
-        try:
-            check([r[i] for r in results], atol=ATOL)
-        except AssertionError as e:
-            raise AssertionError(f"{name}: {e}") from None
+    check_cases(results, names, atol=ATOL)
     recomputed = {n: results[0][i]["runtime"]["recomputed_blocks"] for i, n in enumerate(names) if n.endswith("recompute")}
     assert all(c > 0 for c in recomputed.values()), recomputed
