@@ -190,15 +190,15 @@ def backward_positions(
     return need
 
 
-def block_anchor(block_units: Sequence[str], order: Sequence[str], module_of: dict[str, str], saves_after_units: bool) -> str:
+def block_anchor(block_units: Sequence[str], module_of: dict[str, str], backward: Sequence[str] | None = None) -> str:
     """The unit whose backward runs when the plan's recomputation of a block happens (see [Note:
-    where a recomputation begins]): ``block_units`` in forward order, ``order`` the model's."""
+    where a recomputation begins]): ``block_units`` in forward order; ``backward``: the model's
+    :func:`backward_order` when the block's own code saves a tensor after its last unit."""
     first = backward_order(block_units, module_of)[0]
-    if not saves_after_units:
+    if backward is None or first not in backward:
         return first
-    everything = backward_order(order, module_of)
-    i = everything.index(first) if first in everything else 0
-    return everything[i - 1] if i > 0 else first
+    i = backward.index(first)
+    return backward[i - 1] if i > 0 else first
 
 
 def freed_after_forward(group_units: Sequence[str], done: set[str], expected: set[str]) -> bool:

@@ -657,7 +657,7 @@ class Simulator:
                 (ready_at_end if late else ready_at_start).setdefault(u, []).append(p)
         recomputed = self._recomputed_blocks(plan)
         tail = set(prof.block_tail_saves)
-        anchors = {b: block_anchor(units, self.order, self.module_of, b in tail) for b, units in recomputed.items()}
+        anchors = {b: block_anchor(units, self.module_of, bstart if b in tail else None) for b, units in recomputed.items()}
         anchor_of: dict[str, str] = {}  # unit -> the unit whose backward first needs it again
         for u, a in prof.recompute_anchor.items():
             if u in self.uses:
