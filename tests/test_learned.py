@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -168,6 +169,23 @@ def test_corrections_scale_sections_and_operations_and_the_step_is_timed_again()
     assert spans["fwd u1"] == (22, 42) and spans["reduce_scatter bucket1"] == (84, 85.5)
 
 
+def test_replaying_measured_durations_times_the_step_with_them_and_keeps_the_unmeasured_ones():
+    # the tool's replay: the simulator timing a run's measured durations (what a perfect per-event
+    # estimator would give). Forwards measured twice as long (10 -> 20 ms) and nothing else measured:
+    # the step is the one the "fwd" correction above times, 71 + 2 * 10 ms of later backward
+    sim = Simulator(PROFILE, STRUCTURE, COMM, world_size=2)
+    program, _, g = graph_of(sim, _plan())
+    step = learned.MeasuredStep(sim, program, measured_s=0.1)
+    assert step.timed(g, None, learned.KINDS) == pytest.approx(sim.run(_plan()).step_s)
+    y, mask = targets(g, {n: 2 * float(g.analytic_s[i]) for i, n in enumerate(g.names) if g.kinds[i] == "fwd"})
+    replayed = step.timed(g, y, learned.KINDS, nodes=mask)
+    fixed = Simulator(PROFILE, STRUCTURE, COMM, world_size=2, estimator=_Fixed({"fwd": math.log(2)})).run(_plan()).step_s
+    assert replayed == pytest.approx(fixed) and replayed > sim.run(_plan()).step_s + 15 * MS
+    # every event measured as the analytic model timed it: the analytic step
+    y, mask = targets(g, {n: float(g.analytic_s[i]) for i, n in enumerate(g.names) if float(g.analytic_s[i]) >= learned.FLOOR_S})
+    assert step.timed(g, y, learned.KINDS, nodes=mask) == pytest.approx(sim.run(_plan()).step_s)
+
+
 def test_a_section_the_analytic_model_thinks_free_gets_the_time_predicted_from_the_floor():
     r = Simulator(PROFILE, STRUCTURE, COMM, world_size=2, estimator=_Fixed({"optimizer": math.log(10)})).run(_plan())
     assert r.step_s == pytest.approx(71 * MS + 10 * learned.FLOOR_S)  # 71: the analytic step (order check included)
@@ -221,7 +239,7 @@ def _entry(validation=HELD_OUT):
     config = NetConfig(hidden=8, layers=1)
     return EstimatorEntry(
         config=config, mean=[0.5] * len(FEATURES), std=[2.0] * len(FEATURES), kinds=["fwd", "all_gather"],
-        weights=_weights(config), machine=dict(MACHINE), provenance={"models": ["deep-mlp", "wide-mlp"], "plans": 40},
+        weights=_weights(config), shrink=0.75, machine=dict(MACHINE), provenance={"models": ["deep-mlp", "wide-mlp"], "plans": 40},
         validation=validation, helps=learned.helps(validation),
     )
 
@@ -229,8 +247,8 @@ def _entry(validation=HELD_OUT):
 def test_the_entry_round_trips_through_json():
     entry = _entry()
     back = EstimatorEntry.from_json(entry.to_json())
-    assert (back.config, back.mean, back.std, back.kinds, back.machine, back.provenance, back.validation, back.helps) == (
-        entry.config, entry.mean, entry.std, entry.kinds, entry.machine, entry.provenance, entry.validation, entry.helps
+    assert (back.config, back.mean, back.std, back.kinds, back.shrink, back.machine, back.provenance, back.validation, back.helps) == (
+        entry.config, entry.mean, entry.std, entry.kinds, 0.75, entry.machine, entry.provenance, entry.validation, entry.helps
     )
     assert sorted(back.weights) == sorted(entry.weights)
     assert all(torch.equal(back.weights[k], entry.weights[k].float()) for k in entry.weights)
@@ -284,6 +302,8 @@ def _damaged(text):
         "unknown relation": edit(lambda e: e["config"].update(relations=["telepathy"])),
         "unknown kind": edit(lambda e: e.update(kinds=["dance"])),
         "helps not a bool": edit(lambda e: e.update(helps="yes")),
+        "shrink above 1": edit(lambda e: e.update(shrink=3.0)),
+        "no shrink": edit(lambda e: e.pop("shrink")),
         "another machine": edit(lambda e: e["machine"].update(world=4)),
     }
 
@@ -422,7 +442,7 @@ def test_a_measured_step_has_exactly_the_simulated_events(world2, plan_kw):
 # ---- the tools: tools/collect_timelines.py and tools/train_estimator.py ----------------------------
 ROOT = Path(__file__).resolve().parents[1]
 TINY_COLLECTION = [
-    "--models", "deep-mlp,wide-mlp", "--size", "tiny", "--plans", "1", "--no-searched", "--warmup", "1", "--steps", "1",
+    "--models", "deep-mlp,wide-mlp", "--size", "tiny", "--plans", "1", "--no-searched", "--warmup", "1", "--steps", "2",
     "--quiet-wait", "0",
 ]
 
@@ -465,7 +485,12 @@ def test_collecting_writes_a_model_record_then_a_record_per_plan_with_every_even
     ]
     for r in plans:
         assert r["unmatched_measured"] == [] and r["unmeasured"] == [], (r["model"], r["plan_name"])
-        assert all(e["measured_s"] >= 0 and e["samples"] == 2 for e in r["events"])  # one step on each of two ranks
+        assert all(e["measured_s"] >= 0 and e["samples"] == 4 for e in r["events"])  # two steps on each of two ranks
+        # each half of the steps (one here) apart: how well the measurement repeats
+        assert all(len(e["halves_s"]) == 2 and min(e["halves_s"]) >= 0 for e in r["events"])
+        assert all(min(e["halves_s"]) <= e["measured_s"] <= max(e["halves_s"]) for e in r["events"])
+        assert all(len(e["per_rank_s"]) == 2 and all(len(steps) == 2 for steps in e["per_rank_s"]) for e in r["events"])
+        assert all(statistics.median(v for steps in e["per_rank_s"] for v in steps) == e["measured_s"] for e in r["events"])
         assert r["measured_step_s"] > 0 and r["predicted_step_s"] > 0
 
 
@@ -522,6 +547,12 @@ def test_training_evaluates_on_held_out_models_and_stores_the_estimator_where_pl
     assert rc == 0
     payload = json.loads((tmp_path / "eval.json").read_text())
     assert {k: r["trained_on"] for k, r in payload["held_out"].items()} == {"deep-mlp:tiny": ["wide-mlp:tiny"], "wide-mlp:tiny": ["deep-mlp:tiny"]}
+    for r in payload["held_out"].values():
+        assert r["shrink"] == 1.0 and r["shrink_scores"] == {}  # one training model: nothing to validate a share on
+        events = r["events"]["all"]
+        assert events["repeat"]["events"] == events["analytic"]["events"] > 0  # every measured event repeated
+        assert {row["plan"] for row in r["rows"]} == {"ddp", "fsdp", "zero2", "random1"}
+        assert all(row["replay_s"] > 0 for row in r["rows"]) and r["replay"]["median_abs_pct_error_time"] >= 0
     assert payload["stored"] == str(Cache(tmp_path / "cache").path("estimators", comm_cache_key(2, "cpu", "cpu", "gloo")))
     entry, estimator = estimator_entry(Path(payload["stored"]).read_text(), MACHINE)
     assert estimator is not None and entry.helps == payload["helps"]
@@ -541,7 +572,8 @@ def _synthetic_samples():
             replace(u, fwd_s=u.fwd_s * scale * rng.uniform(0.5, 2), bwd_s=u.bwd_s * scale) for u in PROFILE.units
         ])
         plan = _plan(residency=["after_forward", "after_backward", "persistent"][k % 3], window=k % 3)
-        g = _graph(plan, profile)
+        sim = Simulator(profile, STRUCTURE, COMM, world_size=2)
+        program, _, g = graph_of(sim, plan)
         col = FEATURES.index("overlap_gather")
         measured = {}
         for i, n in enumerate(g.names):
@@ -553,7 +585,9 @@ def _synthetic_samples():
             elif g.kinds[i] == "backward":
                 measured[n] = 0.3 * MS
         y, mask = targets(g, measured)
-        samples.append(learned.Sample(g, y, mask, "synthetic", f"plan{k}"))
+        step = learned.MeasuredStep(sim, program, 0.0)
+        step.measured_s = step.timed(g, y, learned.KINDS, nodes=mask)  # the step these durations make
+        samples.append(learned.Sample(g, y, mask, "synthetic", f"plan{k}", step))
     return samples
 
 
@@ -589,3 +623,57 @@ def test_a_stored_estimator_predicts_what_it_predicted_when_trained():
     _, estimator = estimator_entry(entry.to_json(), MACHINE)
     g = samples[0].graph
     assert torch.allclose(estimator.trained.predict(g), trained.predict(g))
+
+
+def _two_models(rule_a, rule_b, steps):
+    """The synthetic plans as two models: the first six "measured" by ``rule_a``, the others by
+    ``rule_b`` (each: analytic seconds -> measured), on every compute section and collective;
+    ``steps``: with the step times those durations make (validation judges step times), else
+    without (it judges the events)."""
+    samples = []
+    for k, s in enumerate(_synthetic_samples()):
+        rule = rule_a if k < 6 else rule_b
+        g = s.graph
+        y, mask = targets(g, {n: rule(max(float(g.analytic_s[i]), learned.FLOOR_S)) for i, n in enumerate(g.names)})
+        step = replace(s.step, measured_s=s.step.timed(g, y, learned.KINDS, nodes=mask)) if steps else None
+        samples.append(learned.Sample(g, y, mask, "a" if k < 6 else "b", s.plan, step))
+    return samples
+
+
+@needs_gnn
+@pytest.mark.parametrize("steps", [True, False], ids=["judged-on-steps", "judged-on-events"])
+def test_fitting_keeps_a_correction_that_carries_over_to_models_it_did_not_see(steps):
+    samples = _two_models(lambda a: 1.8 * a, lambda a: 1.8 * a, steps)  # one rule on both models
+    trained = learned.fit(samples, learned.TrainConfig(epochs=150))
+    assert trained.shrink >= 0.75, trained.shrink_scores
+    if not steps:  # scored per share on each model held out: the analytic model's error at share 0 is log(1.8)
+        assert trained.shrink_scores["0"] == pytest.approx([math.log(1.8)] * 2, rel=1e-5)
+    else:  # the analytic step of each held-out plan is 1.8x short of the measured one
+        assert all(0.4 < e < 0.5 for e in trained.shrink_scores["0"]), trained.shrink_scores
+        assert max(trained.shrink_scores[f"{trained.shrink:g}"]) < 0.1
+    assert _mean_error(trained, samples) < _mean_error(None, samples) / 3
+
+
+@needs_gnn
+@pytest.mark.parametrize("steps", [True, False], ids=["judged-on-steps", "judged-on-events"])
+def test_fitting_drops_a_correction_that_does_not_carry_over(steps):
+    # the same graphs, measured 2x slow on one model and 2x fast on the other: what either model
+    # teaches is wrong for the other, so validation keeps the analytic model
+    samples = _two_models(lambda a: 2.0 * a, lambda a: 0.5 * a, steps)
+    trained = learned.fit(samples, learned.TrainConfig(epochs=150))
+    assert trained.shrink == 0.0, trained.shrink_scores
+    assert torch.equal(trained.predict(samples[0].graph), torch.zeros(samples[0].graph.num_nodes))
+    plain = Simulator(PROFILE, STRUCTURE, COMM, world_size=2).run(_plan())
+    corrected = Simulator(PROFILE, STRUCTURE, COMM, world_size=2, estimator=learned.Estimator(trained)).run(_plan())
+    assert corrected.step_s == plain.step_s  # share 0 corrects nothing, not even the sections under the floor
+    assert learned.train(samples, learned.TrainConfig(epochs=150)).shrink == 1.0  # train alone applies all of it
+
+
+@needs_gnn
+def test_features_far_outside_the_training_data_saturate_instead_of_extrapolating():
+    samples = _synthetic_samples()[:6]
+    trained = learned.train(samples, learned.TrainConfig(epochs=50))
+    g = samples[0].graph
+    far = replace(g, x=g.x + 1e4 * trained.std)  # every feature ten thousand standard deviations out
+    farther = replace(g, x=g.x + 1e6 * trained.std)
+    assert torch.equal(trained.predict(far), trained.predict(farther))

@@ -242,14 +242,18 @@ def collect_model(name: str, args: argparse.Namespace, comm: CommModel, out: Tex
 def plan_record(sim: Simulator, plan: Plan, everyone: list, times: list[float]) -> dict:
     """The record of one measured plan: the simulator's events for it, each with its analytic
     start, end and duration and its measured duration (the median over ``everyone``'s steps: per
-    rank, the steps ``measure_plan`` returned), and the measured step time (median of ``times``)."""
+    rank, the steps ``measure_plan`` returned) with the medians of the first and the second half of
+    the steps apart (``halves_s``: how well the measurement repeats) and every rank's every step
+    (``per_rank_s``), and the measured step time (median of ``times``)."""
     program, analytic, graph = graph_of(sim, plan)
     samples: dict[str, list[float]] = {}
+    halves: dict[str, tuple[list[float], list[float]]] = {}
     thread: dict[str, list[float]] = {}
     for rank_steps in everyone:
-        for s in rank_steps:
+        for j, s in enumerate(rank_steps):
             for k, v in s["durations"].items():
                 samples.setdefault(k, []).append(v)
+                halves.setdefault(k, ([], []))[0 if j < len(rank_steps) // 2 else 1].append(v)
             for k, v in s["thread"].items():
                 thread.setdefault(k, []).append(v)
     events = []
@@ -260,6 +264,11 @@ def plan_record(sim: Simulator, plan: Plan, everyone: list, times: list[float]) 
         if n in samples:
             ev["measured_s"] = statistics.median(samples[n])
             ev["samples"] = len(samples[n])
+            first, second = halves[n]
+            if first and second:  # the measurement against itself: its first steps' median and its last steps'
+                ev["halves_s"] = [statistics.median(first), statistics.median(second)]
+            # every rank's every step, as measured (None where a step did not have the event)
+            ev["per_rank_s"] = [[s["durations"].get(n) for s in rank_steps] for rank_steps in everyone]
         if n in thread:
             ev["thread_s"] = statistics.median(thread[n])
         events.append(ev)

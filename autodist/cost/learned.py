@@ -37,8 +37,15 @@ duration scaled — after which the simulator times the step again with its usua
 the training data never measured keep their analytic duration.
 
 The network (``torch_geometric``, the ``gnn`` extra) is a few relation-wise GraphSAGE layers with
-residual connections and an MLP head. Everything else here — the graph, the targets, the cache
-entry — works without it.
+residual connections and an MLP head, over features normalised by the training data's and clamped
+to ``FEATURE_CLAMP`` deviations. Everything else here — the graph, the targets, the cache entry —
+works without it.
+
+**Carrying over to other models** (:func:`fit`): a correction learnt on some models can be wrong on
+the next one. Before the final training, the network is trained without each training model in
+turn and predicts it; the share of the correction (``SHRINK_GRID``, 0 being the analytic model)
+whose worst such model's step times erred least is the share the estimator applies. Whether the estimator is
+then used at all is decided on step times of models held out of everything (``HELPS_RULE``).
 """
 
 from __future__ import annotations
@@ -60,7 +67,8 @@ from .simulator import Program, SimResult, Simulator
 
 # 2: the unit parameter features (unit_*), and targets and ln_queued relative to a 100 us floor
 FEATURE_SCHEMA = 2
-ENTRY_SCHEMA = 1
+# 2: shrink (the share of the correction applied), features clamped to FEATURE_CLAMP
+ENTRY_SCHEMA = 2
 # The least duration a target is taken relative to (the analytic side of the ratio) and an error
 # is judged against (the measured side, event_errors): 100 us. A unit's hooks alone take tens of
 # microseconds on a CPU; relative errors of shorter events say little.
@@ -360,16 +368,19 @@ def targets(graph: ScheduleGraph, measured: dict[str, float]) -> tuple[torch.Ten
     return y, mask
 
 
-def corrected_durations(graph: ScheduleGraph, program: Program, log_ratio: torch.Tensor, kinds: Sequence[str]) -> tuple[dict[int, float], list[float]]:
-    """The durations to time ``program`` with: each node of a kind in ``kinds`` gets
-    ``exp(log_ratio) * max(analytic, FLOOR_S)``; other nodes keep theirs."""
+def corrected_durations(graph: ScheduleGraph, program: Program, log_ratio: torch.Tensor, kinds: Sequence[str],
+                        nodes: torch.Tensor | None = None) -> tuple[dict[int, float], list[float]]:
+    """The durations to time ``program`` with: each node of a kind in ``kinds`` (and, given
+    ``nodes``, a boolean per node, among those) gets ``exp(log_ratio) * max(analytic, FLOOR_S)``;
+    other nodes keep theirs. With the measured targets as ``log_ratio`` and their mask as ``nodes``
+    this is the *replay*: the simulator timing the durations a run measured."""
     from .simulator import _C
 
     keep = set(kinds)
     durations: dict[int, float] = {}
     op_seconds = [op.seconds for op in program.ops]
     for i in range(graph.num_nodes):
-        if graph.kinds[i] not in keep:
+        if graph.kinds[i] not in keep or (nodes is not None and not bool(nodes[i])):
             continue
         r = math.exp(max(-CLIP, min(CLIP, float(log_ratio[i]))))
         analytic = float(graph.analytic_s[i])
@@ -444,14 +455,39 @@ def build_net(config: NetConfig) -> nn.Module:
 
 
 @dataclass
+class MeasuredStep:
+    """What times a sample's step again under a correction: the simulator and the program it
+    compiled, and the step time measured."""
+
+    sim: Simulator
+    program: Program
+    measured_s: float
+
+    def timed(self, graph: ScheduleGraph, log_ratio: torch.Tensor | None, kinds: Sequence[str],
+              nodes: torch.Tensor | None = None) -> float:
+        """The step with ``log_ratio`` applied to the nodes of ``kinds`` (and ``nodes``, as
+        :func:`corrected_durations` takes them); None: the analytic step. The sample's own targets
+        and mask replay the durations measured."""
+        from .simulator import scaled
+
+        if log_ratio is None:  # the program's own durations (timing sets its operations' start and end: fresh copies)
+            prog, ops = scaled(self.program, {}, [op.seconds for op in self.program.ops])
+        else:
+            prog, ops = scaled(self.program, *corrected_durations(graph, self.program, log_ratio, kinds, nodes))
+        return self.sim._execute(prog, ops, self.program.static, False).step_s
+
+
+@dataclass
 class Sample:
-    """One measured step: its graph, targets and mask, and where it came from."""
+    """One measured step: its graph, targets and mask, where it came from, and (``step``) what
+    times it again with the step time measured."""
 
     graph: ScheduleGraph
     y: torch.Tensor
     mask: torch.Tensor
     model: str = ""
     plan: str = ""
+    step: MeasuredStep | None = None
 
 
 def _batch(graphs: Sequence[ScheduleGraph]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -463,6 +499,15 @@ def _batch(graphs: Sequence[ScheduleGraph]) -> tuple[torch.Tensor, dict[str, tor
             edges[r].append(g.edges[r] + offset)
         offset += g.num_nodes
     return torch.cat(xs), {r: torch.cat(e, dim=1) for r, e in edges.items()}
+
+
+# Normalised features are clamped to this many standard deviations of the training data: a model
+# the network never saw (a step ten times longer, a unit of another size) saturates the inputs
+# instead of extrapolating the network linearly into corrections of a factor of fifty.
+FEATURE_CLAMP = 3.0
+# The shares of the network's correction that validation chooses among (:func:`fit`): 0 is the
+# analytic model itself.
+SHRINK_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 @dataclass
@@ -489,11 +534,23 @@ class Trained:
     std: torch.Tensor
     kinds: list[str]
     losses: list[float] = field(default_factory=list)
+    # the share of the network's correction applied (chosen by :func:`fit`; 1 from :func:`train`)
+    shrink: float = 1.0
+    # how it was chosen: per share, each validation model's median |error| in log space
+    shrink_scores: dict[str, list[float]] = field(default_factory=dict)
 
     def predict(self, graph: ScheduleGraph) -> torch.Tensor:
+        return self.shrink * self.raw(graph)
+
+    def raw(self, graph: ScheduleGraph) -> torch.Tensor:
+        """The network's correction before ``shrink``."""
         with torch.no_grad():
-            out = self.net((graph.x - self.mean) / self.std, graph.edges)
+            out = self.net(_normalise(graph.x, self.mean, self.std), graph.edges)
         return out.clamp(-CLIP, CLIP)
+
+
+def _normalise(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    return ((x - mean) / std).clamp(-FEATURE_CLAMP, FEATURE_CLAMP)
 
 
 def train(samples: Sequence[Sample], config: TrainConfig | None = None) -> Trained:
@@ -508,7 +565,7 @@ def train(samples: Sequence[Sample], config: TrainConfig | None = None) -> Train
         raise ValueError("the training samples have no measured node")
     mean = x.mean(0)
     std = x.std(0).clamp_min(1e-3)
-    xn = (x - mean) / std
+    xn = _normalise(x, mean, std)
     kinds = sorted({s.graph.kinds[i] for s in samples for i in range(s.graph.num_nodes) if s.mask[i]})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
@@ -526,6 +583,46 @@ def train(samples: Sequence[Sample], config: TrainConfig | None = None) -> Train
     return Trained(net, cfg.net, mean, std, kinds, losses)
 
 
+def fit(samples: Sequence[Sample], config: TrainConfig | None = None) -> Trained:
+    """:func:`train` on every sample, its correction shrunk as far as validation on models it did
+    not see says. Where the samples come from two models or more, a network is first trained
+    without each model in turn and predicts that model's plans; each share in ``SHRINK_GRID`` of
+    those predictions is scored on each such model by the median relative error of the step times
+    the simulator then gives against the measured ones, as ``HELPS_RULE`` judges the estimator
+    (samples without a ``step``: the median absolute error of the events in log space). The share
+    whose worst model erred least is kept, the smaller on a tie; share 0 is the analytic model. A
+    network that does not carry over to unseen models so ends at share 0, and corrects nothing."""
+    models = sorted({s.model for s in samples})
+    scores: dict[str, list[float]] = {}
+    shrink = 1.0
+    if len(models) >= 2:
+        residuals: dict[float, list[float]] = {a: [] for a in SHRINK_GRID}
+        for m in models:
+            inner = train([s for s in samples if s.model != m], config)
+            held = [s for s in samples if s.model == m]
+            for a in SHRINK_GRID:
+                residuals[a].append(_validation_error(inner, held, a))
+        scores = {f"{a:g}": v for a, v in residuals.items()}
+        shrink = min(SHRINK_GRID, key=lambda a: (max(residuals[a]), a))
+    trained = train(samples, config)
+    trained.shrink = shrink
+    trained.shrink_scores = scores
+    return trained
+
+
+def _validation_error(trained: Trained, held: Sequence[Sample], share: float) -> float:
+    """How far ``share`` of ``trained``'s correction leaves ``held`` (one model's samples) from
+    what was measured: see :func:`fit`."""
+    if all(s.step is not None for s in held):
+        errors = []
+        for s in held:
+            step = s.step.timed(s.graph, share * trained.raw(s.graph) if share else None, trained.kinds)
+            errors.append(abs(step - s.step.measured_s) / s.step.measured_s)
+        return float(torch.tensor(errors).median()) if errors else 0.0
+    err = torch.cat([(share * trained.raw(s.graph)[s.mask] - s.y[s.mask]).abs() for s in held])
+    return float(err.median()) if err.numel() else 0.0
+
+
 # ------------------------------------------------------------------------------------------------
 # the estimator the simulator uses
 # ------------------------------------------------------------------------------------------------
@@ -537,6 +634,8 @@ class Estimator:
         self.trained = trained
 
     def corrections(self, program: Program, analytic: SimResult) -> tuple[dict[int, float], list[float]]:
+        if self.trained.shrink == 0:  # validation kept none of the correction: the analytic durations
+            return {}, [op.seconds for op in program.ops]
         graph = schedule_graph(program, analytic)
         return corrected_durations(graph, program, self.trained.predict(graph), self.trained.kinds)
 
@@ -624,7 +723,7 @@ def _decode(d: Any, where: str) -> torch.Tensor:
 @dataclass
 class EstimatorEntry:
     """What the cache stores: the trained network's weights and everything needed to apply and to
-    trust it — its config, normalisation and kinds, the machine it was measured on, provenance
+    trust it — its config, normalisation, kinds and shrink, the machine it was measured on, provenance
     (training models, plans, events, date, torch / torch_geometric versions, feature schema) and
     the held-out validation with the verdict of ``HELPS_RULE``."""
 
@@ -633,6 +732,7 @@ class EstimatorEntry:
     std: list[float]
     kinds: list[str]
     weights: dict[str, torch.Tensor]
+    shrink: float
     machine: dict[str, Any]
     provenance: dict[str, Any]
     validation: dict[str, Any]
@@ -646,7 +746,7 @@ class EstimatorEntry:
     def of(cls, trained: Trained, *, machine: dict[str, Any], provenance: dict[str, Any], validation: dict[str, Any]) -> EstimatorEntry:
         return cls(
             config=trained.config, mean=trained.mean.tolist(), std=trained.std.tolist(), kinds=list(trained.kinds),
-            weights={k: v.detach().clone() for k, v in trained.net.state_dict().items()}, machine=dict(machine),
+            weights={k: v.detach().clone() for k, v in trained.net.state_dict().items()}, shrink=trained.shrink, machine=dict(machine),
             provenance=dict(provenance), validation=dict(validation), helps=helps(validation),
         )
 
@@ -656,7 +756,7 @@ class EstimatorEntry:
             "simulator": self.simulator, "features": list(FEATURES),
             "config": {"hidden": self.config.hidden, "layers": self.config.layers, "relations": list(self.config.relations),
                        "features": self.config.features},
-            "mean": self.mean, "std": self.std, "kinds": self.kinds,
+            "mean": self.mean, "std": self.std, "kinds": self.kinds, "shrink": self.shrink,
             "weights": {k: _encode(v) for k, v in sorted(self.weights.items())},
             "machine": self.machine, "provenance": self.provenance, "validation": self.validation,
             "helps": self.helps, "rule": HELPS_RULE,
@@ -702,6 +802,9 @@ class EstimatorEntry:
         kinds = d.get("kinds")
         if not isinstance(kinds, list) or not set(kinds) <= set(KINDS):
             raise ValueError(f"estimator kinds = {kinds!r:.80} are not among {KINDS}")
+        shrink = d.get("shrink")
+        if not isinstance(shrink, (int, float)) or isinstance(shrink, bool) or not 0.0 <= shrink <= 1.0:
+            raise ValueError(f"estimator shrink = {shrink!r:.40} is not a number from 0 to 1")
         w = d.get("weights")
         if not isinstance(w, dict) or not w:
             raise ValueError("estimator weights are missing")
@@ -712,7 +815,7 @@ class EstimatorEntry:
         if not isinstance(d.get("helps"), bool):
             raise ValueError(f"estimator helps = {d.get('helps')!r} is not true or false")
         return cls(
-            config=config, mean=vectors["mean"], std=vectors["std"], kinds=kinds, weights=weights, machine=d["machine"],
+            config=config, mean=vectors["mean"], std=vectors["std"], kinds=kinds, weights=weights, shrink=float(shrink), machine=d["machine"],
             provenance=d["provenance"], validation=d["validation"], helps=d["helps"],
         )
 
@@ -725,7 +828,7 @@ class EstimatorEntry:
         except RuntimeError as e:
             raise ValueError(f"estimator weights do not fit its network: {' '.join(str(e).split())[:200]}") from e
         net.eval()
-        return Trained(net, self.config, torch.tensor(self.mean), torch.tensor(self.std), list(self.kinds))
+        return Trained(net, self.config, torch.tensor(self.mean), torch.tensor(self.std), list(self.kinds), shrink=self.shrink)
 
 
 def estimator_entry(text: str, machine: dict[str, Any]) -> tuple[EstimatorEntry, Estimator | None]:
