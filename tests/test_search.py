@@ -159,6 +159,34 @@ def test_random_plans_of_a_model_with_fewer_units_than_the_widest_window_are_val
         validate_plan(space.to_plan(space.mutate(space.random(rng), rng, moves=5)), structure, world_size=2)
 
 
+def test_offloaded_state_follows_its_units_placement():
+    # found by tools/collect_timelines.py: the search offloaded a replicated unit's whole optimizer
+    # state, then sharded the unit; the fragment kept the whole tensor's extent, which the plan's
+    # validation refuses (a rank holds half of it) — the search picked a plan that could not be enacted
+    from autodist.plan import validate_plan
+
+    structure = discover(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)))
+    space = PlanSpace(structure, 2, [u.name for u in structure.units], list(reversed(structure.trainable)))
+    space.state_names = ("exp_avg",)
+    kinds = ["offload_add", "offload_shift", "offload_remove", "placement", "placement", "bucket_split", "group_split"]
+    rng = random.Random(0)
+    flipped = 0
+    for _ in range(200):
+        g = space.random(rng)
+        for _ in range(6):
+            before = g
+            g = space.normalize(space._move_kind(g, rng.choice(kinds), rng))
+            flipped += bool(g.offload) and before.offload != () and before.shard != g.shard
+        plan = space.to_plan(g)
+        validate_plan(plan, structure, world_size=2)
+        for f in plan.offload:  # and the whole state a rank holds, no less
+            unit = structure.unit_of_param[f.param]
+            rows = structure.params[f.param].shape[0]
+            sharded = g.shard[space.index[unit]]
+            assert f.fragment[1] - f.fragment[0] == (-(-rows // 2) if sharded else rows) * (structure.params[f.param].numel // rows)
+    assert flipped > 10  # placements did move under offloaded state
+
+
 def _space_with_offload():
     space = _space()
     space.state_names = ("exp_avg", "exp_avg_sq")

@@ -11,7 +11,7 @@ error of the durations (analytic vs. corrected; median, 90th percentile, share w
 DisCo's figure is 90% of events within 14%), split into compute sections and collectives; and the
 simulator's step-time median absolute error and Spearman rank correlation against the measured
 step times, without and with the estimator. Two references frame them: the measurement against
-itself (``repeat``: each event's median over the first half of the measured steps against the
+itself (``repeat``: each event's mean over the first half of the measured steps against the
 last half's — no per-event prediction can be expected to agree with a measurement more closely
 than it agrees with itself), and the *replay* (the simulator timing each plan with every event's
 measured duration: the step-time error that remains with perfect per-event durations, from the
@@ -105,7 +105,7 @@ def evaluate(trained: learned.Trained, record: dict, plans: list[dict], samples:
             for err, i in zip(learned.event_errors(s.graph, s.y, s.mask, log_ratio), idx):
                 errs["all"][which].append(err)
                 errs["compute" if s.graph.op[i] < 0 else "collectives"][which].append(err)
-        # the measurement against itself: the median of its first steps against that of its last
+        # the measurement against itself: the mean of its first steps against that of its last
         for i, err in repeat_errors(s.graph, p["events"]).items():
             errs["all"]["repeat"].append(err)
             errs["compute" if s.graph.op[i] < 0 else "collectives"]["repeat"].append(err)
@@ -144,7 +144,7 @@ def evaluate(trained: learned.Trained, record: dict, plans: list[dict], samples:
 
 
 def repeat_errors(graph: learned.ScheduleGraph, events: list[dict]) -> dict[int, float]:
-    """Per measured node of ``graph`` whose record has ``halves_s`` (the medians of the first and
+    """Per measured node of ``graph`` whose record has ``halves_s`` (the means of the first and
     the last half of the measured steps): how far apart the two are, relative to the measured
     duration as :func:`autodist.cost.learned.event_errors` judges a prediction — the error a
     prediction that equalled one half would have against the other."""
@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                   for k, r in held_out.items()}
     payload = {
         # the analytic model it is compared with and would correct
-        "train": {"epochs": cfg.epochs, "seed": cfg.seed, "simulator": learned.SIMULATOR_VERSION}, "held_out": held_out,
+        "train": {"epochs": cfg.epochs, "seed": cfg.seed, "weighting": cfg.weighting, "simulator": learned.SIMULATOR_VERSION},
+        "held_out": held_out,
         "helps": learned.helps(validation),
     }
     if args.store:
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                 "events": int(sum(int(s.mask.sum()) for v in samples.values() for s in v)),
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "torch": torch.__version__, "torch_geometric": torch_geometric.__version__,
-                "feature_schema": learned.FEATURE_SCHEMA, "epochs": cfg.epochs, "seed": cfg.seed,
+                "feature_schema": learned.FEATURE_SCHEMA, "epochs": cfg.epochs, "seed": cfg.seed, "weighting": cfg.weighting,
                 "shrink_scores": trained.shrink_scores,
                 "data": [os.path.abspath(p) for p in args.data],
             },

@@ -13,7 +13,8 @@ trainable parameters in gradient-ready order.
 * ``bucket_start`` — positions in the ready order that start a new bucket (a change of op or dtype
   always starts one);
 * ``inflight`` — ``max_inflight_buckets`` (-1: no limit);
-* ``offload`` — offloaded fragments as (parameter, state, start, end, back_from unit index);
+* ``offload`` — offloaded state as (parameter, state, start, end, back_from unit index): whole state
+  tensors, [0, what a rank holds under the placement] (``normalize`` keeps the extent with it);
 * ``recompute`` — indices of recomputed blocks (``PlanSpace.blocks``: the model's blocks in forward
   order, less those the model already checkpoints itself);
 * ``accumulate`` — per unit, 1 if a sharded unit accumulates sharded gradients over micro-batches
@@ -101,7 +102,8 @@ class PlanSpace:
     # ---- conversion ------------------------------------------------------------------------
     def normalize(self, g: Genome) -> Genome:
         """Enforce invariants: fixed/unshardable placement, group starts only on sharded units
-        (and on the first sharded unit of every run), one residency per group."""
+        (and on the first sharded unit of every run), one residency per group, offloaded state
+        as large as the placement makes it."""
         shard = list(g.shard)
         for i, u in enumerate(self.units):
             if not self.shardable[i]:
@@ -142,9 +144,12 @@ class PlanSpace:
         keys = [self._bucket_key(shard, acc, k) for k in range(len(self.ready))]
         bstarts = frozenset(k for k in g.bucket_start if 0 < k < len(self.ready) and keys[k] == keys[k - 1])
         recompute = frozenset(b for b in g.recompute if 0 <= b < len(self.recompute_blocks))
+        # the genome offloads whole state tensors: a placement move since one was offloaded changes
+        # how much of it a rank holds (a shard's rows, or all of them), and the fragment follows
+        offload = tuple(sorted({(p, state, 0, self._state_numel(shard, p), bu) for p, state, _, _, bu in g.offload}))
         return replace(
             g, shard=tuple(shard), residency=tuple(res), group_start=frozenset(starts), window=tuple(win),
-            bucket_start=bstarts, recompute=recompute, accumulate=tuple(acc),
+            bucket_start=bstarts, recompute=recompute, accumulate=tuple(acc), offload=offload,
         )
 
     def _bucket_key(self, shard: Sequence[bool], acc: Sequence[int], k: int) -> tuple:
@@ -250,9 +255,10 @@ class PlanSpace:
         return self.genome_of(zero2_plan(self.structure, self.world, unit_order=self.units))
 
     # ---- offload -----------------------------------------------------------------------------
-    def _state_numel(self, g: Genome, p: str) -> int:
+    def _state_numel(self, shard: Sequence[bool], p: str) -> int:
+        """Elements of ``p``'s optimizer state a rank holds under the placement ``shard``."""
         info = self.structure.params[p]
-        if g.shard[self.index[self.structure.unit_of_param[p]]] and info.shape:
+        if shard[self.index[self.structure.unit_of_param[p]]] and info.shape:
             rows = info.shape[0]
             return -(-rows // self.world) * (info.numel // rows if rows else 1)
         return info.numel
@@ -264,14 +270,14 @@ class PlanSpace:
         for p in self.ready:
             for state in self.state_names:
                 if (p, state) not in have:
-                    out.append((p, state, self._state_numel(g, p) * self.structure.params[p].dtype.itemsize))
+                    out.append((p, state, self._state_numel(g.shard, p) * self.structure.params[p].dtype.itemsize))
         return out
 
     def with_offload(self, g: Genome, p: str, state: str, *, back_unit: int | None = None) -> Genome:
         """Offload a whole state tensor, copied back when its unit's backward starts (or at
         ``back_unit``; -1: at the step)."""
         unit = self.index[self.structure.unit_of_param[p]] if back_unit is None else back_unit
-        frag = (p, state, 0, self._state_numel(g, p), unit)
+        frag = (p, state, 0, self._state_numel(g.shard, p), unit)
         return replace(g, offload=tuple(sorted(g.offload + (frag,))))
 
     def shift_offload(self, g: Genome, frag: tuple, *, later: bool) -> Genome:
