@@ -17,9 +17,9 @@ than it agrees with itself), and the *replay* (the simulator timing each plan wi
 measured duration: the step-time error that remains with perfect per-event durations, from the
 simulator's rules of order and overlap). The estimator trained for a held-out model applies the
 share of its correction chosen on its own training models (``autodist.cost.learned.fit``).
-``--store`` then trains on every model and stores the
-network with its provenance and this validation; ``plan="auto"`` uses it only when the validation
-meets ``autodist.cost.learned.HELPS_RULE``.
+``--store`` then trains on every model and stores the network with its provenance and this
+validation; ``plan="auto"`` uses it only when the validation meets
+``autodist.cost.learned.HELPS_RULE``.
 """
 
 from __future__ import annotations
@@ -157,7 +157,6 @@ def repeat_errors(graph: learned.ScheduleGraph, events: list[dict]) -> dict[int,
         a, b = e["halves_s"]
         out[i] = abs(a - b) / max(e["measured_s"], learned.FLOOR_S)
     return out
-
 
 
 def table(payload: dict) -> str:

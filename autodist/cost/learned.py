@@ -44,8 +44,9 @@ works without it.
 **Carrying over to other models** (:func:`fit`): a correction learnt on some models can be wrong on
 the next one. Before the final training, the network is trained without each training model in
 turn and predicts it; the share of the correction (``SHRINK_GRID``, 0 being the analytic model)
-whose worst such model's step times erred least is the share the estimator applies. Whether the estimator is
-then used at all is decided on step times of models held out of everything (``HELPS_RULE``).
+whose worst such model's step times erred least is the share the estimator applies. Whether the
+estimator is then used at all is decided on step times of models held out of everything
+(``HELPS_RULE``).
 """
 
 from __future__ import annotations
@@ -540,7 +541,7 @@ class Trained:
     losses: list[float] = field(default_factory=list)
     # the share of the network's correction applied (chosen by :func:`fit`; 1 from :func:`train`)
     shrink: float = 1.0
-    # how it was chosen: per share, each validation model's median |error| in log space
+    # how it was chosen: per share, each validation model's error (see :func:`fit`)
     shrink_scores: dict[str, list[float]] = field(default_factory=dict)
 
     def predict(self, graph: ScheduleGraph) -> torch.Tensor:
@@ -588,17 +589,21 @@ def train(samples: Sequence[Sample], config: TrainConfig | None = None) -> Train
     return Trained(net, cfg.net, mean, std, kinds, losses)
 
 
+WEIGHTINGS = ("duration", "events")
+
+
 def _weights(samples: Sequence[Sample], weighting: str) -> torch.Tensor:
-    """Each node's weight in the loss: 1 (``"events"``), or its measured share of its step
-    (``"duration"``), or the square root of that (``"sqrt"``)."""
+    """Each node's weight in the loss: its measured duration's share of all its step's measured
+    durations (``"duration"``), or 1 (``"events"``)."""
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting {weighting!r} is not one of {WEIGHTINGS}")
     out = []
     for s in samples:
         if weighting == "events":
             out.append(torch.ones(s.graph.num_nodes))
             continue
         measured = s.graph.analytic_s.clamp_min(FLOOR_S).float() * s.y.exp()
-        share = measured / max(float(measured[s.mask].sum()), 1e-12)
-        out.append(share.sqrt() if weighting == "sqrt" else share)
+        out.append(measured / max(float(measured[s.mask].sum()), 1e-12))
     return torch.cat(out)
 
 
