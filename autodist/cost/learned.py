@@ -624,8 +624,9 @@ def fit(samples: Sequence[Sample], config: TrainConfig | None = None) -> Trained
         for m in models:
             inner = train([s for s in samples if s.model != m], config)
             held = [s for s in samples if s.model == m]
+            raw = [inner.raw(s.graph) for s in held]  # once per sample, scaled for each share
             for a in SHRINK_GRID:
-                residuals[a].append(_validation_error(inner, held, a))
+                residuals[a].append(_validation_error(held, raw, a, inner.kinds))
         scores = {f"{a:g}": v for a, v in residuals.items()}
         shrink = min(SHRINK_GRID, key=lambda a: (max(residuals[a]), a))
     trained = train(samples, config)
@@ -634,16 +635,16 @@ def fit(samples: Sequence[Sample], config: TrainConfig | None = None) -> Trained
     return trained
 
 
-def _validation_error(trained: Trained, held: Sequence[Sample], share: float) -> float:
-    """How far ``share`` of ``trained``'s correction leaves ``held`` (one model's samples) from
-    what was measured: see :func:`fit`."""
+def _validation_error(held: Sequence[Sample], raw: Sequence[torch.Tensor], share: float, kinds: Sequence[str]) -> float:
+    """How far ``share`` of a network's corrections ``raw`` (one per sample, of ``kinds``) leaves
+    ``held`` (one model's samples) from what was measured: see :func:`fit`."""
     if all(s.step is not None for s in held):
         errors = []
-        for s in held:
-            step = s.step.timed(s.graph, share * trained.raw(s.graph) if share else None, trained.kinds)
+        for s, r in zip(held, raw):
+            step = s.step.timed(s.graph, share * r if share else None, kinds)
             errors.append(abs(step - s.step.measured_s) / s.step.measured_s)
         return float(torch.tensor(errors).median()) if errors else 0.0
-    err = torch.cat([(share * trained.raw(s.graph)[s.mask] - s.y[s.mask]).abs() for s in held])
+    err = torch.cat([(share * r[s.mask] - s.y[s.mask]).abs() for s, r in zip(held, raw)])
     return float(err.median()) if err.numel() else 0.0
 
 
