@@ -87,6 +87,8 @@ def test_sweep_is_fast_identical_on_every_rank_and_fits_its_samples(world2):
     assert results[0][2] < 45
     assert model.compute_slowdown >= 1.0 and model.comm_slowdown >= 1.0
     assert json.loads(texts[0])["transient"]["all_gather"] > 0  # gloo stages all-gather output
+    # on its worker threads, two collectives at a time per group (tests/test_metrics.py measures it)
+    assert model.workers == 2
     # the compute thread's own share of each collective, measured at every size, and fitted
     assert set(model.host) == {"all_reduce", "all_gather", "reduce_scatter"}
     for op, fit in model.host.items():

@@ -237,16 +237,17 @@ def test_a_backend_buffer_held_across_the_step_start_counts_toward_the_peak(worl
 
 
 def _backend_buffers_of_collectives_issued_together():
-    """The peak while one all-gather, then two issued together, wait for a late peer (as a step's
+    """The peak while one all-gather, then two and three issued together, wait for a late peer (as a step's
     persistent refreshes do, issued at the optimizer step), beyond the tensors themselves."""
     import time
 
     import torch.distributed as dist
 
     from autodist.measure.memory import measure_step_peak
+    from autodist.runtime.comm import backend_workers
 
     rank, n = dist.get_rank(), 1 << 20
-    shards, outs = [torch.ones(n // 2), torch.ones(n // 2)], [torch.empty(n), torch.empty(n)]
+    shards, outs = [torch.ones(n // 2) for _ in range(3)], [torch.empty(n) for _ in range(3)]
 
     def issue(k: int) -> None:
         if rank == 1:
@@ -257,18 +258,21 @@ def _backend_buffers_of_collectives_issued_together():
         for w in works:
             w.wait()
 
-    tensors = 2 * (n + n // 2) * 4
-    one = measure_step_peak(lambda: issue(1), torch.device("cpu"), lambda: shards + outs)
-    two = measure_step_peak(lambda: issue(2), torch.device("cpu"), lambda: shards + outs)
-    return one - tensors, two - tensors, n * 4
+    tensors = 3 * (n + n // 2) * 4
+    peaks = [measure_step_peak(lambda k=k: issue(k), torch.device("cpu"), lambda: shards + outs) - tensors for k in (1, 2, 3)]
+    return peaks, n * 4, backend_workers(dist.group.WORLD)
 
 
 def test_collectives_issued_together_hold_their_backend_buffers_at_once(world2):
     # [Note: refresh buffers] in autodist/cost/simulator.py: gloo runs the refreshes an optimizer
     # step issues on its worker threads at once, so the step starts with every one's buffer
-    one, two, message = world2.run(_backend_buffers_of_collectives_issued_together)[0]
+    (one, two, three), message, workers = world2.run(_backend_buffers_of_collectives_issued_together)[0]
     assert one >= message  # one message-sized buffer
     assert two >= 2 * message and two >= 1.9 * one, (one, two, message)
+    # [Note: collectives taken up at once]: as many at once as the backend has workers (what the
+    # sweep records for the simulator), a third waits for one of them to complete
+    assert workers == 2
+    assert workers * message <= three < (workers + 0.5) * message, (three, message)
 
 
 def _reduce_scatters_in_one_step(count: int):

@@ -9,6 +9,9 @@ check, one all-reduce waited for on the CPU: 4 ms. Every expected number below i
 comment next to it.
 """
 
+import json
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -168,6 +171,57 @@ def test_a_reduce_scatters_backend_buffer_is_held_until_its_wait():
     assert r.peak_bytes == 8032
     # in flight at the peak: both inputs (2 x 1008) and both backend buffers (2 x 504)
     assert r.breakdown["communication buffers in flight"] == 3024
+
+
+def test_a_gather_holds_its_backend_buffer_from_its_issue_while_a_reduction_runs():
+    # [Note: collectives taken up at once]: gathers and reductions run on process groups of their
+    # own. With window 0 (test_window_0_gathers_on_demand) AG u0 is issued at 46, as RS u1 starts;
+    # its transfer waits for RS u1's [49,51], but the gather group's backend takes it up at its
+    # issue and allocates its 1000-byte buffer then (measured on gloo: resnet18's 9 MiB gather
+    # buffer allocated 0.2 ms after its issue while a reduction ran)
+    r = _sharded(window=0, comm=_with_transient(all_gather=1.0))
+    at = [(round(t / MS, 3), b) for t, b in r.memory if 46 * MS <= t <= 51 * MS]
+    # at 46, once u1's backward ended: static 3000, u0's activations 100, RS u1's input 1008 and
+    # output 504 (u1's gradient and full parameter gone) = 4612; AG u0's full parameter (1000)
+    # at its issue: 5612, and its buffer (1000) as the backend takes it up: 6612; the buffer goes
+    # when the gather completes at 51
+    assert at[-4:] == [(46.0, 4612), (46.0, 5612), (46.0, 6612), (51.0, 5612)], at
+    assert not any(t == 49.0 for t, _ in at)  # nothing happens when its transfer starts
+
+
+def test_a_gathers_buffer_is_gone_when_the_wait_for_it_returns():
+    # [Note: what a wait returns after]: as above, with u0's backward peaking 3000 bytes above what
+    # it starts from. AG u0 completes at 51 and u0's backward, which waited for it, starts then:
+    # the backend freed the gather's buffer first (measured on gloo: resnet18's 9 MiB buffer freed
+    # on the backend's thread 0.5 ms before the backward's first allocation), so the peak is
+    # 5612 + 3000 = 8612, not 6612 + 3000
+    prof = replace(PROFILE, units=[replace(PROFILE.units[0], bwd_peak_bytes=3000), PROFILE.units[1]])
+    r = Simulator(prof, STRUCTURE, _with_transient(all_gather=1.0), world_size=2).run(_sharded_plan(window=0), record=True)
+    assert [(round(t / MS, 3), b) for t, b in r.memory if t == 51 * MS] == [(51.0, 5612), (51.0, 8612)]
+    assert r.peak_bytes == 8612
+
+
+def test_a_groups_backend_takes_up_as_many_collectives_as_it_has_workers():
+    # window 2: AG u0 and AG u1 are both issued at 0, before the forward waits for u0
+    def forward_start(workers):
+        comm = _with_transient(all_gather=1.0)
+        comm.workers = workers
+        r = _sharded(window=2, comm=comm)
+        return [(round(t / MS, 3), b) for t, b in r.memory if t <= 4 * MS]
+
+    # static 3000 with the last step's RS outputs (2 x 504) until the forward releases them; AG u0's
+    # full parameter (4000) and buffer (5000), AG u1's full parameter (6000); one worker: u1's
+    # buffer waits until u0's gather completes at 2 (5000, 6000) and goes at 4 ...
+    assert forward_start(1) == [(0.0, 4008), (0.0, 3504), (0.0, 3000), (0.0, 4000), (0.0, 5000), (0.0, 6000),
+                                (2.0, 5000), (2.0, 6000), (4.0, 5000)]
+    # ... two workers (gloo's default): both buffers at 0
+    assert forward_start(2) == [(0.0, 4008), (0.0, 3504), (0.0, 3000), (0.0, 4000), (0.0, 5000), (0.0, 6000),
+                                (0.0, 7000), (2.0, 6000), (4.0, 5000)]
+    # a worker count below one is refused where a comm model is read
+    bad = json.loads(COMM.to_json())
+    bad["workers"] = 0
+    with pytest.raises(ValueError, match="workers 0 is not a positive integer"):
+        CommModel.from_dict(bad)
 
 
 def test_a_step_starts_with_the_last_steps_sharded_gradients_and_every_refreshs_buffer():

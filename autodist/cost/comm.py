@@ -34,7 +34,7 @@ TRAIN_BYTES = 4 << 20
 # contention figures are measured in three passes and each keeps its median (autodist/measure/sweep.py
 # [Note: a sweep in passes]): a model of one pass is measured again; 7: a host-device copy is timed
 # whole (on the CPU it runs inside the call, which schema 6 subtracted: its copies read as free)
-COMM_SCHEMA_VERSION = 7
+COMM_SCHEMA_VERSION = 8
 
 
 @dataclass
@@ -133,6 +133,10 @@ class CommModel:
     # against measured steps, which the sweep sets (autodist/cost/fidelity.py [Note: the wait
     # calibration])
     wait_scale: float = 1.0
+    # collectives each of the runtime's process groups works on at once (gloo: its worker threads;
+    # see [Note: collectives taken up at once] in autodist/cost/simulator.py): when their staging
+    # buffers are allocated
+    workers: int = 1
     meta: dict[str, Any] = field(default_factory=dict)
     schema_version: int = COMM_SCHEMA_VERSION
 
@@ -205,6 +209,9 @@ class CommModel:
         ws = d.get("wait_scale", 1.0)
         if isinstance(ws, bool) or not isinstance(ws, (int, float)) or not 0 < ws < math.inf:
             raise ValueError(f"comm model wait_scale {ws!r} is not a positive number")
+        workers = d.get("workers", 1)
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"comm model workers {workers!r} is not a positive integer")
         d = dict(d)
 
         def fits(entries: dict[str, Any]) -> dict[str, OpModel]:

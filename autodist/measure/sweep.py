@@ -307,7 +307,7 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
     ``group``), the sweep measures on its process groups and makes none (see [Note: AutoDist's own
     process groups]); else it makes its own and destroys them at the end."""
     cfg = cfg or SweepConfig()
-    from ..runtime.comm import Comm  # the same collective calls the runtime issues
+    from ..runtime.comm import Comm, backend_workers  # the same collective calls the runtime issues
 
     world = dist.get_world_size(group)
     n_passes = agreed_passes(cfg.passes, group, device)
@@ -351,6 +351,7 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
     model = CommModel(
         # the wait figures' calibration for the machine class (see [Note: the wait calibration])
         wait_scale=DEFAULT_CPU_WAIT_SCALE if device.type == "cpu" else 1.0,
+        workers=backend_workers(comm.gather_pg),
         backend=dist.get_backend(group),
         world_size=world,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -22,6 +22,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -321,6 +322,24 @@ def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
     ._timeout`` on gloo and NCCL, checked on torch 2.14); where a backend does not expose it the
     groups get torch's default, as ``new_group`` would give them.
     """
+    timeout = _backend_option(group, "_timeout", datetime.timedelta)
+    if timeout is None:
+        logger.debug("autodist: the timeout of process group %s is not exposed; new groups get torch's default", group)
+    return timeout
+
+
+def backend_workers(group: dist.ProcessGroup) -> int:
+    """How many collectives ``group``'s backend works on at once: gloo's worker threads (its options'
+    ``_threads``, 2 by default; checked on torch 2.14), else 1 (NCCL runs a group's collectives in
+    order on one stream). The simulator allocates staging buffers by it (autodist/cost/simulator.py
+    [Note: collectives taken up at once])."""
+    threads = _backend_option(group, "_threads", int)
+    return threads if threads is not None and not isinstance(threads, bool) and threads >= 1 else 1
+
+
+def _backend_option(group: dist.ProcessGroup, name: str, kind: type) -> Any:
+    """The option ``name`` of ``group``'s backend (the CPU's, then the accelerator's) if it is a
+    ``kind``, else ``None``: torch keeps a backend's options in ``_get_backend(device).options``."""
     device_types = ["cpu"]
     if hasattr(torch, "accelerator") and torch.accelerator.is_available():
         device_types.append(torch.accelerator.current_accelerator().type)
@@ -329,10 +348,9 @@ def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
             backend = group._get_backend(torch.device(device_type))
         except (RuntimeError, ValueError, AttributeError):  # no backend for this device type
             continue
-        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
-        if isinstance(timeout, datetime.timedelta):
-            return timeout
-    logger.debug("autodist: the timeout of process group %s is not exposed; new groups get torch's default", group)
+        value = getattr(getattr(backend, "options", None), name, None)
+        if isinstance(value, kind):
+            return value
     return None
 
 
