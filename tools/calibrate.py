@@ -37,10 +37,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _launch import report  # noqa: E402
 
 DEFAULT_RECORDS = os.path.join("benchmarks", "simcheck-*.json")
-# comm model schemas with the fields this checkout reads (5 added ``wait_scale``, 1 when absent; 6 measures
-# in passes, 7 times host-device copies whole, with the same fields; 8 added ``workers``, 1 when absent,
-# which moves memory only, not the step times calibrated here)
-READABLE_SCHEMAS = {4, 5, 6, 7, 8}
 
 
 def family(name: str) -> str:
@@ -53,22 +49,21 @@ def predictions_of(record: dict, scales: Sequence[float]) -> dict[float, list[fl
     wait scale."""
     import torch
 
-    from autodist.cost.comm import COMM_SCHEMA_VERSION, CommModel
+    from autodist.cost.comm import comm_model_of_another_checkout
     from autodist.cost.profile import Profile
     from autodist.measure.fidelity import predictions_by_wait_scale
     from autodist.plan import Plan
     from autodist.structure import discover
     from autodist.zoo import zoo
 
-    d = dict(record["comm_model"])
-    if d.get("schema_version") not in READABLE_SCHEMAS:
-        raise SystemExit(f"calibrate: a comm model of schema version {d.get('schema_version')!r}; this checkout reads "
-                         f"{sorted(READABLE_SCHEMAS)}")
-    d["schema_version"] = COMM_SCHEMA_VERSION
+    try:
+        comm = comm_model_of_another_checkout(record["comm_model"])
+    except ValueError as e:
+        raise SystemExit(f"calibrate: {e}") from None
     torch.manual_seed(0)
     structure = discover(zoo(record.get("size", "default"))[record["model"]].build())
     plans = [Plan.from_json(json.dumps(p["plan_json"])) for p in record["plans"]]
-    return predictions_by_wait_scale(Profile.from_json(json.dumps(record["profile"])), structure, CommModel.from_dict(d),
+    return predictions_by_wait_scale(Profile.from_json(json.dumps(record["profile"])), structure, comm,
                                      plans, record["world_size"], scales)
 
 

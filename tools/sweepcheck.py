@@ -30,10 +30,6 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 HERE = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-# comm model schema versions whose fields this checkout reads (3 -> 4 changed how a figure is
-# measured, not the fields, as 5 -> 6 and 6 -> 7 did; 5 added ``wait_scale``, which a model of 3 or 4 lacks and gets this
-# checkout's: both versions' sweeps are then compared at one calibration): what --against may compare
-SAME_FIELDS = {3, 4, 5, 6, 7}
 
 
 def worker(repo: str, out: str) -> None:
@@ -68,7 +64,7 @@ def spreads(records: list[str], comm_texts: list[str]) -> dict[str, dict]:
     """Per simcheck record: each plan's predictions from every comm model, and their spread."""
     import torch
 
-    from autodist.cost.comm import COMM_SCHEMA_VERSION, CommModel
+    from autodist.cost.comm import comm_model_of_another_checkout
     from autodist.cost.fidelity import DEFAULT_CPU_WAIT_SCALE
     from autodist.cost.profile import Profile
     from autodist.measure.fidelity import pct_apart, predictions_by_comm, sweep_spread
@@ -78,13 +74,12 @@ def spreads(records: list[str], comm_texts: list[str]) -> dict[str, dict]:
 
     models = []
     for text in comm_texts:
-        d = json.loads(text)
-        if d.get("schema_version") not in SAME_FIELDS:
-            raise SystemExit(f"sweepcheck: a comm model of schema version {d.get('schema_version')!r}; this checkout reads "
-                             f"{sorted(SAME_FIELDS)} (versions with the same fields)")
-        d["schema_version"] = COMM_SCHEMA_VERSION  # see the module docstring (--against)
-        d.setdefault("wait_scale", DEFAULT_CPU_WAIT_SCALE)  # an older sweep, compared at this checkout's calibration
-        models.append(CommModel.from_dict(d))
+        # see the module docstring (--against): an older sweep without a wait scale is compared at
+        # this checkout's calibration
+        try:
+            models.append(comm_model_of_another_checkout(json.loads(text), wait_scale=DEFAULT_CPU_WAIT_SCALE))
+        except ValueError as e:
+            raise SystemExit(f"sweepcheck: {e}") from None
     out = {}
     for path in records:
         with open(path) as f:

@@ -261,6 +261,24 @@ class CommModel:
 # ----------------------------------------------------------------------------------------------
 # fitting
 # ----------------------------------------------------------------------------------------------
+# Comm model schema versions whose fields this checkout reads, for the tools that re-predict records
+# measured by other checkouts (tools/calibrate.py, tools/sweepcheck.py): 3 -> 4, 5 -> 6 and 6 -> 7
+# changed how a figure is measured, not the fields; 5 added ``wait_scale`` and 8 ``workers`` (1 when
+# absent, which moves the predicted memory only).
+READABLE_COMM_SCHEMAS = frozenset({3, 4, 5, 6, 7, 8})
+
+
+def comm_model_of_another_checkout(d: dict[str, Any], *, wait_scale: float = 1.0) -> CommModel:
+    """The comm model ``d`` (a dict from its JSON) read with this checkout's fields, whichever of
+    :data:`READABLE_COMM_SCHEMAS` it was written with; ``wait_scale`` where it has none."""
+    if d.get("schema_version") not in READABLE_COMM_SCHEMAS:
+        raise ValueError(f"a comm model of schema version {d.get('schema_version')!r}; this checkout reads "
+                         f"{sorted(READABLE_COMM_SCHEMAS)} (versions with the same fields)")
+    d = dict(d, schema_version=COMM_SCHEMA_VERSION)
+    d.setdefault("wait_scale", wait_scale)
+    return CommModel.from_dict(d)
+
+
 def _max_rel_err(piece: Piece, points: list[tuple[float, float]]) -> float:
     return max(abs(piece(x) - t) / t for x, t in points)
 
