@@ -1070,6 +1070,10 @@ class Simulator:
         # the transfer starts instead (simulator version 12), a gather's 9 MiB buffer issued while
         # a reduction ran was missed at a backward's peak (resnet18: 156.2 MiB predicted, 164.6
         # measured) and another's was counted at a later one it had finished before (143.4, 134.7).
+        # Not settled by measurement: whether a third collective issued at once on one gloo group
+        # waits for a worker before its buffer is allocated (three gathers issued together held two
+        # buffers at their peak in one run, three in another, tests/test_metrics.py); where it
+        # does not, this under-counts a buffer.
         workers = max(1, self.comm.workers)
         taken_up = {"gather": 0, "reduce": 0}  # collectives each group's workers hold
         waiting: dict[str, list[int]] = {"gather": [], "reduce": []}  # issued, not yet taken up
