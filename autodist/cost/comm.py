@@ -258,9 +258,6 @@ class CommModel:
         return cls(backend, w, device, ops, meta={"source": "analytic", "bandwidth": bandwidth_bytes_s, "latency": latency_s})
 
 
-# ----------------------------------------------------------------------------------------------
-# fitting
-# ----------------------------------------------------------------------------------------------
 # Comm model schema versions whose fields this checkout reads, for the tools that re-predict records
 # measured by other checkouts (tools/calibrate.py, tools/sweepcheck.py): 3 -> 4, 5 -> 6 and 6 -> 7
 # changed how a figure is measured, not the fields; 5 added ``wait_scale`` and 8 ``workers`` (1 when
@@ -279,6 +276,9 @@ def comm_model_of_another_checkout(d: dict[str, Any], *, wait_scale: float = 1.0
     return CommModel.from_dict(d)
 
 
+# ----------------------------------------------------------------------------------------------
+# fitting
+# ----------------------------------------------------------------------------------------------
 def _max_rel_err(piece: Piece, points: list[tuple[float, float]]) -> float:
     return max(abs(piece(x) - t) / t for x, t in points)
 
