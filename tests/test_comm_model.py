@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -55,8 +56,6 @@ def test_a_larger_message_never_takes_less_time_and_the_pieces_join_between_thei
 
 def _copy_seconds(nbytes, calls=20):
     """A 10th percentile of copying ``nbytes`` between two warm host tensors, timed here."""
-    import time
-
     a, b = torch.empty(nbytes // 4), torch.randn(nbytes // 4)
     a.copy_(b)
     times = []
@@ -67,10 +66,28 @@ def _copy_seconds(nbytes, calls=20):
     return sorted(times)[calls // 10]
 
 
+def _fresh_seconds(nbytes, tries=5):
+    """The lower quartile of ``tries`` of writing a tensor of ``nbytes`` allocated just before, less
+    that of writing one that exists."""
+    src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
+    dst.copy_(src)
+    fresh, existing = [], []
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        t1 = time.perf_counter()
+        new = torch.empty(nbytes // 4)
+        new.copy_(src)
+        fresh.append(time.perf_counter() - t1)
+        existing.append(t1 - t0)
+        del new
+    return sorted(fresh)[(tries - 1) // 4] - sorted(existing)[(tries - 1) // 4]
+
+
 def _sweep():
     m = sweep(dist.group.WORLD, torch.device("cpu"))
     worst = {op: max(abs(om(x) - t) / t for x, t in om.samples) for op, om in m.ops.items()}
-    return m.to_json(), worst, m.meta["sweep_seconds"], _copy_seconds(16 << 20)
+    return m.to_json(), worst, m.meta["sweep_seconds"], _copy_seconds(16 << 20), _fresh_seconds(64 << 20)
 
 
 def test_sweep_is_fast_identical_on_every_rank_and_fits_its_samples(world2):
@@ -106,6 +123,13 @@ def test_sweep_is_fast_identical_on_every_rank_and_fits_its_samples(world2):
     copy_s = min(r[3] for r in results)
     for op in ("d2h", "h2d"):
         assert copy_s / 3 < model.time(op, 16 << 20) < copy_s * 3, (op, model.time(op, 16 << 20), copy_s)
+    # fresh memory costs its page faults at every size measured from the mmap threshold up (glibc's
+    # threshold stops rising at 32 MiB), as measured here on its own
+    from autodist.measure.sweep import FIRST_TOUCH_MIB
+
+    assert [b for b, _ in model.first_touch] == [float(mib << 20) for mib in FIRST_TOUCH_MIB]
+    fresh_s = min(r[4] for r in results)
+    assert fresh_s > 0 and fresh_s / 3 < model.first_touch_s(64 << 20) < fresh_s * 3, (model.first_touch, fresh_s)
 
 
 def _runtime_overhead(mesh_size, fail_on=None):
@@ -169,7 +193,8 @@ def test_a_sweep_in_passes_keeps_each_figure_s_median_so_one_pass_read_high_is_l
     def one(scale, wait, spread):
         samples = {"all_gather": [(1024.0, 1e-4 * scale), (4096.0, 2e-4 * scale)]}
         host = {"all_gather": [(1024.0, 1e-5 * scale), (4096.0, 1e-5 * scale)]}
-        return _Pass(samples, host, {"all_gather": [[1024.0, 1.2, 3.0 * scale, wait], [4096.0, 1.1, 2.0, wait]]}, spread)
+        return _Pass(samples, host, {"all_gather": [[1024.0, 1.2, 3.0 * scale, wait], [4096.0, 1.1, 2.0, wait]]}, spread,
+                     [[float(32 << 20), 0.01 * scale], [float(64 << 20), 0.02 * scale]])
 
     passes = [one(1.0, 1.5, 1.2), one(1.5, 2.7, 1.9), one(1.1, 1.6, 1.3)]  # the second read high throughout
     c = _combine(passes)
@@ -177,6 +202,7 @@ def test_a_sweep_in_passes_keeps_each_figure_s_median_so_one_pass_read_high_is_l
     assert c.host_samples["all_gather"][0] == (1024.0, pytest.approx(1.1e-5))
     assert c.contention == {"all_gather": [[1024.0, 1.2, pytest.approx(3.3), 1.6], [4096.0, 1.1, 2.0, 1.6]]}
     assert c.spread == 1.3
+    assert c.first_touch == [[float(32 << 20), pytest.approx(0.011)], [float(64 << 20), pytest.approx(0.022)]]
     # how far the passes disagreed, the median over the eight figures: three at 0.5/1.1 (the two
     # times, the 1 KiB comm slowdown), two at 1.2/1.6 (the waits), three at 0
     assert _pass_spread(passes) == pytest.approx(0.5 / 1.1)

@@ -33,8 +33,12 @@ TRAIN_BYTES = 4 << 20
 # measured steps (autodist/cost/fidelity.py [Note: the wait calibration]); 6: the timings and the
 # contention figures are measured in three passes and each keeps its median (autodist/measure/sweep.py
 # [Note: a sweep in passes]): a model of one pass is measured again; 7: a host-device copy is timed
-# whole (on the CPU it runs inside the call, which schema 6 subtracted: its copies read as free)
-COMM_SCHEMA_VERSION = 8
+# whole (on the CPU it runs inside the call, which schema 6 subtracted: its copies read as free);
+# 8: ``workers``, the collectives a process group's backend takes up at once; 9: the cost of fresh
+# memory (``first_touch``) is measured in every round of every pass, not in one burst (autodist/
+# measure/sweep.py [Note: fresh memory, measured across the sweep]): a model measured before is
+# measured again
+COMM_SCHEMA_VERSION = 9
 
 
 @dataclass
@@ -259,10 +263,10 @@ class CommModel:
 
 
 # Comm model schema versions whose fields this checkout reads, for the tools that re-predict records
-# measured by other checkouts (tools/calibrate.py, tools/sweepcheck.py): 3 -> 4, 5 -> 6 and 6 -> 7
+# measured by other checkouts (tools/calibrate.py, tools/sweepcheck.py): 3 -> 4, 5 -> 6, 6 -> 7 and 8 -> 9
 # changed how a figure is measured, not the fields; 5 added ``wait_scale`` and 8 ``workers`` (1 when
 # absent, which moves the predicted memory only).
-READABLE_COMM_SCHEMAS = frozenset({3, 4, 5, 6, 7, 8})
+READABLE_COMM_SCHEMAS = frozenset({3, 4, 5, 6, 7, 8, 9})
 
 
 def comm_model_of_another_checkout(d: dict[str, Any], *, wait_scale: float = 1.0) -> CommModel:

@@ -197,6 +197,9 @@ class _Pass:
     host_samples: dict[str, list[tuple[float, float]]]
     contention: dict[str, list[list[float]]]
     spread: float
+    # [[bytes, seconds], ...] at FIRST_TOUCH_MIB: the extra cost of writing fresh memory (the slowest
+    # rank's lower quartile of the pass's tries; see [Note: fresh memory, measured across the sweep])
+    first_touch: list[list[float]]
 
 
 def _measure_pass(
@@ -210,6 +213,8 @@ def _measure_pass(
     per_round = [max(1, -(-c // cfg.rounds)) for c in calls]
     issued: list[list[float]] = [[] for _ in cases]
     durations: list[list[float]] = [[] for _ in cases]
+    fresh = _FreshMemory(device)
+    fresh_tries: list[list[float]] = [[] for _ in FIRST_TOUCH_MIB]
     for _ in range(cfg.rounds):
         dist.barrier(group=group)
         for _, _, issue in cases[:3]:  # wake the backend's threads before the first timed call
@@ -218,6 +223,10 @@ def _measure_pass(
             a, b = _time_calls(issue, per_round[i], device, group)
             issued[i] += a
             durations[i] += b
+        for tries, t in zip(fresh_tries, fresh.tries()):
+            tries.append(t)
+    del fresh
+    first_touch = [max(0.0, lower_quartile(tries)) for tries in fresh_tries]
     names = [(op, nb) for op, nb, _ in cases]
     # [Note: the caller's share of a collective] The compute thread itself spends time on every
     # collective: issuing it (gloo's list reduce-scatter copies its input there; every backend
@@ -241,8 +250,10 @@ def _measure_pass(
         for op, nb, issue in cases:
             if nb >= probe and op not in collected and op in COLLECTIVES:
                 collected[op] = _quantile(_wait_when_done(issue, 10, group), 0.25)
-    times = _max_over_ranks(times + issue_times + [collected.get(op, 0.0) for op in COLLECTIVES], group, device)
-    times, issue_times, collected_times = times[: len(cases)], times[len(cases) : 2 * len(cases)], times[2 * len(cases) :]
+    n = len(cases)
+    times = _max_over_ranks(times + issue_times + [collected.get(op, 0.0) for op in COLLECTIVES] + first_touch, group, device)
+    times, issue_times, collected_times, first_touch = (
+        times[:n], times[n : 2 * n], times[2 * n : 2 * n + len(COLLECTIVES)], times[2 * n + len(COLLECTIVES) :])
     collected = dict(zip(COLLECTIVES, collected_times))
     samples: dict[str, list[tuple[float, float]]] = {}
     host_samples: dict[str, list[tuple[float, float]]] = {}
@@ -253,7 +264,8 @@ def _measure_pass(
     # the contention figures are relative to this pass's own base times (what the pass measured)
     ops = {op: fit_op(_monotone(pts)) for op, pts in samples.items()}
     contention = _contention(comm, group, device, ops, collected) if world > 1 else {}
-    return _Pass(samples, host_samples, contention, spread)
+    return _Pass(samples, host_samples, contention, spread,
+                 [[float(mib << 20), s] for mib, s in zip(FIRST_TOUCH_MIB, first_touch)])
 
 
 def _monotone(pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -281,8 +293,10 @@ def _combine(passes: list[_Pass]) -> _Pass:
                for i, row in enumerate(rows)]
         for kind, rows in passes[0].contention.items()
     }
+    first_touch = [[row[0], statistics.median(p.first_touch[i][1] for p in passes)]
+                   for i, row in enumerate(passes[0].first_touch)]
     return _Pass(samples([p.samples for p in passes]), samples([p.host_samples for p in passes]), contention,
-                 statistics.median(p.spread for p in passes))
+                 statistics.median(p.spread for p in passes), first_touch)
 
 
 def _pass_spread(passes: list[_Pass]) -> float:
@@ -344,10 +358,7 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
     from .overhead import measure_runtime_overhead
 
     overhead = asdict(measure_runtime_overhead(device, comm))
-    first_touch = _first_touch(device)
-    if world > 1:  # the slowest rank's (every rank derives the same plan from the same model)
-        costs = _max_over_ranks([s for _, s in first_touch], group, device)
-        first_touch = [[b, s] for (b, _), s in zip(first_touch, costs)]
+    first_touch = combined.first_touch  # the slowest rank's (every rank derives the same plan from the same model)
     model = CommModel(
         # the wait figures' calibration for the machine class (see [Note: the wait calibration])
         wait_scale=DEFAULT_CPU_WAIT_SCALE if device.type == "cpu" else 1.0,
@@ -602,46 +613,60 @@ def collective_train(group: dist.ProcessGroup, device: torch.device) -> Collecti
 FIRST_TOUCH_MIB = (4, 16, 24, 32, 40, 48, 64)  # sizes the cost of fresh memory is measured at
 
 
-def _first_touch(device: torch.device) -> list[list[float]]:
-    """[bytes, seconds]: how much longer writing a tensor allocated just before takes than writing
-    one that exists, at ``FIRST_TOUCH_MIB`` (each the lower quartile of 5 tries, after a round
-    that lets the allocator settle).
+class _FreshMemory:
+    """How much longer writing a tensor allocated just before takes than writing one that exists,
+    at ``FIRST_TOUCH_MIB``: one try per size at a time (:meth:`tries`), which a sweep pass takes
+    once per round, between its timings (see [Note: fresh memory, measured across the sweep]).
 
     [Note: fresh memory] glibc serves an allocation at or above its mmap threshold with fresh
     pages, which the kernel faults in and zeroes as they are first written — and its threshold
     rises with the sizes freed, but not far: on the development host writing a new 64 MiB tensor
-    took 35-50 ms more than writing an existing one, a new 34 MiB tensor nothing more. The runtime allocates every step what a gather lands in and copies out to,
-    and each reduce-scatter's input, so a model with large parameters pays this on the CPU where a
-    GPU's caching allocator pays nothing (this measures ~0 there)."""
+    took 23-50 ms more than writing an existing one, a new 24 MiB tensor nothing more. The runtime
+    allocates every step what a gather lands in and copies out to, and each reduce-scatter's input,
+    so a model with large parameters pays this on the CPU where a GPU's caching allocator pays
+    nothing (this measures ~0 there).
 
-    rows = []
-    for rnd in range(2):
-        rows = []
+    [Note: fresh memory, measured across the sweep] The cost moves with the host's state from one
+    second to the next, not from one try to the next: on the development host (2 ranks measuring
+    at once) five tries taken together read 28.0-29.9 ms for a new 64 MiB tensor, and five taken
+    three seconds later 39.0-41.0; eight sweeps' figures taken ten seconds apart read 23.8-36.6 ms.
+    Comm model schema 8 took its five tries together, once per sweep, and the zoo's sweeps read
+    20.6-35.3 ms: wide-mlp's sharded plans, which write ten such tensors a step, were predicted
+    14-19% slow from a sweep that read 32.6 ms, and 3.6-8.6% slow from one that read 23.1. So each
+    round of every pass takes one try per size, spread over the pass's timings; a pass keeps the
+    lower quartile of its tries ([Note: the lower quartile] in measure/robust.py), the slowest
+    rank's, and the sweep the median over its passes."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        largest = (max(FIRST_TOUCH_MIB) << 20) // 4
+        self.src = torch.ones(largest, device=device)
+        self.dst = torch.empty(largest, device=device)
+        self.dst.copy_(self.src)
+        self.tries()  # let the allocator's threshold settle on these sizes (see [Note: fresh memory])
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def tries(self) -> list[float]:
+        """One try per size: seconds of writing a new tensor less those of writing an existing one."""
+        out = []
         for mib in FIRST_TOUCH_MIB:
             n = (mib << 20) // 4
-            src = torch.ones(n, device=device)
-            dst = torch.empty(n, device=device)
+            src, dst = self.src[:n], self.dst[:n]
+            self._sync()
+            t0 = time.perf_counter()
             dst.copy_(src)
-            existing, fresh = [], []
-            for _ in range(5 if rnd else 1):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                dst.copy_(src)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t1 = time.perf_counter()
-                new = torch.empty(n, device=device)
-                new.copy_(src)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t2 = time.perf_counter()
-                del new
-                existing.append(t1 - t0)
-                fresh.append(t2 - t1)
-            rows.append([float(mib << 20), max(0.0, lower_quartile(fresh) - lower_quartile(existing))])
-            del src, dst
-    return rows
+            self._sync()
+            t1 = time.perf_counter()
+            new = torch.empty(n, device=self.device)
+            new.copy_(src)
+            self._sync()
+            t2 = time.perf_counter()
+            del new
+            out.append((t2 - t1) - (t1 - t0))
+        return out
 
 
 def _transient_bytes(comm: Any, device: torch.device) -> dict[str, float]:
