@@ -631,11 +631,13 @@ class _FreshMemory:
     at once) five tries taken together read 28.0-29.9 ms for a new 64 MiB tensor, and five taken
     three seconds later 39.0-41.0; eight sweeps' figures taken ten seconds apart read 23.8-36.6 ms.
     Comm model schema 8 took its five tries together, once per sweep, and the zoo's sweeps read
-    20.6-35.3 ms: wide-mlp's sharded plans, which write ten such tensors a step, were predicted
-    14-19% slow from a sweep that read 32.6 ms, and 3.6-8.6% slow from one that read 23.1. So each
-    round of every pass takes one try per size, spread over the pass's timings; a pass keeps the
-    lower quartile of its tries ([Note: the lower quartile] in measure/robust.py), the slowest
-    rank's, and the sweep the median over its passes."""
+    20.6-35.3 ms: wide-mlp's fsdp and random3, which write ten such tensors a step, were predicted
+    19% and 17% slow from a sweep that read 32.6 ms, and 7.0% and 8.7% slow with the figures of one
+    that read 23.1 (the rest of the comm model unchanged). So each round of every pass takes one
+    try per size, spread over the pass's timings; a pass keeps the lower quartile of its tries
+    ([Note: the lower quartile] in measure/robust.py), the slowest rank's, and the sweep the median
+    over its passes: three sweeps in a row read 22.3, 28.8 and 22.3 ms, and the zoo measured with
+    them has those two and wide-mlp's tightest searched plan within -4.3% to +1.9%."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
