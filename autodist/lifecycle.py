@@ -388,6 +388,7 @@ class AutoPlanner:
                 SearchFailed(f"the search on rank 0 failed: {payload['failure']}") if "failure" in payload else BudgetError(payload["error"])
             )
             if self.world > 1:
+                self.comm.destroy()  # see [Note: object exchanges and interpreter exit]
                 raise reported_once(mark_raised_on_every_rank(err), rank=self.rank)  # type: ignore[arg-type]
             raise err
         now_plan = Plan.from_json(payload["now"])

@@ -41,6 +41,9 @@ def _reported_once(init: Callable[..., None]) -> Callable[..., None]:
         except AutoDistError as e:
             if not getattr(e, "raised_on_every_rank", False) or not dist.is_initialized() or dist.get_world_size() == 1:
                 raise
+            comm = getattr(self, "_comm", None)
+            if comm is not None:
+                comm.destroy()  # see [Note: object exchanges and interpreter exit]
             raise reported_once(e, rank=dist.get_rank()) from None
 
     return wrapped

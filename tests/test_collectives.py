@@ -181,6 +181,65 @@ def test_collectives_issued_in_backward_hold_no_python_object(world2):
     assert held == [{"context stashed": True, "kept alive": False}] * 2
 
 
+def _object_exchanges_then_destroy():
+    # [Note: object exchanges and interpreter exit]: once a Comm is destroyed, no backend thread of
+    # its groups is left, nor any tensor an exchange handed to one
+    import gc
+    import os
+    import weakref
+
+    from autodist.runtime.comm import Comm
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    before = threads()
+    comm = Comm(dist.group.WORLD)
+    rank = dist.get_rank()
+    alive = [0]
+    real = {name: getattr(dist, name) for name in ("all_gather", "broadcast")}
+
+    def watching(fn):
+        def run(*args, **kwargs):
+            for arg in args[:2]:
+                for t in arg if isinstance(arg, list) else [arg]:
+                    if isinstance(t, torch.Tensor):
+                        alive[0] += 1
+                        weakref.finalize(t, lambda: alive.__setitem__(0, alive[0] - 1))
+            return fn(*args, **kwargs)
+        return run
+
+    results = []
+    try:
+        for name, fn in real.items():
+            setattr(dist, name, watching(fn))
+        for i in range(3):
+            results.append(comm.all_gather_object({"rank": rank, "i": i, "pad": "x" * (100 * rank)}))
+            results.append(comm.broadcast_object(f"from rank 1, exchange {i}" if rank == 1 else None, src=1))
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    during = threads()
+    comm.destroy()
+    after, held = threads(), alive[0]
+    del comm
+    gc.collect()
+    return {"results": results, "threads": (before, during, after), "tensors alive": held}
+
+
+def test_object_exchanges_leave_no_backend_thread_or_tensor_once_destroyed(world2):
+    out = world2.run(_object_exchanges_then_destroy)
+    expected = []
+    for i in range(3):
+        expected.append([{"rank": r, "i": i, "pad": "x" * (100 * r)} for r in range(2)])
+        expected.append(f"from rank 1, exchange {i}")
+    for r in range(2):
+        assert out[r]["results"] == expected
+        before, during, after = out[r]["threads"]
+        assert during > before and after == before, out[r]["threads"]
+        assert out[r]["tensors alive"] == 0
+
+
 class _SkipsAMiddleLayer(torch.nn.Module):
     """Four layers of different sizes; ``skip`` leaves out the second (control flow of this rank's own)."""
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import pickle
 import time
 import zlib
 from collections.abc import Iterator
@@ -354,12 +355,20 @@ def _backend_option(group: dist.ProcessGroup, name: str, kind: type) -> Any:
     return None
 
 
+def _pickled(obj: object) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _unpickled(data: torch.Tensor, size: int) -> object:
+    return pickle.loads(data[:size].numpy().tobytes())
+
+
 class Comm:
     """The collectives of one AutoDist instance, on its own gather and reduce process groups.
 
     [Note: AutoDist's own process groups] Gathers and reductions run on two groups of the mesh's
-    ranks made here (and, on NCCL, a gloo group for the collective-order check), so that they can
-    proceed concurrently. They are made with ``use_local_synchronization``: only the mesh's ranks
+    ranks made here, so that they can proceed concurrently, and a third (gloo on every backend)
+    carries the collective-order check and the exchange of objects. They are made with ``use_local_synchronization``: only the mesh's ranks
     take part, and torch names such a group by a hash of its ranks. Made the default way, a group's
     name is c10d's group counter alone, and a collective over the whole job: two meshes of
     disjoint ranks wrapping at once (``new_subgroups``, a pipeline's stages) made groups of the same
@@ -380,11 +389,11 @@ class Comm:
             timeout = group_timeout(self.group)  # see [Note: inherited timeout]
             self.gather_pg = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
             self.reduce_pg = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
-            # the collective-order check runs on the host (gloo): on NCCL it neither synchronises the
-            # device nor waits on the step's critical path (see check_sequence)
-            self.check_pg = self.group if self.backend == "gloo" else dist.new_group(
-                ranks, timeout=timeout, backend="gloo", use_local_synchronization=True,
-            )
+            # the collective-order check and the exchange of objects run on the host (gloo), on a
+            # group of their own: on NCCL they neither synchronise the device nor wait on the step's
+            # critical path (see check_sequence), and :meth:`destroy` can end its threads (see
+            # [Note: object exchanges and interpreter exit])
+            self.check_pg = dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
         else:
             self.gather_pg = self.reduce_pg = self.check_pg = self.group
         self._owns_groups = True
@@ -517,8 +526,7 @@ class Comm:
         bad = [i // 4 for i in range(half) if n * sums[half + i] != sums[i] ** 2]
         if not bad:
             return
-        everyone: list[object] = [None] * n
-        dist.all_gather_object(everyone, entries, group=self.check_pg)
+        everyone = self.all_gather_object(entries)
         first = next((r for r in range(n) if everyone[r] != everyone[0]), 1)
         a, b = everyone[0], everyone[first]
         i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
@@ -548,25 +556,65 @@ class Comm:
             "in the plan), or make the control flow the same on every rank."
         )
 
+    # -- objects ------------------------------------------------------------------------------
+    # [Note: object exchanges and interpreter exit]
+    # Plans, profiles, statuses and errors are exchanged as pickles in host tensors on ``check_pg``,
+    # a gloo group of AutoDist's own. A gloo collective runs on one of its group's worker threads,
+    # and that thread drops its reference to the work after the caller has been woken; when it is
+    # the last reference, the thread frees the work's tensors, which were made in Python, and takes
+    # the GIL to do so. When every rank refuses a plan, the job exits right after the exchange that
+    # found the error, and the thread could still be waiting for the GIL when the interpreter
+    # finalised: it was then torn down inside the destructor, and the process aborted ("terminate
+    # called without an active exception"; a core dump shows ~AsyncAllgatherWork under
+    # ProcessGroupGloo::runLoop, in take_gil). It aborted in 4 of 12 launches on 2 CPU ranks; a
+    # barrier after the exchange did not help (4 of 24: a gloo barrier holds the works before it).
+    # Keeping the works referenced until the next exchange does not either: the worker thread
+    # was seen dropping its reference after the caller had started the next exchange. What does
+    # help is ending the threads: :meth:`destroy` destroys the groups this Comm made and lets go of
+    # them, so the process groups are freed, which waits for their queued work and joins their
+    # threads (torch releases the GIL to free a process group). Every error that ends the job on
+    # every rank destroys the Comm before it leaves AutoDist (wrapper.py, lifecycle.py): 0 of 30
+    # launches aborted.
+    def _host_rank(self, rank: int) -> int:
+        """The rank in ``check_pg`` of rank ``rank`` of ``group``."""
+        return dist.get_group_rank(self.check_pg, dist.get_global_rank(self.group, rank))
+
     def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's ``obj``, indexed by rank in ``group``."""
         if self.world_size == 1:
             return [obj]
-        out: list[object] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        mine = _pickled(obj)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([mine.numel()]), group=self.check_pg)
+        longest = max(int(s) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: mine.numel()] = mine
+        datas = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(datas, padded, group=self.check_pg)
+        by_host_rank = [_unpickled(d, int(s)) for d, s in zip(datas, sizes)]
+        return [by_host_rank[self._host_rank(r)] for r in range(self.world_size)]
 
     def broadcast_object(self, obj: object, src: int = 0) -> object:
+        """Rank ``src``'s ``obj`` (a rank in ``group``) on every rank; rank ``src`` gets ``obj`` itself."""
         if self.world_size == 1:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src), group=self.group)
-        return box[0]
+        root = dist.get_global_rank(self.group, src)
+        data = _pickled(obj) if self.rank == src else None
+        size = torch.tensor([0 if data is None else data.numel()])
+        dist.broadcast(size, src=root, group=self.check_pg)
+        if data is None:
+            data = torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(data, src=root, group=self.check_pg)
+        return obj if self.rank == src else _unpickled(data, int(size))
 
     def destroy(self) -> None:
+        """Destroy the groups this ``Comm`` made and let go of them, ending their backend threads
+        (see [Note: object exchanges and interpreter exit]); the ``Comm`` is not used afterwards."""
         if self.world_size > 1 and self._owns_groups:
-            pgs = [self.gather_pg, self.reduce_pg] + ([self.check_pg] if self.check_pg is not self.group else [])
-            for pg in pgs:
+            for pg in (self.gather_pg, self.reduce_pg, self.check_pg):
                 try:
                     dist.destroy_process_group(pg)
                 except (ValueError, RuntimeError):  # already destroyed with the default group
                     pass
+            del self.gather_pg, self.reduce_pg, self.check_pg
+            self._owns_groups = False
