@@ -388,7 +388,6 @@ class AutoPlanner:
                 SearchFailed(f"the search on rank 0 failed: {payload['failure']}") if "failure" in payload else BudgetError(payload["error"])
             )
             if self.world > 1:
-                self.comm.destroy()  # see [Note: object exchanges and interpreter exit]
                 raise reported_once(mark_raised_on_every_rank(err), rank=self.rank)  # type: ignore[arg-type]
             raise err
         now_plan = Plan.from_json(payload["now"])
@@ -608,7 +607,11 @@ class AutoPlanner:
             if self.rank == 0:
                 logger.warning("autodist: %s Keeping the safe plan, which is running.", e)
             return
-        # a BudgetError propagates: the budget is a contract (every rank raises it, from this forward)
+        except BudgetError:
+            # it propagates: the budget is a contract (every rank raises it, from this forward), and
+            # the job ends (see [Note: object exchanges and interpreter exit] in runtime/comm.py)
+            self.comm.destroy()
+            raise
         self._switch(now)
         if self.rank == 0:
             more = [u.name for u, v in zip(free.units, now.units) if u.placement != v.placement]
