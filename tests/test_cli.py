@@ -452,3 +452,21 @@ def test_planning_twice_plans_from_the_same_cached_profile_and_reprofile_measure
     assert outs[0]["predicted"] == outs[1]["predicted"]
     assert Plan.from_dict(outs[0]).hash() == Plan.from_dict(outs[1]).hash()
     assert len(list((tmp_path / "cache" / "profiles").glob("*.json"))) == 1  # measured again in place
+
+
+def test_plantwice_runs_one_plan_command_again_and_compares(cli: Cli, tmp_path: Path) -> None:
+    out = tmp_path / "twice.json"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "plantwice.py"), "--runs", "2", "--memory-limit", "none",
+         "--memory-limit", "1KiB", "--json", str(out), "--", *TINY_ARGS, "--world-size", "2"],
+        capture_output=True, text=True, timeout=300, env=cli.env,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    entry = report["limits"]["none"]
+    assert len(entry["predicted_step_s"]) == 2 and entry["spread"] >= 0 and isinstance(entry["same_plan"], bool)
+    # the command again without --reprofile plans from the profile the last run cached: its plan
+    # and prediction exactly
+    assert entry["cached_rerun_equals_last"] and entry["cached_rerun_step_s"] == entry["predicted_step_s"][-1]
+    assert "no plan fits the budget of 1.00 KiB" in report["limits"]["1KiB"]["failed"]  # reported, not fatal
+    assert "the last run's" in run.stdout
