@@ -567,9 +567,9 @@ class Comm:
     # finalised: it was then torn down inside the destructor, and the process aborted ("terminate
     # called without an active exception"; a core dump shows ~AsyncAllgatherWork under
     # ProcessGroupGloo::runLoop, in take_gil). It aborted in 4 of 12 launches on 2 CPU ranks; a
-    # barrier after the exchange did not help (4 of 24: a gloo barrier holds the works before it).
-    # Keeping the works referenced until the next exchange does not either: the worker thread
-    # was seen dropping its reference after the caller had started the next exchange. What does
+    # barrier after the exchange did not help (1 of 20, then 3 of 24: a gloo barrier holds the works
+    # queued before it). Keeping the works referenced until the next exchange does not either: the
+    # worker thread was seen dropping its reference after the caller had started the next one. What does
     # help is ending the threads: :meth:`destroy` destroys the groups this Comm made and lets go of
     # them, so the process groups are freed, which waits for their queued work and joins their
     # threads (torch releases the GIL to free a process group). Every error that ends the job on
