@@ -133,6 +133,7 @@ class AutoDist(nn.Module):
         self._mixed_precision = mixed_precision
         self._explicit_budget = memory_limit is not None
         self._auto = None
+        self._closed = False
         if mesh is not None and mesh.ndim != 1:
             raise ValueError(f"AutoDist runs on a 1-D DeviceMesh; got a {mesh.ndim}-D mesh {mesh}")
         device = init_distributed(torch.device(mesh.device_type) if mesh is not None and mesh.device_type == "cpu" else None)
@@ -373,6 +374,11 @@ class AutoDist(nn.Module):
     # nn.Module interface
     # ---------------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise RuntimeError(
+                "this AutoDist instance was closed: close() removed its hooks and released its process groups. "
+                "Wrap the model again (AutoDist(model.module, ...)) to train it; state_dict() still gives its parameters."
+            )
         if torch.is_grad_enabled():
             if self._auto is not None:  # first: its planning (which may profile) is outside the step's memory window
                 self._auto.before_forward(args, kwargs)
@@ -462,9 +468,14 @@ class AutoDist(nn.Module):
         self._engine.sync_enabled = bool(requires_gradient_sync)
 
     def close(self) -> None:
-        """Remove every hook and release this instance's process groups (the model stays usable as a
-        plain module holding its current parameters). Logs the last step when ``log_every`` is set and
-        it was not logged yet. Call on every rank."""
+        """Remove every hook and release this instance's process groups; calling the instance
+        afterwards raises. ``module`` keeps its current parameters as the plan placed them: a module
+        whose parameters are all replicated runs as a plain module, and sharded ones stay this rank's
+        DTensor shards, which ``state_dict()`` still gathers. Logs the last step when ``log_every`` is
+        set and it was not logged yet. Call on every rank; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self._meter_done()
         self._engine.close()
         self._comm.destroy()

@@ -263,6 +263,28 @@ def _bad_arguments():
 def test_distributed_or_bad_arguments_fail_with_one_line_on_every_rank_before_anything_changes(world2):
     for res in world2.run(_bad_arguments, timeout=120):
         assert res == {name: "ok" for name in res}
+def _used_after_close():
+    m = AutoDist(models.make("mlp"), plan="fsdp")
+    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(0))
+    models.loss_fn("mlp", m(x), y).backward()
+    before = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    m.close()
+    try:
+        m(x)
+        said = "no error"
+    except RuntimeError as e:
+        said = str(e)
+    after = m.state_dict()
+    m.close()  # again: nothing to do
+    return said, sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_closed_instance_refuses_to_run_and_still_gives_its_state_dict(world2):
+    for said, same_state in world2.run(_used_after_close):
+        assert said.startswith("this AutoDist instance was closed") and "Wrap the model again" in said, said
+        assert same_state
+
+
 def _caught_and_uncaught_forms(directory):
     path = os.path.join(directory, "p4.json")
     if dist.get_rank() == 0:
