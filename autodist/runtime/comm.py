@@ -368,12 +368,13 @@ class Comm:
 
     [Note: AutoDist's own process groups] Gathers and reductions run on two groups of the mesh's
     ranks made here, so that they can proceed concurrently, and a third (gloo on every backend)
-    carries the collective-order check and the exchange of objects. They are made with ``use_local_synchronization``: only the mesh's ranks
-    take part, and torch names such a group by a hash of its ranks. Made the default way, a group's
-    name is c10d's group counter alone, and a collective over the whole job: two meshes of
-    disjoint ranks wrapping at once (``new_subgroups``, a pipeline's stages) made groups of the same
-    name, whose rendezvous keys in the store collided, and a rank could connect to another mesh's
-    peer and hang (seen on 4 CPU ranks, one run in three). Every rank that makes a group still
+    carries the collective-order check and the exchange of objects. They are made with
+    ``use_local_synchronization``: only the mesh's ranks take part, and torch names such a group by
+    a hash of its ranks. Made the default way, a group's name is c10d's group counter alone, and a
+    collective over the whole job: two meshes of disjoint ranks wrapping at once
+    (``new_subgroups``, a pipeline's stages) made groups of the same name, whose rendezvous keys in
+    the store collided, and a rank could connect to another mesh's peer and hang (seen on 4 CPU
+    ranks, one run in three). Every rank that makes a group still
     advances torch's group counter, so a job that later makes a group over every rank needs every
     rank to have wrapped the same number of AutoDist instances. The comm sweep makes no group of the
     mesh's ranks (it measures through :meth:`sharing_groups`), and none at all on a mesh smaller
