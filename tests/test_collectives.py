@@ -193,6 +193,8 @@ def _object_exchanges_then_destroy():
     def threads():
         return len(os.listdir("/proc/self/task"))
 
+    if not os.path.isdir("/proc/self/task"):
+        return None
     before = threads()
     comm = Comm(dist.group.WORLD)
     rank = dist.get_rank()
@@ -229,6 +231,8 @@ def _object_exchanges_then_destroy():
 
 def test_object_exchanges_leave_no_backend_thread_or_tensor_once_destroyed(world2):
     out = world2.run(_object_exchanges_then_destroy)
+    if out[0] is None:
+        pytest.skip("no /proc/self/task here to count a process's threads with")
     expected = []
     for i in range(3):
         expected.append([{"rank": r, "i": i, "pad": "x" * (100 * r)} for r in range(2)])
