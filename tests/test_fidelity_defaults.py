@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from autodist.cost.fidelity import (
+    BLOCKED_WAITS,
+    DEFAULT_CPU_BLOCKED_WAIT_S,
     DEFAULT_CPU_WAIT_SCALE,
     DEFAULT_MEMORY_HEADROOM,
     DEFAULT_SEED_MARGIN,
@@ -69,31 +71,36 @@ def _calibrate_tool():
     return tool
 
 
-def test_the_cpu_wait_scale_is_the_fit_to_every_committed_zoo_record_and_what_they_were_predicted_with():
+def test_the_cpu_wait_calibration_is_the_fit_to_every_committed_zoo_record_and_what_they_were_predicted_with():
     tool = _calibrate_tool()
     cal = json.loads((BENCH / "calibration.json").read_text())
-    assert DEFAULT_CPU_WAIT_SCALE == cal["wait_scale"]
+    fitted = (cal["wait_scale"], cal["blocked_wait_s"])
+    assert (DEFAULT_CPU_WAIT_SCALE, DEFAULT_CPU_BLOCKED_WAIT_S) == fitted
     assert sorted(Path(p).name for p in cal["records"]) == sorted(f"simcheck-{n}.json" for n in (*ZOO, "gpt-accum4"))
-    # the fit: of the scales within a point of the smallest worst excess of a record's error over its
-    # own best, the one whose worst record ranks best
-    errors = {float(k): v for k, v in cal["by_scale"].items()}
-    assert tuple(errors) == WAIT_SCALES
+    # the fit: of the pairs within a point of the smallest worst excess of a record's error over its
+    # own best, the one whose worst record's Spearman falls least short of its own best
+    errors = {tuple(map(float, k.split(","))): v for k, v in cal["by_calibration"].items()}
+    ranking = {tuple(map(float, k.split(","))): v for k, v in cal["spearman_by_calibration"].items()}
+    assert sorted(errors) == sorted((ws, bw) for ws in WAIT_SCALES for bw in BLOCKED_WAITS)
     names = list(cal["median_abs_pct_error_time"])
-    worst = {s: max(errors[s][n] - min(errors[t][n] for t in errors) for n in names) for s in errors}
-    assert worst[cal["wait_scale"]] <= min(worst.values()) + SCALE_TOLERANCE
+    worst = {c: max(errors[c][n] - min(errors[t][n] for t in errors) for n in names) for c in errors}
+    assert worst[fitted] <= min(worst.values()) + SCALE_TOLERANCE
+    assert best_wait_scale(errors, names, prior=(1.0, 0.0), within=SCALE_TOLERANCE, ranking=ranking) == fitted
     # ... and those errors and the plans' predictions at the fit are what the records give when predicted
-    # again, at the fit and either side; the records' own predictions were made at the fit (the seed
-    # margin above is taken from them)
-    fitted = cal["wait_scale"]
-    around = (round(fitted - 0.05, 2), fitted, round(fitted + 0.05, 2))
+    # again, at the fit and either side of each figure; the records' own predictions were made at the
+    # fit (the seed margin above is taken from them)
+    ws, bw = fitted
+    around = [(round(ws - 0.05, 2), bw), fitted, (round(ws + 0.05, 2), bw), (ws, round(bw + 0.0001, 4))]
     for path in cal["records"]:
         record = json.loads((BENCH / Path(path).name).read_text())
-        assert record["simulator"] == SIMULATOR_VERSION and record["comm_model"]["wait_scale"] == fitted
+        assert record["simulator"] == SIMULATOR_VERSION
+        assert (record["comm_model"]["wait_scale"], record["comm_model"]["blocked_wait_s"]) == fitted
         name = tool.record_name(record)
         measured = [p["measured_step_s"] for p in record["plans"]]
         again = tool.predictions_of(record, around)
-        for scale in around:
-            assert median_pct_error(again[scale], measured) == pytest.approx(errors[scale][name], rel=1e-9), (name, scale)
+        for c in around:
+            assert median_pct_error(again[c], measured) == pytest.approx(errors[c][name], rel=1e-9), (name, c)
+            assert spearman(again[c], measured) == pytest.approx(ranking[c][name]), (name, c)
         at_fit = [p["predicted_step_s"] for p in cal["at_fit"][name]["plans"]]
         assert again[fitted] == pytest.approx(at_fit, rel=1e-9)
         assert again[fitted] == pytest.approx([p["predicted_step_s"] for p in record["plans"]], rel=1e-9), name
@@ -118,6 +125,12 @@ def test_the_fit_ranks_within_a_point_of_the_best_and_holds_a_model_s_records_ou
     assert best_wait_scale(errors, ["a", "b"], within=3.0, ranking=ranking) == 1.0
     assert best_wait_scale(errors, ["a", "b"], within=2.0, ranking=ranking) == 1.0  # 5: within 2 of 3
     assert best_wait_scale(errors, ["a", "b"], within=0.0, ranking=ranking) == 2.0
+    # ... each record's Spearman against its own best: one no scale moves does not decide either
+    ranked_flat = {sc: dict(r, c=0.5) for sc, r in ranking.items()}
+    assert best_wait_scale(flat, ["a", "b", "c"], within=0.0, ranking=ranked_flat) == 2.0
+    # a calibration of several figures: a tuple, nearness to the prior taken in order
+    pairs = {(sc, bw): e for sc, e in errors.items() for bw in (0.0, 0.5)}
+    assert best_wait_scale(pairs, ["a", "b"], prior=(1.0, 0.0)) == (0.7, 0.0)
     assert tool.family("gpt-accum4") == tool.family("gpt") == "gpt" and tool.family("deep-mlp") == "deep-mlp"
 
 

@@ -356,6 +356,42 @@ def test_a_collective_stays_slowed_while_the_compute_thread_waits_for_it():
     assert slow.slowdowns("all_reduce", 1000) == (1.0, 2.0, 1.5)
 
 
+def test_a_wait_on_a_collective_not_yet_done_costs_the_compute_thread_the_blocked_wait_time():
+    blocked = replace(COMM, blocked_wait_s=1 * MS)
+    # bwd u1 20..40; AR u1 [40,44] is done long before the flush at 60, whose wait for it does not
+    # block; AR u0 issued at 60 and waited for at once: done at 64, and the wait costs 1 ms -> 65
+    two = Simulator(PROFILE, STRUCTURE, blocked, world_size=2).run(_two_all_reduce_buckets())
+    assert two.step_s == pytest.approx(65 * MS)
+    # every wait that blocks pays (74 ms without; see test_bounded_inflight_reductions_wait_in_backward):
+    # for u0's gather, issued at the step's start; for u1's, gathered again as the backward begins;
+    # for both reduce-scatters, waited for right after launch. u1's forward gather, prefetched under
+    # u0's forward, and u0's backward one, under u1's backward, are done when waited for
+    assert _sharded(inflight=0, comm=blocked).step_s == pytest.approx((74 + 4) * MS)
+    # the calibration travels with the model's JSON
+    assert type(COMM).from_json(blocked.to_json()).blocked_wait_s == 1 * MS
+
+
+def test_the_wait_scale_applies_to_a_collective_taken_up_alone_not_to_one_queued_behind_another():
+    # 1.5x slower while the compute thread waits, times the wait scale 2 -> 3x for a collective the
+    # comm queue takes up alone; one it takes up as the one before finishes runs at the 1.5x unscaled
+    rows = [[1.0, 1.0, 1.0, 1.5]]
+    scaled = CommModel("test", 2, "cpu", COMM.ops, contention={"all_reduce": rows}, wait_scale=2.0)
+    # u0's bucket first: u1's gradient (ready at 40) waits for it, and both launch at the end of
+    # backward (60): AR u0 [60,72] at 3x, then AR u1, queued behind it, [72,78] at 1.5x
+    plan = Plan(
+        world_size=2,
+        units=[UnitPlan("u0", ["u0.w"]), UnitPlan("u1", ["u1.w"])],
+        buckets=[Bucket(["u0.w"], "all_reduce"), Bucket(["u1.w"], "all_reduce")],
+    )
+    r = Simulator(PROFILE, STRUCTURE, scaled, world_size=2).run(plan, record=True)
+    comm = [(e.name, e.start, e.end) for e in r.events if e.stream == "comm"]
+    assert [n for n, _, _ in comm] == ["all_reduce bucket0", "all_reduce bucket1"]
+    assert [(s / MS, e / MS) for _, s, e in comm] == [pytest.approx((60, 72)), pytest.approx((72, 78))]
+    assert r.step_s == pytest.approx(78 * MS)
+    assert scaled.slowdowns("all_reduce", 1000) == (1.0, 1.0, 3.0)
+    assert scaled.slowdowns("all_reduce", 1000, scaled=False) == (1.0, 1.0, 1.5)
+
+
 def test_fresh_memory_is_paid_where_the_runtime_allocates_it():
     # writing a freshly allocated tensor costs 1 ms per 1000 bytes beyond 500 bytes (a CPU's
     # allocator mapping fresh pages for large tensors)

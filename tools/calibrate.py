@@ -1,26 +1,29 @@
-"""Fit the comm model's wait calibration (``CommModel.wait_scale``) to measured steps.
+"""Fit the comm model's wait calibration (``CommModel.wait_scale`` and ``CommModel.blocked_wait_s``)
+to measured steps.
 
     python tools/calibrate.py benchmarks/simcheck-*.json --json benchmarks/calibration.json
 
 (records may be given as patterns; none: ``benchmarks/simcheck-*.json``).
 
 Reads ``tools/simcheck.py`` records — each holds the profile, the comm model and every plan with
-its measured step — and predicts every plan again with the slowdown of a collective the compute
-thread waits on (of messages below 16 MiB: ``WAIT_SCALED_BELOW_BYTES`` in autodist/cost/comm.py)
-scaled by each of ``WAIT_SCALES`` (0.5 to 3.0; autodist/cost/fidelity.py). The
-fitted scale is, of those whose worst record (the largest median absolute step-time error of one
-record's plans) is within ``SCALE_TOLERANCE`` (a point) of the smallest, the one whose worst record
-ranks its plans best (Spearman), then the one nearest 1. Each record is also held out in turn — the scale fitted on the others
-(records of the same model, such as ``gpt`` and ``gpt`` with accumulation, held out together) and
-its error on the held-out one — so the report says how the fit does on a model it was not fitted
-to. No ranks, no measurement: it re-simulates what the records measured (seconds for the zoo).
+its measured step — and predicts every plan again at each pair of a wait scale (``WAIT_SCALES``,
+0.5 to 3.0: the slowdown of a collective the compute thread waits on, of messages below 16 MiB,
+``WAIT_SCALED_BELOW_BYTES`` in autodist/cost/comm.py) and a blocked-wait time (``BLOCKED_WAITS``, 0
+to 0.6 ms; both in autodist/cost/fidelity.py). The fitted pair is, of those whose worst record (the
+largest excess of one record's median absolute step-time error over the least it reaches at any
+pair) is within ``SCALE_TOLERANCE`` (a point) of the smallest, the one whose worst record ranks its
+plans best (Spearman), then the one nearest (1, 0). Each record is also held out in turn — the pair
+fitted on the others (records of the same model, such as ``gpt`` and ``gpt`` with accumulation,
+held out together) and its error on the held-out one — so the report says how the fit does on a
+model it was not fitted to. No ranks, no measurement: it re-simulates what the records measured (a
+few minutes for the zoo: every pair, each record in a process of its own).
 
 ``--apply`` also rewrites the records' predictions at the fit, keeping what they were first predicted
 with under ``out_of_sample``: records measured with one default and fitted to another then hold the
 predictions the new default makes, as the search's margins and the tests read them.
 
-See [Note: the wait calibration] in autodist/cost/fidelity.py for what the scale is and where the
-sweep applies it.
+See [Note: the wait calibration] in autodist/cost/fidelity.py and [Note: what a blocked wait costs]
+in autodist/cost/simulator.py for what the two are and where the simulator applies them.
 """
 
 from __future__ import annotations
@@ -44,14 +47,14 @@ def family(name: str) -> str:
     return name.split("-accum")[0]
 
 
-def predictions_of(record: dict, scales: Sequence[float]) -> dict[float, list[float]]:
-    """Per scale, the record's plans predicted again with its own profile and comm model at that
-    wait scale."""
+def predictions_of(record: dict, calibrations: Sequence[tuple[float, float]]) -> dict[tuple[float, float], list[float]]:
+    """Per calibration (wait scale, blocked-wait seconds), the record's plans predicted again with
+    its own profile and comm model calibrated so."""
     import torch
 
     from autodist.cost.comm import comm_model_of_another_checkout
     from autodist.cost.profile import Profile
-    from autodist.measure.fidelity import predictions_by_wait_scale
+    from autodist.measure.fidelity import predictions_by_calibration
     from autodist.plan import Plan
     from autodist.structure import discover
     from autodist.zoo import zoo
@@ -63,8 +66,18 @@ def predictions_of(record: dict, scales: Sequence[float]) -> dict[float, list[fl
     torch.manual_seed(0)
     structure = discover(zoo(record.get("size", "default"))[record["model"]].build())
     plans = [Plan.from_json(json.dumps(p["plan_json"])) for p in record["plans"]]
-    return predictions_by_wait_scale(Profile.from_json(json.dumps(record["profile"])), structure, comm,
-                                     plans, record["world_size"], scales)
+    return predictions_by_calibration(Profile.from_json(json.dumps(record["profile"])), structure, comm,
+                                      plans, record["world_size"], calibrations)
+
+
+def _predictions_of_path(path: str, calibrations: Sequence[tuple[float, float]]) -> dict[tuple[float, float], list[float]]:
+    with open(path) as f:
+        return predictions_of(json.load(f), calibrations)
+
+
+def key(calibration: tuple[float, float]) -> str:
+    """A calibration as the JSON's key: ``"<wait scale>,<blocked-wait seconds>"``."""
+    return f"{calibration[0]:g},{calibration[1]:g}"
 
 
 def record_name(record: dict) -> str:
@@ -73,8 +86,9 @@ def record_name(record: dict) -> str:
 
 
 def calibrate(paths: Sequence[str]) -> dict:
-    from autodist.cost.fidelity import SCALE_TOLERANCE
-    from autodist.cost.fidelity import WAIT_SCALES as scales
+    from concurrent.futures import ProcessPoolExecutor
+
+    from autodist.cost.fidelity import BLOCKED_WAITS, SCALE_TOLERANCE, WAIT_SCALES
     from autodist.measure.fidelity import best_wait_scale as fit
     from autodist.measure.fidelity import median_pct_error, spearman
 
@@ -88,24 +102,26 @@ def calibrate(paths: Sequence[str]) -> dict:
     versions = {r.get("simulator") for r in records}
     if len(versions) > 1:
         raise SystemExit(f"calibrate: records of simulator versions {sorted(map(str, versions))}: fit one version's")
-    predicted: dict[str, dict[float, list[float]]] = {}
-    errors: dict[float, dict[str, float]] = {s: {} for s in scales}
+    pairs = [(ws, bw) for ws in WAIT_SCALES for bw in BLOCKED_WAITS]
+    with ProcessPoolExecutor(max_workers=max(1, min(len(paths), os.cpu_count() or 1))) as pool:
+        predicted = dict(zip(names, pool.map(_predictions_of_path, paths, [pairs] * len(paths))))
+    errors: dict[tuple[float, float], dict[str, float]] = {c: {} for c in pairs}
     for name, rec in zip(names, records):
-        predicted[name] = predictions_of(rec, scales)
         measured = [p["measured_step_s"] for p in rec["plans"]]
-        for s in scales:
-            errors[s][name] = median_pct_error(predicted[name][s], measured)
-    ranking = {s: {n: spearman(predicted[n][s], [p["measured_step_s"] for p in rec["plans"]])
-                   for n, rec in zip(names, records)} for s in scales}
-    best = fit(errors, names, within=SCALE_TOLERANCE, ranking=ranking)
+        for c in pairs:
+            errors[c][name] = median_pct_error(predicted[name][c], measured)
+    ranking = {c: {n: spearman(predicted[n][c], [p["measured_step_s"] for p in rec["plans"]])
+                   for n, rec in zip(names, records)} for c in pairs}
+    unfitted = (1.0, 0.0)
+    best = fit(errors, names, prior=unfitted, within=SCALE_TOLERANCE, ranking=ranking)
     held_out = {}
     for name in names:
         others = [n for n in names if family(n) != family(name)]
         if not others:
             continue
-        s = fit(errors, others, within=SCALE_TOLERANCE, ranking=ranking)
-        held_out[name] = {"scale": s, "median_abs_pct_error_time": errors[s][name],
-                          "uncalibrated": errors[1.0][name] if 1.0 in errors else None}
+        c = fit(errors, others, prior=unfitted, within=SCALE_TOLERANCE, ranking=ranking)
+        held_out[name] = {"scale": c[0], "blocked_wait_s": c[1], "median_abs_pct_error_time": errors[c][name],
+                          "spearman": ranking[c][name], "uncalibrated": errors[unfitted][name]}
     at_fit = {}
     for name, rec in zip(names, records):
         measured = [p["measured_step_s"] for p in rec["plans"]]
@@ -117,23 +133,26 @@ def calibrate(paths: Sequence[str]) -> dict:
     return {
         "records": list(paths),
         "simulator": versions.pop() if versions else None,
-        "wait_scale": best,
+        "wait_scale": best[0],
+        "blocked_wait_s": best[1],
         "median_abs_pct_error_time": errors[best],
-        "uncalibrated": errors.get(1.0),
+        "uncalibrated": errors[unfitted],
         "held_out": held_out,
-        "at_fit": at_fit,  # every plan predicted at the fitted scale: what the default margins are taken from
-        "by_scale": {str(s): errors[s] for s in scales},
+        "at_fit": at_fit,  # every plan predicted at the fitted pair: what the default margins are taken from
+        "by_calibration": {key(c): errors[c] for c in pairs},
+        "spearman_by_calibration": {key(c): ranking[c] for c in pairs},
     }
 
 
 def table(payload: dict) -> str:
-    lines = [f"fitted wait scale {payload['wait_scale']:.2f} (records of simulator version {payload['simulator']})",
-             f"{'record':<12} {'uncalibrated':>13} {'fitted':>8} {'held out (its scale)':>22}"]
+    lines = [f"fitted wait scale {payload['wait_scale']:.2f}, blocked wait {1000 * payload['blocked_wait_s']:.2f} ms "
+             f"(records of simulator version {payload['simulator']})",
+             f"{'record':<12} {'uncalibrated':>13} {'fitted':>8} {'held out (its scale, blocked wait)':>36}"]
     for name, err in payload["median_abs_pct_error_time"].items():
         h = payload["held_out"].get(name)
         unc = payload["uncalibrated"][name] if payload["uncalibrated"] else float("nan")
-        ho = f"{h['median_abs_pct_error_time']:6.1f}% ({h['scale']:.2f})" if h else "-"
-        lines.append(f"{name:<12} {unc:12.1f}% {err:7.1f}% {ho:>22}")
+        ho = f"{h['median_abs_pct_error_time']:6.1f}% ({h['scale']:.2f}, {1000 * h['blocked_wait_s']:.1f} ms)" if h else "-"
+        lines.append(f"{name:<12} {unc:12.1f}% {err:7.1f}% {ho:>36}")
     return "\n".join(lines)
 
 
@@ -159,11 +178,12 @@ def record_paths(patterns: Sequence[str]) -> list[str]:
 
 
 def apply(payload: dict) -> None:
-    """Rewrite each record's predictions at the fitted scale (``--apply``): its plans'
-    ``predicted_step_s``, its comm model's ``wait_scale`` and its summaries. What it was measured
-    with first stays, once, under ``out_of_sample`` (the scale and the summaries then: a record
-    predicted at a scale fitted before it was measured); ``predicted_step_s_by_sweep`` and
-    ``sweep_spread`` stay at that scale (the other sweeps are not stored)."""
+    """Rewrite each record's predictions at the fitted pair (``--apply``): its plans'
+    ``predicted_step_s``, its comm model's ``wait_scale`` and ``blocked_wait_s`` and its summaries.
+    What it was measured with first stays, once, under ``out_of_sample`` (the pair and the
+    summaries then: a record predicted at a pair fitted before it was measured);
+    ``predicted_step_s_by_sweep`` and ``sweep_spread`` stay at that pair (the other sweeps are not
+    stored)."""
     from autodist.measure.fidelity import record_fidelity, summaries
 
     fitted = payload["wait_scale"]
@@ -172,10 +192,13 @@ def apply(payload: dict) -> None:
             record = json.load(f)
         rows, steps = record["plans"], record.get("steps")
         if "out_of_sample" not in record:
-            record["out_of_sample"] = {"wait_scale": record["comm_model"].get("wait_scale", 1.0), **summaries(rows, steps)}
+            record["out_of_sample"] = {"wait_scale": record["comm_model"].get("wait_scale", 1.0),
+                                       "blocked_wait_s": record["comm_model"].get("blocked_wait_s", 0.0),
+                                       **summaries(rows, steps)}
         for row, again in zip(rows, payload["at_fit"][record_name(record)]["plans"]):
             row["predicted_step_s"] = again["predicted_step_s"]
         record["comm_model"]["wait_scale"] = fitted
+        record["comm_model"]["blocked_wait_s"] = payload["blocked_wait_s"]
         record.update(record_fidelity(rows, steps))
         with open(path, "w") as f:
             json.dump(record, f, indent=1)

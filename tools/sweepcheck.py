@@ -65,7 +65,7 @@ def spreads(records: list[str], comm_texts: list[str]) -> dict[str, dict]:
     import torch
 
     from autodist.cost.comm import comm_model_of_another_checkout
-    from autodist.cost.fidelity import DEFAULT_CPU_WAIT_SCALE
+    from autodist.cost.fidelity import DEFAULT_CPU_BLOCKED_WAIT_S, DEFAULT_CPU_WAIT_SCALE
     from autodist.cost.profile import Profile
     from autodist.measure.fidelity import pct_apart, predictions_by_comm, sweep_spread
     from autodist.plan import Plan
@@ -74,10 +74,11 @@ def spreads(records: list[str], comm_texts: list[str]) -> dict[str, dict]:
 
     models = []
     for text in comm_texts:
-        # see the module docstring (--against): an older sweep without a wait scale is compared at
-        # this checkout's calibration
+        # see the module docstring (--against): an older sweep without a wait scale or a blocked-wait
+        # time is compared at this checkout's calibration
         try:
-            models.append(comm_model_of_another_checkout(json.loads(text), wait_scale=DEFAULT_CPU_WAIT_SCALE))
+            models.append(comm_model_of_another_checkout(json.loads(text), wait_scale=DEFAULT_CPU_WAIT_SCALE,
+                                                         blocked_wait_s=DEFAULT_CPU_BLOCKED_WAIT_S))
         except ValueError as e:
             raise SystemExit(f"sweepcheck: {e}") from None
     out = {}

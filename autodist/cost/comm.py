@@ -37,8 +37,9 @@ TRAIN_BYTES = 4 << 20
 # 8: ``workers``, the collectives a process group's backend takes up at once; 9: the cost of fresh
 # memory (``first_touch``) is measured in every round of every pass, not in one burst (autodist/
 # measure/sweep.py [Note: fresh memory, measured across the sweep]): a model measured before is
-# measured again
-COMM_SCHEMA_VERSION = 9
+# measured again; 10: ``blocked_wait_s``, the compute thread's time lost to each wait on a
+# collective that had not completed (autodist/cost/simulator.py [Note: what a blocked wait costs])
+COMM_SCHEMA_VERSION = 10
 
 
 @dataclass
@@ -137,6 +138,10 @@ class CommModel:
     # against measured steps, which the sweep sets (autodist/cost/fidelity.py [Note: the wait
     # calibration])
     wait_scale: float = 1.0
+    # seconds the compute thread loses to each wait on a collective that has not completed, beyond
+    # the collective's own time: the calibration of this machine class against measured steps,
+    # which the sweep sets (autodist/cost/simulator.py [Note: what a blocked wait costs])
+    blocked_wait_s: float = 0.0
     # collectives each of the runtime's process groups works on at once (gloo: its worker threads;
     # see [Note: collectives taken up at once] in autodist/cost/simulator.py): when their staging
     # buffers are allocated
@@ -144,19 +149,20 @@ class CommModel:
     meta: dict[str, Any] = field(default_factory=dict)
     schema_version: int = COMM_SCHEMA_VERSION
 
-    def slowdowns(self, op: str, nbytes: float | None = None) -> tuple[float, float, float]:
+    def slowdowns(self, op: str, nbytes: float | None = None, *, scaled: bool = True) -> tuple[float, float, float]:
         """(compute slowdown while ``op`` of ``nbytes`` runs, ``op``'s slowdown while compute runs,
         ``op``'s slowdown while the compute thread waits, times ``wait_scale`` below
-        ``WAIT_SCALED_BELOW_BYTES`` and at least 1): interpolated in log size between the measured
-        sizes, the nearest outside them; the largest measured size when ``nbytes`` is None. Rows
-        without the third figure (it was not measured) give 1 before the scale: full speed while
-        compute waits."""
+        ``WAIT_SCALED_BELOW_BYTES`` unless not ``scaled``, and at least 1): interpolated in log size
+        between the measured sizes, the nearest outside them; the largest measured size when
+        ``nbytes`` is None. Rows without the third figure (it was not measured) give 1 before the
+        scale: full speed while compute waits."""
+        ws = self.wait_scale if scaled else 1.0
         rows = self.contention.get(op)
         if not rows:
-            return self.compute_slowdown, self.comm_slowdown, max(1.0, self.wait_scale if _scaled_wait(nbytes) else 1.0)
+            return self.compute_slowdown, self.comm_slowdown, max(1.0, ws if _scaled_wait(nbytes) else 1.0)
 
         def figures(row: list[float]) -> tuple[float, float, float]:
-            scale = self.wait_scale if _scaled_wait(row[0]) else 1.0
+            scale = ws if _scaled_wait(row[0]) else 1.0
             return row[1], row[2], max(1.0, (row[3] if len(row) > 3 else 1.0) * scale)
 
         if nbytes is None or nbytes >= rows[-1][0]:
@@ -213,6 +219,9 @@ class CommModel:
         ws = d.get("wait_scale", 1.0)
         if isinstance(ws, bool) or not isinstance(ws, (int, float)) or not 0 < ws < math.inf:
             raise ValueError(f"comm model wait_scale {ws!r} is not a positive number")
+        bw = d.get("blocked_wait_s", 0.0)
+        if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not 0 <= bw < math.inf:
+            raise ValueError(f"comm model blocked_wait_s {bw!r} is not a non-negative number")
         workers = d.get("workers", 1)
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"comm model workers {workers!r} is not a positive integer")
@@ -264,19 +273,21 @@ class CommModel:
 
 # Comm model schema versions whose fields this checkout reads, for the tools that re-predict records
 # measured by other checkouts (tools/calibrate.py, tools/sweepcheck.py): 3 -> 4, 5 -> 6, 6 -> 7 and 8 -> 9
-# changed how a figure is measured, not the fields; 5 added ``wait_scale`` and 8 ``workers`` (1 when
-# absent, which moves the predicted memory only).
-READABLE_COMM_SCHEMAS = frozenset({3, 4, 5, 6, 7, 8, 9})
+# changed how a figure is measured, not the fields; 5 added ``wait_scale``, 8 ``workers`` (1 when
+# absent, which moves the predicted memory only) and 10 ``blocked_wait_s``.
+READABLE_COMM_SCHEMAS = frozenset({3, 4, 5, 6, 7, 8, 9, 10})
 
 
-def comm_model_of_another_checkout(d: dict[str, Any], *, wait_scale: float = 1.0) -> CommModel:
+def comm_model_of_another_checkout(d: dict[str, Any], *, wait_scale: float = 1.0, blocked_wait_s: float = 0.0) -> CommModel:
     """The comm model ``d`` (a dict from its JSON) read with this checkout's fields, whichever of
-    :data:`READABLE_COMM_SCHEMAS` it was written with; ``wait_scale`` where it has none."""
+    :data:`READABLE_COMM_SCHEMAS` it was written with; ``wait_scale`` and ``blocked_wait_s`` where
+    it has none."""
     if d.get("schema_version") not in READABLE_COMM_SCHEMAS:
         raise ValueError(f"a comm model of schema version {d.get('schema_version')!r}; this checkout reads "
                          f"{sorted(READABLE_COMM_SCHEMAS)} (versions with the same fields)")
     d = dict(d, schema_version=COMM_SCHEMA_VERSION)
     d.setdefault("wait_scale", wait_scale)
+    d.setdefault("blocked_wait_s", blocked_wait_s)
     return CommModel.from_dict(d)
 
 

@@ -171,6 +171,16 @@ def predictions_by_wait_scale(profile: Profile, structure: Any, comm: Any, plans
     return {s: [p[i] for p in by_plan] for i, s in enumerate(scales)}
 
 
+def predictions_by_calibration(profile: Profile, structure: Any, comm: Any, plans: Sequence[Plan], world: int,
+                               calibrations: Sequence[tuple[float, float]]) -> dict[tuple[float, float], list[float]]:
+    """Per calibration (``CommModel.wait_scale``, ``CommModel.blocked_wait_s``), every plan's step
+    time predicted with ``comm`` calibrated so (tools/calibrate.py; see [Note: what a blocked wait
+    costs] in autodist/cost/simulator.py)."""
+    comms = [replace(comm, wait_scale=ws, blocked_wait_s=bw) for ws, bw in calibrations]
+    by_plan = predictions_by_comm(profile, structure, comms, plans, world)
+    return {c: [p[i] for p in by_plan] for i, c in enumerate(calibrations)}
+
+
 def errors_by_wait_scale(profile: Profile, structure: Any, comm: Any, plans: Sequence[Plan], measured: Sequence[float],
                          world: int, scales: Sequence[float] = WAIT_SCALES) -> dict[float, float]:
     """Per wait scale, the median % step-time error of ``plans`` predicted at that scale against
@@ -179,25 +189,34 @@ def errors_by_wait_scale(profile: Profile, structure: Any, comm: Any, plans: Seq
     return {s: median_pct_error(predicted[s], measured) for s in scales}
 
 
-def best_wait_scale(errors: dict[float, dict[str, float]], names: Sequence[str], *, prior: float = 1.0,
-                    within: float = 0.0, ranking: dict[float, dict[str, float]] | None = None) -> float:
-    """The scale (a key of ``errors``: scale -> record -> median % error) at which no record of
+def best_wait_scale(errors: dict[Any, dict[str, float]], names: Sequence[str], *, prior: Any = 1.0,
+                    within: float = 0.0, ranking: dict[Any, dict[str, float]] | None = None) -> Any:
+    """The scale (a key of ``errors``: scale -> record -> median % error; a key may also be a
+    tuple of calibrations, ``prior`` then a tuple too, nearness taken in order) at which no record of
     ``names`` is far from the smallest error it reaches at any scale: the one whose largest such
     excess is smallest — or, of those within ``within`` percentage points of it (a median a point
     from the best does not tell two scales apart on a noisy host), the one whose records rank best
-    (``ranking``: scale -> record -> Spearman, its smallest over ``names``), then the one nearest
-    ``prior`` (``autodist check``, whose handful of plans rank too coarsely to tell: the sweep's
-    scale). Each record is measured against its own best, not its error itself: a record the scale
-    hardly moves (wide-mlp, whose collectives are mostly larger than the scale applies to) would
-    otherwise be every scale's worst and leave the choice to the tie-breaks."""
+    (``ranking``: scale -> record -> Spearman; the largest shortfall of a record's from the best it
+    reaches at any scale), then the one nearest ``prior`` (``autodist check``, whose handful of
+    plans rank too coarsely to tell: the sweep's scale). Each record is measured against its own
+    best, in error and in rank, not by its figures themselves: a record the scale hardly moves
+    (wide-mlp, whose collectives are mostly larger than the scale applies to) would otherwise be
+    every scale's worst and leave the choice to the tie-breaks (until simulator version 14 the rank
+    compared the records' Spearman itself; wide-mlp's, the same at every scale, was the smallest at
+    most, and the fit went to the scale nearest ``prior``)."""
     own_best = {n: min(errors[s][n] for s in errors) for n in names}
     worst = {s: round(max(errors[s][n] - own_best[n] for n in names), 9) for s in errors}
     least = min(worst.values())
 
-    def rank(s: float) -> float:
-        return -round(min(ranking[s][n] for n in names), 9) if ranking is not None else 0.0
+    best_rank = {n: max(ranking[s][n] for s in ranking) for n in names} if ranking is not None else {}
 
-    return min((s for s in errors if worst[s] <= least + within), key=lambda s: (rank(s), abs(s - prior), worst[s]))
+    def rank(s: Any) -> float:
+        return round(max(best_rank[n] - ranking[s][n] for n in names), 9) if ranking is not None else 0.0
+
+    def far(s: Any) -> Any:
+        return tuple(abs(a - b) for a, b in zip(s, prior)) if isinstance(s, tuple) else abs(s - prior)
+
+    return min((s for s in errors if worst[s] <= least + within), key=lambda s: (rank(s), far(s), worst[s]))
 
 
 def repeatability(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
