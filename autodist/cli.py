@@ -827,7 +827,8 @@ def _check_worker(args: argparse.Namespace) -> int:
                 "searched": fidelity["searched"],
                 "repeated": repeatability(rows),
                 "calibration": {"wait_scale": fitted, "median_abs_pct_error_time": by_scale[fitted],
-                                "sweep_wait_scale": comm.wait_scale, "at_sweep_scale": by_scale[comm.wait_scale]},
+                                "sweep_wait_scale": comm.wait_scale, "at_sweep_scale": by_scale[comm.wait_scale],
+                                "blocked_wait_s": comm.blocked_wait_s},
                 "margins": {"prefer_seed_within": cfg.prefer_seed_within, "memory_headroom": cfg.memory_headroom,
                             "default_prefer_seed_within": SearchConfig().prefer_seed_within,
                             "min_prefer_seed_within": MIN_SEED_MARGIN,
@@ -875,7 +876,8 @@ def render_check(payload: dict[str, Any]) -> str:
         out.append(
             f"  wait calibration: {cal['wait_scale']:.2f} fits these plans (median |error| "
             f"{cal['median_abs_pct_error_time']:.1f}%, against {cal['at_sweep_scale']:.1f}% at the sweep's "
-            f"{cal['sweep_wait_scale']:.2f}; of the scales within a point of the best, the nearest the sweep's); "
+            f"{cal['sweep_wait_scale']:.2f}; of the scales within a point of the best, the nearest the sweep's; "
+            f"the blocked-wait time held at the sweep's {1000 * cal.get('blocked_wait_s', 0.0):.2f} ms); "
             "the search here simulates with it"
         )
     m = payload["margins"]
