@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from autodist.cost.comm import CommModel, fit_op
-from autodist.cost.fidelity import DEFAULT_CPU_WAIT_SCALE
+from autodist.cost.fidelity import DEFAULT_CPU_BLOCKED_WAIT_S, DEFAULT_CPU_WAIT_SCALE
 from autodist.measure.sweep import sweep
 
 
@@ -117,7 +117,7 @@ def test_sweep_is_fast_identical_on_every_rank_and_fits_its_samples(world2):
         assert [r[0] for r in rows] == sorted(r[0] for r in rows) and all(len(r) == 4 for r in rows)
         assert all(min(r[1:]) >= 1.0 for r in rows)
     # a CPU sweep carries the machine class's wait calibration (autodist/cost/fidelity.py)
-    assert model.wait_scale == DEFAULT_CPU_WAIT_SCALE
+    assert (model.wait_scale, model.blocked_wait_s) == (DEFAULT_CPU_WAIT_SCALE, DEFAULT_CPU_BLOCKED_WAIT_S)
     assert model.meta["passes"] == 1 and model.meta["pass_spread"] == 0  # AUTODIST_SWEEP_PASSES=1 (tests/conftest.py)
     # a copy is timed whole: on the CPU it runs inside the call (schema 6 read a 16 MiB copy at 8 us)
     copy_s = min(r[3] for r in results)
@@ -300,7 +300,19 @@ def test_the_wait_scale_multiplies_only_the_slowdown_of_small_messages_while_com
     for bad in (0, -1.5, float("inf"), "1.6", True):
         with pytest.raises(ValueError, match="wait_scale"):
             CommModel.from_dict(dict(json.loads(m.to_json()), wait_scale=bad))
-    from autodist.cost.comm import COMM_SCHEMA_VERSION
+    # the blocked-wait time: seconds, 0 or more ([Note: what a blocked wait costs] in cost/simulator.py)
+    assert CommModel.from_json(replace(m, blocked_wait_s=4e-4).to_json()).blocked_wait_s == 4e-4
+    for bad in (-1e-4, float("inf"), float("nan"), "0.1", True):
+        with pytest.raises(ValueError, match="blocked_wait_s"):
+            CommModel.from_dict(dict(json.loads(m.to_json()), blocked_wait_s=bad))
+    from autodist.cost.comm import COMM_SCHEMA_VERSION, comm_model_of_another_checkout
+
+    # a model of an earlier schema, read by the tools that re-predict records, takes the calibration
+    # it is given where it has none, and keeps the one it carries
+    schema9 = {k: v for k, v in json.loads(m.to_json()).items() if k != "blocked_wait_s"}
+    schema9["schema_version"] = 9
+    read = comm_model_of_another_checkout(schema9, wait_scale=2.0, blocked_wait_s=3e-4)
+    assert (read.wait_scale, read.blocked_wait_s) == (1.5, 3e-4)
 
     older = json.loads(m.to_json())
     older["schema_version"] = 4  # measured before the calibration existed: measured again, not read as 1

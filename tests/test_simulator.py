@@ -369,6 +369,10 @@ def test_a_wait_on_a_collective_not_yet_done_costs_the_compute_thread_the_blocke
     assert _sharded(inflight=0, comm=blocked).step_s == pytest.approx((74 + 4) * MS)
     # the calibration travels with the model's JSON
     assert type(COMM).from_json(blocked.to_json()).blocked_wait_s == 1 * MS
+    # a world of one issues nothing: its waits never block, whatever the calibration
+    alone = replace(_two_all_reduce_buckets(), world_size=1)
+    single = [Simulator(PROFILE, STRUCTURE, replace(c, world_size=1), world_size=1).run(alone).step_s for c in (COMM, blocked)]
+    assert single[0] == single[1] == pytest.approx(60 * MS)
 
 
 def test_the_wait_scale_applies_to_a_collective_taken_up_alone_not_to_one_queued_behind_another():
@@ -388,6 +392,11 @@ def test_the_wait_scale_applies_to_a_collective_taken_up_alone_not_to_one_queued
     assert [n for n, _, _ in comm] == ["all_reduce bucket0", "all_reduce bucket1"]
     assert [(s / MS, e / MS) for _, s, e in comm] == [pytest.approx((60, 72)), pytest.approx((72, 78))]
     assert r.step_s == pytest.approx(78 * MS)
+    # a blocked wait's time stalls the queue too (the ranks meet there): the wait for AR u0 returns
+    # at 72 and costs 72..73, AR u1 runs [72,79], and the wait for it costs 79..80
+    b = Simulator(PROFILE, STRUCTURE, replace(scaled, blocked_wait_s=1 * MS), world_size=2).run(plan, record=True)
+    assert [(e.start / MS, e.end / MS) for e in b.events if e.stream == "comm"] == [pytest.approx((60, 72)), pytest.approx((72, 79))]
+    assert b.step_s == pytest.approx(80 * MS)
     assert scaled.slowdowns("all_reduce", 1000) == (1.0, 1.0, 3.0)
     assert scaled.slowdowns("all_reduce", 1000, scaled=False) == (1.0, 1.0, 1.5)
 

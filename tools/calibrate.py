@@ -11,12 +11,13 @@ its measured step — and predicts every plan again at each pair of a wait scale
 ``WAIT_SCALED_BELOW_BYTES`` in autodist/cost/comm.py) and a blocked-wait time (``BLOCKED_WAITS``, 0
 to 0.6 ms; both in autodist/cost/fidelity.py). The fitted pair is, of those whose worst record (the
 largest excess of one record's median absolute step-time error over the least it reaches at any
-pair) is within ``SCALE_TOLERANCE`` (a point) of the smallest, the one whose worst record ranks its
-plans best (Spearman), then the one nearest (1, 0). Each record is also held out in turn — the pair
+pair) is within ``SCALE_TOLERANCE`` (a point) of the smallest, the one at which no record's Spearman
+falls far short of the best it reaches at any pair (the largest such shortfall the least), then the
+one nearest (1, 0). Each record is also held out in turn — the pair
 fitted on the others (records of the same model, such as ``gpt`` and ``gpt`` with accumulation,
 held out together) and its error on the held-out one — so the report says how the fit does on a
-model it was not fitted to. No ranks, no measurement: it re-simulates what the records measured (a
-few minutes for the zoo: every pair, each record in a process of its own).
+model it was not fitted to. No ranks, no measurement: it re-simulates what the records measured
+(about 20 s for the zoo on 2 cores: every pair, each record in a process of its own).
 
 ``--apply`` also rewrites the records' predictions at the fit, keeping what they were first predicted
 with under ``out_of_sample``: records measured with one default and fitted to another then hold the

@@ -14,7 +14,9 @@ from the simulator's error and from the profile's.
 ``--against PATH`` also sweeps with the ``autodist`` package of another checkout, alternating
 launches (this one, the other, this one, ...), so that a host whose speed drifts over minutes
 touches both sets alike; its comm models are read with this checkout's fields whatever schema
-version they carry (the tool's business: a comparison of how two versions measure).
+version they carry (the tool's business: a comparison of how two versions measure). Every comm
+model, this checkout's and the other's, is predicted at this checkout's wait calibration
+(``DEFAULT_CPU_WAIT_SCALE`` and ``DEFAULT_CPU_BLOCKED_WAIT_S``), not the one it carries.
 """
 
 from __future__ import annotations
@@ -74,11 +76,12 @@ def spreads(records: list[str], comm_texts: list[str]) -> dict[str, dict]:
 
     models = []
     for text in comm_texts:
-        # see the module docstring (--against): an older sweep without a wait scale or a blocked-wait
-        # time is compared at this checkout's calibration
+        # see the module docstring (--against): every sweep is compared at this checkout's
+        # calibration, not the one it carries (an older sweep's was fitted to another simulator, or
+        # it has none), so that what differs is what the sweeps measured
         try:
-            models.append(comm_model_of_another_checkout(json.loads(text), wait_scale=DEFAULT_CPU_WAIT_SCALE,
-                                                         blocked_wait_s=DEFAULT_CPU_BLOCKED_WAIT_S))
+            models.append(comm_model_of_another_checkout(dict(json.loads(text), wait_scale=DEFAULT_CPU_WAIT_SCALE,
+                                                              blocked_wait_s=DEFAULT_CPU_BLOCKED_WAIT_S)))
         except ValueError as e:
             raise SystemExit(f"sweepcheck: {e}") from None
     out = {}

@@ -186,8 +186,8 @@ WAIT_SCALES = tuple(round(0.5 + 0.05 * i, 2) for i in range(51))
 # the blocked-wait times tools/calibrate.py chooses from: 0 to 0.6 ms
 BLOCKED_WAITS = tuple(round(0.0001 * i, 4) for i in range(7))
 # ... keeping, of those whose (worst) median step-time error is within this many percentage points
-# of the best, the one that ranks best (the zoo's records) or the one nearest the sweep's (autodist
-# check's handful of plans): a point is the noise of a median on this host (on gpt's 7 plans in
+# of the best, the one that ranks best, each record against its own best (the zoo's records), or
+# the one nearest the sweep's (autodist check's handful of plans): a point is the noise of a median on this host (on gpt's 7 plans in
 # `autodist check` the error fell from 6.5% at 1.45 to 0.7% at 2.8, with ddp measured twice 2.2%
 # apart; over the zoo's records the worst median read 8.6-9.6% from 1.35 to 1.6, while resnet18's
 # Spearman went from 0.877 to 0.923)

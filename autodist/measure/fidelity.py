@@ -208,10 +208,17 @@ def best_wait_scale(errors: dict[Any, dict[str, float]], names: Sequence[str], *
     worst = {s: round(max(errors[s][n] - own_best[n] for n in names), 9) for s in errors}
     least = min(worst.values())
 
-    best_rank = {n: max(ranking[s][n] for s in ranking) for n in names} if ranking is not None else {}
+    best_rank = {n: max((r[n] for r in (ranking or {}).values() if not math.isnan(r[n])), default=math.nan) for n in names}
+
+    def short(s: Any, n: str) -> float:
+        # a record no key ranks (its plans predicted alike everywhere) does not decide; a key that
+        # ranks nothing of a record others rank (nan) falls as short as a Spearman can
+        if math.isnan(best_rank[n]):
+            return 0.0
+        return 2.0 if math.isnan(ranking[s][n]) else best_rank[n] - ranking[s][n]
 
     def rank(s: Any) -> float:
-        return round(max(best_rank[n] - ranking[s][n] for n in names), 9) if ranking is not None else 0.0
+        return round(max(short(s, n) for n in names), 9) if ranking is not None else 0.0
 
     def far(s: Any) -> Any:
         return tuple(abs(a - b) for a, b in zip(s, prior)) if isinstance(s, tuple) else abs(s - prior)

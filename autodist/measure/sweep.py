@@ -362,7 +362,7 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
     model = CommModel(
         # the wait figures' calibration for the machine class (see [Note: the wait calibration])
         wait_scale=DEFAULT_CPU_WAIT_SCALE if device.type == "cpu" else 1.0,
-        blocked_wait_s=DEFAULT_CPU_BLOCKED_WAIT_S if device.type == "cpu" else 0.0,
+        blocked_wait_s=DEFAULT_CPU_BLOCKED_WAIT_S if device.type == "cpu" and world > 1 else 0.0,
         workers=backend_workers(comm.gather_pg),
         backend=dist.get_backend(group),
         world_size=world,
