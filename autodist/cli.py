@@ -813,7 +813,8 @@ def _check_worker(args: argparse.Namespace) -> int:
                                             sorted({*WAIT_SCALES, comm.wait_scale}))
             fitted = best_wait_scale({s: {"": e} for s, e in by_scale.items()}, [""], prior=comm.wait_scale,
                                      within=SCALE_TOLERANCE)
-            record = replace(FidelityRecord.from_summary(overall, args.model), wait_scale=fitted)
+            record = replace(FidelityRecord.from_summary(overall, args.model), wait_scale=fitted,
+                             blocked_wait_s=comm.blocked_wait_s)
             stored = None
             if not args.no_record:
                 path = Cache(args.cache_dir).put("fidelity", comm_cache_key(world, device.type, device_name, backend), record.to_json())

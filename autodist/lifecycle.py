@@ -161,6 +161,7 @@ class AutoPlanner:
                 # ... and so is one searched before `autodist check` fitted a wait calibration (without one,
                 # the key is what it always was)
                 **({"wait_scale": ws} if (ws := self.search_config().wait_scale) is not None else {}),
+                **({"blocked_wait_s": bw} if (bw := self.search_config().blocked_wait_s) is not None else {}),
                 "mixed_precision": None if self.mp is None else [str(self.mp.param_dtype), str(self.mp.reduce_dtype)],
                 # a plan the learned estimator ranked is kept apart from the analytic one (and from
                 # another estimator's); without one, the key is what it always was

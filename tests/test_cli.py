@@ -231,6 +231,8 @@ def test_check_measures_the_simulator_on_a_user_model_and_the_search_takes_its_m
     assert f"wait calibration: {cal['wait_scale']:.2f} fits these plans" in run.stdout
     cfg = _search_config(str(cache_dir), 2)
     assert cfg.wait_scale == record.wait_scale
+    # ... with the blocked-wait time held while fitting it (the sweep's)
+    assert cfg.blocked_wait_s == record.blocked_wait_s == cal["blocked_wait_s"]
     assert cfg.prefer_seed_within == pytest.approx(min(0.5, max(MIN_SEED_MARGIN, record.median_abs_error_time)))
     assert cfg.memory_headroom == pytest.approx(min(0.5, max(SearchConfig().memory_headroom, record.max_peak_excess)))
     assert _search_config(str(tmp_path / "elsewhere"), 2) == SearchConfig()

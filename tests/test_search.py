@@ -233,18 +233,25 @@ def test_the_search_simulates_with_the_wait_calibration_autodist_check_fitted():
     from autodist.lifecycle import plan_offline
 
     record = FidelityRecord(
-        median_abs_error_time=0.05, spearman=0.9, max_peak_excess=0.0, plans=5, model="m:f", measured_at=0.0, wait_scale=2.5
+        median_abs_error_time=0.05, spearman=0.9, max_peak_excess=0.0, plans=5, model="m:f", measured_at=0.0,
+        wait_scale=2.5, blocked_wait_s=3e-4,
     )
-    assert FidelityRecord.from_json(record.to_json()).wait_scale == 2.5
+    again = FidelityRecord.from_json(record.to_json())
+    assert (again.wait_scale, again.blocked_wait_s) == (2.5, 3e-4)
     cfg = SearchConfig.for_machine(record)
-    assert cfg.calibrated(COMM).wait_scale == 2.5 and SearchConfig().calibrated(COMM) is COMM
+    # the scale with the blocked-wait time it was fitted with, whatever the comm model carries now
+    assert (cfg.calibrated(COMM).wait_scale, cfg.calibrated(COMM).blocked_wait_s) == (2.5, 3e-4)
+    assert SearchConfig().calibrated(COMM) is COMM
+    # a record of before the blocked-wait time was kept leaves the comm model's
+    older = SearchConfig.for_machine(replace(record, blocked_wait_s=None))
+    assert older.calibrated(replace(COMM, blocked_wait_s=1e-4)).blocked_wait_s == 1e-4
     # a link given by bandwidth and latency was not measured here: the calibration is not this link's
     link = CommModel.analytic(2, bandwidth_bytes_s=50e9, latency_s=2e-5)
     assert cfg.calibrated(link) is link
     plan, _, _ = plan_offline(_Three(), (), world_size=2, budget_bytes=1 << 30, comm=COMM, config=cfg, profile=PROFILE)
 
     def step(scale: float) -> float:
-        return Simulator(PROFILE, STRUCTURE, replace(COMM, wait_scale=scale), world_size=2).run(plan).step_s
+        return Simulator(PROFILE, STRUCTURE, replace(COMM, wait_scale=scale, blocked_wait_s=3e-4), world_size=2).run(plan).step_s
 
     assert plan.predicted["step_seconds"] == pytest.approx(step(2.5)) and step(2.5) > step(1.0)
 
@@ -258,6 +265,18 @@ def test_a_fidelity_record_with_a_wait_scale_outside_the_calibration_s_range_is_
     d = json.loads(FidelityRecord(0.05, 0.9, 0.0, 5, "m:f", 0.0).to_json())
     d["wait_scale"] = bad
     with pytest.raises(ValueError, match="wait_scale"):
+        FidelityRecord.from_json(json.dumps(d))
+
+
+@pytest.mark.parametrize("bad", [-1e-4, float("inf"), float("nan"), True, "0.1"])
+def test_a_fidelity_record_with_a_bad_blocked_wait_time_is_refused(bad):
+    import json
+
+    from autodist.cost.fidelity import FidelityRecord
+
+    d = json.loads(FidelityRecord(0.05, 0.9, 0.0, 5, "m:f", 0.0).to_json())
+    d["blocked_wait_s"] = bad
+    with pytest.raises(ValueError, match="blocked_wait_s"):
         FidelityRecord.from_json(json.dumps(d))
 
 

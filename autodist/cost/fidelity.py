@@ -211,6 +211,10 @@ class FidelityRecord:
     # fitted): the search on this machine simulates with it (SearchConfig.calibrated). The errors
     # above are the simulator's before it, at the sweep's scale: the margins stay what was measured.
     wait_scale: float | None = None
+    # the blocked-wait time the scale was fitted with (the sweep's, held; None: a record of before
+    # it was kept): the search simulates with the two together, as fitted, whatever a later sweep
+    # carries
+    blocked_wait_s: float | None = None
 
     @property
     def seed_margin(self) -> float:
@@ -247,6 +251,9 @@ class FidelityRecord:
         ws = d.get("wait_scale")
         if ws is not None and (isinstance(ws, bool) or not isinstance(ws, (int, float)) or not WAIT_SCALES[0] <= ws <= WAIT_SCALES[-1]):
             raise ValueError(f"fidelity record wait_scale = {ws!r} is not a number in [{WAIT_SCALES[0]}, {WAIT_SCALES[-1]}]")
+        bw = d.get("blocked_wait_s")
+        if bw is not None and (isinstance(bw, bool) or not isinstance(bw, (int, float)) or not 0 <= bw < math.inf):
+            raise ValueError(f"fidelity record blocked_wait_s = {bw!r} is not a finite non-negative number")
         if d.get("simulator", 1) != SIMULATOR_VERSION:
             raise ValueError(
                 f"fidelity record measured simulator version {d.get('simulator', 1)!r}, not {SIMULATOR_VERSION}: "
@@ -256,7 +263,7 @@ class FidelityRecord:
             median_abs_error_time=float(d["median_abs_error_time"]), spearman=float("nan") if sp is None else float(sp),
             max_peak_excess=float(d["max_peak_excess"]), plans=d["plans"], model=d["model"],
             measured_at=float(d["measured_at"]), source=d.get("source", "autodist check"),
-            wait_scale=None if ws is None else float(ws),
+            wait_scale=None if ws is None else float(ws), blocked_wait_s=None if bw is None else float(bw),
         )
 
     @classmethod

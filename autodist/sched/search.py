@@ -54,8 +54,10 @@ class SearchConfig:
     memory_headroom: float = DEFAULT_MEMORY_HEADROOM
     margin_source: str = "the simulator's error measured by tools/simcheck.py on the zoo models"
     # the comm model's wait calibration fitted by `autodist check` on this machine (None: the one the
-    # sweep set; see [Note: the wait calibration] in cost/fidelity.py and calibrated)
+    # sweep set; see [Note: the wait calibration] in cost/fidelity.py and calibrated), and the
+    # blocked-wait time it was fitted with
     wait_scale: float | None = None
+    blocked_wait_s: float | None = None
 
     @classmethod
     def for_machine(cls, record: FidelityRecord | None) -> SearchConfig:
@@ -65,7 +67,7 @@ class SearchConfig:
         return cls(
             prefer_seed_within=record.seed_margin, memory_headroom=record.memory_headroom,
             margin_source=f"the simulator's error measured by {record.source} on {record.model} on this machine",
-            wait_scale=record.wait_scale,
+            wait_scale=record.wait_scale, blocked_wait_s=record.blocked_wait_s,
         )
 
     def calibrated(self, comm: CommModel) -> CommModel:
@@ -74,7 +76,8 @@ class SearchConfig:
         measured here) is left as it is."""
         if self.wait_scale is None or comm.meta.get("source") == "analytic":
             return comm
-        return replace(comm, wait_scale=self.wait_scale)
+        held = {} if self.blocked_wait_s is None else {"blocked_wait_s": self.blocked_wait_s}
+        return replace(comm, wait_scale=self.wait_scale, **held)
 
     def planning_budget(self, budget: int | None) -> int | None:
         return None if budget is None else int(budget * (1 - self.memory_headroom))
