@@ -37,8 +37,8 @@ TRAIN_BYTES = 4 << 20
 # 8: ``workers``, the collectives a process group's backend takes up at once; 9: the cost of fresh
 # memory (``first_touch``) is measured in every round of every pass, not in one burst (autodist/
 # measure/sweep.py [Note: fresh memory, measured across the sweep]): a model measured before is
-# measured again; 10: ``blocked_wait_s``, the compute thread's time lost to each wait on a
-# collective that had not completed (autodist/cost/simulator.py [Note: what a blocked wait costs])
+# measured again; 10: ``blocked_wait_s``, the time a step loses to each wait on a collective that
+# had not completed (autodist/cost/simulator.py [Note: what a blocked wait costs])
 COMM_SCHEMA_VERSION = 10
 
 
@@ -138,9 +138,9 @@ class CommModel:
     # against measured steps, which the sweep sets (autodist/cost/fidelity.py [Note: the wait
     # calibration])
     wait_scale: float = 1.0
-    # seconds the compute thread loses to each wait on a collective that has not completed, beyond
-    # the collective's own time: the calibration of this machine class against measured steps,
-    # which the sweep sets (autodist/cost/simulator.py [Note: what a blocked wait costs])
+    # seconds a step loses to each wait on a collective that has not completed, beyond the
+    # collective's own time: the calibration of this machine class against measured steps, which
+    # the sweep sets (autodist/cost/simulator.py [Note: what a blocked wait costs])
     blocked_wait_s: float = 0.0
     # collectives each of the runtime's process groups works on at once (gloo: its worker threads;
     # see [Note: collectives taken up at once] in autodist/cost/simulator.py): when their staging

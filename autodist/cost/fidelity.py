@@ -74,7 +74,7 @@ MAX_MEMORY_HEADROOM = 0.5
 # them, none of the records'. 13: a collective's staging buffer is allocated when its process
 # group's backend takes it up, at most ``CommModel.workers`` at once per group (comm model schema 8;
 # autodist/cost/simulator.py [Note: collectives taken up at once]), not when its transfer starts.
-# 14: a wait on a collective not yet done costs the compute thread ``CommModel.blocked_wait_s``, and
+# 14: a wait on a collective not yet done costs the step ``CommModel.blocked_wait_s``, and
 # the wait scale applies only to a collective the comm queue took up on its own, not to one taken
 # up as the one before it finished (comm model schema 10; autodist/cost/simulator.py [Note: what a
 # blocked wait costs]).

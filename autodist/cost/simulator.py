@@ -20,10 +20,10 @@ Two stages:
    scaled by the model's own measured sensitivity (``Profile.contention_sensitivity``), and the
    collective by its factor; while the compute thread waits, the collective runs at its own rate
    for that case (on a CPU host a small collective stays slowed by the other rank's threads), and
-   a wait on a collective not yet done costs the compute thread a fixed time besides ([Note: what
-   a blocked wait costs]). On a GPU all of these are near 1 (none measured yet). One steady-state step is simulated with a preamble: the persistent
-   refresh and the offload copy-outs the previous step's optimizer issued are in flight at its
-   start.
+   a wait on a collective not yet done costs the step a fixed time besides ([Note: what a blocked
+   wait costs]). On a GPU all of these are near 1 (none measured yet). One steady-state step is
+   simulated with a preamble: the persistent refresh and the offload copy-outs the previous step's
+   optimizer issued are in flight at its start.
 
 Memory is tracked per event: static state (shards, replicas, optimizer state, persistent full
 parameters, reduction buffers, and the previous step's reduce-scatter outputs until the forward
