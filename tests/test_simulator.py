@@ -356,7 +356,7 @@ def test_a_collective_stays_slowed_while_the_compute_thread_waits_for_it():
     assert slow.slowdowns("all_reduce", 1000) == (1.0, 2.0, 1.5)
 
 
-def test_a_wait_on_a_collective_not_yet_done_costs_the_compute_thread_the_blocked_wait_time():
+def test_a_wait_on_a_collective_not_yet_done_costs_the_step_the_blocked_wait_time():
     blocked = replace(COMM, blocked_wait_s=1 * MS)
     # bwd u1 20..40; AR u1 [40,44] is done long before the flush at 60, whose wait for it does not
     # block; AR u0 issued at 60 and waited for at once: done at 64, and the wait costs 1 ms -> 65
