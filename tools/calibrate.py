@@ -9,7 +9,7 @@ Reads ``tools/simcheck.py`` records — each holds the profile, the comm model a
 its measured step — and predicts every plan again at each pair of a wait scale (``WAIT_SCALES``,
 0.5 to 3.0: the slowdown of a collective the compute thread waits on, of messages below 16 MiB,
 ``WAIT_SCALED_BELOW_BYTES`` in autodist/cost/comm.py) and a blocked-wait time (``BLOCKED_WAITS``, 0
-to 0.6 ms; both in autodist/cost/fidelity.py). The fitted pair is, of those whose worst record (the
+to 1.2 ms; both in autodist/cost/fidelity.py). The fitted pair is, of those whose worst record (the
 largest excess of one record's median absolute step-time error over the least it reaches at any
 pair) is within ``SCALE_TOLERANCE`` (a point) of the smallest, the one at which no record's Spearman
 falls far short of the best it reaches at any pair (the largest such shortfall the least), then the
