@@ -160,8 +160,9 @@ SIMULATOR_VERSION = 14
 # 1.000 (gpt, 0.700 before). Fitted to them the rule reads 1.15 and 0.7 ms (deep-mlp 5.2%,
 # resnet18 3.1%, gpt-accum4 2.6%, wide-mlp 2.4%, gpt 1.9%; the grid of blocked waits reached 0.6 ms,
 # where the fit first fell, and now 1.2): a flat optimum: at 1.65 and 0.4 ms every record's error
-# is within 0.6 of a point of these (gpt's smaller). Held out, each model gets 1.05-1.85 and 0.5-0.8 ms from the others, at most
-# 5.9% error (deep-mlp). The records hold their predictions at 1.15 and 0.7 ms.
+# is within 0.6 of a point of these (gpt's smaller). Held out, each model gets 1.05-1.85 and
+# 0.5-0.8 ms from the others, at most 5.9% error (deep-mlp). The records hold their predictions at
+# 1.15 and 0.7 ms.
 #
 # The scale stops at large messages (``WAIT_SCALED_BELOW_BYTES`` in autodist/cost/comm.py: in full
 # up to the sweep's 4 MiB row, none from its 16 MiB row; simulator version 8). What it corrects is seen on small collectives, which wait for the other
