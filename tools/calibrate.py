@@ -17,7 +17,7 @@ one nearest (1, 0). Each record is also held out in turn — the pair
 fitted on the others (records of the same model, such as ``gpt`` and ``gpt`` with accumulation,
 held out together) and its error on the held-out one — so the report says how the fit does on a
 model it was not fitted to. No ranks, no measurement: it re-simulates what the records measured
-(about 20 s for the zoo on 2 cores: every pair, each record in a process of its own).
+(about 40 s for the zoo on 2 cores: every pair, each record in a process of its own).
 
 ``--apply`` also rewrites the records' predictions at the fit, keeping what they were first predicted
 with under ``out_of_sample``: records measured with one default and fitted to another then hold the

@@ -166,9 +166,11 @@ def median_pct_error(predicted: Sequence[float], measured: Sequence[float]) -> f
 def predictions_by_wait_scale(profile: Profile, structure: Any, comm: Any, plans: Sequence[Plan], world: int,
                               scales: Sequence[float] = WAIT_SCALES) -> dict[float, list[float]]:
     """Per wait scale (``CommModel.wait_scale``), every plan's step time predicted with ``comm`` at
-    that scale (see [Note: the wait calibration] in autodist/cost/fidelity.py)."""
-    by_plan = predictions_by_comm(profile, structure, [replace(comm, wait_scale=s) for s in scales], plans, world)
-    return {s: [p[i] for p in by_plan] for i, s in enumerate(scales)}
+    that scale, its blocked-wait time held (see [Note: the wait calibration] in
+    autodist/cost/fidelity.py)."""
+    held = comm.blocked_wait_s
+    by = predictions_by_calibration(profile, structure, comm, plans, world, [(s, held) for s in scales])
+    return {s: by[(s, held)] for s in scales}
 
 
 def predictions_by_calibration(profile: Profile, structure: Any, comm: Any, plans: Sequence[Plan], world: int,
