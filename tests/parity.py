@@ -40,6 +40,9 @@ class Case:
     # ranks per mesh (0: one mesh of every rank): the job is split into meshes of this many ranks
     # (``new_subgroups``), each training on its own; ``plan`` may then be a tuple, one per mesh
     mesh_size: int = 0
+    # when buckets launch (engine.py LAUNCH_POLICIES): None is the backend's default ("ready" on
+    # gloo); "sampled" runs NCCL's policy here
+    launch_policy: str | None = None
 
 
 def make_plan(
@@ -175,6 +178,8 @@ def run_case(case: Case) -> dict[str, float]:
         plan = make_plan(base, world, **plan)
     mpol = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.bf16 else None
     model = AutoDist(base, plan=plan, mixed_precision=mpol, **extra)
+    if case.launch_policy is not None:
+        model.runtime.set_launch_policy(case.launch_policy)
     initial: dict[str, Any] = {}
     if case.meta:  # materialised as the CPU build: the same values and the generator where it left it
         sd = model.state_dict()

@@ -317,8 +317,7 @@ def issue_order_with_a_rank_dependent_gradient(policy: str) -> list[tuple[str, s
     world = dist.get_world_size()
     plan = make_plan(base, world, replicate_units=("mid",), grouping="unit", buckets="per_param", window=0)
     model = AutoDist(base, plan=plan)
-    model.runtime._launch_policy_arg = policy
-    model.runtime.switch_plan(model.plan)
+    model.runtime.set_launch_policy(policy)
     model.runtime.comm.stats.log = []
     model(torch.randn(4, 8)).sum().backward()
     log = [e for e in model.runtime.comm.stats.log if e[0] != "broadcast"]

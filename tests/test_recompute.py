@@ -33,6 +33,19 @@ def test_user_checkpointed_blocks_match_single_process_under_every_plan(world2, 
     check_cases(world2.run(run_cases, cases, timeout=400), names, atol=ATOL)
 
 
+SHARDED = ["fsdp", "zero2", "persistent", "after-backward-window0", "random1"]
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "nonreentrant", "alternate"])
+def test_user_checkpointed_blocks_under_nccls_launch_policy(world2, mode):
+    """On NCCL a plan that gathers launches buckets only at sharded-unit backward events
+    ("sampled"; engine.py [Note: settled parameters]). Reentrant checkpointing runs a block's first
+    forward without gradients: before the fix its buckets were launched before its recomputation,
+    and its parameters got no gradient (the first GPU runs, plan fsdp and zero2)."""
+    cases = [Case(model=f"gpt-ckpt-{mode}", plan=PLANS[n], steps=3, launch_policy="sampled") for n in SHARDED]
+    check_cases(world2.run(run_cases, cases, timeout=400), SHARDED, atol=ATOL)
+
+
 def test_user_checkpointed_blocks_on_four_ranks(world4):
     names = ["fsdp-reentrant", "fsdp-nonreentrant", "random-selective", "planned-gpt", "planned-mlp-mixed"]
     cases = [

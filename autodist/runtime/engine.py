@@ -36,6 +36,23 @@ on one rank delays its bucket there). So when a plan both gathers and reduces on
 (pre-backward, recomputation, post-backward) and at the end of backward, where every rank sees the
 same state when the control flow is the same. The end-of-backward collective-order check
 (comm.py) covers the rest: ranks whose interleaving differed are reported.
+
+[Note: settled parameters] Under ``"sampled"`` a bucket whose gradients have not all arrived is
+launched at an event when each missing parameter is *settled*: every module that uses it has
+finished the backward of each of its forwards this step (its post-backward signal fired), so no
+gradient can come any more and the missing one is a zero. Reentrant activation checkpointing
+(``checkpoint(..., use_reentrant=True)``, the default of many model codes and of older Hugging Face
+versions) runs a block's first forward *without* gradients: it leaves no signal to wait for, and
+the block's gradients come later, from the recomputation in backward. A module's no-grad forwards
+inside a training forward are therefore counted, and it is settled only once as many forwards with
+gradients (the recomputations) have run and finished. Without that count a block was settled
+vacuously before its recomputation, an earlier event launched its bucket with zeros and flagged its
+parameters unused, and they trained without gradients. This was seen first on CUDA (plan ``fsdp``
+and ``zero2``, a world of one on NCCL); it was not autograd's per-device worker thread, as first
+suspected, but the launch policy that only NCCL selects, and gloo reproduces it with the policy set
+(tests/test_recompute.py). A no-grad forward that is not recomputed (a frozen branch run under
+``torch.no_grad()``) keeps its parameters unsettled until the end of backward, where the flush
+launches whatever is left: later, never wrong.
 """
 
 from __future__ import annotations
@@ -168,6 +185,7 @@ class _Step:
     site_calls: dict[int, int] = field(default_factory=dict)  # site id -> forwards with gradients
     site_done: dict[int, int] = field(default_factory=dict)  # site id -> post-backward signals fired
     site_untokened: set[int] = field(default_factory=set)  # sites with a forward that had no signal
+    site_nograd: dict[int, int] = field(default_factory=dict)  # site id -> no-grad forwards ([Note: settled ...])
     deferred: set[int] = field(default_factory=set)  # managed param ids reduced at the end of backward
 
 
@@ -281,6 +299,7 @@ class Engine:
         """Build gather groups, buckets, prefetch triggers and hooks for ``plan`` (placement is
         already fixed by the managed parameters)."""
         self.plan = plan
+        self._windows = windows
         unit_plan = {u.name: u for u in plan.units}
         self.groups: list[GatherGroupRuntime] = []
         self.group_of_unit: dict[str, GatherGroupRuntime] = {}
@@ -381,15 +400,26 @@ class Engine:
             raise ValueError(
                 f"switch_plan cannot change placement (e.g. {changed[0]!r}); placement is fixed at wrap time"
             )
+        self._reconfigure(plan, windows)
+        self.stats.plan_switches += 1
+
+    def _reconfigure(self, plan: Plan, windows: dict[int, tuple[int, int]] | None) -> None:
         if self._step.in_backward:
-            raise RuntimeError("switch_plan during backward; switch between steps")
+            raise RuntimeError("the plan or launch policy changed during backward; change it between steps")
         for g in self.groups:
             if g.state is not GroupState.SHARDED:
                 g.free()
         self._remove_hooks()
         self._step = _Step(gen=self._next_gen())
         self._configure(plan, windows)
-        self.stats.plan_switches += 1
+
+    def set_launch_policy(self, policy: str | None) -> None:
+        """Launch buckets as ``policy`` says from the next step on (``None``: the backend's default,
+        see ``__init__``). Tests use it to run NCCL's ``"sampled"`` launches on gloo. Call between steps."""
+        if policy is not None and policy not in LAUNCH_POLICIES:
+            raise ValueError(f"launch_policy must be one of {', '.join(LAUNCH_POLICIES)}; got {policy!r}")
+        self._launch_policy_arg = policy
+        self._reconfigure(self.plan, self._windows)
 
     def _record(self, kind: str, what: object) -> None:
         if self.actions is not None:
@@ -661,6 +691,7 @@ class Engine:
                 for mp in site.params:
                     step.uses[id(mp)] = step.uses.get(id(mp), 0) + 1
             elif step.grad:  # a no-grad forward inside a training forward: reentrant checkpointing
+                step.site_nograd[id(site)] = step.site_nograd.get(id(site), 0) + 1
                 for mp in site.params:
                     step.uses[id(mp)] = step.uses.get(id(mp), 0) + 1
                     step.nograd_uses.add(id(mp))
@@ -776,14 +807,15 @@ class Engine:
             self.reducer.poll()
 
     def _settled(self, mp: ManagedParam) -> bool:
-        """No gradient for ``mp`` will arrive in this backward: every module that uses it and ran
-        forward with gradients has finished its backward (its post-backward signal fired)."""
+        """No gradient for ``mp`` will arrive in this backward: every module that uses it has
+        finished its backward (see [Note: settled parameters])."""
         step = self._step
         for site in self._sites_of_param.get(id(mp), ()):
             key = id(site)
             if key in step.site_untokened:
                 return False
-            if step.site_done.get(key, 0) < step.site_calls.get(key, 0):
+            calls = step.site_calls.get(key, 0)
+            if step.site_done.get(key, 0) < calls or calls < step.site_nograd.get(key, 0):
                 return False
         return True
 
