@@ -74,3 +74,50 @@ def test_sharded_training_on_four_ranks(world4, name):
 @pytest.mark.parametrize("plan", ["fsdp", {"residency": "persistent"}, {"placement": "mixed"}], ids=["fsdp", "persistent", "mixed"])
 def test_bf16_mixed_precision(world2, plan):
     check(world2.run(run_case, Case(model="mlp", plan=plan, bf16=True)), atol=3e-2)
+
+
+def reductions_in_flight_when_an_input_is_staged(inflight):
+    """For each reduce-scatter input allocated during 3 steps: how many reductions were in flight
+    at that moment (after the reducer made room)."""
+    import torch
+
+    import models
+    from autodist import AutoDist
+    from parity import make_plan
+
+    torch.manual_seed(0)
+    base = models.make("mlp")
+    plan = make_plan(base, 2, buckets="per_param")
+    plan.max_inflight_buckets = inflight
+    model = AutoDist(base, plan=plan)
+    seen = []
+    buckets = model.runtime.reducer.buckets
+    for b in buckets:
+        if b.before_staging is None:
+            continue
+
+        def staged(b=b, room=b.before_staging):
+            room()
+            seen.append(sum(o.inflight is not None for o in buckets))
+
+        b.before_staging = staged
+    gen = torch.Generator().manual_seed(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        x, y = models.batch("mlp", 4, gen)
+        models.loss_fn("mlp", model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    model.close()
+    return seen
+
+
+def test_a_reduction_in_flight_is_finished_before_the_next_input_is_staged(world2):
+    """[Note: staging waits for room] in runtime/reducer.py: with max_inflight_buckets=1 no
+    reduce-scatter input is allocated while another reduction is in flight (FSDP2's bound); without
+    a bound they pile up, which is what the rule prevents."""
+    bounded = world2.run(reductions_in_flight_when_an_input_is_staged, 1)
+    for seen in bounded:
+        assert len(seen) >= 6 and max(seen) == 0, seen
+    unbounded = world2.run(reductions_in_flight_when_an_input_is_staged, None)
+    assert max(max(seen) for seen in unbounded) >= 1, unbounded
