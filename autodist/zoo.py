@@ -144,19 +144,33 @@ def resnet_workload(name: str, arch: str, image: int, classes: int, batch: int) 
 
 
 def zoo(size: str = "default") -> dict[str, Workload]:
-    """The named workloads. ``size="tiny"`` shrinks everything for tests."""
+    """The named workloads. ``size="tiny"`` shrinks everything for tests; ``"gpu"`` has the two GPTs
+    at one GPU's scale."""
     if size == "tiny":
         return {
             "wide-mlp": mlp_workload("wide-mlp", [64, 256, 256, 64], 8),
             "deep-mlp": mlp_workload("deep-mlp", [32] + [48] * 8 + [16], 8),
             "resnet18": resnet_workload("resnet18", "resnet18", 16, 10, 2),
             "gpt": gpt_workload("gpt", vocab=256, d=32, layers=2, heads=2, seq=16, batch=2),
+            "gpt-deep": gpt_workload("gpt-deep", vocab=256, d=32, layers=6, heads=2, seq=8, batch=2),
         }
+    if size == "gpu":
+        # one GPU's scale: a GPT of large layers (d=1024 x 12) and one of many small layers, as in
+        # the first GPU runs
+        return {
+            "gpt": gpt_workload("gpt", vocab=32768, d=1024, layers=12, heads=16, seq=512, batch=8),
+            "gpt-deep": gpt_workload("gpt-deep", vocab=8192, d=256, layers=24, heads=4, seq=256, batch=8),
+        }
+    if size != "default":
+        raise ValueError(f"zoo size must be 'default', 'tiny' or 'gpu'; got {size!r}")
     return {
         "wide-mlp": mlp_workload("wide-mlp", [1024, 4096, 4096, 4096, 1024], 32),
         "deep-mlp": mlp_workload("deep-mlp", [256] + [256] * 32 + [64], 64),
         "resnet18": resnet_workload("resnet18", "resnet18", 32, 10, 16),
         "gpt": gpt_workload("gpt", vocab=8192, d=256, layers=4, heads=4, seq=128, batch=4),
+        # dispatch-bound: 48 layers so small that a step's time goes to per-layer CPU work (kernel
+        # launches, hooks), not arithmetic — where a wrapper's per-step overhead shows
+        "gpt-deep": gpt_workload("gpt-deep", vocab=256, d=32, layers=48, heads=2, seq=8, batch=2),
     }
 
 

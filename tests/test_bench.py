@@ -29,7 +29,7 @@ def _left_running_after_drain():
     from autodist.runtime.offload import FragState
 
     bench = _bench()
-    args = type("Args", (), {"memory_limit": None})()
+    args = type("Args", (), {"memory_limit": None, "mixed_precision": "none"})()
     persistent = AutoDist(models.make("mlp"), plan=make_plan(models.make("mlp"), 2, residency="persistent"))
     offloaded = bench._offload_all_sync(models.make("mlp"), args, ())
     out = {}

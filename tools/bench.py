@@ -53,12 +53,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _launch import max_over_ranks, run_tool  # noqa: E402
 
-from autodist import AutoDist  # noqa: E402
+from autodist import AutoDist, MixedPrecision  # noqa: E402
 from autodist.cost.budget import format_bytes  # noqa: E402
 from autodist.measure.memory import ResidentMeter, measure_step_peak, storage_bytes, trace_cpu_memory  # noqa: E402
 from autodist.zoo import blocks_of, zoo  # noqa: E402
 
-DEFAULT_MODELS = ["wide-mlp", "deep-mlp", "resnet18", "gpt"]
+DEFAULT_MODELS = ["wide-mlp", "deep-mlp", "resnet18", "gpt", "gpt-deep"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,10 +94,38 @@ class Contender:
     micro_batch: Callable[[nn.Module, bool], Any] = _skip_sync  # the context of one micro-batch
 
 
+BF16 = torch.bfloat16
+
+
+class _InBF16(nn.Module):
+    """The model with bf16 parameters, its floating-point inputs cast to bf16 (the arithmetic the
+    wrappers run under ``--mixed-precision bf16``; its optimizer steps the bf16 parameters)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model.to(BF16)
+
+    def forward(self, *args: Any) -> Any:
+        return self.model(*(a.to(BF16) if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
+
+
+def _compute(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Module:
+    """The model alone, with no wrapper and no communication."""
+    return _InBF16(model) if args.mixed_precision == "bf16" else model
+
+
 def _ddp(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.parallel.distributed import _MixedPrecision
 
-    return DistributedDataParallel(model)
+    if args.mixed_precision != "bf16":
+        return DistributedDataParallel(model)
+    if args.device == "cuda":
+        mp = _MixedPrecision(param_dtype=BF16, reduce_dtype=torch.float32, buffer_dtype=BF16)
+        return DistributedDataParallel(model, mixed_precision=mp)
+    # DDP's mixed precision runs on CUDA streams only: on the CPU, DDP over the bf16 model (the same
+    # arithmetic; it reduces in bf16, half the bytes of the others' fp32 reduction)
+    return DistributedDataParallel(_InBF16(model))
 
 
 def _fsdp2(
@@ -109,9 +137,10 @@ def _fsdp2(
     ``checkpoint_wrapper`` on each block, then ``fully_shard`` on the wrapped blocks)."""
 
     def wrap(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+        mp = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32) if args.mixed_precision == "bf16" else MixedPrecisionPolicy()
         blocks = blocks_of(model)
         if checkpoint:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -126,9 +155,9 @@ def _fsdp2(
         if group > 0:
             for i in range(0, len(blocks), group):
                 chunk = blocks[i : i + group]
-                fully_shard(chunk if len(chunk) > 1 else chunk[0], reshard_after_forward=reshard, offload_policy=policy)
+                fully_shard(chunk if len(chunk) > 1 else chunk[0], reshard_after_forward=reshard, offload_policy=policy, mp_policy=mp)
                 wrapped.append(chunk[0])
-        fully_shard(model, reshard_after_forward=reshard, offload_policy=policy)
+        fully_shard(model, reshard_after_forward=reshard, offload_policy=policy, mp_policy=mp)
         if prefetch and len(wrapped) > 1:
             for i, m in enumerate(wrapped):
                 m.set_modules_to_forward_prefetch(wrapped[i + 1 : i + 1 + prefetch])
@@ -138,14 +167,18 @@ def _fsdp2(
     return wrap
 
 
+def _mixed_precision(args: argparse.Namespace) -> MixedPrecision | None:
+    return MixedPrecision(param_dtype=BF16, reduce_dtype=torch.float32) if args.mixed_precision == "bf16" else None
+
+
 def _autodist(plan: str) -> Callable[..., nn.Module]:
     def wrap(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Module:
         if plan == "auto":
             return AutoDist(
                 model, plan="auto", example_inputs=example, cache_dir=args.cache_dir, memory_limit=args.memory_limit,
-                grad_accum_steps=args.accum,
+                grad_accum_steps=args.accum, mixed_precision=_mixed_precision(args),
             )
-        return AutoDist(model, plan=plan, memory_limit=args.memory_limit)
+        return AutoDist(model, plan=plan, memory_limit=args.memory_limit, mixed_precision=_mixed_precision(args))
 
     return wrap
 
@@ -180,7 +213,7 @@ def _offload_all_sync(model: nn.Module, args: argparse.Namespace, example: tuple
         for p in structure.trainable for state in ("exp_avg", "exp_avg_sq")
     ]
     plan = dataclasses.replace(plan, offload=frags, provenance={"source": "bench:offload-all-sync"})
-    return AutoDist(model, plan=plan, memory_limit=args.memory_limit)
+    return AutoDist(model, plan=plan, memory_limit=args.memory_limit, mixed_precision=_mixed_precision(args))
 
 
 def _wait_offload(m: nn.Module) -> None:
@@ -188,7 +221,7 @@ def _wait_offload(m: nn.Module) -> None:
 
 
 CONTENDERS: dict[str, Contender] = {
-    "compute": Contender("compute", lambda m, a, e: m),
+    "compute": Contender("compute", _compute),
     "ddp": Contender("ddp", _ddp),
     "autodist:ddp": Contender("autodist:ddp", _autodist("ddp"), _close_autodist, takes_budget=True),
     "fsdp2": Contender("fsdp2", _fsdp2(True)),
@@ -259,9 +292,13 @@ def _host_state_bytes(model: nn.Module) -> int:
     return storage_bytes(e.h for e in model.runtime.offload.entries.values() if e.h is not None)
 
 
+def _device(args: argparse.Namespace) -> torch.device:
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
+
+
 def _build(workload: Any, contender: Contender, batches: list, args: argparse.Namespace):
     torch.manual_seed(0)
-    model = contender.wrap(workload.build(), args, (batches[0][0].chunk(args.accum)[0],))  # one micro-batch
+    model = contender.wrap(workload.build().to(_device(args)), args, (batches[0][0].chunk(args.accum)[0],))  # one micro-batch
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -278,7 +315,7 @@ def _build(workload: Any, contender: Contender, batches: list, args: argparse.Na
 
 def run_contender(workload: Any, contender: Contender, batches: list, args: argparse.Namespace, res: Result) -> None:
     """One timed pass: warm-up steps, then the timed steps as one window ending with ``_drain``."""
-    device = torch.device("cpu")
+    device = _device(args)
     resident = ResidentMeter()
     gc.collect()
     base = resident.current()
@@ -334,15 +371,27 @@ def memory_pass(workload: Any, contender: Contender, batches: list, args: argpar
         for i, (x, y) in enumerate(batches[:MEMORY_STEPS]):
             step(x, y)
             mark(f"step {i + 1}")
-        _drain(model, torch.device("cpu"))
+        _drain(model, _device(args))
 
     gc.collect()
+    device = _device(args)
     try:
-        mem, marks = trace_cpu_memory(run)
-        steps, first = marks["autodist::mark(steps)"], marks["autodist::mark(step 1)"]
-        peak = max((m for ts, m in mem if ts >= steps), default=0)
-        res.peak_bytes = int(max_over_ranks(peak))
-        host = _host_state_bytes(held["model"])
+        if device.type == "cuda":
+            # the caching allocator's counters: the peak of the steps over what was allocated before
+            # the contender was built (the model's own state is built inside run())
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            run()
+            torch.cuda.synchronize(device)
+            res.peak_bytes = int(max_over_ranks(torch.cuda.max_memory_allocated(device) - base))
+            host = 0
+        else:
+            mem, marks = trace_cpu_memory(run)
+            steps, first = marks["autodist::mark(steps)"], marks["autodist::mark(step 1)"]
+            peak = max((m for ts, m in mem if ts >= steps), default=0)
+            res.peak_bytes = int(max_over_ranks(peak))
+            host = _host_state_bytes(held["model"])
         if host:
             pool = max((m for ts, m in mem if ts >= first), default=0) - host
             res.extra["host_state_bytes"] = int(max_over_ranks(host))
@@ -361,7 +410,7 @@ def memory_pass(workload: Any, contender: Contender, batches: list, args: argpar
             return out + [x, y]
 
         step = held["step"]
-        res.extra["step_peak_bytes"] = int(max_over_ranks(measure_step_peak(lambda: step(x, y), torch.device("cpu"), live)))
+        res.extra["step_peak_bytes"] = int(max_over_ranks(measure_step_peak(lambda: step(x, y), device, live)))
     finally:
         if "model" in held:
             contender.close(held["model"])
@@ -369,25 +418,32 @@ def memory_pass(workload: Any, contender: Contender, batches: list, args: argpar
         gc.collect()
 
 
-def allreduce_seconds(nbytes: int) -> float:
+def allreduce_seconds(nbytes: int, device: torch.device) -> float:
     """One step's least communication for data parallelism: all-reducing every gradient once, in
     DDP-sized (25 MiB) messages, on this process group (the median of 3)."""
     cap = 25 * 1024 * 1024 // 4
     n = max(1, nbytes // 4)
-    bufs = [torch.zeros(min(cap, n - i)) for i in range(0, n, cap)]
+    bufs = [torch.zeros(min(cap, n - i), device=device) for i in range(0, n, cap)]
     times = []
     for _ in range(4):
         dist.barrier()
         t0 = time.perf_counter()
         for b in bufs:
             dist.all_reduce(b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(max_over_ranks(time.perf_counter() - t0))
     return statistics.median(times[1:])
 
 
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    device = _device(args)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     workloads = zoo(args.size)
     names = [c for c in args.contenders]
@@ -397,7 +453,7 @@ def worker(args: argparse.Namespace) -> None:
         wl = workloads[model_name]
         per_rank = (args.batch or wl.default_batch) * args.accum  # --accum N: N micro-batches of --batch
         gen = torch.Generator().manual_seed(1000 + rank)
-        batches = [wl.batch(per_rank, gen) for _ in range(args.warmup + args.steps)]
+        batches = [tuple(t.to(device) for t in wl.batch(per_rank, gen)) for _ in range(args.warmup + args.steps)]
         by_name = {n: Result(model_name, n) for n in names}
         schedule = [(p, names if p % 2 == 0 else list(reversed(names))) for p in range(args.passes)]
         if args.fsdp_grid:
@@ -421,13 +477,16 @@ def worker(args: argparse.Namespace) -> None:
         results.extend(by_name.values())
         torch.manual_seed(0)
         grad_bytes = sum(p.numel() * p.element_size() for p in wl.build().parameters() if p.requires_grad)
-        comm_only[model_name] = allreduce_seconds(grad_bytes)
+        comm_only[model_name] = allreduce_seconds(grad_bytes, device)
         if rank == 0:
             print(f"[bench] {model_name}: done", file=sys.stderr, flush=True)
     if rank == 0:
         payload = {
             "world_size": world,
             "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "mixed_precision": args.mixed_precision,
+            "size": args.size,
             "steps": args.steps,
             "passes": args.passes,
             "memory_limit": args.memory_limit,
@@ -465,14 +524,14 @@ def table(payload: dict) -> str:
         compute = mine.get("compute", {}).get("median_step_s")
         comm = payload.get("allreduce_all_grads_s", {}).get(model)
         bound = max(compute, comm) if compute and comm else None
-        lines.append(f"\n{model}")
+        lines.append(f"\n{model} ({payload.get('device', 'cpu')}, {payload.get('world_size')} rank(s), {payload.get('mixed_precision') or 'fp32'})")
         if bound:
             lines.append(
                 f"  full-overlap bound max(compute {compute * 1e3:.1f} ms, all-reduce of all gradients "
                 f"{comm * 1e3:.1f} ms) = {bound * 1e3:.1f} ms"
             )
         lines.append(
-            f"  {'contender':<30}{'step (ms)':>10}{'vs ddp':>8}{'vs fsdp2':>9}{'vs bound':>9}{'step peak':>12}{'peak tensors':>14}{'resident':>12}"
+            f"  {'contender':<30}{'step (ms)':>10}{'overhead':>10}{'vs ddp':>8}{'vs fsdp2':>9}{'vs bound':>9}{'step peak':>12}{'peak tensors':>14}{'resident':>12}"
         )
         for name, r in mine.items():
             if r["error"]:
@@ -482,6 +541,9 @@ def table(payload: dict) -> str:
             rd = f"{t / ddp:.3f}" if ddp else "-"
             rf = f"{t / fsdp:.3f}" if fsdp else "-"
             rb = f"{t / bound:.3f}" if bound else "-"
+            # [Note: overhead over compute] what the contender adds to the model's own step: its
+            # hooks, copies and waits for communication (in the same launch, timed the same way)
+            ov = f"{(t - compute) * 1e3:.1f}" if compute and name != "compute" else "-"
             note = ""
             e = r.get("extra", {})
             if e.get("predicted_step_s"):
@@ -499,7 +561,7 @@ def table(payload: dict) -> str:
             peak, resident = format_bytes(r["peak_bytes"]), format_bytes(r.get("resident_bytes", 0))
             sp = e.get("step_peak_bytes")
             sp = format_bytes(sp) if sp else "-"
-            lines.append(f"  {name:<30}{t * 1e3:>10.1f}{rd:>8}{rf:>9}{rb:>9}{sp:>12}{peak:>14}{resident:>12}{note}")
+            lines.append(f"  {name:<30}{t * 1e3:>10.1f}{ov:>10}{rd:>8}{rf:>9}{rb:>9}{sp:>12}{peak:>14}{resident:>12}{note}")
         grid = {n: r for n, r in mine.items() if n.startswith("fsdp2[") and not r["error"]}
         auto = mine.get("autodist:auto")
         if grid and auto and not auto["error"]:
@@ -514,14 +576,17 @@ def table(payload: dict) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, checked (unknown models or contenders exit with status 2)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated (default: %(default)s)")
+    ap.add_argument("--models", default=None, help=f"comma-separated (default: {','.join(DEFAULT_MODELS)}, those the --size has)")
     ap.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS), help="comma-separated (default: all)")
     ap.add_argument("--nproc", type=int, default=2, help="ranks (default: 2)")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per contender per pass (default: 8)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
     ap.add_argument("--passes", type=int, default=2, help="passes over the contenders, alternating order (default: 2)")
     ap.add_argument("--batch", type=int, default=None, help="per-rank batch (default: per model)")
-    ap.add_argument("--size", default="default", choices=["default", "tiny"], help="model sizes (tiny: for tests)")
+    ap.add_argument("--size", default="default", choices=["default", "tiny", "gpu"], help="model sizes (tiny: for tests; gpu: one GPU's scale)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
+    ap.add_argument("--mixed-precision", default="none", choices=["none", "bf16"],
+                    help="bf16: every wrapper computes in bf16 and reduces in fp32 (compute: the model cast to bf16)")
     ap.add_argument("--memory-limit", default=None, help="budget for contenders that take one, e.g. 300MB")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches (of --batch each) per optimizer step (default: 1)")
     ap.add_argument("--fsdp-grid", action="store_true", help="also run FSDP2's knob grid (18 configurations)")
@@ -531,11 +596,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    args.models = [m for m in args.models.split(",") if m]
+    models = zoo(args.size)
+    args.models = [m for m in args.models.split(",") if m] if args.models else [m for m in DEFAULT_MODELS if m in models]
     args.contenders = [c for c in args.contenders.split(",") if c]
-    unknown = [m for m in args.models if m not in zoo()] + [c for c in args.contenders if c not in CONTENDERS and c not in GRID]
+    unknown = [m for m in args.models if m not in models] + [c for c in args.contenders if c not in CONTENDERS and c not in GRID]
     if unknown:
-        ap.error(f"unknown model or contender: {', '.join(unknown)} (models: {', '.join(zoo())}; contenders: {', '.join(CONTENDERS)})")
+        ap.error(f"unknown model or contender: {', '.join(unknown)} (models: {', '.join(models)}; contenders: {', '.join(CONTENDERS)})")
     return args
 
 
@@ -547,7 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     worker_args = [
         "--models", ",".join(args.models), "--contenders", ",".join(args.contenders),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--passes", str(args.passes),
-        "--size", args.size, "--grid-passes", str(args.grid_passes), "--accum", str(args.accum), "--cache-dir", args.cache_dir or os.path.join("{tmp}", "cache"),
+        "--size", args.size, "--device", args.device, "--mixed-precision", args.mixed_precision,
+        "--grid-passes", str(args.grid_passes), "--accum", str(args.accum), "--cache-dir", args.cache_dir or os.path.join("{tmp}", "cache"),
     ]
     if args.fsdp_grid:
         worker_args.append("--fsdp-grid")

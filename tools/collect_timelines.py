@@ -346,7 +346,7 @@ def table(payload: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default=",".join(zoo()), help="comma-separated zoo models (default: all)")
+    ap.add_argument("--models", default="wide-mlp,deep-mlp,resnet18,gpt", help="comma-separated zoo models (default: %(default)s)")
     ap.add_argument("--plans", type=int, default=20, help="random plans per model, besides built-in and searched (default 20)")
     ap.add_argument("--no-searched", action="store_true", help="skip the plans the search picks")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per plan (default 3)")
