@@ -783,7 +783,7 @@ def _check_worker(args: argparse.Namespace) -> int:
         comm = sweep(dist.group.WORLD, device)
         space = space_for(prof, structure, world, grad_accum_steps=args.accum)
         sim = Simulator(prof, structure, comm, world_size=world)
-        chosen = plans_to_check(space, sim, args.plans, profile=prof, structure=structure, comm=comm, world=world)
+        chosen = plans_to_check(space, sim, args.plans)
         checks = [
             Checked(name, space.to_plan(g, provenance={"source": f"autodist check:{name}"}), sim.run(space.to_plan(g)), searched)
             for name, g, searched in chosen
@@ -800,7 +800,7 @@ def _check_worker(args: argparse.Namespace) -> int:
         measure_plans(checks, wrap, batches, loss, device=device, accum=args.accum, steps=args.steps, warmup=warmup,
                       passes=passes, progress=progress, forward=lambda m, x: m(x, **_input_kwargs(x, args)),
                       after_pass=reprofile.after_pass)
-        prof = reprofile.predict(checks, structure, comm, world)
+        prof = reprofile.predict(checks, sim)
         if rank == 0:
             # each row with its plan, so that a plan whose peak or time was off can be run again
             rows = [dict(c.row(), plan_json=json.loads(c.plan.to_json())) for c in checks]

@@ -143,7 +143,9 @@ class AutoPlanner:
         }
 
     def profile_key(self, sig: str) -> str:
-        return profile_cache_key(self.structure, sig, self._machine()["device_name"])
+        # a profile taken under a mixed-precision policy is another model's ([Note: profiled as it runs])
+        dtype = {"compute_dtype": str(self.mp.param_dtype)} if self.mp is not None and self.mp.param_dtype is not None else {}
+        return profile_cache_key(self.structure, sig, self._machine()["device_name"], **dtype)
 
     def comm_key(self) -> str:
         return digest(self._machine())
@@ -433,6 +435,8 @@ class AutoPlanner:
             prof = profile_model(
                 self.w.module, self.structure, example_inputs, device=self.device, example_kwargs=example_kwargs,
                 contention=collective_train(self.comm.group, self.device),
+                compute_dtype=self.mp.param_dtype if self.mp is not None else None,
+                cast_inputs=self.mp.cast_forward_inputs if self.mp is not None else True,
             )
         self.stats.profiles_measured += 1
         prof = self._merge(prof)

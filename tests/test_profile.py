@@ -1,5 +1,7 @@
 """The profile: activation bytes against a direct count, forward order, and no side effects."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -44,6 +46,43 @@ def test_loss_memory_is_measured_when_the_loss_is_known_and_estimated_when_not()
     guessed = profile_model(model, discover(model), (x,), device=CPU, repeats=1)
     assert guessed.loss_source == "estimated"
     assert (guessed.loss_act_bytes, guessed.loss_bwd_peak_bytes) == (logits, 2 * logits)
+
+
+def _saved_bytes(model, x):
+    """The bytes of the distinct non-parameter storages a forward saves for backward, counted directly."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in params:
+            seen[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum()
+    return sum(seen.values())
+
+
+def test_a_mixed_precision_profile_measures_the_model_as_the_policy_runs_it():
+    """[Note: profiled as it runs]: under a bf16 policy the activations are those of the bf16
+    computation (a direct count on a bf16 copy of the model), and the model is left as it was."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+    model[0].weight.grad = torch.ones_like(model[0].weight)  # a gradient the user holds
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(32, 16)
+    fp32 = profile_model(model, discover(model), (x,), device=CPU, repeats=1)
+    bf16 = profile_model(model, discover(model), (x,), device=CPU, repeats=1, compute_dtype=torch.bfloat16)
+    in_bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    assert sum(u.act_bytes for u in fp32.units) == _saved_bytes(model, x)
+    assert sum(u.act_bytes for u in bf16.units) == _saved_bytes(in_bf16, x.to(torch.bfloat16))
+    assert sum(u.act_bytes for u in bf16.units) < 0.6 * sum(u.act_bytes for u in fp32.units)
+    assert bf16.meta["compute_dtype"] == "bfloat16" and "compute_dtype" not in fp32.meta
+    # the fp32 parameters, their values and the user's gradient are back
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight)) and model[2].weight.grad is None
 
 
 class _Reordered(nn.Module):

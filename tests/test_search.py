@@ -288,7 +288,7 @@ def test_plans_to_check_picks_the_searched_plans_under_evenly_spaced_tighter_bud
     # gathers cost, so the unbudgeted pick is the replicated plan, the largest peak: the budgets differ
     comm = replace(COMM, ops={**COMM.ops, "all_gather": _lin(2e-6, 2e-3)})
     sim = Simulator(PROFILE, STRUCTURE, comm, world_size=2)
-    kw = {"seed": 0, "profile": PROFILE, "structure": STRUCTURE, "comm": comm, "world": 2}
+    kw = {"seed": 0}
     for budgets in (0, 1, 4):
         chosen = plans_to_check(_space(), sim, 5, budgets=budgets, **kw)
         searched = [(name, g) for name, g, is_searched in chosen if is_searched]

@@ -57,7 +57,6 @@ from _launch import report, run_tool  # noqa: E402
 from autodist import AutoDist  # noqa: E402
 from autodist.cost.comm import CommModel  # noqa: E402
 from autodist.cost.learned import collective_name, graph_of  # noqa: E402
-from autodist.cost.profile import Profile  # noqa: E402
 from autodist.cost.simulator import Simulator  # noqa: E402
 from autodist.measure.fidelity import max_over_ranks, optimizer_for, plans_to_check, slowest_over_ranks  # noqa: E402
 from autodist.measure.steptrace import StepTracer  # noqa: E402
@@ -69,13 +68,11 @@ from autodist.structure import discover  # noqa: E402
 from autodist.zoo import zoo  # noqa: E402
 
 
-def plans_for(space, sim: Simulator, structure, prof: Profile, comm: CommModel, world: int, n_random: int, seed: int,
-              searched: bool) -> list[tuple[str, str, Genome]]:
+def plans_for(space, sim: Simulator, n_random: int, seed: int, searched: bool) -> list[tuple[str, str, Genome]]:
     """(name, source, genome): the plans ``autodist check`` measures
     (:func:`autodist.measure.fidelity.plans_to_check`): the built-in plans, ``n_random`` random
     ones, the searched ones."""
-    checks = plans_to_check(space, sim, 3 + n_random, seed=seed, searched=searched, profile=prof, structure=structure,
-                            comm=comm, world=world)
+    checks = plans_to_check(space, sim, 3 + n_random, seed=seed, searched=searched)
     return [
         (name, "searched" if was_searched else "builtin" if name in ("ddp", "fsdp", "zero2") else "random", g)
         for name, g, was_searched in checks
@@ -190,7 +187,7 @@ def collect_model(name: str, args: argparse.Namespace, comm: CommModel, out: Tex
     prof = slowest_over_ranks(prof)
     sim = Simulator(prof, structure, comm, world_size=world)
     space = space_for(prof, structure, world)
-    genomes = plans_for(space, sim, structure, prof, comm, world, args.plans, args.seed, not args.no_searched)
+    genomes = plans_for(space, sim, args.plans, args.seed, not args.no_searched)
     if out is not None:
         out.write(json.dumps({
             "record": "model", "model": name, "size": args.size, "batch": per_rank, "world_size": world,

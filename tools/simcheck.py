@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _launch import run_tool  # noqa: E402
 
-from autodist import AutoDist  # noqa: E402
+from autodist import AutoDist, MixedPrecision  # noqa: E402
 from autodist.cost.fidelity import SIMULATOR_VERSION  # noqa: E402
 from autodist.cost.simulator import Simulator  # noqa: E402
 from autodist.measure.fidelity import (  # noqa: E402
@@ -81,22 +81,24 @@ def worker(args: argparse.Namespace) -> None:
     structure = discover(plain)
     x0, y0 = (t.chunk(args.accum)[0] for t in batches[0])
     train = collective_train(dist.group.WORLD, device)
+    # --mixed-precision bf16: profiled, simulated and run under the policy (bf16 compute, fp32 reduction)
+    mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mixed_precision == "bf16" else None
+    policy = {"param_dtype": mixed.param_dtype, "reduce_dtype": mixed.reduce_dtype} if mixed else {}
+    compute_dtype = mixed.param_dtype if mixed else None
     prof = profile_model(
-        plain, structure, (x0,), device=device, loss_fn=lambda out: wl.loss(out, y0), optimizer=optimizer_for, contention=train
+        plain, structure, (x0,), device=device, loss_fn=lambda out: wl.loss(out, y0), optimizer=optimizer_for, contention=train,
+        compute_dtype=compute_dtype,
     )
     prof = slowest_over_ranks(prof)
     comm = sweep(dist.group.WORLD, device)
     reprofile = Reprofile(prof, lambda: profile_model(
         plain, structure, (x0,), device=device, loss_fn=lambda out: wl.loss(out, y0), optimizer=optimizer_for,
-        memory=False, contention=train,
+        memory=False, contention=train, compute_dtype=compute_dtype,
     ))
 
     space = space_for(prof, structure, world, grad_accum_steps=args.accum)
-    sim = Simulator(prof, structure, comm, world_size=world)
-    chosen = plans_to_check(
-        space, sim, args.plans, seed=args.seed, searched=args.searched, profile=prof, structure=structure, comm=comm, world=world,
-        budgets=args.budgets,
-    )
+    sim = Simulator(prof, structure, comm, world_size=world, **policy)
+    chosen = plans_to_check(space, sim, args.plans, seed=args.seed, searched=args.searched, budgets=args.budgets)
     checks, sim_ms = [], []
     for name, genome, searched in chosen:
         plan = space.to_plan(genome, provenance={"source": f"simcheck:{name}"})
@@ -106,7 +108,7 @@ def worker(args: argparse.Namespace) -> None:
 
     def wrap(plan: Plan) -> AutoDist:
         torch.manual_seed(0)
-        return AutoDist(wl.build(), plan=plan)
+        return AutoDist(wl.build(), plan=plan, mixed_precision=mixed)
 
     def traces(i: int, one_step: Callable[[], None]) -> None:
         """The simulated and the measured step of plan ``i`` as Chrome traces and PNGs."""
@@ -142,8 +144,8 @@ def worker(args: argparse.Namespace) -> None:
         after_pass=after_pass,
     )
     # the predictions, from the profile of the minutes the plans were measured in
-    prof = reprofile.predict(checks, structure, comm, world, record=bool(args.trace_dir))
-    by_sweep = (predictions_by_comm(prof, structure, sweeps, [c.plan for c in checks], world)
+    prof = reprofile.predict(checks, sim, record=bool(args.trace_dir))
+    by_sweep = (predictions_by_comm(prof, structure, sweeps, [c.plan for c in checks], world, **policy)
                 if args.resweep and rank == 0 else [[] for _ in checks])
     rows = [
         dict(c.row(), simulate_ms=ms, measured_times_s=list(c.times), plan_json=json.loads(c.plan.to_json()),
@@ -154,6 +156,7 @@ def worker(args: argparse.Namespace) -> None:
         payload = {
             "model": args.model,
             "size": args.size,  # the zoo's size the profile and plans are of
+            "mixed_precision": args.mixed_precision,
             "world_size": world,
             "accum": args.accum,
             "steps": args.steps,
@@ -186,6 +189,7 @@ def stored(path: str) -> dict:
 
 def table(payload: dict) -> str:
     accum = f", {payload['accum']} micro-batches per step" if payload.get("accum", 1) > 1 else ""
+    accum += ", bf16 compute" if payload.get("mixed_precision") == "bf16" else ""
     lines = [f"{payload['model']}: {len(payload['plans'])} plans on {payload['world_size']} ranks{accum}"]
     lines.append(f"  {'plan':<18}{'pred ms':>10}{'meas ms':>10}{'err':>8}{'pred MiB':>11}{'meas MiB':>11}{'err':>8}")
     for r in payload["plans"]:
@@ -241,6 +245,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also measure the plans the search picks: without a budget and under --budgets tighter ones")
     ap.add_argument("--budgets", type=int, default=4,
                     help="with --searched: tighter budgets, evenly spaced below the unbudgeted pick's peak (default 4)")
+    ap.add_argument("--mixed-precision", default="none", choices=["none", "bf16"],
+                    help="bf16: profile, simulate and run every plan computing in bf16 and reducing in fp32")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace-dir", default=None)
@@ -267,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     wargs = ["--model", args.model, "--plans", str(args.plans), "--steps", str(args.steps),
              "--warmup", str(args.warmup), "--passes", str(args.passes), "--size", args.size, "--seed", str(args.seed),
-             "--accum", str(args.accum)]
+             "--accum", str(args.accum), "--mixed-precision", args.mixed_precision]
     if args.searched:
         wargs += ["--searched", "--budgets", str(args.budgets)]
     if args.resweep:

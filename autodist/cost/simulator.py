@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -337,6 +337,17 @@ class Simulator:
         if t is None:
             t = self._time_cache[key] = self.comm.host_time(op, nbytes)
         return t
+
+    _SAME: Any = object()
+
+    def variant(self, *, profile: Profile | None = None, comm: CommModel | None = None, budget_bytes: Any = _SAME) -> Simulator:
+        """This simulator (model, world, mixed-precision policy, estimator) with another profile,
+        comm model or budget."""
+        return Simulator(
+            profile or self.profile, self.structure, comm or self.comm, world_size=self.world,
+            budget_bytes=self.budget if budget_bytes is Simulator._SAME else budget_bytes,
+            param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype, estimator=self.estimator,
+        )
 
     # ------------------------------------------------------------------------------------------
     def _compute_itemsize(self, p: str) -> int:

@@ -248,10 +248,11 @@ def pct_apart(values: Sequence[float]) -> float:
 
 
 def predictions_by_comm(profile: Profile, structure: Any, comms: Sequence[Any], plans: Sequence[Plan],
-                        world: int) -> list[list[float]]:
+                        world: int, **policy: Any) -> list[list[float]]:
     """Per plan, its predicted step time from each of ``comms`` (comm models; the profile held
-    fixed): what :func:`sweep_spread` reads as ``predicted_step_s_by_sweep``."""
-    sims = [Simulator(profile, structure, c, world_size=world) for c in comms]
+    fixed): what :func:`sweep_spread` reads as ``predicted_step_s_by_sweep``. ``policy``: the
+    simulator's ``param_dtype`` and ``reduce_dtype``."""
+    sims = [Simulator(profile, structure, c, world_size=world, **policy) for c in comms]
     return [[sim.run(plan).step_s for sim in sims] for plan in plans]
 
 
@@ -283,14 +284,13 @@ def budget_fractions(budgets: int) -> list[float]:
 
 
 def plans_to_check(
-    space: PlanSpace, sim: Simulator, n: int, *, seed: int = 0, searched: bool = True,
-    profile: Any = None, structure: Any = None, comm: Any = None, world: int = 1, budgets: int = 2,
+    space: PlanSpace, sim: Simulator, n: int, *, seed: int = 0, searched: bool = True, budgets: int = 2,
 ) -> list[tuple[str, Genome, bool]]:
     """``(name, genome, searched)``: the built-in plans (ddp, fsdp, zero2), random valid plans up to
     ``n`` in all, then (``searched``) the plans the search picks without a budget and under
     ``budgets`` tighter ones (:func:`budget_fractions`: by default two, 2/3 and 1/3 of the way from
-    the smallest peak among the others to the unbudgeted pick's peak; ``profile``, ``structure``,
-    ``comm`` and ``world`` build those budgets' simulators); a pick equal to a plan listed before it
+    the smallest peak among the others to the unbudgeted pick's peak, each simulated as ``sim``
+    under that budget); a pick equal to a plan listed before it
     is named ``searched@…=that plan`` and measured again. Over three searched plans one swapped
     pair reads Spearman 0.5; more budgets make their ranking a measurement.
 
@@ -301,16 +301,13 @@ def plans_to_check(
     if dist.is_initialized() and dist.get_world_size() > 1:
         box: list[object] = [None]
         if dist.get_rank() == 0:
-            box[0] = _choose_plans(space, sim, n, seed, searched, profile, structure, comm, world, budgets)
+            box[0] = _choose_plans(space, sim, n, seed, searched, budgets)
         dist.broadcast_object_list(box, src=0)
         return box[0]  # type: ignore[return-value]
-    return _choose_plans(space, sim, n, seed, searched, profile, structure, comm, world, budgets)
+    return _choose_plans(space, sim, n, seed, searched, budgets)
 
 
-def _choose_plans(
-    space: PlanSpace, sim: Simulator, n: int, seed: int, searched: bool, profile: Any, structure: Any, comm: Any, world: int,
-    budgets: int,
-) -> list[tuple[str, Genome, bool]]:
+def _choose_plans(space: PlanSpace, sim: Simulator, n: int, seed: int, searched: bool, budgets: int) -> list[tuple[str, Genome, bool]]:
     out: list[tuple[str, Genome, bool]] = [("ddp", space.ddp(), False), ("fsdp", space.fsdp(), False), ("zero2", space.zero2(), False)]
     seen = {g for _, g, _ in out}
     rng = random.Random(seed)
@@ -329,8 +326,7 @@ def _choose_plans(
             if b is None:
                 found = free
             else:
-                tight = Simulator(profile, structure, comm, world_size=world, budget_bytes=b)
-                found = Searcher(space, tight, SearchConfig()).run()
+                found = Searcher(space, sim.variant(budget_bytes=b), SearchConfig()).run()
             if not found.result.feasible:
                 continue
             # A pick equal to a plan already listed is measured again under its own name: the
@@ -369,10 +365,10 @@ class Reprofile:
     def after_pass(self, _: int) -> None:
         self.profiles.append(slowest_over_ranks(self._again()))
 
-    def predict(self, checks: Sequence[Checked], structure: Any, comm: Any, world: int, *, record: bool = False) -> Profile:
-        """Predict every plan again from the typical profile (returned)."""
+    def predict(self, checks: Sequence[Checked], like: Simulator, *, record: bool = False) -> Profile:
+        """Predict every plan again from the typical profile (returned), simulated as ``like``."""
         prof = typical(self.profiles)
-        sim = Simulator(prof, structure, comm, world_size=world)
+        sim = like.variant(profile=prof)
         for c in checks:
             c.predicted = sim.run(c.plan, record=record)
         return prof

@@ -339,6 +339,39 @@ def _preserved(module: nn.Module, device: torch.device) -> Iterator[None]:
             torch.cuda.set_rng_state(cuda_rng, device)
 
 
+@contextlib.contextmanager
+def computing_in(module: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """The module's floating-point parameters hold ``dtype`` copies meanwhile (restored after).
+
+    [Note: profiled as it runs] Under a mixed-precision policy the runtime computes with
+    ``param_dtype`` copies of the parameters: each unit's time, what its forward saves for backward
+    and the gradients it produces are those of the copies (bf16: about half the activation bytes,
+    and on a GPU a fraction of the fp32 time). Profiling the fp32 model instead mispredicted bf16
+    steps 3.2-3.7x on an H100. So the forward and backward passes are profiled with the copies in
+    place (and the inputs cast as the policy casts them); the optimizer, which steps the fp32 master
+    parameters, is measured on those. The simulator takes the dtypes of what it moves (gathers,
+    gradients, reductions) from the policy, and the profile cache keeps the two apart."""
+    if dtype is None:
+        yield
+        return
+    kept = [(p, p.data) for p in module.parameters() if p.is_floating_point() and p.dtype != dtype]
+    with torch.no_grad():
+        for p, data in kept:
+            p.data = data.to(dtype)
+    try:
+        yield
+    finally:
+        for p, data in kept:
+            p.data = data
+            p.grad = None  # a gradient of the copy, in its dtype
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree)
+
+
 def _attribute(pass_: _Pass, clock: _Clock, t0: Any, t_fwd_end: Any, t_bwd_end: Any, units: list[str]) -> dict[str, Any]:
     fwd = {u: 0.0 for u in units}
     bwd = {u: 0.0 for u in units}
@@ -528,6 +561,8 @@ def profile_model(
     example_kwargs: dict[str, Any] | None = None,
     optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
     contention: CollectiveTrain | None = None,
+    compute_dtype: torch.dtype | None = None,
+    cast_inputs: bool = True,
 ) -> Profile:
     """Profile ``module`` on one forward: ``module(*example_inputs, **example_kwargs)``. Without a
     ``loss_fn``, the loss is the one the model returns (``output.loss``, as Hugging Face models do
@@ -538,11 +573,16 @@ def profile_model(
     returns the function that waits for it (:func:`autodist.measure.sweep.collective_train`; every
     rank profiles at once, and takes as many rounds as every other); the model's slowdown under it, and how much more that is than the
     reference computation's, are then measured (``Profile.contended_slowdown``,
-    ``Profile.contention_sensitivity``; see :func:`contended_slowdown`)."""
+    ``Profile.contention_sensitivity``; see :func:`contended_slowdown`).
+    ``compute_dtype``: the mixed-precision policy's parameter dtype: the model is profiled as the
+    runtime runs it (see [Note: profiled as it runs]); ``cast_inputs``: the policy casts the
+    floating-point inputs of the forward to it."""
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs)
     kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in (example_kwargs or {}).items()}
+    if compute_dtype is not None and cast_inputs:
+        inputs, kwargs = _cast_floating((inputs, kwargs), compute_dtype)
     clock = _Clock(device)
     unit_names = [u.name for u in structure.units]
     tracer = UnitTracer(module, structure, clock)
@@ -554,7 +594,7 @@ def profile_model(
     out_fp32 = 0
 
     try:
-        with _preserved(module, device):
+        with _preserved(module, device), computing_in(module, compute_dtype):
             peaks = _memory_peaks(module, structure, lambda: module(*inputs, **kwargs), loss_fn, device) if memory else {}
             def one_pass() -> tuple[dict[str, Any], _Pass]:
                 nonlocal out_fp32
@@ -604,7 +644,8 @@ def profile_model(
             numels = [p.numel for p in structure.params.values() if p.requires_grad]
             opt_profile = estimate_optimizer(device, param_numels=numels)
         if contention is not None:
-            measured = contended_slowdown(train_backward, contention, device, agree=contention.largest)
+            with computing_in(module, compute_dtype):
+                measured = contended_slowdown(train_backward, contention, device, agree=contention.largest)
             slowdown, sensitivity = measured.slowdown, measured.sensitivity
             contention_meta = {"contention_rounds": measured.rounds, "contention_spread": round(measured.spread, 4)}
     assert last is not None
@@ -652,6 +693,7 @@ def profile_model(
         contention_sensitivity=sensitivity,
         meta={
             "warmup": warmup, "passes": len(results), "torch": torch.__version__,
+            **({"compute_dtype": str(compute_dtype).replace("torch.", "")} if compute_dtype is not None else {}),
             "spread": round(_spread(results), 4), "noisy": _spread(results) > NOISY_SPREAD, **contention_meta,
         },
         **loss_fields(
