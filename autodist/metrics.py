@@ -23,8 +23,10 @@ for, so a ``torch.cuda.max_memory_allocated`` of the user's is never clobbered o
 ``host_state_bytes`` is the optimizer state offloaded to host memory, measured from the buffers that
 hold it; on the CPU, where host and device are one pool, it is part of ``peak_bytes`` and
 ``budget_fraction`` compares the peak without it (what the device would hold) with the budget.
-``resident_bytes`` is the process's resident set at the end of the step (torch alone is about
-0.5 GiB of it). A measured peak above the budget logs one warning per model.
+``resident_bytes`` is the process's resident set (torch alone is about 0.5 GiB of it), read when
+the step is logged or its metrics are asked for, not at every step: reading it costs a system call
+and a parse, which a step of small layers feels. A measured peak above the budget logs one warning
+per model.
 
 [Note: the step-end hook] The meter registers no hook of its own: the runtime already watches
 optimizer steps (process-wide only until it has seen optimizers over all of the model's trainable
@@ -61,7 +63,7 @@ class StepMetrics:
     host_state_bytes: int  # optimizer state offloaded to host memory (its buffers)
     budget_bytes: int
     budget_fraction: float | None  # (peak, less host-resident state on the CPU) / budget
-    resident_bytes: int  # the process's resident set at the end of the step
+    resident_bytes: int | None  # the process's resident set (None until read: see the module docstring)
     exposed_comm_share: float
     all_gathers: int
     reductions: int
@@ -215,7 +217,7 @@ class StepMeter:
             host_state_bytes=host,
             budget_bytes=self.budget,
             budget_fraction=on_device / self.budget if on_device is not None and self.budget else None,
-            resident_bytes=resident_bytes(),
+            resident_bytes=None,
             exposed_comm_share=min(1.0, (self.stats.wait_seconds - self._wait) / dt) if dt > 0 else 0.0,
             all_gathers=g - self._counts[0],
             reductions=r - self._counts[1],
@@ -238,7 +240,7 @@ class StepMeter:
 
     def _log(self) -> None:
         if self.rank == 0 and self.last is not None and self._logged != self.last.step:
-            logger.info(format_step(self.last))
+            logger.info(format_step(self._read_resident()))
         self._logged = self.last.step if self.last is not None else 0
 
     def close(self) -> None:
@@ -250,5 +252,10 @@ class StepMeter:
         if self.log_every:
             self._log()
 
+    def _read_resident(self) -> StepMetrics:
+        if self.last.resident_bytes is None:
+            self.last.resident_bytes = resident_bytes()
+        return self.last
+
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self.last) if self.last is not None else {}
+        return asdict(self._read_resident()) if self.last is not None else {}

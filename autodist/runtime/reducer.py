@@ -112,7 +112,8 @@ class BucketRuntime:
         mp = self.params[slot]
         if self.dtype != mp.dtype:
             return None
-        self._ensure_buffer()  # a view handed out as a gradient has storage behind it
+        if self.op == "reduce_scatter":
+            self._ensure_buffer()  # a view handed out as a gradient has storage behind it
         obj = self._grad_objs[slot]
         if obj is None:
             obj = self._grad_objs[slot] = mp.wrap_local_grad(self.views[slot])
