@@ -1,7 +1,9 @@
 """A progress line for waits longer than two seconds (profiling, the comm sweep, the search).
 
 Shown on rank 0 only, on stderr (like any progress bar), updated in place when stderr is a
-terminal and every few seconds as a log line otherwise.
+terminal; otherwise as a few log lines: one when the wait has lasted two seconds, then at 30 s,
+60 s, 120 s, ... (each interval twice the last, so a wait of minutes takes a handful of lines, not
+one every few seconds), and one with the time it took.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Iterator
 from ._log import logger
 
 SHOW_AFTER_S = 2.0
+FIRST_LOG_S = 30.0
 
 
 @contextlib.contextmanager
@@ -31,19 +34,23 @@ def progress(label: str, *, enabled: bool = True) -> Iterator[None]:
             return
         frames = "|/-\\"
         i = 0
-        last_log = 0.0
+        next_log = FIRST_LOG_S
+        if not tty:
+            logger.info("autodist: %s ...", label)
         while not done.wait(0.25 if tty else 1.0):
             elapsed = time.monotonic() - t0
             if tty:
                 sys.stderr.write(f"\rautodist: {label} {frames[i % 4]} {elapsed:4.0f} s")
                 sys.stderr.flush()
                 i += 1
-            elif elapsed - last_log >= 5.0:
+            elif elapsed >= next_log:
                 logger.info("autodist: %s ... %.0f s", label, elapsed)
-                last_log = elapsed
+                next_log *= 2
         if tty:
             sys.stderr.write(f"\rautodist: {label} done in {time.monotonic() - t0:.1f} s\n")
             sys.stderr.flush()
+        else:
+            logger.info("autodist: %s done in %.1f s", label, time.monotonic() - t0)
 
     th = threading.Thread(target=run, daemon=True, name="autodist-progress")
     th.start()
