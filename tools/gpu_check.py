@@ -4,7 +4,7 @@
     python tools/gpu_check.py --nproc 1       # one rank
     python tools/gpu_check.py --skip-bench
 
-The development machine has no GPU, so these paths are written the FSDP2 way but exercised only
+The test suite runs on CPU with gloo, so these paths are written the FSDP2 way but exercised only
 here: NCCL collectives and their issue order across the two communicators (one rank per GPU; NCCL
 refuses two ranks on one device, so with one GPU only a world of one runs, where AutoDist issues no
 collective), device placement of every managed tensor, gathers and reductions on CUDA tensors,

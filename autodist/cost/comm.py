@@ -59,7 +59,7 @@ class OpModel:
 
     [Note: joining the pieces] The large-message piece is fitted for its own samples only and may
     run below zero towards 0 bytes (bandwidth that improves with size), so evaluated below its first
-    sample it undershoots: in 50 of 70 two-piece fits of sweeps on the development host it read
+    sample it undershoots: in 50 of 70 two-piece fits of sweeps on a 2-core CPU host it read
     20-65% less just above the midpoint between the pieces' samples than the small piece just below,
     and a 3 MiB reduce-scatter was predicted faster than a 2 MiB one — a gap the search could only
     misjudge, and where gpt's bucket messages lie. Nothing was measured between the two samples, so

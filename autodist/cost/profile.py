@@ -1,4 +1,5 @@
-"""What was measured about one model and input signature (DESIGN.md section 5), as plain data.
+"""What was measured about one model and input signature, as plain data (docs/design.md, "Profile
+and comm model").
 
 A profile is measured on one device without communication, so it does not depend on the plan: the
 simulator combines it with a plan and a comm model. Times are per step on this rank's batch.
