@@ -1,4 +1,4 @@
-"""``plan="auto"``: cache lookup, profiling, search and switching (DESIGN.md section 3).
+"""``plan="auto"``: cache lookup, profiling, search and switching (docs/design.md, "Lifecycle").
 
 * **Cache hit** — the plan stored for this model, input signature, world size, device, backend,
   torch version, optimizer kind, budget and mixed precision is used: no profiling, no search.

@@ -1,4 +1,4 @@
-"""The plan: every decision AutoDist makes, as plain versioned data (DESIGN.md section 4).
+"""The plan: every decision AutoDist makes, as plain versioned data (docs/design.md, "The plan").
 
 A plan is separate from everything that reads it: the validator below checks it against a model, the
 simulator predicts it, the runtime enacts it, ``autodist show`` prints it. JSON is the interchange

@@ -1,4 +1,5 @@
-"""The commands README.md shows, read from its text, so the tests run what a reader copies.
+"""The commands README.md and the documents under docs/ show, read from their text, so the tests run
+what a reader copies.
 
 A command is a line of a ```bash block, or a line of another fenced block that starts with the
 prompt ``$ `` (a transcript: the lines after it are output). Continuation lines (``\\``) are joined,
@@ -7,15 +8,26 @@ prompt ``$ `` (a transcript: the lines after it are output). Continuation lines 
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+
+
+def documents() -> list[Path]:
+    """README.md, then every Markdown file under docs/, in name order."""
+    return [README, *sorted(DOCS.glob("*.md"))]
 
 
 def commands(text: str | None = None) -> list[list[str]]:
-    """Every command in the README, as argument lists, in the order they appear."""
-    lines = (README.read_text() if text is None else text).splitlines()
+    """Every command in ``text``, or in the README and the docs (:func:`documents`), as argument lists,
+    in the order they appear."""
+    if text is None:
+        return [c for path in documents() for c in commands(path.read_text())]
+    lines = text.splitlines()
     found: list[str] = []
     fence: str | None = None
     pending = ""
@@ -56,7 +68,7 @@ def with_overrides(argv: list[str], overrides: list[str]) -> list[str]:
 
 
 def kind(argv: list[str]) -> str | None:
-    """Which test runs a README command: ``install`` (the environment the suite runs in), ``suite``
+    """Which test runs a command of the README or the docs: ``install`` (the environment the suite runs in), ``suite``
     (the suite itself; CI runs the README's test command: .ci/run), ``example`` (test_examples.py),
     ``autodist`` (test_cli.py), ``tool`` (test_readme.py), or ``None``: nothing does."""
     if argv[:2] == ["pip", "install"]:
@@ -74,3 +86,35 @@ def kind(argv: list[str]) -> str | None:
 
 def of_kind(name: str) -> list[list[str]]:
     return [c for c in commands() if kind(c) == name]
+
+
+def _prose(text: str) -> list[str]:
+    """The lines of ``text`` outside fenced blocks."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.strip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            out.append(line)
+    return out
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors GitHub gives the headings of ``text``: lower case, punctuation but ``-`` and ``_``
+    dropped, spaces as ``-``, a repeated heading numbered ``-1``, ``-2``, ..."""
+    seen: dict[str, int] = {}
+    out = set()
+    for line in _prose(text):
+        m = re.match(r"#{1,6} +(.*?) *#*$", line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def links(text: str) -> list[str]:
+    """The targets of the Markdown links in ``text``'s prose (not in fenced blocks)."""
+    return re.findall(r"\]\(([^)\s]+)\)", "\n".join(_prose(text)))

@@ -63,7 +63,7 @@ class Cli:
         ]
         runs = []
         for argv, p in procs:
-            # a guard against a hang: the README's `autodist check` measures 7 plans on 2 ranks
+            # a guard against a hang: docs/cli.md's `autodist check` measures 7 plans on 2 ranks
             # (about 140 s alone on the 2-core development host, longer beside the other commands)
             out, err = p.communicate(timeout=480)
             runs.append(Run(argv, p.returncode, out, err))
@@ -392,7 +392,7 @@ def test_env_reports_versions_and_the_cache(cli: Cli, cache_dir: Path) -> None:
     assert " for 1 rank, " in budget and " each for 2 ranks" in budget
 
 
-# ---- the README ---------------------------------------------------------------------------------
+# ---- the README and docs/ -----------------------------------------------------------------------
 
 
 def test_the_readme_autodist_commands_run_as_written(cli: Cli, tmp_path: Path) -> None:

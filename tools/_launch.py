@@ -22,8 +22,8 @@ def relaunch(script: str, nproc: int, args: list[str], *, resident: bool = False
     ``resident``: the tool measures resident memory, so glibc's mmap threshold is fixed (freed
     tensors leave the process; see [Note: glibc and freed tensors] in ``autodist/measure/memory.py``).
     That also makes every allocation of 128 KiB or more fault its pages in afresh, which slows
-    steps that allocate large tensors (gathered parameters, bucket buffers) by up to 40% on the
-    development host: tools that time steps against the simulator run without it, as users train."""
+    steps that allocate large tensors (gathered parameters, bucket buffers) by up to 40% on a CPU
+    host: tools that time steps against the simulator run without it, as users train."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", **(MALLOC_ENV if resident else {}))
     return subprocess.run(cmd, env=env).returncode

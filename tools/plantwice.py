@@ -67,14 +67,18 @@ def _cross(command: list[str], plans: list[str], cache: str) -> list[float]:
     return [sim.run(load_plan(p)).step_s for p in plans]
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=3, help="runs with --reprofile per memory limit (default 3)")
     ap.add_argument("--memory-limit", action="append", default=None,
                     help="a budget to plan under ('none': the command's default); repeatable (default: none, 150MiB)")
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("command", nargs="*", help="the `autodist plan` arguments (after --; default: the gpt zoo model)")
-    a = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    a = parse_args()
     command = a.command or DEFAULT_COMMAND
     limits = a.memory_limit or ["none", "150MiB"]
     report: dict = {"command": command, "runs": a.runs, "limits": {}}

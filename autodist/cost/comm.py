@@ -26,19 +26,8 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "h2d", "d2h")
 # the message size of the all-reduce train a profile's contended passes run under
 # (autodist.measure.sweep.collective_train; Profile.contended_slowdown)
 TRAIN_BYTES = 4 << 20
-# 4: the slowdown of a collective the compute thread waits on is measured right after its issue, and
-# every contention figure is the trimmed mean of five rounds, the median of three at 64 MiB
-# (autodist/measure/sweep.py [Note: the wait figure]): a model measured before moved 3x from sweep
-# to sweep, so it is measured again; 5: ``wait_scale``, the wait figures' calibration against
-# measured steps (autodist/cost/fidelity.py [Note: the wait calibration]); 6: the timings and the
-# contention figures are measured in three passes and each keeps its median (autodist/measure/sweep.py
-# [Note: a sweep in passes]): a model of one pass is measured again; 7: a host-device copy is timed
-# whole (on the CPU it runs inside the call, which schema 6 subtracted: its copies read as free);
-# 8: ``workers``, the collectives a process group's backend takes up at once; 9: the cost of fresh
-# memory (``first_touch``) is measured in every round of every pass, not in one burst (autodist/
-# measure/sweep.py [Note: fresh memory, measured across the sweep]): a model measured before is
-# measured again; 10: ``blocked_wait_s``, the time a step loses to each wait on a collective that
-# had not completed (autodist/cost/simulator.py [Note: what a blocked wait costs])
+# Raised whenever what the sweep measures or how it is fitted changes: a cached comm model of another
+# schema is measured again. What each schema changed: docs/CHANGELOG.md.
 COMM_SCHEMA_VERSION = 10
 
 
@@ -59,7 +48,7 @@ class OpModel:
 
     [Note: joining the pieces] The large-message piece is fitted for its own samples only and may
     run below zero towards 0 bytes (bandwidth that improves with size), so evaluated below its first
-    sample it undershoots: in 50 of 70 two-piece fits of sweeps on the development host it read
+    sample it undershoots: in 50 of 70 two-piece fits of sweeps on a 2-core CPU host it read
     20-65% less just above the midpoint between the pieces' samples than the small piece just below,
     and a 3 MiB reduce-scatter was predicted faster than a 2 MiB one — a gap the search could only
     misjudge, and where gpt's bucket messages lie. Nothing was measured between the two samples, so

@@ -46,148 +46,39 @@ MIN_SEED_MARGIN = 0.02
 # and the record says so louder than a margin would (``autodist check`` prints the figures).
 MAX_SEED_MARGIN = 0.5
 MAX_MEMORY_HEADROOM = 0.5
-# Raised whenever the simulator's timing or memory model changes: fidelity records of another
-# version are stale (``autodist check`` measures again). 2: the caller's share of collectives, the
-# slowdown while compute waits, the model's own contention, fresh memory, the order check. 3: a
-# gather's full tensors and its receive buffer both held during the copy-out. 4: a reduce-scatter's
-# backend buffer held from launch to wait; the previous step's reduce-scatter outputs held until the
-# forward and the first persistent refresh's backend buffer from the step's start. 5: a collective's
-# time between the two fitted pieces' samples joins them (it dropped by up to 65% at the split);
-# the backend buffers of all the refreshes a step starts with are held from its start. 6: the comm
-# model's slowdown of a collective the compute thread waits on, measured right after the issue
-# (comm model schema 4), and its contention figures the trimmed mean of five rounds (the median of
-# three at 64 MiB). 7: the wait figure scaled by the calibration of the machine class
-# (``DEFAULT_CPU_WAIT_SCALE``, comm model schema 5). 8: a replicated gradient costs the profile's
-# fresh memory like any other (autodist/cost/simulator.py [Note: gradients are fresh memory]); the
-# wait calibration stops at messages of 16 MiB (autodist/cost/comm.py ``WAIT_SCALED_BELOW_BYTES``).
-# 9: the model's contention sensitivity measured against the reference computation under the same
-# train (profile schema 4; autodist/measure/trace.py [Note: the model's own contention]).
-# 10: prefetch positions count gathering units only (autodist/schedule.py [Note: prefetch
-# triggers]): a window reaches past replicated and persistent units, in the runtime as here. 11: an
-# offload copy takes the comm model's copy time (schema 7, timed whole) and the first touch of the
-# fresh memory it writes (the kept part on copy-out, the whole tensor on copy-back). 12: a block
-# whose own code saves a tensor after its last unit (a residual block's final ReLU) is recomputed at
-# the backward of the unit before it, and each recomputed unit fires prefetch as in the runtime
-# (autodist/schedule.py [Note: where a recomputation begins]; profile schema 5); units inside units
-# (autodist/schedule.py [Note: nested units]), which changed predictions only for models that have
-# them, none of the records'. 13: a collective's staging buffer is allocated when its process
-# group's backend takes it up, at most ``CommModel.workers`` at once per group (comm model schema 8;
-# autodist/cost/simulator.py [Note: collectives taken up at once]), not when its transfer starts.
-# 14: a wait on a collective not yet done costs the step ``CommModel.blocked_wait_s``, and
-# the wait scale applies only to a collective the comm queue took up on its own, not to one taken
-# up as the one before it finished (comm model schema 10; autodist/cost/simulator.py [Note: what a
-# blocked wait costs]).
+# Raised whenever the simulator's timing or memory model changes: fidelity records and learned
+# estimators of another version are stale (``autodist check`` measures again). What each version
+# changed is in docs/CHANGELOG.md, what it did to the zoo's predictions in docs/fidelity.md.
 SIMULATOR_VERSION = 14
 
 # [Note: the wait calibration] The sweep measures how much slower a collective runs while the
 # compute thread waits for it (the third contention figure) with a single collective, both ranks in
 # lockstep (autodist/measure/sweep.py [Note: the wait figure]). In a training step the ranks reach
 # each wait on their own, gathers and reductions run on their own process groups, and on a CPU host
-# the compute thread takes the core while it computes: measured timelines of deep-mlp's fsdp
-# (benchmarks/breakdown-deep-mlp.json) showed its compute *less* slowed than simulated (77.5 ms wall
-# for 67.1 ms of CPU, against 90.3) and its collectives far longer (144.9 ms against 117.3): the
-# 200.3 ms step is nearly compute plus communication, where the simulator's 143.8 ms overlapped a
-# third of it. With the isolated figures alone (simulator version 6) 70 of 71 zoo plans ran slower
-# than predicted, deep-mlp by a median 16.6% and resnet18 by 13.4%.
+# the compute thread takes the core while it computes: in measured steps the collectives take
+# longer, and the compute is slowed less, than the isolated figures say. Of the three figures, scaling the wait
+# figure is what moves the error without losing the ranking, so the simulator scales it
+# (``CommModel.wait_scale``) for collectives the comm queue took up on its own, of messages up to
+# ``WAIT_SCALED_BELOW_BYTES`` (autodist/cost/comm.py: a large collective streams and runs at about
+# the sweep's figure), and charges a fixed time at every wait on a collective not yet done
+# (``CommModel.blocked_wait_s``; autodist/cost/simulator.py [Note: what a blocked wait costs]).
 #
-# Of the three figures, scaling the wait figure is what moved the error without losing the ranking
-# (scaling the compute or the overlap figures instead cost Spearman 0.1-0.3 on resnet18 and gpt).
-# ``tools/calibrate.py`` fits that one scale to the committed simcheck records
-# (``benchmarks/calibration.json``): every record is predicted again at each scale from 0.5 to 3;
-# of the scales at which no record's median error is more than a point (``SCALE_TOLERANCE``) further
-# above its own best than the smallest such excess allows, the one whose worst record ranks its
-# plans best is kept (until simulator version 9 the rule compared the records' errors themselves,
-# not their excess over each one's best — see below). Version 6's records (commit
-# 493eef3) by the smallest worst error alone gave 1.6 (1.4 by this rule); the zoo measured afresh
-# with 1.6 — new profiles, sweeps and steps — came out within 2.0-9.2% (median per model; Spearman
-# 0.923-0.956), and fitted to those records the rule read 1.6 again. Measured once more with comm
-# models of three passes (comm model schema 6; autodist/measure/sweep.py [Note: a sweep in passes])
-# and predicted at 1.6, the zoo came out within 2.2-5.7% (Spearman 0.865-0.981); fitted to those
-# records the rule reads 1.4 (worst record 4.2%, against 5.7% at 1.6; each model held out gets
-# 1.35-1.5 from the others, at most 5.5% error), and the records hold their predictions at 1.4
-# (``tools/calibrate.py --apply``; what they were measured with stays under ``out_of_sample``). The
-# zoo measured afresh with simulator version 8 at 1.4 (the scale stopping at 16 MiB, below) came
-# out within 2.2-8.3% (Spearman 0.852-0.961); fitted to those records the rule reads 1.7 (worst
-# record resnet18, 8.5%, against 8.0% at 1.45-1.5 — within a point — and ranked best at 1.7; gpt,
-# gpt-accum4 and deep-mlp are nearer their own best there, and deep-mlp held out gets 1.15 from the
-# others and 14.0% error), and the records hold their predictions at 1.7. Measured afresh with
-# simulator version 9 at 1.7 (the model's contention sensitivity measured against the reference),
-# the zoo came out within 0.8-6.8% (Spearman 0.894-0.947). wide-mlp's 6.8% is the same at every
-# scale (its collectives are mostly of 16 MiB and more), so by the records' errors themselves it was
-# every scale's worst, all scales from 1.3 to 1.7 tied within the point, and the tie-breaks chose
-# 1.3, where deep-mlp reads 6.3% against its best 4.0%. Measured against each record's own best,
-# the rule reads 1.65 (deep-mlp 4.9%, resnet18 3.5%, gpt 3.1%, gpt-accum4 0.8%); each model held out
-# gets 1.5-1.7 from the others, at most 6.8% error (deep-mlp 6.4%, where the old rule had given it
-# 14.0% from version 8's records). The records held their predictions at 1.65. Measured afresh with
-# simulator version 10 at 1.65 (torch 2.15.0, on a slower host), the zoo came out within 1.9-7.7%
-# and the rule read 1.50; version 11 (offload copies timed, comm model schema 7), measured at 1.50,
-# came out within 1.7-6.1% (Spearman 0.923-0.972), and the rule reads 1.55 (deep-mlp 5.0%,
-# resnet18 5.6%, gpt 2.7%, gpt-accum4 1.7%, wide-mlp 1.7%, the same at every scale). Held out, four
-# models get 1.35-1.65 from the others (at most 6.7% error), but deep-mlp gets 2.15 and 15.8%: its
-# plans are predicted slow at the scales that suit resnet18 and gpt, so one scale does not serve
-# them all. The records hold their predictions at 1.55. Version 13 (a collective's staging buffer
-# allocated when its group takes it up; memory only), measured at 1.55, came out within 1.9-9.0%
-# (Spearman 0.948-0.982), and the rule reads 2.00 (deep-mlp 5.0%, resnet18 3.4%, gpt 1.9%,
-# gpt-accum4 2.3%, wide-mlp 6.5%, the same at every scale); held out, each model gets 1.75-2.00
-# from the others, at most 8.6% error (deep-mlp). Comm model schema 9 (the cost of fresh memory
-# measured across the sweep's passes, not in one burst: wide-mlp's fsdp, random3 and tightest
-# searched plan, predicted 19%, 17% and 14% slow before, within -4.3% to +1.9%), measured at 2.00, came out within 0.9-13.7% (Spearman 0.912-0.971;
-# deep-mlp's plans predicted slow throughout), and the rule reads 1.45 (deep-mlp 3.9%, resnet18
-# 1.6%, gpt 2.6%, gpt-accum4 1.0%, wide-mlp 3.7%, the same at every scale); held out, each model
-# gets 1.45-1.75 from the others, at most 6.1% error (deep-mlp). The scale is not a constant of the
-# host: the zoo's previous measurement fitted 2.00 (deep-mlp's plans then ran slower than predicted
-# at 1.55, now faster at 2.00). The records hold their predictions at 1.45. A synthetic step
-# run in the sweep itself did not reproduce the effect (the simulator timed it within about 10%
-# unscaled, and fitted 0.8 to it): the scale stands for the runtime's own pattern, not the
-# collectives alone.
+# ``tools/calibrate.py`` fits the two together to the committed simcheck records
+# (``benchmarks/calibration.json``): every record is predicted again at each pair of
+# ``WAIT_SCALES`` and ``BLOCKED_WAITS``, and each record's median error there is compared with the
+# smallest it reaches at any pair; of the pairs whose largest such excess is within
+# ``SCALE_TOLERANCE`` of the least, the one whose worst record's Spearman falls least short of its
+# own best is kept. A synthetic step run in the sweep
+# itself does not show the effect, so the pair is fitted to real models' steps, not measured.
 #
-# Simulator version 14 splits what the scale stood for in two (autodist/cost/simulator.py [Note:
-# what a blocked wait costs]): a fixed cost of every wait on a collective not yet done
-# (``CommModel.blocked_wait_s``), and the scale, now only on a collective the comm queue took up
-# alone; ``tools/calibrate.py`` fits the pair, and ranks a pair by how far each record's Spearman
-# falls short of its own best, as it measures errors (wide-mlp's Spearman, the same everywhere,
-# was the smallest at most pairs and left the choice to the tie-break). Version 13's records
-# predicted again fitted 1.60 and 0.4 ms; the zoo measured afresh at that pair came out within
-# 1.0-5.1% (median per model), all plans at Spearman 0.931-0.988, built-in and random at
-# 0.811-0.976 (deep-mlp 0.769 -> 0.958, wide-mlp 0.881 -> 0.923, gpt 0.881 -> 0.972, resnet18 0.825
-# -> 0.811, whose measurement ranked them at 0.727 against itself). Fitted to those records the
-# rule reads 1.65 and 0.4 ms (deep-mlp 5.0%, wide-mlp 4.5%, resnet18 4.2%, gpt-accum4 2.3%, gpt
-# 1.0%); held out, each model gets 1.40-1.65 and 0.4-0.5 ms from the others, at most 5.6% error
-# (deep-mlp). Measured afresh at that pair, in 8 passes instead of 4 (at 4, resnet18's built-in
-# and random plans ranked at 0.727 against themselves; at 8, 0.881), the zoo came out within
-# 1.3-5.4% (median per model), all plans at Spearman 0.944-0.987, built-in and random at
-# 0.905-0.965 (resnet18 0.811 -> 0.923), searched at 0.800 (resnet18, 0.700 against itself) to
-# 1.000 (gpt, 0.700 before). Fitted to them the rule reads 1.15 and 0.7 ms (deep-mlp 5.2%,
-# resnet18 3.1%, gpt-accum4 2.6%, wide-mlp 2.4%, gpt 1.9%; the grid of blocked waits reached 0.6 ms,
-# where the fit first fell, and now 1.2): a flat optimum: at 1.65 and 0.4 ms every record's error
-# is within 0.6 of a point of these (gpt's smaller). Held out, each model gets 1.05-1.85 and
-# 0.5-0.8 ms from the others, at most 5.9% error (deep-mlp). The records hold their predictions at
-# 1.15 and 0.7 ms.
-#
-# The scale stops at large messages (``WAIT_SCALED_BELOW_BYTES`` in autodist/cost/comm.py: in full
-# up to the sweep's 4 MiB row, none from its 16 MiB row; simulator version 8). What it corrects is seen on small collectives, which wait for the other
-# rank's threads to be scheduled at every round trip; a large one streams, and waited on in a step
-# it ran at about the sweep's own figure: wide-mlp's plan of one 160 MiB all-reduce bucket,
-# exposed after backward, measured 98 ms for it (benchmarks/breakdown-wide-mlp.json), simulated 180
-# ms at 1.4 times its figure. Scaled there, the simulator charged every exposed large reduction and
-# credited every plan that overlaps it: gpt's searched plans, ddp with its 20 MiB of gradients
-# bucketed differently, were predicted 1% faster than ddp and measured 1-5% slower (Spearman
-# 0.3 over five), and wide-mlp's one-bucket plan 7% slow. Re-predicted with the scale stopping at 16
-# MiB, the version 8 records (measured at 1.4 with it applied at every size) ranked gpt's searched
-# plans at 0.8 and all plans at 0.931-0.980 per model against 0.904-0.963, their errors within a
-# point (benchmarks/simcheck-v8-first/). Stopping at 4 MiB instead cost resnet18 0.04 of Spearman,
-# and scaling large messages by 0.7 cost wide-mlp 0.04 and 6 points of error.
-#
-# ``DEFAULT_CPU_WAIT_SCALE`` is that fit, for CPU hosts, the machine class it was measured on; the
-# sweep sets it on every comm model it measures on a CPU (``CommModel.wait_scale``) and 1 on an
-# accelerator, where nothing has been measured yet. ``autodist check`` fits the scale to the plans it
-# measures and stores it in the machine's record, which the search then uses
-# (``SearchConfig.calibrated``). tests/test_fidelity_defaults.py checks the default against the records.
+# ``DEFAULT_CPU_WAIT_SCALE`` and ``DEFAULT_CPU_BLOCKED_WAIT_S`` are that fit, for CPU hosts, the
+# machine class it was measured on; the sweep sets them on every comm model it measures on a CPU,
+# and 1 and 0 on an accelerator, where nothing has been measured yet. ``autodist check`` fits the
+# scale alone to the plans it measures, holding the blocked-wait time (a handful of plans does not
+# tell the two apart), and stores both in the machine's record, which the search then uses
+# (``SearchConfig.calibrated``). tests/test_fidelity_defaults.py checks the defaults against the
+# records. The figures behind the fit and its history: docs/fidelity.md.
 DEFAULT_CPU_WAIT_SCALE = 1.15
-# ``DEFAULT_CPU_BLOCKED_WAIT_S`` is the other half of the same fit (``CommModel.blocked_wait_s``;
-# autodist/cost/simulator.py [Note: what a blocked wait costs]): ``tools/calibrate.py`` fits the
-# two together, every pair of ``WAIT_SCALES`` and ``BLOCKED_WAITS``, by the same rule. ``autodist
-# check`` fits the scale alone, holding this (a handful of plans does not tell the two apart).
 DEFAULT_CPU_BLOCKED_WAIT_S = 0.0007
 # the scales a calibration chooses from (tools/calibrate.py, ``autodist check``): 0.5 to 3.0
 WAIT_SCALES = tuple(round(0.5 + 0.05 * i, 2) for i in range(51))
@@ -195,10 +86,8 @@ WAIT_SCALES = tuple(round(0.5 + 0.05 * i, 2) for i in range(51))
 BLOCKED_WAITS = tuple(round(0.0001 * i, 4) for i in range(13))
 # ... keeping, of those whose (worst) median step-time error is within this many percentage points
 # of the best, the one that ranks best, each record against its own best (the zoo's records), or
-# the one nearest the sweep's (autodist check's handful of plans): a point is the noise of a median on this host (on gpt's 7 plans in
-# `autodist check` the error fell from 6.5% at 1.45 to 0.7% at 2.8, with ddp measured twice 2.2%
-# apart; over the zoo's records the worst median read 8.6-9.6% from 1.35 to 1.6, while resnet18's
-# Spearman went from 0.877 to 0.923)
+# the one nearest the sweep's (autodist check's handful of plans): a point is the noise of a median
+# on a 2-core CPU host (docs/fidelity.md, "autodist check on the example GPT")
 SCALE_TOLERANCE = 1.0
 
 

@@ -1,5 +1,6 @@
 """The learned estimator: a graph network over a compiled step that corrects the analytic durations
-the simulator gets wrong (DESIGN.md section 12; DisCo's GNN estimator).
+the simulator gets wrong (docs/design.md, "Learned estimator"; docs/estimator.md; DisCo's GNN
+estimator).
 
 **The graph** (:func:`schedule_graph`) is built from a plan's compiled program
 (:meth:`Simulator.compile <autodist.cost.simulator.Simulator.compile>`) and its analytic timing,
@@ -523,7 +524,7 @@ class TrainConfig:
     huber_delta: float = 0.3
     seed: int = 0
     # each node's weight in the loss (:func:`_weights`): its share of the step, so that the events
-    # the step time is made of count most (README, "The learned estimator")
+    # the step time is made of count most (docs/estimator.md)
     weighting: str = "duration"
     net: NetConfig = field(default_factory=NetConfig)
 

@@ -1,4 +1,5 @@
-"""What was measured about one model and input signature (DESIGN.md section 5), as plain data.
+"""What was measured about one model and input signature, as plain data (docs/design.md, "Profile
+and comm model").
 
 A profile is measured on one device without communication, so it does not depend on the plan: the
 simulator combines it with a plan and a comm model. Times are per step on this rank's batch.
@@ -10,10 +11,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# 4: ``contention_sensitivity`` measured beside the model's contended slowdown; a profile of 3 reads
-# (as records hold them) with it unmeasured, but the cache measures the model again
-# 5: ``block_tail_saves``; a profile of 4 reads with none (each block recomputed where its last unit's
-# backward begins, as before), but the cache measures the model again
+# Raised whenever what a profile holds changes (what each schema added: docs/CHANGELOG.md). Profiles
+# of the readable schemas load with the newer fields at their defaults (no contention sensitivity,
+# no block saving after its last unit), as the committed records hold them; the cache measures a
+# model of an older schema again.
 PROFILE_SCHEMA_VERSION = 5
 READABLE_PROFILE_SCHEMAS = (3, 4, 5)
 

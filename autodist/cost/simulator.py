@@ -1,5 +1,5 @@
 """Predict one training step of a plan: a timeline on compute and comm streams, the step time, the
-memory curve and its peak (DESIGN.md section 6).
+memory curve and its peak (docs/design.md, "Simulator").
 
 Two stages:
 
@@ -7,7 +7,7 @@ Two stages:
    segments (each unit's forward and backward, from the profile), collective issues and waits, and
    memory changes. The program does not depend on timing: the runtime decides what to issue from
    the plan and the order units run in, never from how long anything took. Compilation follows the
-   runtime's rules exactly — prefetch triggers (``runtime/engine.py``'s ``PrefetchSchedule``), own
+   runtime's rules exactly — prefetch triggers (``autodist/schedule.py``), own
    group before prefetch, free after the group's last unit, free before reducing, bucket launch in
    order with ``max_inflight_buckets``, flush at the end of backward, persistent refresh after the
    optimizer step.

@@ -399,7 +399,7 @@ def measure_plans(
     ``after_pass(p)`` runs after pass ``p`` (simcheck profiles the model again there: see [Note:
     a host whose speed drifts]).
 
-    [Note: a host whose speed drifts] On the development host (2 shared vCPUs) the same computation
+    [Note: a host whose speed drifts] On a host of 2 shared vCPUs the same computation
     takes from 27 to 45 ms from one second to the next, and a whole minute can run 20-30% slower
     than the next: one plan measured at the end of one pass and the start of the next read 35%
     slower than the same plan measured elsewhere in the run. Plans are therefore measured in several

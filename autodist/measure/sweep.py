@@ -34,7 +34,7 @@ class SweepConfig:
     [Note: a sweep in passes] Within a pass, rounds interleave the measurements so that a
     disturbance touches a few calls of many samples; but the host's state also moves from one
     twenty-second window to the next, and a whole pass can read high or low. Six sweeps taken back
-    to back on the development host (2 shared vCPUs, 2 ranks) read the 16 MiB all-gather at
+    to back on a host of 2 shared vCPUs (2 ranks) read the 16 MiB all-gather at
     8.3-10.5 ms and the wait figure of a 4 MiB all-gather at 1.37-2.77; in a simcheck run of gpt
     (8 passes, 9 sweeps) the first sweep ranked the built-in and random plans at Spearman 0.664
     and predicted five of them 11-14% slow, where each later sweep ranked them at 0.88-0.97, and
@@ -461,7 +461,7 @@ def _contention(
     *contended* time: then half the operation was nominally left, but whether it had in fact
     finished during the compute was a coin flip on a 2-core host (a 256 KiB all-gather's wait
     after 1 ms of compute: 0.05-0.46 ms from one round to the next), and the ratio's denominator
-    moved with ``slow_comm``. Nine sweeps taken one after another in two batches on the development
+    moved with ``slow_comm``. Nine sweeps taken one after another in two batches on a 2-core CPU
     host gave 1.44-4.93 for the 256 KiB all-gather, 1.25-4.97 for the reduce-scatter and 2.67-6.66
     for the all-reduce, and deep-mlp's sharded plans — whose units wait on a 256 KiB gather each —
     were predicted anywhere from 9% above to 36% below the same measured steps. Measured after
@@ -621,14 +621,14 @@ class _FreshMemory:
 
     [Note: fresh memory] glibc serves an allocation at or above its mmap threshold with fresh
     pages, which the kernel faults in and zeroes as they are first written — and its threshold
-    rises with the sizes freed, but not far: on the development host writing a new 64 MiB tensor
+    rises with the sizes freed, but not far: on a 2-core CPU host writing a new 64 MiB tensor
     took 23-50 ms more than writing an existing one, a new 24 MiB tensor nothing more. The runtime
     allocates every step what a gather lands in and copies out to, and each reduce-scatter's input,
     so a model with large parameters pays this on the CPU where a GPU's caching allocator pays
     nothing (this measures ~0 there).
 
     [Note: fresh memory, measured across the sweep] The cost moves with the host's state from one
-    second to the next, not from one try to the next: on the development host (2 ranks measuring
+    second to the next, not from one try to the next: on a 2-core CPU host (2 ranks measuring
     at once) five tries taken together read 28.0-29.9 ms for a new 64 MiB tensor, and five taken
     three seconds later 39.0-41.0; eight sweeps' figures taken ten seconds apart read 23.8-36.6 ms.
     Comm model schema 8 took its five tries together, once per sweep, and the zoo's sweeps read

@@ -773,7 +773,7 @@ def contended_slowdown(train_backward: Callable[[], None], contention: Callable[
     under the same train read 1.16, 1.13, 0.91 and 1.03 (slowdowns 1.44-1.78 against the
     reference's 1.44-1.72). resnet18's plans that overlap their reductions with backward were
     predicted 8-15% slow relative to those that wait at once, because its compute was taken to
-    slow 1.48x more than the reference does under every collective. On the development host one
+    slow 1.48x more than the reference does under every collective. On a shared 2-core CPU host one
     round's ratio can read anything from 0.6 to 3 (five rounds per zoo model gave medians of
     0.80-1.39 under 4 MiB all-reduces and 0.98-1.35 under 64 MiB ones, no model consistently above
     or below 1): hence the median, and more rounds while they spread."""
@@ -832,7 +832,7 @@ def estimate_optimizer(device: torch.device, kind: str = "Adam", param_numels: S
     the sizes of the model's parameters (``param_numels``, the first of them up to
     ``OPTIMIZER_SAMPLE_BYTES``; without them, four of 1 Mi elements), fitted by
     :func:`_step_costs`. The sizes matter: a step's cost per byte depends on whether parameters,
-    gradients and state fit in the caches (measured 1.0-4.5 ns/byte on the development host)."""
+    gradients and state fit in the caches (1.0-4.5 ns/byte on a 2-core CPU host)."""
     sizes = [1 << 20] * 4
     if param_numels:
         sizes, total = [], 0
@@ -854,7 +854,7 @@ def measure_optimizer(module: nn.Module, make_optimizer: Callable[[list[torch.Te
     comes from :func:`_step_costs`' small tensors, the rest is per byte.
 
     [Note: the optimizer step in training] The step measured in a training loop costs more than
-    the same step repeated on its own: up to 2x on the development host (resnet18's AdamW: 108 ms
+    the same step repeated on its own: up to 2x on a 2-core CPU host (resnet18's AdamW: 108 ms
     after each backward, 54 ms repeated), and random gradients make it cheaper still — so the
     step is timed after real backwards."""
     params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))

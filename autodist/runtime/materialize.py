@@ -1,4 +1,4 @@
-"""Materialising a model built on the meta device, one initialiser at a time (DESIGN.md section 3).
+"""Materialising a model built on the meta device, one initialiser at a time (docs/design.md, "Lifecycle").
 
 ``with torch.device("meta"): model = Net()`` gives a model whose tensors have shapes and dtypes but
 no storage. ``AutoDist`` places such a model first (the managed parameters allocate only what each

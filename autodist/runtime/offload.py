@@ -1,5 +1,5 @@
-"""Offload fragments of optimizer state to host memory between optimizer steps (DESIGN.md section 2,
-DeepCompile's adaptive offloading).
+"""Offload fragments of optimizer state to host memory between optimizer steps (docs/design.md,
+"Vocabulary" and "Runtime"; DeepCompile's adaptive offloading).
 
 For every optimizer-state tensor ``T`` (this rank's local part, flattened) with offloaded ranges
 ``R`` and kept ranges ``K``, between steps the device holds only ``D`` (the kept elements, packed)

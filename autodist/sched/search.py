@@ -1,4 +1,4 @@
-"""The search for ``plan="auto"`` (DESIGN.md section 7).
+"""The search for ``plan="auto"`` (docs/design.md, "Search").
 
 Seeds — the DDP, FSDP and ZeRO-2 conventions, and DeepCompile's greedy passes applied to them
 (memory-aware prefetch: widen windows while the budget allows; selective unsharding: keep sharded
