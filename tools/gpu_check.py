@@ -331,7 +331,8 @@ def _bench(args: argparse.Namespace, nproc: int, d: str) -> tuple[dict, list[str
     return out, lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (an unknown check exits with status 2)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=None, help="ranks (default: the number of GPUs, at most 2)")
     ap.add_argument("--checks", default=",".join(CHECKS), help="comma-separated (default: %(default)s)")
@@ -346,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [c for c in args.checks if c not in CHECKS]
     if unknown:
         ap.error(f"unknown check(s) {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.worker:
         worker(args)
         return 0
