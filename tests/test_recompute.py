@@ -92,9 +92,10 @@ def test_recomputed_units_gather_as_their_residency_implies_and_reduce_once(worl
         assert nonre["on_demand_gathers"] <= plain["on_demand_gathers"] + 3, (plain, nonre)
 
 
-def hf_gradient_checkpointing(arch: str, plan: str, reentrant: bool) -> float:
+def hf_gradient_checkpointing(arch: str, plan: str, reentrant: bool, device: str = "cpu") -> float:
     """A Hugging Face model with ``gradient_checkpointing_enable()``, trained against a
-    single-process reference (the mean of the per-rank losses, as the ranks' average gradient)."""
+    single-process reference (the mean of the per-rank losses, as the ranks' average gradient) on
+    ``device`` (tools/gpu_check.py runs it on CUDA)."""
     import copy
 
     import torch
@@ -113,7 +114,7 @@ def hf_gradient_checkpointing(arch: str, plan: str, reentrant: bool) -> float:
         cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                                        num_key_value_heads=2, vocab_size=64, max_position_embeddings=16)
         model = transformers.LlamaForCausalLM(cfg)
-    model.train()
+    model.to(device).train()
     ref = copy.deepcopy(model)
     for m in (model, ref):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
@@ -121,7 +122,7 @@ def hf_gradient_checkpointing(arch: str, plan: str, reentrant: bool) -> float:
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for step in range(3):
-        ids = torch.randint(0, 64, (2 * world, 8), generator=torch.Generator().manual_seed(step))
+        ids = torch.randint(0, 64, (2 * world, 8), generator=torch.Generator().manual_seed(step)).to(device)
         mine = ids[rank * 2 : (rank + 1) * 2]
         wrapped(input_ids=mine, labels=mine).loss.backward()
         (sum(ref(input_ids=ids[r * 2 : (r + 1) * 2], labels=ids[r * 2 : (r + 1) * 2]).loss for r in range(world)) / world).backward()

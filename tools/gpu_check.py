@@ -17,8 +17,8 @@ Checks (``--checks``):
 
 * ``parity`` — built-in and hand-written plans, recomputation, accumulation, bf16 with fp32
   reduction, every user checkpointing mode (reentrant, non-reentrant, selective, wrapper, every
-  other block) under ddp, fsdp and zero2, and Hugging Face GPT-2 with gradient checkpointing where
-  transformers is installed, against a single-process reference on the same device (3 steps);
+  other block) under ddp, fsdp and zero2, and Hugging Face GPT-2 and Llama with gradient
+  checkpointing where transformers is installed, against a single-process reference on the same device (3 steps);
 * ``offload`` — all optimizer state offloaded (pinned memory, copy stream, events) trains bitwise
   like no offload;
 * ``budget`` — ``plan="auto"`` under budgets, fp32 and bf16: the allocator's peak
@@ -93,40 +93,6 @@ def _train_against_reference(device, rank, world, model_name, plan, extra, micro
     return diff, on_device, policy
 
 
-def _hf_checkpointing(device, rank, world, plan, reentrant):
-    """GPT-2 from a config with ``gradient_checkpointing_enable``: max parameter difference after
-    3 SGD steps against the unwrapped model (the mean of the per-rank losses)."""
-    import copy
-
-    import torch
-    import transformers
-
-    from autodist import AutoDist
-
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=256, n_positions=64,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel(cfg).to(device).train()
-    ref = copy.deepcopy(model)
-    for m in (model, ref):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-    wrapped = AutoDist(model, plan=plan)
-    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for step in range(3):
-        ids = torch.randint(0, 256, (2 * world, 32), generator=torch.Generator().manual_seed(step)).to(device)
-        mine = ids[rank * 2 : (rank + 1) * 2]
-        wrapped(input_ids=mine, labels=mine).loss.backward()
-        (sum(ref(input_ids=ids[r * 2 : (r + 1) * 2], labels=ids[r * 2 : (r + 1) * 2]).loss for r in range(world)) / world).backward()
-        for o in (opt, ropt):
-            o.step()
-            o.zero_grad()
-    sd = wrapped.state_dict()
-    diff = max((sd[k].float() - v.float()).abs().max().item() for k, v in ref.state_dict().items() if k in sd)
-    wrapped.close()
-    return diff
-
-
 def _parity(device, rank, world, args):
     import torch
 
@@ -157,13 +123,16 @@ def _parity(device, rank, world, args):
     try:
         import transformers  # noqa: F401
     except ImportError:
-        out["hugging-face-gpt2-checkpointing"] = (None, "transformers is not installed: not verified")
+        out["hugging-face-checkpointing"] = (None, "transformers is not installed: not verified")
         return out
-    for plan in ("ddp", "fsdp", "zero2"):
-        for reentrant in (True, False):
-            diff = _hf_checkpointing(device, rank, world, plan, reentrant)
-            name = f"hf-gpt2-{'reentrant' if reentrant else 'nonreentrant'}-{plan}"
-            out[name] = (diff <= 1e-4, f"max parameter difference {diff:.2e} (tolerance 0.0001)")
+    from test_recompute import hf_gradient_checkpointing
+
+    for arch in ("gpt2", "llama"):
+        for plan in ("ddp", "fsdp", "zero2"):
+            for reentrant in (True, False):
+                diff = hf_gradient_checkpointing(arch, plan, reentrant, device=str(device))
+                name = f"hf-{arch}-{'reentrant' if reentrant else 'nonreentrant'}-{plan}"
+                out[name] = (diff <= 1e-4, f"max parameter difference {diff:.2e} (tolerance 0.0001)")
     return out
 
 
