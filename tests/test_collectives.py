@@ -1,6 +1,5 @@
 """The collectives a known plan issues: count and order per step (recorded by the runtime)."""
 
-import time
 from datetime import timedelta
 
 import pytest
@@ -110,11 +109,10 @@ def _stall_on_rank1(timeout_s):
     models.loss_fn("mlp", m(x), y).backward()
     outcome = None
     if rank == 0:  # rank 1 stalls: it never joins the next step's gradient all-reduce
-        t0 = time.monotonic()
         try:
             models.loss_fn("mlp", m(x), y).backward()
         except RuntimeError as e:
-            outcome = {"seconds": time.monotonic() - t0, "error": str(e)}
+            outcome = {"error": str(e)}
     for pg in (m.runtime.comm.gather_pg, m.runtime.comm.reduce_pg, group):
         dist.destroy_process_group(pg)
     return outcome
@@ -123,10 +121,10 @@ def _stall_on_rank1(timeout_s):
 def test_a_stalled_rank_fails_the_others_after_the_process_group_timeout(world2):
     # AutoDist's own process groups inherit the timeout of the group it runs on (here 2 s; under
     # torchrun, init_process_group's): without it the all-reduce waits torch's default 30 minutes.
-    outcome = world2.run(_stall_on_rank1, 2, timeout=60)[0]
+    # The backend's error names the timeout it waited (torch's default would read 1800000ms).
+    outcome = world2.run(_stall_on_rank1, 2, timeout=300)[0]
     assert outcome is not None, "the step on rank 0 finished although rank 1 never joined it"
-    assert outcome["seconds"] < 20
-    assert "Timed out" in outcome["error"] or "timeout" in outcome["error"].lower()
+    assert "Timed out waiting 2000ms" in outcome["error"], outcome["error"]
 
 
 def _python_objects_held_by_collectives_issued_in_backward():
