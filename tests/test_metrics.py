@@ -200,6 +200,8 @@ def test_the_allocators_peak_counter_is_reset_only_when_per_step_figures_are_ask
 def _signals():
     """Events between the ranks, through the job's store: ``signal(name)`` on one rank releases
     ``wait_for(name)`` on another (which consumes it, so the next signal of that name is a new one)."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     store = dist.PrefixStore("tests/test_metrics", dist.distributed_c10d._get_default_store())
@@ -208,7 +210,7 @@ def _signals():
         store.set(name, "1")
 
     def wait_for(name: str) -> None:
-        store.wait([name])
+        store.wait([name], timedelta(seconds=600))  # a guard against a hang only, as the pool's own
         store.delete_key(name)
 
     return signal, wait_for
