@@ -7,6 +7,8 @@ importable: a module-level function of a test module) and returns the per-rank r
 Failures are reported by rank with the rank's own traceback. If a rank fails, the others get a short
 grace period to finish (they may be blocked in a collective waiting for it); ranks that do not finish
 in time — or a run that exceeds its timeout — are killed and the pool restarts on the next ``run``.
+A timeout guards against a hang only: it stretches with the machine's load (:func:`load_factor`), so
+a run that is slow because the machine is busy is not taken for one that hangs.
 Workers exit when the pool closes, when the parent process dies, or at interpreter exit: nothing is
 left behind.
 """
@@ -25,13 +27,23 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-DEFAULT_TIMEOUT_S = 180.0
+DEFAULT_TIMEOUT_S = 180.0  # each is a guard against a hang, stretched by load_factor()
+START_TIMEOUT_S = 120.0
 FAILURE_GRACE_S = 15.0
 COLLECTIVE_TIMEOUT_S = 90.0
 
 
 class RankFailure(AssertionError):
     """One or more ranks raised; the message holds each failing rank's traceback."""
+
+
+def load_factor() -> float:
+    """How many times over the machine's cores are asked for: the one-minute load average per core,
+    at least 1 (on an idle machine a guard is what it says)."""
+    try:
+        return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    except OSError:  # no load average on this platform
+        return 1.0
 
 
 def _free_port() -> int:
@@ -106,11 +118,14 @@ class RankPool:
             child.close()
             self._procs.append(p)
             self._conns.append(parent)
-        deadline = time.monotonic() + 120
+        start, stretch = time.monotonic(), load_factor()
         for rank, c in enumerate(self._conns):
-            if not c.poll(max(0.0, deadline - time.monotonic())):
-                self.kill()
-                raise RuntimeError(f"rank {rank} of the test pool did not start within 120 s")
+            while not c.poll(1.0):
+                stretch = max(stretch, load_factor())
+                if time.monotonic() - start > START_TIMEOUT_S * stretch:
+                    self.kill()
+                    raise RuntimeError(f"rank {rank} of the test pool did not start within "
+                                       f"{START_TIMEOUT_S * stretch:.0f} s (load factor {stretch:.1f})")
             c.recv()
 
     def kill(self) -> None:
@@ -147,12 +162,13 @@ class RankPool:
         results: list[Any] = [None] * self.world_size
         errors: dict[int, str] = {}
         pending = set(range(self.world_size))
-        deadline = time.monotonic() + timeout
+        start, stretch, grace_ends = time.monotonic(), load_factor(), float("inf")
         while pending:
             now = time.monotonic()
+            stretch = max(stretch, load_factor())  # the largest seen: a load that eased leaves work behind
             if errors:
-                deadline = min(deadline, now + FAILURE_GRACE_S)
-            if now >= deadline:
+                grace_ends = min(grace_ends, now + FAILURE_GRACE_S * stretch)
+            if now >= min(start + timeout * stretch, grace_ends):
                 break
             for rank in sorted(pending):
                 c = self._conns[rank]
@@ -174,7 +190,8 @@ class RankPool:
         if errors or pending:
             parts = [f"--- rank {r} failed ---\n{tb}" for r, tb in sorted(errors.items())]
             if pending:
-                why = "after another rank failed" if errors else f"within {timeout:.0f} s"
+                why = ("after another rank failed" if errors else
+                       f"within {timeout * stretch:.0f} s ({timeout:.0f} s, stretched by the load factor {stretch:.1f})")
                 parts.append(f"--- ranks {sorted(pending)} did not finish {why}; the pool was killed ---")
             raise RankFailure(f"{fn.__module__}.{fn.__qualname__} on {self.world_size} ranks:\n" + "\n".join(parts))
         return results

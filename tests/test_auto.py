@@ -36,14 +36,12 @@ def _two_launches(cache_dir):
     x, y = models.batch("gpt", 2, torch.Generator().manual_seed(rank))
     out = []
     for _ in range(2):
-        t0 = time.perf_counter()
         m = AutoDist(models.make("gpt"), plan="auto", example_inputs=(x,), cache_dir=cache_dir)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
         models.loss_fn("gpt", m(x), y).backward()
         opt.step()
-        first_step = time.perf_counter() - t0
         s = m._auto.stats
-        out.append({"first_step_s": first_step, "hits": s.cache_hits, "profiles": s.profiles_measured,
+        out.append({"hits": s.cache_hits, "profiles": s.profiles_measured,
                     "searches": s.searches, "sweeps": s.sweeps, "plan": m.plan.to_json()})
         m.close()
     return out
@@ -55,8 +53,9 @@ def test_second_launch_hits_the_cache(world2):
     for first, second in results:
         assert (first["hits"], first["profiles"]) == (0, 1)
         assert first["searches"] >= (1 if first is results[0][0] else 0)
+        # what makes a second launch start faster: it measures and searches nothing (how long a
+        # cache hit takes is a figure of the host, measured by tools/plantime.py)
         assert (second["hits"], second["profiles"], second["searches"], second["sweeps"]) == (1, 0, 0, 0)
-        assert second["first_step_s"] < first["first_step_s"]
         assert second["plan"] == first["plan"]
     assert results[0][0]["plan"] == results[1][0]["plan"]  # every rank holds the same plan
 

@@ -1,6 +1,5 @@
 """The collectives a known plan issues: count and order per step (recorded by the runtime)."""
 
-import time
 from datetime import timedelta
 
 import pytest
@@ -104,29 +103,34 @@ def test_profiled_steps_ending_with_collectives_in_flight_do_not_crash(world2):
 def _stall_on_rank1(timeout_s):
     """Train one step on a process group with a short timeout, then rank 1 stops taking part."""
     rank = dist.get_rank()
+    # the short timeout holds for every step on the group, its own making and AutoDist's groups'
+    # included: the ranks start each together (the job's group waits as long as the pool allows)
+    dist.barrier()
     group = dist.new_group([0, 1], timeout=timedelta(seconds=timeout_s))
+    dist.barrier()
     m = AutoDist(models.make("mlp"), plan="ddp", mesh=DeviceMesh.from_group(group, "cpu"))
     x, y = models.batch("mlp", 4, torch.Generator().manual_seed(rank))
+    dist.barrier()
     models.loss_fn("mlp", m(x), y).backward()
     outcome = None
     if rank == 0:  # rank 1 stalls: it never joins the next step's gradient all-reduce
-        t0 = time.monotonic()
         try:
             models.loss_fn("mlp", m(x), y).backward()
         except RuntimeError as e:
-            outcome = {"seconds": time.monotonic() - t0, "error": str(e)}
+            outcome = {"error": str(e)}
     for pg in (m.runtime.comm.gather_pg, m.runtime.comm.reduce_pg, group):
         dist.destroy_process_group(pg)
     return outcome
 
 
 def test_a_stalled_rank_fails_the_others_after_the_process_group_timeout(world2):
-    # AutoDist's own process groups inherit the timeout of the group it runs on (here 2 s; under
-    # torchrun, init_process_group's): without it the all-reduce waits torch's default 30 minutes.
-    outcome = world2.run(_stall_on_rank1, 2, timeout=60)[0]
+    # AutoDist's own process groups inherit the timeout of the group it runs on (here 10 s: making
+    # a group on a loaded machine took more than 2; under torchrun, init_process_group's): without it
+    # the all-reduce waits torch's default 30 minutes. The backend's error names the timeout it
+    # waited (torch's default would read 1800000ms).
+    outcome = world2.run(_stall_on_rank1, 10, timeout=300)[0]
     assert outcome is not None, "the step on rank 0 finished although rank 1 never joined it"
-    assert outcome["seconds"] < 20
-    assert "Timed out" in outcome["error"] or "timeout" in outcome["error"].lower()
+    assert "Timed out waiting 10000ms" in outcome["error"], outcome["error"]
 
 
 def _python_objects_held_by_collectives_issued_in_backward():

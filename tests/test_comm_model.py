@@ -1,8 +1,8 @@
 """The comm model: fitting, and the sweep on the real process group."""
 
 import json
+import math
 import os
-import time
 
 import pytest
 import torch
@@ -54,54 +54,24 @@ def test_a_larger_message_never_takes_less_time_and_the_pieces_join_between_thei
     assert [again(x) for x in sizes] == times
 
 
-def _copy_seconds(nbytes, calls=20):
-    """A 10th percentile of copying ``nbytes`` between two warm host tensors, timed here."""
-    a, b = torch.empty(nbytes // 4), torch.randn(nbytes // 4)
-    a.copy_(b)
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        a.copy_(b)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[calls // 10]
-
-
-def _fresh_seconds(nbytes, tries=5):
-    """The lower quartile of ``tries`` of writing a tensor of ``nbytes`` allocated just before, less
-    that of writing one that exists."""
-    src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
-    dst.copy_(src)
-    fresh, existing = [], []
-    for _ in range(tries):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        t1 = time.perf_counter()
-        new = torch.empty(nbytes // 4)
-        new.copy_(src)
-        fresh.append(time.perf_counter() - t1)
-        existing.append(t1 - t0)
-        del new
-    return sorted(fresh)[(tries - 1) // 4] - sorted(existing)[(tries - 1) // 4]
-
-
 def _sweep():
-    m = sweep(dist.group.WORLD, torch.device("cpu"))
-    worst = {op: max(abs(om(x) - t) / t for x, t in om.samples) for op, om in m.ops.items()}
-    return m.to_json(), worst, m.meta["sweep_seconds"], _copy_seconds(16 << 20), _fresh_seconds(64 << 20)
+    return sweep(dist.group.WORLD, torch.device("cpu")).to_json()
 
 
-def test_sweep_is_fast_identical_on_every_rank_and_fits_its_samples(world2):
-    results = world2.run(_sweep)
-    texts = [r[0] for r in results]
+def test_sweep_is_identical_on_every_rank_and_is_the_fit_of_its_own_samples(world2):
+    """The sweep on the real process group: what load cannot change. How well the fits follow
+    their samples on a given host, and how long the sweep takes, are figures of the host, measured
+    by ``tools/sweepcheck.py`` (its ``fit`` table); the fitting itself is tested on known curves
+    above."""
+    texts = world2.run(_sweep)
     assert texts[0] == texts[1]
     model = CommModel.from_json(texts[0])
     assert model.world_size == 2 and model.backend == "gloo"
     assert set(model.ops) == {"all_reduce", "all_gather", "reduce_scatter", "h2d", "d2h"}
-    for op, err in results[0][1].items():
-        assert err <= 0.20, f"{op}: a fitted sample is off by {err:.0%}"
-    # seconds, not minutes: 19-23 s on the development host, most of it the contention figures' five
-    # rounds (autodist/measure/sweep.py [Note: stable contention figures])
-    assert results[0][2] < 45
+    for op, om in model.ops.items():  # each op's model is the fit of the samples it keeps, in size order
+        assert len(om.samples) >= 2 and [x for x, _ in om.samples] == sorted(x for x, _ in om.samples)
+        assert all(t > 0 for _, t in om.samples) and fit_op(list(om.samples)) == om, op
+    assert model.meta["sweep_seconds"] > 0
     assert model.compute_slowdown >= 1.0 and model.comm_slowdown >= 1.0
     assert json.loads(texts[0])["transient"]["all_gather"] > 0  # gloo stages all-gather output
     # on its worker threads, two collectives at a time per group (tests/test_metrics.py measures it)
@@ -119,17 +89,18 @@ def test_sweep_is_fast_identical_on_every_rank_and_fits_its_samples(world2):
     # a CPU sweep carries the machine class's wait calibration (autodist/cost/fidelity.py)
     assert (model.wait_scale, model.blocked_wait_s) == (DEFAULT_CPU_WAIT_SCALE, DEFAULT_CPU_BLOCKED_WAIT_S)
     assert model.meta["passes"] == 1 and model.meta["pass_spread"] == 0  # AUTODIST_SWEEP_PASSES=1 (tests/conftest.py)
-    # a copy is timed whole: on the CPU it runs inside the call (schema 6 read a 16 MiB copy at 8 us)
-    copy_s = min(r[3] for r in results)
+    # a copy is timed whole: on the CPU it runs inside the call (schema 6, which timed only the
+    # call's return, read a 16 MiB copy at 8 us). Load only slows a copy, so a bound below holds on
+    # any host: 16 MiB read and written cannot take less than at 400 GB/s (84 us), more than one
+    # thread copies even within its caches
     for op in ("d2h", "h2d"):
-        assert copy_s / 3 < model.time(op, 16 << 20) < copy_s * 3, (op, model.time(op, 16 << 20), copy_s)
+        assert model.time(op, 16 << 20) > 2 * (16 << 20) / 400e9, (op, model.time(op, 16 << 20))
     # fresh memory costs its page faults at every size measured from the mmap threshold up (glibc's
-    # threshold stops rising at 32 MiB), as measured here on its own
+    # threshold stops rising at 32 MiB): a new 64 MiB tensor's pages are zeroed by the kernel first
     from autodist.measure.sweep import FIRST_TOUCH_MIB
 
     assert [b for b, _ in model.first_touch] == [float(mib << 20) for mib in FIRST_TOUCH_MIB]
-    fresh_s = min(r[4] for r in results)
-    assert fresh_s > 0 and fresh_s / 3 < model.first_touch_s(64 << 20) < fresh_s * 3, (model.first_touch, fresh_s)
+    assert model.first_touch_s(64 << 20) > 0, model.first_touch
 
 
 def _runtime_overhead(mesh_size, fail_on=None):
@@ -166,8 +137,10 @@ def _runtime_overhead(mesh_size, fail_on=None):
 
 
 def _sane(figures):
+    """Figures a measurement gives on any host, however loaded (load only makes them larger):
+    a unit costs something, the rest nothing less than nothing."""
     per_unit, per_gather, per_bucket, per_tensor = figures
-    return 1e-6 < per_unit < 1e-2 and 0 <= per_gather < 1e-2 and 0 <= per_bucket < 1e-2 and 0 <= per_tensor < 1e-2
+    return all(math.isfinite(f) for f in figures) and per_unit > 0 and min(per_gather, per_bucket, per_tensor) >= 0
 
 
 def test_the_runtime_overhead_over_the_whole_job_is_measured_on_one_rank_groups(world2):
@@ -339,27 +312,41 @@ def test_a_collective_train_is_the_same_on_every_rank_whatever_each_asks(world2)
     assert world2.run(_trains_of_different_lengths) == [2.0, 2.0]
 
 
+class _Clock:
+    """A clock for :func:`~autodist.measure.trace.contended_slowdown` (its ``clock``): the passes a
+    test fakes advance it by the seconds they stand for, so the rounds' figures are exact, whatever
+    else the machine runs."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def spend(self, seconds):
+        self.now += seconds
+
+
 def _contention_with_a_disturbed_rank():
     """Rank 1's contended passes alternate 2 and 8 ms (a disturbed host), rank 0's are steady:
     rank 1 alone would take more batches of rounds, each with trains the other rank must join."""
     import itertools
-    import time
 
     from autodist.measure.sweep import collective_train
     from autodist.measure.trace import contended_slowdown
 
     train = collective_train(dist.group.WORLD, torch.device("cpu"))
-    busy = [False]
+    clock, busy = _Clock(), [False]
     slow = itertools.cycle([0.002, 0.008] if dist.get_rank() == 1 else [0.004])
 
     def train_backward():
-        time.sleep(next(slow) if busy[0] else 0.002)
+        clock.spend(next(slow) if busy[0] else 0.002)
 
     def reference():
-        time.sleep(0.004 if busy[0] else 0.002)
+        clock.spend(0.004 if busy[0] else 0.002)
 
     def contention(seconds):
-        stop = train(seconds)
+        stop = train(seconds)  # a real train of collectives, which both ranks must issue alike
         busy[0] = True
 
         def done():
@@ -369,34 +356,35 @@ def _contention_with_a_disturbed_rank():
         return done
 
     got = contended_slowdown(train_backward, contention, torch.device("cpu"), rounds=3, reference=reference,
-                             batches=3, agree=train.largest)
+                             batches=3, agree=train.largest, clock=clock)
     t = torch.ones(1)
     dist.all_reduce(t)  # the ranks still pair their collectives: none left over from a train
-    return got.rounds, t.item()
+    return got.rounds, got.spread, t.item()
 
 
 def test_every_rank_takes_as_many_contention_rounds_as_the_most_disturbed_one(world2):
-    assert world2.run(_contention_with_a_disturbed_rank) == [(9, 2.0), (9, 2.0)]
+    # rank 0's rounds agree (spread 0) and would stop after one batch; rank 1's never do
+    (rounds0, spread0, t0), (rounds1, spread1, t1) = world2.run(_contention_with_a_disturbed_rank)
+    assert (rounds0, rounds1, t0, t1) == (9, 9, 2.0, 2.0)
+    assert spread0 == pytest.approx(0, abs=1e-9) and spread1 == pytest.approx(3.0)
 
 
 def test_the_model_s_contended_slowdown_and_its_sensitivity_are_taken_against_the_reference_under_the_same_train():
-    import time
+    from autodist.measure.trace import CONTENDED_ROUNDS, contended_slowdown
 
-    from autodist.measure.trace import contended_slowdown
-
-    busy = [False]
+    clock, busy = _Clock(), [False]
     calls = []
 
     def train_backward():  # 2 ms alone, 5 ms while the train runs
         calls.append(("model", busy[0]))
-        time.sleep(0.005 if busy[0] else 0.002)
+        clock.spend(0.005 if busy[0] else 0.002)
 
     def reference():  # 2 ms alone, 4 ms while the train runs
         calls.append(("reference", busy[0]))
-        time.sleep(0.004 if busy[0] else 0.002)
+        clock.spend(0.004 if busy[0] else 0.002)
 
     def contention(seconds):
-        assert seconds > 0.0015  # sized from a pass measured first
+        assert seconds == pytest.approx(0.002)  # sized from a pass measured first
         busy[0] = True
 
         def stop():
@@ -404,41 +392,44 @@ def test_the_model_s_contended_slowdown_and_its_sensitivity_are_taken_against_th
 
         return stop
 
-    got = contended_slowdown(train_backward, contention, torch.device("cpu"), rounds=3, reference=reference)
-    assert got.slowdown == pytest.approx(2.5, rel=0.25)
-    assert got.sensitivity == pytest.approx(1.25, rel=0.25)
-    assert got.rounds == 3 and got.spread < 0.25  # steady rounds: one batch
+    got = contended_slowdown(train_backward, contention, torch.device("cpu"), rounds=3, reference=reference, clock=clock)
+    assert got.slowdown == pytest.approx(2.5)
+    assert got.sensitivity == pytest.approx(1.25)  # 2.5 against the reference's 2.0
+    assert got.rounds == 3 and got.spread == pytest.approx(0, abs=1e-9)  # steady rounds: one batch
     model, ref = [("model", False), ("model", True)], [("reference", False), ("reference", True)]
     # one pass to size the train, then each alone and under its own train, which goes first alternating
     assert calls == [("model", False)] + model + ref + ref + model + model + ref
-    quiet = contended_slowdown(lambda: time.sleep(0.002), lambda s: (lambda: None), torch.device("cpu"))
-    assert (quiet.slowdown, quiet.sensitivity) == (pytest.approx(1.0, abs=0.3), pytest.approx(1.0, abs=0.3))
+    # a train that slows neither: both figures 1, and one batch of the default rounds
+    quiet = contended_slowdown(lambda: clock.spend(0.002), lambda s: (lambda: None), torch.device("cpu"),
+                               reference=lambda: clock.spend(0.003), clock=clock)
+    assert quiet.rounds == CONTENDED_ROUNDS and (quiet.slowdown, quiet.sensitivity, quiet.spread) == pytest.approx((1.0, 1.0, 0), abs=1e-9)
 
 
 def test_a_contention_measurement_whose_rounds_spread_takes_more_rounds_and_keeps_their_median():
     import itertools
-    import time
 
     from autodist.measure.trace import contended_slowdown
 
-    busy = [False]
+    clock, busy = _Clock(), [False]
     # the model's contended pass alternates 2 ms and 8 ms (a disturbed host), the reference's is 4 ms;
     # alone both take 2 ms: round ratios 1 / 2 and 4 / 2 in turn
     slow = itertools.cycle([0.002, 0.008])
 
     def train_backward():
-        time.sleep(next(slow) if busy[0] else 0.002)
+        clock.spend(next(slow) if busy[0] else 0.002)
 
     def reference():
-        time.sleep(0.004 if busy[0] else 0.002)
+        clock.spend(0.004 if busy[0] else 0.002)
 
     def contention(seconds):
         busy[0] = True
         return lambda: busy.__setitem__(0, False)
 
-    got = contended_slowdown(train_backward, contention, torch.device("cpu"), rounds=3, reference=reference, batches=3)
-    assert got.rounds == 9 and got.spread > 1.0  # never steady: every batch it may take
-    assert got.sensitivity == pytest.approx(0.5, rel=0.3)  # rounds 0.5, 2, 0.5, ...: five of nine at 0.5
+    got = contended_slowdown(train_backward, contention, torch.device("cpu"), rounds=3, reference=reference, batches=3,
+                             clock=clock)
+    assert got.rounds == 9 and got.spread == pytest.approx(3.0)  # never steady: every batch it may take
+    assert got.sensitivity == pytest.approx(0.5)  # rounds 0.5, 2, 0.5, ...: five of nine at 0.5
+    assert got.slowdown == pytest.approx(1.0)  # the model's own: 1, 4, 1, ... (five of nine at 1)
 
 
 def test_sweepcheck_tells_how_far_the_comm_models_move_each_plan_s_prediction():
@@ -468,6 +459,19 @@ def test_sweepcheck_tells_how_far_the_comm_models_move_each_plan_s_prediction():
     fsdp = moved["fsdp"]
     assert fsdp["predicted_step_s"][1] > fsdp["predicted_step_s"][0]
     assert fsdp["pct_apart"] > 5 and moved["ddp"]["pct_apart"] == 0.0
+    # each sweep's own figures, which the test suite leaves to the tool: its seconds and how far its
+    # fits lie from their samples (the fit of a sample taken as the model's own value: 0%)
+    figures = tool.fit_figures(json.dumps(comm))
+    model = CommModel.from_json(json.dumps(comm))
+    assert figures["sweep_seconds"] == comm["meta"]["sweep_seconds"] > 0
+    assert set(figures["worst_fit_pct"]) == set(model.ops)
+    om = model.ops["all_gather"]
+    assert figures["worst_fit_pct"]["all_gather"] == pytest.approx(100 * max(abs(om(x) - t) / t for x, t in om.samples))
+    exact = json.loads(json.dumps(comm))
+    exact["ops"]["all_gather"]["samples"] = [[x, om(x)] for x, _ in om.samples]
+    assert tool.fit_figures(json.dumps(exact))["worst_fit_pct"]["all_gather"] == pytest.approx(0, abs=1e-9)
+    text = tool.table({"sweeps": 1, "by_checkout": {"this": {"deep-mlp": same}}, "fit": {"this": [figures]}})
+    assert "furthest sample" in text and f"{figures['sweep_seconds']:.1f}" in text
     unknown = dict(comm, schema_version=2)  # fields this checkout does not know: refused, by name
     with pytest.raises(SystemExit, match="schema version 2"):
         tool.spreads([str(record)], [json.dumps(unknown)])

@@ -12,7 +12,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -163,17 +162,18 @@ def test_a_block_skipped_on_alternate_steps_trains_correctly_with_a_logged_devia
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("where", ["backward", "forward", "optimizer"])
 def test_a_rank_dying_mid_step_stops_every_rank_with_a_message_naming_it(where):
-    t0 = time.monotonic()
+    # The survivor stops because its peer's connection went, not at the process group's timeout
+    # (300 s in the script; the backend's error would read "Timed out waiting 300000ms"). The
+    # subprocess's own timeout, below the group's, only guards against a hang.
     out = subprocess.run(
         [sys.executable, os.path.join(HERE, "rank_failure_script.py"), where, "fsdp"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=280,
         env=dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])),
     )
-    elapsed = time.monotonic() - t0
     text = out.stdout + out.stderr
-    assert elapsed < 60, f"ranks took {elapsed:.0f} s to exit:\n{text[-3000:]}"
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("rank 0:")), "")
     assert "PeerFailure" in line and "rank(s) 1 failed or exited" in line, text[-3000:]
+    assert "timed out" not in line.lower(), line
 
 
 # ------------------------------------------------------------------------------------------------

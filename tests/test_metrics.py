@@ -197,28 +197,89 @@ def test_the_allocators_peak_counter_is_reset_only_when_per_step_figures_are_ask
     assert counts == {None: 0, 5: 3}
 
 
+def _signals():
+    """Events between the ranks, through the job's store: ``signal(name)`` on one rank releases
+    ``wait_for(name)`` on another (which consumes it, so the next signal of that name is a new one)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.PrefixStore("tests/test_metrics", dist.distributed_c10d._get_default_store())
+
+    def signal(name: str) -> None:
+        store.set(name, "1")
+
+    def wait_for(name: str) -> None:
+        store.wait([name], timedelta(seconds=600))  # a guard against a hang only, as the pool's own
+        store.delete_key(name)
+
+    return signal, wait_for
+
+
+def _backend_threads() -> dict[int, tuple[str, str, int]]:
+    """This process's threads: (name, state, voluntary context switches) by thread id (Linux)."""
+    import os
+
+    threads = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+        except OSError:  # the thread ended
+            continue
+        threads[int(tid)] = (name, fields["State"].split()[0], int(fields["voluntary_ctxt_switches"]))
+    return threads
+
+
+def _until_backend_threads_block(before: dict[int, tuple[str, str, int]], count: int) -> None:
+    """Wait until ``count`` of gloo's worker threads have taken up a collective issued after
+    ``before`` (a snapshot of :func:`_backend_threads`) and blocked in it, waiting for the peer: a
+    worker idle since then has not switched out again, one that woke for the collective has, and
+    sleeps. The collective's own buffers are allocated by then (gloo allocates them first)."""
+    import time
+
+    deadline = time.monotonic() + 120  # a guard against a hang only: the condition is what is waited for
+    stable = 0
+    while True:
+        now = _backend_threads()
+        taken = [tid for tid, (name, state, switches) in now.items()
+                 if name == "pt_gloo_runloop" and state == "S" and switches > before.get(tid, ("", "", 0))[2]]
+        stable = stable + 1 if len(taken) >= count else 0
+        if stable >= 2:  # seen twice running: not a thread passing through a lock on its way
+            return
+        assert time.monotonic() < deadline, f"gloo's worker threads never took up the collective: {now}"
+        time.sleep(0.001)
+
+
 def _backend_buffer_across_the_window():
     """The peak of a step that starts while a collective issued before it still holds the backend's
     buffer (a persistent group's refresh, issued at the optimizer step), and of the same step with
     the collective issued and waited for inside it."""
-    import time
-
     import torch.distributed as dist
 
     from autodist.measure.memory import measure_step_peak
 
     rank, n = dist.get_rank(), 1 << 20
     shard, out = torch.ones(n // 2), torch.empty(n)
-    inflight = []
+    inflight, calls = [], [0]
+    signal, wait_for = _signals()
 
     def step():
-        if rank == 1:
-            time.sleep(0.3)  # rank 0's collective completes only after its measured step started
+        # measure_step_peak runs two steps and measures the second: rank 0's collective of the
+        # first completes only after its second started, since rank 1 joins it only then
+        calls[0] += 1
+        if rank == 0 and calls[0] == 2:
+            signal("rank 0 measures")
+        if rank == 1 and calls[0] == 1:
+            wait_for("rank 0 measures")
         if inflight:
             inflight.pop().wait()
+        before = _backend_threads()
         inflight.append(dist.all_gather_into_tensor(out, shard, async_op=True))
-        if rank == 0:
-            time.sleep(0.05)  # the backend's thread has taken up the collective and allocated its buffer
+        if rank == 0 and calls[0] == 1:
+            _until_backend_threads_block(before, 1)  # the backend holds its buffer before the window
 
     across = measure_step_peak(step, torch.device("cpu"), lambda: [shard, out])
     inflight.pop().wait()
@@ -239,8 +300,6 @@ def test_a_backend_buffer_held_across_the_step_start_counts_toward_the_peak(worl
 def _backend_buffers_of_collectives_issued_together():
     """The peak while one all-gather, then two and three issued together, wait for a late peer (as a step's
     persistent refreshes do, issued at the optimizer step), beyond the tensors themselves."""
-    import time
-
     import torch.distributed as dist
 
     from autodist.measure.memory import measure_step_peak
@@ -248,32 +307,25 @@ def _backend_buffers_of_collectives_issued_together():
 
     rank, n = dist.get_rank(), 1 << 20
     shards, outs = [torch.ones(n // 2) for _ in range(3)], [torch.empty(n) for _ in range(3)]
+    workers = backend_workers(dist.group.WORLD)
+    signal, wait_for = _signals()
 
     def issue(k: int) -> None:
+        # rank 1 joins only once rank 0's backend threads have taken up every collective they can
+        # at once: until then each holds its buffer, waiting for this rank
         if rank == 1:
-            time.sleep(0.3)  # rank 0's collectives wait for this rank: their buffers stay allocated
+            wait_for("rank 0 issued")
+        before = _backend_threads()
         works = [dist.all_gather_into_tensor(outs[i], shards[i], async_op=True) for i in range(k)]
         if rank == 0:
-            time.sleep(0.05)  # the backend's threads have taken them up
+            _until_backend_threads_block(before, min(k, workers))
+            signal("rank 0 issued")
         for w in works:
             w.wait()
 
     tensors = 3 * (n + n // 2) * 4
     peaks = [measure_step_peak(lambda k=k: issue(k), torch.device("cpu"), lambda: shards + outs) - tensors for k in (1, 2, 3)]
-    return peaks, n * 4, backend_workers(dist.group.WORLD)
-
-
-def test_collectives_issued_together_hold_their_backend_buffers_at_once(world2):
-    # [Note: refresh buffers] in autodist/cost/simulator.py: gloo runs the refreshes an optimizer
-    # step issues on its worker threads at once, so the step starts with every one's buffer
-    (one, two, three), message, workers = world2.run(_backend_buffers_of_collectives_issued_together)[0]
-    assert one >= message  # one message-sized buffer
-    assert two >= 2 * message and two >= 1.9 * one, (one, two, message)
-    # [Note: collectives taken up at once]: at least as many at once as the backend has workers
-    # (what the sweep records for the simulator). Whether a third waits for one of them is not
-    # asserted: alone this read 2 buffers, within the whole suite 3 (12582912 bytes)
-    assert workers == 2
-    assert three >= workers * message, (three, message)
+    return peaks, n * 4, workers
 
 
 def _reduce_scatters_in_one_step(count: int):

@@ -9,7 +9,10 @@ records (``benchmarks/simcheck-*.json`` by default: each holds its model's profi
 each sweep with this checkout's simulator and reports, per model, how far each plan's predictions
 lie apart (their range as a % of their median; the median and the largest over the plans). The
 profile and the plans are fixed, so what moves is only the comm model: its own reproducibility, apart
-from the simulator's error and from the profile's.
+from the simulator's error and from the profile's. It also reports each sweep's own figures (the
+``fit`` table): how long it took, and how far each collective's fit lies from the furthest of its
+samples (the test suite checks only that a sweep is the fit of its samples: both figures move with
+the host's load).
 
 ``--against PATH`` also sweeps with the ``autodist`` package of another checkout, alternating
 launches (this one, the other, this one, ...), so that a host whose speed drifts over minutes
@@ -104,6 +107,16 @@ def spreads(records: list[str], comm_texts: list[str]) -> dict[str, dict]:
     return out
 
 
+def fit_figures(text: str) -> dict:
+    """One sweep's own figures: its seconds, and per op the largest relative distance of a sample
+    from the op's fit, in %."""
+    from autodist.cost.comm import comm_model_of_another_checkout
+
+    model = comm_model_of_another_checkout(json.loads(text))
+    worst = {op: 100 * max(abs(om(x) - t) / t for x, t in om.samples) for op, om in model.ops.items()}
+    return {"sweep_seconds": model.meta.get("sweep_seconds"), "worst_fit_pct": worst}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("records", nargs="*", help="simcheck JSONs (default: benchmarks/simcheck-*.json)")
@@ -135,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[sweepcheck] sweep {i + 1}/{args.sweeps} ({name}) done", file=sys.stderr, flush=True)
     payload = {"sweeps": args.sweeps, "checkouts": repos,
                "by_checkout": {name: spreads(records, t) for name, t in texts.items()},
+               "fit": {name: [fit_figures(t) for t in ts] for name, ts in texts.items()},
                "comm_models": {name: [json.loads(t) for t in ts] for name, ts in texts.items()}}
     print(table(payload))
     if args.json:
@@ -150,6 +164,16 @@ def table(payload: dict) -> str:
     for model in result["this"]:
         cells = "".join(f"{result[n][model]['median_pct_apart']:>11.1f} / {result[n][model]['max_pct_apart']:>5.1f}" for n in result)
         lines.append(f"  {model:<16}{cells}")
+    fits = payload.get("fit", {})
+    if fits:
+        ops = sorted({op for figures in fits.values() for f in figures for op in f["worst_fit_pct"]})
+        lines.append("each sweep: seconds, and the furthest sample from its op's fit (%)")
+        lines.append(f"  {'sweep':<16}{'seconds':>9}" + "".join(f"{op:>16}" for op in ops))
+        for name, figures in fits.items():
+            for i, f in enumerate(figures):
+                seconds = "-" if f["sweep_seconds"] is None else f"{f['sweep_seconds']:.1f}"
+                cells = "".join(f"{f['worst_fit_pct'].get(op, float('nan')):>16.1f}" for op in ops)
+                lines.append(f"  {name + ' ' + str(i + 1):<16}{seconds:>9}{cells}")
     return "\n".join(lines)
 
 

@@ -745,7 +745,8 @@ def _quartile_spread(values: Sequence[float]) -> float:
 def contended_slowdown(train_backward: Callable[[], None], contention: Callable[[float], Callable[[], None]],
                        device: torch.device, rounds: int = CONTENDED_ROUNDS,
                        reference: Callable[[], None] | None = None, batches: int = CONTENDED_BATCHES,
-                       agree: Callable[[float], float] | None = None) -> Contention:
+                       agree: Callable[[float], float] | None = None,
+                       clock: Callable[[], float] = time.perf_counter) -> Contention:
     """How many times longer the model's forward and backward (``train_backward``) take in
     wall-clock time while a train of collectives runs (``contention``), at least 1; and how many
     times more that is than the reference computation's slowdown under the same train, the model's
@@ -758,7 +759,8 @@ def contended_slowdown(train_backward: Callable[[], None], contention: Callable[
     as many trains, as every other; without it the figure is this process's own (one rank, or
     no collectives). ``reference``: one pass of the reference computation, by default
     :func:`~autodist.measure.sweep.reference_product` repeated for about as long as the model's
-    pass.
+    pass. ``clock``: the seconds every pass is timed with (a test's own clock, advanced by the
+    passes it fakes, makes the rounds' figures exact).
 
     [Note: the model's own contention] While a collective runs, the compute it overlaps slows down:
     on an accelerator a little (the collective's kernels take SMs and memory bandwidth), on a CPU
@@ -779,16 +781,14 @@ def contended_slowdown(train_backward: Callable[[], None], contention: Callable[
     or below 1): hence the median, and more rounds while they spread."""
     from .sweep import reference_product  # measurement beside measurement: no cycle at import
 
-    now = time.perf_counter
-
     def timed(fn: Callable[[], None]) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        t0 = now()
+        t0 = clock()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return now() - t0
+        return clock() - t0
 
     typical = timed(train_backward)
     if reference is None:
