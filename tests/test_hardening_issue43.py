@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import models
-from autodist import AutoDist
+from autodist import AutoDist, BudgetError
 
 # ---- buffers follow DDP's broadcast rule, in evaluation too ---------------------------------------
 
@@ -71,3 +71,65 @@ def test_eval_after_training_equals_ddp_outputs_and_buffers(world2, plan):
         assert r["running_mean"] <= 1e-6 and r["running_var"] <= 1e-6, (rank, r)
         assert r["num_batches_tracked"][0] == r["num_batches_tracked"][1], (rank, r)
         assert r["eval"] <= 1e-6, (rank, r)
+
+
+# ---- an impossible budget found at the switch, without example inputs ------------------------------
+
+
+def _impossible_budget_without_example_inputs(cache_dir, seed_comm):
+    from autodist.cache import Cache, comm_cache_key
+    from autodist.cost.comm import CommModel
+
+    world = dist.get_world_size()
+    if seed_comm and dist.get_rank() == 0:  # a comm model stored for this machine: no sweep
+        model = CommModel.analytic(world, bandwidth_bytes_s=1e9, latency_s=1e-4, backend="gloo")
+        Cache(cache_dir).put("comm", comm_cache_key(world, "cpu", "cpu", "gloo"), model.to_json())
+    dist.barrier()
+    m = AutoDist(models.make("mlp"), plan="auto", cache_dir=cache_dir, memory_limit=1)
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(dist.get_rank()))
+    for step in range(8):
+        try:
+            models.loss_fn("mlp", m(x), y).backward()
+        except BudgetError as e:
+            return {"step": step, "message": str(e), "exit": isinstance(e, SystemExit), "code": e.code,
+                    "sweeps": m._auto.stats.sweeps}
+        except Exception as e:  # anything else is the defect under test: report it, do not hang
+            return {"step": step, "other": f"{type(e).__name__}: {e}"}
+        opt.step()
+        opt.zero_grad()
+    return None
+
+
+def test_the_compute_rate_of_a_rank_descheduled_for_its_whole_window_is_positive(monkeypatch):
+    # The comm sweep's contention figures divide by the rate of a reference product measured alone
+    # over 15 ms. A rank the busy host deschedules past the window before its first check timed no
+    # product: a rate of zero, and the division raised ZeroDivisionError on that rank alone while
+    # the others waited for it in a barrier. A clock that jumps past the window at the first check:
+    import types
+
+    from autodist.measure import sweep as sweep_module
+
+    ticks = iter([0.0] + [1.0 + 0.001 * i for i in range(100)])
+    monkeypatch.setattr(sweep_module, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    calls = []
+    rate = sweep_module.product_rate(lambda: calls.append(1), 0.015, torch.device("cpu"))
+    assert len(calls) == 1 and 0 < rate < 1.0 / 0.015
+
+
+@pytest.mark.parametrize("world", ["world2", "world4"])
+def test_a_one_byte_budget_without_example_inputs_raises_budget_error_on_every_rank(world, request, tmp_path):
+    pool = request.getfixturevalue(world)
+    # on 4 ranks a stored comm model spares a 4-rank sweep on a 2-core host; on 2 the sweep runs too
+    results = pool.run(_impossible_budget_without_example_inputs, str(tmp_path), world == "world4", timeout=600)
+    assert all(r is not None and "other" not in r for r in results), results
+    first = results[0]
+    assert "no plan fits the budget of 1 B per rank" in first["message"]
+    # the breakdown of the smallest peak, and what would help
+    for part in ("the smallest predicted peak is", "made of", "parameters (shards", "launch more ranks", "raise memory_limit above"):
+        assert part in first["message"], first["message"]
+    # the same error, at the same step, on every rank; printed once (rank 0's exit code is the message)
+    assert all(r["step"] == first["step"] and r["message"] == first["message"] for r in results)
+    assert all(r["exit"] for r in results)
+    assert first["code"] == f"autodist.errors.BudgetError: {first['message']}"
+    assert all(r["code"] == 1 for r in results[1:])
