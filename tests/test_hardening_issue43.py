@@ -133,3 +133,62 @@ def test_a_one_byte_budget_without_example_inputs_raises_budget_error_on_every_r
     assert all(r["exit"] for r in results)
     assert first["code"] == f"autodist.errors.BudgetError: {first['message']}"
     assert all(r["code"] == 1 for r in results[1:])
+
+
+# ---- a model with nothing to communicate plans without a comm sweep -------------------------------
+
+
+class _Parameterless(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.softplus(torch.tanh(x) * 3.0 - 1.0)
+
+
+def _frozen_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).requires_grad_(False)
+
+
+def _nothing_to_communicate(kind, cache_dir):
+    import copy
+    import os
+
+    net = _Parameterless() if kind == "parameterless" else _frozen_mlp()
+    reference = copy.deepcopy(net)
+    # the input's gradient is used (an adversarial step, a frozen stage before trained ones): the
+    # output has a backward to profile
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank())).requires_grad_()
+    m = AutoDist(net, plan="auto", example_inputs=(x,), cache_dir=cache_dir)
+    s = m._auto.stats
+    with torch.no_grad():
+        diff = max((m(x) - reference(x)).abs().max().item() for _ in range(3))
+    comm_dir = os.path.join(cache_dir, "comm")
+    out = {
+        "sweeps": s.sweeps, "searches": s.searches, "source": s.source, "sharded": len(m.plan.sharded_units),
+        "provenance": m.plan.provenance.get("comm_model", ""), "diff": diff,
+        "comm_stored": os.path.isdir(comm_dir) and bool(os.listdir(comm_dir)),
+    }
+    m.close()
+    # a second launch finds the plan in the cache
+    again = AutoDist(reference, plan="auto", example_inputs=(x,), cache_dir=cache_dir)
+    out["second"] = (again._auto.stats.cache_hits, again._auto.stats.sweeps)
+    again.close()
+    # a model with a parameter to train may communicate: it is planned as every model is
+    torch.manual_seed(0)
+    partial = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+    partial[0].requires_grad_(False)
+    p = AutoDist(partial, plan="auto", cache_dir=cache_dir)
+    out["partial_communicates"] = not p._auto.nothing_to_communicate(None)
+    p.close()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["parameterless", "frozen"])
+def test_a_model_with_nothing_to_communicate_is_planned_without_a_sweep(world2, kind, tmp_path):
+    results = world2.run(_nothing_to_communicate, kind, str(tmp_path))
+    assert results[0]["searches"] == 1, results  # rank 0 searches, with a comm model it did not measure
+    for r in results:
+        assert r["source"] == "search" and r["sweeps"] == 0 and not r["comm_stored"], r
+        assert r["provenance"].startswith("not measured"), r
+        assert r["sharded"] == 0 and r["diff"] == 0.0, r
+        assert r["second"] == (1, 0), r
+        assert r["partial_communicates"], r
