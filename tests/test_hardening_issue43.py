@@ -192,3 +192,15 @@ def test_a_model_with_nothing_to_communicate_is_planned_without_a_sweep(world2, 
         assert r["sharded"] == 0 and r["diff"] == 0.0, r
         assert r["second"] == (1, 0), r
         assert r["partial_communicates"], r
+
+
+def test_the_search_over_a_model_without_units_finishes():
+    # with the placement free, a placement move drew a unit from an empty range (ValueError): the
+    # search a parameterless model gets when replicating it does not fit, or from `autodist plan`
+    from autodist.cost.comm import CommModel
+    from autodist.lifecycle import plan_offline
+
+    x = torch.randn(4, 16).requires_grad_()
+    comm = CommModel.analytic(2, bandwidth_bytes_s=1e9, latency_s=1e-4)
+    plan, result, _ = plan_offline(_Parameterless(), (x,), world_size=2, budget_bytes=1 << 30, comm=comm)
+    assert plan.units == [] and result.result.feasible and result.evaluated >= 1
