@@ -369,22 +369,27 @@ class AutoPlanner:
 
     def plan_now(self, profile: Profile, sig: str, *, fixed: dict[str, str] | None) -> tuple[Plan, Plan | None]:
         """Search (rank 0) and broadcast. Returns (plan to use now, plan for the next launch)."""
-        comm = self.comm_model()
         payload = None
-        if self.rank == 0:
-            t0 = time.perf_counter()
-            try:
-                with progress("searching for a plan"):
-                    free = self.search(profile, comm, fixed=None)
-                    now = free if fixed is None else self.search(profile, comm, fixed=fixed)
-                if not now.result.feasible:
-                    payload = {"error": str(self._budget_error(now))}
-                else:
-                    key = self.plan_key(sig, profile.optimizer.kind if profile.optimizer.measured else "Adam")
-                    payload = {"now": now.plan.to_json(), "free": free.plan.to_json(), "seconds": time.perf_counter() - t0, "key": key}
-            except Exception as e:  # never leave the other ranks waiting for a broadcast
-                payload = {"failure": f"{type(e).__name__}: {e}"}
-        payload = self.comm.broadcast_object(payload)
+        if self.nothing_to_communicate(fixed):
+            # [Note: a model with nothing to communicate] No parameter is trained, so no gradient is
+            # reduced; with every unit replicated nothing is gathered either, and the comm model
+            # would price no collective of the plan: it is not measured (a sweep takes about 50 s
+            # a pass). The search runs with the placement fixed to replicate and a comm model that
+            # prices nothing it is asked about; if replicating does not fit the budget and the
+            # placement may change, units must be sharded, which gathers, and the comm model is
+            # measured as for any model.
+            replicated = {u.name: "replicate" for u in self.structure.units}
+            payload = self.comm.broadcast_object(
+                self._search_payload(profile, sig, _silent_comm_model(self.world, self.device), fixed=replicated, free=replicated)
+                if self.rank == 0 else None
+            )
+            if "error" in payload and fixed is None:  # with the placement fixed, the error stands
+                if self.rank == 0:
+                    logger.info("autodist: replicating this untrained model does not fit the budget; planning sharded units")
+                payload = None
+        if payload is None:
+            comm = self.comm_model()
+            payload = self.comm.broadcast_object(self._search_payload(profile, sig, comm, fixed=fixed) if self.rank == 0 else None)
         if "failure" in payload or "error" in payload:
             # every rank raises it (they all got the payload): reported once, as at wrap time
             err: AutoDistError = (
@@ -405,6 +410,33 @@ class AutoPlanner:
         self.stats.plan_path = str(path) if path else str(self.cache.path("plans", key))
         self.stats.source = "search"
         return now_plan, free_plan
+
+    def nothing_to_communicate(self, fixed: dict[str, str] | None) -> bool:
+        """Whether a plan for this model issues no collective: no parameter is trained (no gradient
+        to reduce) and no unit is held sharded (nothing to gather). ``fixed``: the placement in force,
+        if it cannot change."""
+        return not self.structure.trainable and (fixed is None or all(v == "replicate" for v in fixed.values()))
+
+    def _search_payload(
+        self, profile: Profile, sig: str, comm: CommModel, *, fixed: dict[str, str] | None, free: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """Rank 0's search, as the payload :meth:`plan_now` broadcasts: the plan to use now (placement
+        ``fixed``) and the one for the next launch (placement ``free``), or the error every rank
+        raises. Any exception is sent as a failure: the other ranks never wait for a broadcast."""
+        t0 = time.perf_counter()
+        try:
+            with progress("searching for a plan"):
+                nxt = self.search(profile, comm, fixed=free)
+                now = nxt if fixed == free else self.search(profile, comm, fixed=fixed)
+            if not now.result.feasible:
+                return {"error": str(self._budget_error(now))}
+            if comm.meta.get("silent"):
+                for plan in (now.plan, nxt.plan):
+                    plan.provenance["comm_model"] = "not measured: the model trains no parameter and replicates every unit"
+            key = self.plan_key(sig, profile.optimizer.kind if profile.optimizer.measured else "Adam")
+            return {"now": now.plan.to_json(), "free": nxt.plan.to_json(), "seconds": time.perf_counter() - t0, "key": key}
+        except Exception as e:  # never leave the other ranks waiting for a broadcast
+            return {"failure": f"{type(e).__name__}: {e}"}
 
     # ---- the two entry points ----------------------------------------------------------------
     def resolve(self, example_inputs: Any, example_kwargs: dict[str, Any] | None = None, *, meta: bool = False) -> Plan:
@@ -682,6 +714,14 @@ class AutoPlanner:
     def _switch(self, plan: Plan) -> None:
         self.w._engine.switch_plan(plan)
         self.w._check_rank_agreement(plan)
+
+
+def _silent_comm_model(world: int, device: torch.device) -> CommModel:
+    """The comm model a plan that issues no collective is searched with (see [Note: a model with
+    nothing to communicate]): a fast link, never measured, so nothing it prices weighs."""
+    model = CommModel.analytic(world, bandwidth_bytes_s=1e12, latency_s=0.0, device=device.type)
+    model.meta["silent"] = True
+    return model
 
 
 # ------------------------------------------------------------------------------------------------

@@ -74,8 +74,10 @@ class AutoDist(nn.Module):
         cache_dir: where ``plan="auto"`` keeps profiles and plans (default ``$AUTODIST_CACHE_DIR``,
             ``$XDG_CACHE_HOME/autodist`` or ``~/.cache/autodist``).
         mixed_precision: :class:`MixedPrecision` (or torch's ``MixedPrecisionPolicy``).
-        broadcast_buffers: broadcast buffers (BatchNorm statistics) from rank 0 at the start of
-            every forward that will synchronise gradients, as DDP does (default ``True``).
+        broadcast_buffers: broadcast buffers (BatchNorm statistics) from rank 0 before the first
+            forward and before every forward that follows one run with gradients enabled outside
+            ``no_sync()`` — whatever its own grad mode, so an evaluation after a training step uses
+            rank 0's statistics — as DDP does (default ``True``).
         log_every: log step time, throughput, peak tensor memory against the budget, resident memory
             and exposed communication on rank 0 every this many steps (default ``None``: never;
             ``metrics()`` works regardless). On CUDA it also lets AutoDist reset the allocator's

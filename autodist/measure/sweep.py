@@ -419,6 +419,21 @@ def contention_rounds(nbytes: int) -> int:
     return CONTENTION_LONG_ROUNDS if nbytes >= CONTENTION_LONG_BYTES else CONTENTION_ROUNDS
 
 
+def product_rate(one: Callable[[], None], seconds: float, device: torch.device) -> float:
+    """Calls of ``one`` per second, over about ``seconds``: positive whatever the host does. At least
+    one call is timed, so a rank descheduled for the whole window (a busy host) reads a slow rate,
+    never zero — the contention figures divide by it."""
+    n, t0 = 0, time.perf_counter()
+    while True:
+        one()
+        n += 1
+        if time.perf_counter() - t0 >= seconds:
+            break
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return n / max(time.perf_counter() - t0, 1e-9)
+
+
 def _contention(
     comm: Any, group: dist.ProcessGroup, device: torch.device, ops: dict[str, OpModel], collect: dict[str, float]
 ) -> dict[str, list[list[float]]]:
@@ -476,13 +491,7 @@ def _contention(
     one = reference_product(device)
 
     def rate(seconds: float) -> float:
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            one()
-            n += 1
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return n / (time.perf_counter() - t0)
+        return product_rate(one, seconds, device)
 
     world = comm.world_size
     cells: list[tuple[str, int, Any]] = []

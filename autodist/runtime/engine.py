@@ -239,6 +239,7 @@ class Engine:
         self.mp = mixed_precision
         self.broadcast_buffers = broadcast_buffers
         self.sync_enabled = True
+        self._buffers_due = True  # broadcast buffers before the next forward (see [Note: when buffers are broadcast])
         self.stats = RuntimeStats()
         self.once = OnceLogger()
         self._launch_policy_arg = launch_policy
@@ -609,10 +610,17 @@ class Engine:
         for g in self.groups:
             g.reset_step()
             g.fwd_expected = expected
-        if self.broadcast_buffers and grad and self.sync_enabled and self.comm.world_size > 1:
+        # [Note: when buffers are broadcast] DDP's rule (broadcast_buffers=True): rank 0's buffers are
+        # broadcast before the first forward, and before every forward that follows a forward run
+        # with gradients enabled and synchronised (outside no_sync) — whatever this forward's own
+        # grad mode, so an evaluation under no_grad after a training step uses rank 0's BatchNorm
+        # statistics, as under DDP. A forward under no_grad or no_sync makes the next one skip it.
+        # Every rank runs the same forwards in the same modes, so every rank agrees on when.
+        if self.broadcast_buffers and self._buffers_due and self.comm.world_size > 1:
             bufs = [b for b in self.module.buffers()]
             if bufs:
                 self.comm.broadcast_tensors(bufs, "buffers")
+        self._buffers_due = self._step.sync
         for mp in self.params.values():
             if not mp.sharded:
                 mp.refresh_cast()

@@ -373,7 +373,7 @@ class PlanSpace:
             acc = list(g.accumulate) if g.accumulate else [0] * n
             acc[first] = 1 - acc[first]
             return replace(g, accumulate=tuple(acc))
-        if kind == "placement" and self.fixed is None:
+        if kind == "placement" and self.fixed is None and n:  # a model without units has nothing to place
             i = rng.randrange(n)
             shard = list(g.shard)
             shard[i] = not shard[i]
