@@ -268,7 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
         "built-in ones, random ones and the ones the search picks under three budgets): predicted vs measured "
         "step time and peak memory, on one screen. The measured error is stored for this machine: plan=\"auto\" "
         "then takes its margins from it (how much faster a searched plan must be predicted than a built-in one, "
-        "and how far below the budget plans are kept).",
+        "and how far below the budget plans are kept). It is not stored when the same plan measured twice "
+        "disagrees by more than 5%% (a busy host) or the error is above 15%%; `autodist cache clear --kind "
+        "fidelity` removes a stored one.",
     )
     _add_model_options(check)
     check.add_argument("--nproc", type=_positive_int, default=2, metavar="N", help="ranks to launch (default 2)")
@@ -717,7 +719,7 @@ def _check_worker(args: argparse.Namespace) -> int:
 
     from . import AutoDist
     from .cache import Cache, comm_cache_key
-    from .cost.fidelity import MIN_SEED_MARGIN, SCALE_TOLERANCE, WAIT_SCALES, FidelityRecord
+    from .cost.fidelity import MIN_SEED_MARGIN, SCALE_TOLERANCE, WAIT_SCALES, FidelityRecord, refusal
     from .cost.simulator import Simulator
     from .measure.fidelity import (
         Checked,
@@ -784,6 +786,10 @@ def _check_worker(args: argparse.Namespace) -> int:
         space = space_for(prof, structure, world, grad_accum_steps=args.accum)
         sim = Simulator(prof, structure, comm, world_size=world)
         chosen = plans_to_check(space, sim, args.plans, profile=prof, structure=structure, comm=comm, world=world)
+        if not any("=" in name for name, _, _ in chosen):
+            # one plan measured twice: the measurement's own noise, which decides whether the record
+            # is stored (autodist/cost/fidelity.py refusal); the search usually picks a built-in one
+            chosen.append(("again=ddp", chosen[0][1], False))
         checks = [
             Checked(name, space.to_plan(g, provenance={"source": f"autodist check:{name}"}), sim.run(space.to_plan(g)), searched)
             for name, g, searched in chosen
@@ -794,8 +800,9 @@ def _check_worker(args: argparse.Namespace) -> int:
 
         def progress(c: Checked) -> None:
             if rank == 0:
-                print(f"[autodist check] {c.name}: predicted {c.predicted.step_s * 1e3:.1f} ms, measured "
-                      f"{c.measured_step_s * 1e3:.1f} ms", file=sys.stderr, flush=True)
+                # the table's predictions come later, from the profiles taken across all passes
+                print(f"[autodist check] {c.name}: measured {c.measured_step_s * 1e3:.1f} ms (predicted "
+                      f"{c.predicted.step_s * 1e3:.1f} ms from the first profile)", file=sys.stderr, flush=True)
 
         measure_plans(checks, wrap, batches, loss, device=device, accum=args.accum, steps=args.steps, warmup=warmup,
                       passes=passes, progress=progress, forward=lambda m, x: m(x, **_input_kwargs(x, args)),
@@ -816,7 +823,9 @@ def _check_worker(args: argparse.Namespace) -> int:
             record = replace(FidelityRecord.from_summary(overall, args.model), wait_scale=fitted,
                              blocked_wait_s=comm.blocked_wait_s)
             stored = None
-            if not args.no_record:
+            repeated = repeatability(rows)
+            refused = refusal(record, repeated)
+            if not args.no_record and refused is None:
                 path = Cache(args.cache_dir).put("fidelity", comm_cache_key(world, device.type, device_name, backend), record.to_json())
                 stored = str(path) if path else None
             cfg = SearchConfig.for_machine(record)
@@ -826,7 +835,8 @@ def _check_worker(args: argparse.Namespace) -> int:
                 "plans": rows, "all": overall,
                 "builtin_and_random": fidelity["random_and_builtin"],
                 "searched": fidelity["searched"],
-                "repeated": repeatability(rows),
+                "repeated": repeated,
+                "refused": refused,
                 "calibration": {"wait_scale": fitted, "median_abs_pct_error_time": by_scale[fitted],
                                 "sweep_wait_scale": comm.wait_scale, "at_sweep_scale": by_scale[comm.wait_scale],
                                 "blocked_wait_s": comm.blocked_wait_s},
@@ -858,6 +868,7 @@ def render_check(payload: dict[str, Any]) -> str:
         rows.append((r["plan"], f"{r['predicted_step_s'] * 1e3:.1f}", f"{r['measured_step_s'] * 1e3:.1f}", f"{et:+.0%}",
                      f"{r['predicted_peak_bytes'] / 2**20:.1f}", f"{r['measured_peak_bytes'] / 2**20:.1f}", f"{ep:+.0%}"))
     out.append(format_table(("plan", "pred ms", "meas ms", "error", "pred MiB", "meas MiB", "error"), rows))
+    out.append("  (predicted from the profiles taken across all passes; the progress lines predicted from the first one)")
     out.append("")
 
     def line(what: str, f: dict[str, Any]) -> str:
@@ -883,6 +894,12 @@ def render_check(payload: dict[str, Any]) -> str:
         )
     m = payload["margins"]
     out.append("")
+    if payload.get("refused"):
+        out.append(
+            f"Not stored: {payload['refused']}. plan=\"auto\" on {payload['world_size']} ranks here plans as before "
+            "(with the record an earlier check stored, if any; `autodist cache clear --kind fidelity` removes it)."
+        )
+        return "\n".join(out)
     where = (f"Stored for this machine in {payload['record_path']}: plan=\"auto\" on {payload['world_size']} ranks here now"
              if payload.get("record_path") else f"Not stored (--no-record); stored, it would make plan=\"auto\" on {payload['world_size']} ranks here")
     out.append(
@@ -890,6 +907,8 @@ def render_check(payload: dict[str, Any]) -> str:
         f"{m['default_prefer_seed_within']:.0%}; never less than {m['min_prefer_seed_within']:.0%}), and plans {m['memory_headroom']:.1%} below the memory budget (default "
         f"{m['default_memory_headroom']:.0%}; never less)."
     )
+    if payload.get("record_path"):
+        out.append("To undo: `autodist cache clear --kind fidelity` (plan=\"auto\" then uses the default margins).")
     return "\n".join(out)
 
 
