@@ -230,8 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"autodist {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    show = sub.add_parser("show", help="print a plan file as tables", description="Print a plan file as tables.")
-    show.add_argument("plan", metavar="PLAN.json", help="a plan file")
+    show = sub.add_parser(
+        "show", help="print a plan (a file or a cached plan's key) as tables",
+        description="Print a plan as tables: a plan file, or the key (or a unique prefix of it) of a plan in the "
+        "cache, as `autodist cache list` shows it.",
+    )
+    show.add_argument("plan", metavar="PLAN", help="a plan file, or a cached plan's key")
+    _add_cache_dir(show)
 
     plan = sub.add_parser(
         "plan", help="profile a model here and search a plan for N ranks",
@@ -292,9 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache_dir(common)
     actions.add_parser("list", parents=[common], help="a table of the entries", description="List the cache entries.")
     show_entry = actions.add_parser(
-        "show", parents=[common], help="print one entry", description="Print the entry with this key (or key prefix)."
+        "show", parents=[common], help="summarise one entry (--json: the raw record)",
+        description="Summarise the entry with this key (or key prefix): a plan as `autodist show` prints it, "
+        "another entry field by field; --json prints the raw record.",
     )
     show_entry.add_argument("key", metavar="KEY", help="the entry's key, as `autodist cache list` shows it, or a unique prefix")
+    show_entry.add_argument("--json", action="store_true", help="print the raw JSON record")
     clear = actions.add_parser("clear", parents=[common], help="remove entries", description="Remove cache entries.")
     from .cache import KINDS
 
@@ -555,8 +563,55 @@ def _span(units: Sequence[str]) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    _say(render_plan(_load_plan(args.plan), args.plan))
+    if Path(args.plan).exists():
+        _say(render_plan(_load_plan(args.plan), args.plan))
+        return 0
+    from .cache import Cache
+
+    cache = Cache(args.cache_dir)
+    plans = [e for e in cache.entries() if e.kind == "plans"]
+    matches = [e for e in plans if e.key == args.plan] or [e for e in plans if e.key.startswith(args.plan)]
+    if not matches:
+        raise CommandError(
+            f"{args.plan}: no such file, nor a cached plan's key in {cache.dir}; check the path, or "
+            "`autodist cache list` shows the keys"
+        )
+    if len(matches) > 1:
+        raise CommandError(f"{args.plan!r} is the start of {len(matches)} cached plans' keys; give more of the key")
+    path = str(matches[0].path)
+    _say(render_plan(_load_plan(path), path))
     return 0
+
+
+def _summary_value(value: Any) -> str:
+    """One line for a field of a cache entry: a number or string as it is, a list or an object by its
+    size (and, when short, its contents)."""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, dict):
+        inline = json.dumps(value, sort_keys=True)
+        return inline if len(inline) <= 80 else f"{{{len(value)} fields: {', '.join(list(value)[:6])}{', ...' if len(value) > 6 else ''}}}"
+    if isinstance(value, list):
+        inline = json.dumps(value)
+        return inline if len(inline) <= 80 else f"[{len(value)} items]"
+    return str(value)
+
+
+def render_cache_entry(kind: str, key: str, path: Path, data: Any) -> str:
+    """``autodist cache show``'s summary: a plan as ``autodist show`` prints it, another entry one
+    line per field."""
+    if kind == "plans":
+        from .errors import PlanError
+        from .plan import Plan
+
+        try:
+            return render_plan(Plan.from_json(json.dumps(data), source=str(path)), str(path))
+        except PlanError:
+            pass  # a plan of another schema: field by field, like any entry
+    head = f"{kind}/{key} ({path})"
+    if not isinstance(data, dict):
+        return f"{head}\n  {_summary_value(data)}"
+    return f"{head}\n{format_fields([(k, _summary_value(v)) for k, v in sorted(data.items())])}\n(--json prints the raw record)"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1001,7 +1056,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
                 f"cache entry {entry.path} cannot be read as JSON ({_first_line(e)}); `autodist cache clear "
                 f"--kind {entry.kind}` removes it"
             ) from None
-        _say(json.dumps(data, indent=1, sort_keys=True))
+        _say(json.dumps(data, indent=1, sort_keys=True) if args.json else render_cache_entry(entry.kind, entry.key, entry.path, data))
         return 0
     # clear
     doomed = [e for e in entries if args.kind is None or e.kind == args.kind]

@@ -389,14 +389,39 @@ def test_cache_commands_on_a_populated_cache(cli: Cli, cache_dir: Path) -> None:
     Cache(cache_dir).put("plans", "k1", '{"units": []}')
     Cache(cache_dir).put("comm", "k2", "{}")
 
-    listed, shown = cli.run_all(["cache", "list"], ["cache", "show", "k1"])
+    listed, shown, summary = cli.run_all(["cache", "list"], ["cache", "show", "k1", "--json"], ["cache", "show", "k1"])
     cleared = cli.run("cache", "clear", "--kind", "plans")
 
     assert listed.returncode == 0
     assert "plans" in listed.stdout and "k1" in listed.stdout and "k2" in listed.stdout
     assert shown.returncode == 0 and json.loads(shown.stdout) == {"units": []}
+    assert summary.returncode == 0 and summary.stdout.splitlines()[0].startswith("plans/k1 (")
+    assert re.search(r"^  units +\[\]$", summary.stdout, re.M) and "--json prints the raw record" in summary.stdout
     assert cleared.returncode == 0 and "removed 1" in cleared.stdout
     assert [(e.kind, e.key) for e in Cache(cache_dir).entries()] == [("comm", "k2")]
+
+
+def test_a_cached_plan_is_shown_as_tables_by_its_key_by_show_and_cache_show(cli: Cli, cache_dir: Path, tiny_model) -> None:
+    plan = fsdp_plan(discover(tiny_model), 2)
+    key = "0123abcdef4567"
+    Cache(cache_dir).put("plans", key, plan.to_json())
+    Cache(cache_dir).put("fidelity", "f0", json.dumps({"model": "gpt", "plans": list(range(40))}))
+
+    shown, by_prefix, in_cache, fidelity, raw, missing = cli.run_all(
+        ["show", key], ["show", key[:6]], ["cache", "show", key], ["cache", "show", "f0"], ["cache", "show", key, "--json"],
+        ["show", "nosuchkey"],
+    )
+
+    path = str(cache_dir / "plans" / f"{key}.json")
+    for run in (shown, by_prefix, in_cache):
+        assert run.returncode == 0, run
+        assert run.stdout.startswith(f"plan {path}\n") and "units (2)" in run.stdout and "buckets (2)" in run.stdout, run.stdout
+    assert len(in_cache.stdout.splitlines()) < 40  # a summary, not the raw record
+    assert fidelity.returncode == 0 and re.search(r"^  plans +\[40 items\]$", fidelity.stdout, re.M), fidelity.stdout
+    assert re.search(r"^  model +gpt$", fidelity.stdout, re.M), fidelity.stdout
+    assert raw.returncode == 0 and Plan.from_json(raw.stdout).hash() == plan.hash()
+    assert_one_line_error(missing, "autodist show:")
+    assert "nosuchkey: no such file, nor a cached plan's key" in missing.stderr and "autodist cache list" in missing.stderr
 
 
 def test_env_reports_versions_and_the_cache(cli: Cli, cache_dir: Path) -> None:
