@@ -53,7 +53,7 @@ def _reported_once(init: Callable[..., None]) -> Callable[..., None]:
 class AutoDist(nn.Module):
     """Data-parallel training of ``module`` following a plan.
 
-    Args:
+    Args (all but ``module`` keyword-only):
         module: the model, on the CPU or on this rank's device (it is moved to the device), or built on
             the meta device (``with torch.device("meta"): model = Net()``): it is then materialised and
             initialised module by module, each rank keeping only what the plan places on it (see
@@ -97,8 +97,8 @@ class AutoDist(nn.Module):
     def __init__(
         self,
         module: nn.Module,
+        *misplaced: Any,
         plan: str | os.PathLike[str] | Plan = "auto",
-        *,
         mesh: DeviceMesh | None = None,
         memory_limit: int | str | None = None,
         example_inputs: tuple[Any, ...] | None = None,
@@ -117,6 +117,8 @@ class AutoDist(nn.Module):
         # Every argument is checked before anything is modified; in a multi-rank job the ranks then
         # agree on the outcome, so a bad argument is one error raised on every rank (reported once).
         try:
+            if misplaced:
+                raise TypeError(_positional_message(misplaced))
             meta, mixed_precision = _check_arguments(
                 module, plan, mesh=mesh, example_inputs=example_inputs, example_kwargs=example_kwargs,
                 grad_accum_steps=grad_accum_steps, cache_dir=cache_dir, mixed_precision=mixed_precision,
@@ -535,6 +537,18 @@ def _check_arguments(
             f"all parameters and buffers must be on one device before wrapping{hint}; found {sorted(map(str, devices))}"
         )
     return meta, mixed_precision
+
+
+def _positional_message(misplaced: tuple[Any, ...]) -> str:
+    """The error for arguments after the module given by position: every other argument is
+    keyword-only, as FSDP2's ``fully_shard(module, *, mesh=...)``'s are (a DDP habit, ``DDP(model,
+    [rank])``, would otherwise pass device ids as the plan)."""
+    first = misplaced[0]
+    hint = f"AutoDist(model, plan={first!r})" if isinstance(first, (str, os.PathLike, Plan)) else "AutoDist(model, plan='auto')"
+    return (
+        f"AutoDist takes the module as its only positional argument, got {len(misplaced)} more ({first!r}"
+        f"{', ...' if len(misplaced) > 1 else ''}); pass the others by keyword, e.g. {hint}"
+    )
 
 
 def _in_multi_rank_job() -> bool:

@@ -343,14 +343,18 @@ _BAD_ARGUMENTS = {
     "example_kwargs": ({"example_kwargs": [1]}, "TypeError: example_kwargs must be a dict of keyword inputs, got list"),
     "plan name": ({"plan": "fsdpp"}, "autodist.errors.PlanError: invalid plan:"),
     "plan type": ({"plan": 3}, "TypeError: plan must be one of 'auto', 'ddp', 'fsdp', 'zero2', a Plan, or a path; got int"),
+    # every argument but the module is keyword-only, as FSDP2's are
+    "plan by position": ({"args": ("ddp",)}, "TypeError: AutoDist takes the module as its only positional argument, "
+                         "got 1 more ('ddp'); pass the others by keyword, e.g. AutoDist(model, plan='ddp')"),
 }
 
 
 def _each_bad_argument():
     out = {}
     for name, (kwargs, _) in _BAD_ARGUMENTS.items():
+        kwargs = dict(kwargs)
         try:
-            AutoDist(models.make("mlp"), **kwargs)
+            AutoDist(models.make("mlp"), *kwargs.pop("args", ()), **kwargs)
             out[name] = None
         except Exception as e:
             out[name] = {"type": type(e).__name__, "system_exit": isinstance(e, SystemExit), "code": getattr(e, "code", None)}
