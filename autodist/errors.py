@@ -17,6 +17,9 @@ class PlanError(AutoDistError, ValueError):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         self.source = source
         head = f"invalid plan{f' {source}' if source else ''}"
+        if len(self.problems) == 1:  # one line, as every other bad argument is reported
+            super().__init__(f"{head}: {self.problems[0]}")
+            return
         shown = self.problems[:12]
         more = len(self.problems) - len(shown)
         body = "\n  - ".join(shown)

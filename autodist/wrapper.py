@@ -643,7 +643,14 @@ def _read_plan_file(path: str) -> tuple[str | None, str | None]:
 
 
 def _not_a_plan_message(path: str) -> str:
-    return (
+    text = (
         f"plan={path!r} is neither one of {', '.join(repr(c) for c in PLAN_CHOICES)} nor an existing plan "
         "file; pass one of those names, a Plan, or the path of a plan JSON file"
     )
+    if path.lower().endswith(".json") or os.sep in path:  # meant as a file: say how to make one
+        text += (
+            f". To make {path}: `autodist.save_plan(model.plan, {path!r})` saves the plan a wrapped model runs "
+            f"(after plan='auto' has chosen it), and `autodist plan --model MODULE:FACTORY --input-shape D0,D1 "
+            f"--world-size N --out {path}` searches one offline (`autodist plan --help`)"
+        )
+    return text

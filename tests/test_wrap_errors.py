@@ -342,6 +342,7 @@ _BAD_ARGUMENTS = {
     "cache_dir": ({"plan": "ddp", "cache_dir": "/tmp"}, "ValueError: cache_dir is only used by plan='auto'"),
     "example_kwargs": ({"example_kwargs": [1]}, "TypeError: example_kwargs must be a dict of keyword inputs, got list"),
     "plan name": ({"plan": "fsdpp"}, "autodist.errors.PlanError: invalid plan:"),
+    "missing plan file": ({"plan": "no_such_plan.json"}, "autodist.errors.PlanError: invalid plan:"),
     "plan type": ({"plan": 3}, "TypeError: plan must be one of 'auto', 'ddp', 'fsdp', 'zero2', a Plan, or a path; got int"),
     # every argument but the module is keyword-only, as FSDP2's are
     "plan by position": ({"args": ("ddp",)}, "TypeError: AutoDist takes the module as its only positional argument, "
@@ -366,9 +367,13 @@ def test_every_bad_argument_is_one_line_from_rank_0_and_a_quiet_exit_elsewhere(w
     for name, (_, says) in _BAD_ARGUMENTS.items():
         got0, got1 = rank0[name], rank1[name]
         assert got0 is not None and got0["system_exit"] and got0["code"].startswith(says), (name, got0)
-        assert "\n" not in got0["code"] or name == "plan name", (name, got0)  # a PlanError lists its problems
+        assert "\n" not in got0["code"], (name, got0)
         assert got1 is not None and got1["system_exit"] and got1["code"] == 1, (name, got1)
         assert got0["type"] == got1["type"], name  # `except ValueError` still catches it on every rank
+    # a path meant as a plan file says how to make one; a misspelt name does not
+    assert "To make no_such_plan.json: `autodist.save_plan(model.plan, 'no_such_plan.json')`" in rank0["missing plan file"]["code"]
+    assert "`autodist plan --model MODULE:FACTORY" in rank0["missing plan file"]["code"]
+    assert "To make" not in rank0["plan name"]["code"]
 
 
 def _one_rank_refuses():
