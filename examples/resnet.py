@@ -11,13 +11,20 @@ each forward.
 
 import argparse
 import logging
+import os
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import torchvision
 
 from autodist import AutoDist
+
+try:
+    import torchvision
+except ImportError:
+    # one line from rank 0 (under torchrun every rank runs this) and a failing exit status
+    sys.exit("examples/resnet.py needs torchvision: pip install 'autodist[vision]'" if os.environ.get("RANK", "0") == "0" else 1)
 
 
 def main() -> None:
