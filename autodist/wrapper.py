@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -33,11 +34,22 @@ def _reported_once(init: Callable[..., None]) -> Callable[..., None]:
     """An error that every rank of a multi-rank job raises (an AutoDist error, or a bad argument's
     ``ValueError``/``TypeError``) leaves ``__init__`` in the form
     :func:`~autodist.errors.reported_once` gives it: printed by rank 0, without a traceback; the
-    other ranks exit quietly with the same status."""
+    other ranks exit quietly with the same status. An unknown keyword argument (Python's own
+    ``TypeError``, raised before ``__init__`` runs) is agreed between the ranks the same way."""
+    signature = inspect.signature(init)
 
     @functools.wraps(init)
     def wrapped(self: AutoDist, *args: Any, **kwargs: Any) -> None:
         try:
+            try:
+                signature.bind(self, *args, **kwargs)
+            except TypeError as e:
+                names = [n for n, p in list(signature.parameters.items())[1:] if p.kind is not p.VAR_POSITIONAL]
+                unknown = TypeError(f"AutoDist() {e}; its arguments are {', '.join(names)}")
+                if not _in_multi_rank_job():
+                    raise unknown from None
+                init_distributed()
+                _agree_on_arguments(unknown, None)
             init(self, *args, **kwargs)
         except (AutoDistError, ValueError, TypeError) as e:
             if not getattr(e, "raised_on_every_rank", False) or not dist.is_initialized() or dist.get_world_size() == 1:

@@ -344,6 +344,8 @@ _BAD_ARGUMENTS = {
     "plan name": ({"plan": "fsdpp"}, "autodist.errors.PlanError: invalid plan:"),
     "missing plan file": ({"plan": "no_such_plan.json"}, "autodist.errors.PlanError: invalid plan:"),
     "plan type": ({"plan": 3}, "TypeError: plan must be one of 'auto', 'ddp', 'fsdp', 'zero2', a Plan, or a path; got int"),
+    "unknown keyword": ({"plann": "ddp"}, "TypeError: AutoDist() got an unexpected keyword argument 'plann'; its "
+                        "arguments are module, plan, mesh, memory_limit,"),
     # every argument but the module is keyword-only, as FSDP2's are
     "plan by position": ({"args": ("ddp",)}, "TypeError: AutoDist takes the module as its only positional argument, "
                          "got 1 more ('ddp'); pass the others by keyword, e.g. AutoDist(model, plan='ddp')"),
