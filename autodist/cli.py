@@ -230,8 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"autodist {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    show = sub.add_parser("show", help="print a plan file as tables", description="Print a plan file as tables.")
-    show.add_argument("plan", metavar="PLAN.json", help="a plan file")
+    show = sub.add_parser(
+        "show", help="print a plan (a file or a cached plan's key) as tables",
+        description="Print a plan as tables: a plan file, or the key (or a unique prefix of it) of a plan in the "
+        "cache, as `autodist cache list` shows it.",
+    )
+    show.add_argument("plan", metavar="PLAN", help="a plan file, or a cached plan's key")
+    _add_cache_dir(show)
 
     plan = sub.add_parser(
         "plan", help="profile a model here and search a plan for N ranks",
@@ -268,7 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
         "built-in ones, random ones and the ones the search picks under three budgets): predicted vs measured "
         "step time and peak memory, on one screen. The measured error is stored for this machine: plan=\"auto\" "
         "then takes its margins from it (how much faster a searched plan must be predicted than a built-in one, "
-        "and how far below the budget plans are kept).",
+        "and how far below the budget plans are kept). It is not stored when the same plan measured twice "
+        "disagrees by more than 5%% (a busy host) or the error is above 15%%; `autodist cache clear --kind "
+        "fidelity` removes a stored one.",
     )
     _add_model_options(check)
     check.add_argument("--nproc", type=_positive_int, default=2, metavar="N", help="ranks to launch (default 2)")
@@ -290,9 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache_dir(common)
     actions.add_parser("list", parents=[common], help="a table of the entries", description="List the cache entries.")
     show_entry = actions.add_parser(
-        "show", parents=[common], help="print one entry", description="Print the entry with this key (or key prefix)."
+        "show", parents=[common], help="summarise one entry (--json: the raw record)",
+        description="Summarise the entry with this key (or key prefix): a plan as `autodist show` prints it, "
+        "another entry field by field; --json prints the raw record.",
     )
     show_entry.add_argument("key", metavar="KEY", help="the entry's key, as `autodist cache list` shows it, or a unique prefix")
+    show_entry.add_argument("--json", action="store_true", help="print the raw JSON record")
     clear = actions.add_parser("clear", parents=[common], help="remove entries", description="Remove cache entries.")
     from .cache import KINDS
 
@@ -553,8 +563,55 @@ def _span(units: Sequence[str]) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    _say(render_plan(_load_plan(args.plan), args.plan))
+    if Path(args.plan).exists():
+        _say(render_plan(_load_plan(args.plan), args.plan))
+        return 0
+    from .cache import Cache
+
+    cache = Cache(args.cache_dir)
+    plans = [e for e in cache.entries() if e.kind == "plans"]
+    matches = [e for e in plans if e.key == args.plan] or [e for e in plans if e.key.startswith(args.plan)]
+    if not matches:
+        raise CommandError(
+            f"{args.plan}: no such file, nor a cached plan's key in {cache.dir}; check the path, or "
+            "`autodist cache list` shows the keys"
+        )
+    if len(matches) > 1:
+        raise CommandError(f"{args.plan!r} is the start of {len(matches)} cached plans' keys; give more of the key")
+    path = str(matches[0].path)
+    _say(render_plan(_load_plan(path), path))
     return 0
+
+
+def _summary_value(value: Any) -> str:
+    """One line for a field of a cache entry: a number or string as it is, a list or an object by its
+    size (and, when short, its contents)."""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, dict):
+        inline = json.dumps(value, sort_keys=True)
+        return inline if len(inline) <= 80 else f"{{{len(value)} fields: {', '.join(list(value)[:6])}{', ...' if len(value) > 6 else ''}}}"
+    if isinstance(value, list):
+        inline = json.dumps(value)
+        return inline if len(inline) <= 80 else f"[{len(value)} items]"
+    return str(value)
+
+
+def render_cache_entry(kind: str, key: str, path: Path, data: Any) -> str:
+    """``autodist cache show``'s summary: a plan as ``autodist show`` prints it, another entry one
+    line per field."""
+    if kind == "plans":
+        from .errors import PlanError
+        from .plan import Plan
+
+        try:
+            return render_plan(Plan.from_json(json.dumps(data), source=str(path)), str(path))
+        except PlanError:
+            pass  # a plan of another schema: field by field, like any entry
+    head = f"{kind}/{key} ({path})"
+    if not isinstance(data, dict):
+        return f"{head}\n  {_summary_value(data)}"
+    return f"{head}\n{format_fields([(k, _summary_value(v)) for k, v in sorted(data.items())])}\n(--json prints the raw record)"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -717,7 +774,7 @@ def _check_worker(args: argparse.Namespace) -> int:
 
     from . import AutoDist
     from .cache import Cache, comm_cache_key
-    from .cost.fidelity import MIN_SEED_MARGIN, SCALE_TOLERANCE, WAIT_SCALES, FidelityRecord
+    from .cost.fidelity import MIN_SEED_MARGIN, SCALE_TOLERANCE, WAIT_SCALES, FidelityRecord, refusal
     from .cost.simulator import Simulator
     from .measure.fidelity import (
         Checked,
@@ -784,6 +841,10 @@ def _check_worker(args: argparse.Namespace) -> int:
         space = space_for(prof, structure, world, grad_accum_steps=args.accum)
         sim = Simulator(prof, structure, comm, world_size=world)
         chosen = plans_to_check(space, sim, args.plans)
+        if not any("=" in name for name, _, _ in chosen):
+            # one plan measured twice: the measurement's own noise, which decides whether the record
+            # is stored (autodist/cost/fidelity.py refusal); the search usually picks a built-in one
+            chosen.append(("again=ddp", chosen[0][1], False))
         checks = [
             Checked(name, space.to_plan(g, provenance={"source": f"autodist check:{name}"}), sim.run(space.to_plan(g)), searched)
             for name, g, searched in chosen
@@ -794,8 +855,9 @@ def _check_worker(args: argparse.Namespace) -> int:
 
         def progress(c: Checked) -> None:
             if rank == 0:
-                print(f"[autodist check] {c.name}: predicted {c.predicted.step_s * 1e3:.1f} ms, measured "
-                      f"{c.measured_step_s * 1e3:.1f} ms", file=sys.stderr, flush=True)
+                # the table's predictions come later, from the profiles taken across all passes
+                print(f"[autodist check] {c.name}: measured {c.measured_step_s * 1e3:.1f} ms (predicted "
+                      f"{c.predicted.step_s * 1e3:.1f} ms from the first profile)", file=sys.stderr, flush=True)
 
         measure_plans(checks, wrap, batches, loss, device=device, accum=args.accum, steps=args.steps, warmup=warmup,
                       passes=passes, progress=progress, forward=lambda m, x: m(x, **_input_kwargs(x, args)),
@@ -816,7 +878,9 @@ def _check_worker(args: argparse.Namespace) -> int:
             record = replace(FidelityRecord.from_summary(overall, args.model), wait_scale=fitted,
                              blocked_wait_s=comm.blocked_wait_s)
             stored = None
-            if not args.no_record:
+            repeated = repeatability(rows)
+            refused = refusal(record, repeated)
+            if not args.no_record and refused is None:
                 path = Cache(args.cache_dir).put("fidelity", comm_cache_key(world, device.type, device_name, backend), record.to_json())
                 stored = str(path) if path else None
             cfg = SearchConfig.for_machine(record)
@@ -826,7 +890,8 @@ def _check_worker(args: argparse.Namespace) -> int:
                 "plans": rows, "all": overall,
                 "builtin_and_random": fidelity["random_and_builtin"],
                 "searched": fidelity["searched"],
-                "repeated": repeatability(rows),
+                "repeated": repeated,
+                "refused": refused,
                 "calibration": {"wait_scale": fitted, "median_abs_pct_error_time": by_scale[fitted],
                                 "sweep_wait_scale": comm.wait_scale, "at_sweep_scale": by_scale[comm.wait_scale],
                                 "blocked_wait_s": comm.blocked_wait_s},
@@ -858,6 +923,7 @@ def render_check(payload: dict[str, Any]) -> str:
         rows.append((r["plan"], f"{r['predicted_step_s'] * 1e3:.1f}", f"{r['measured_step_s'] * 1e3:.1f}", f"{et:+.0%}",
                      f"{r['predicted_peak_bytes'] / 2**20:.1f}", f"{r['measured_peak_bytes'] / 2**20:.1f}", f"{ep:+.0%}"))
     out.append(format_table(("plan", "pred ms", "meas ms", "error", "pred MiB", "meas MiB", "error"), rows))
+    out.append("  (predicted from the profiles taken across all passes; the progress lines predicted from the first one)")
     out.append("")
 
     def line(what: str, f: dict[str, Any]) -> str:
@@ -883,6 +949,12 @@ def render_check(payload: dict[str, Any]) -> str:
         )
     m = payload["margins"]
     out.append("")
+    if payload.get("refused"):
+        out.append(
+            f"Not stored: {payload['refused']}. plan=\"auto\" on {payload['world_size']} ranks here plans as before "
+            "(with the record an earlier check stored, if any; `autodist cache clear --kind fidelity` removes it)."
+        )
+        return "\n".join(out)
     where = (f"Stored for this machine in {payload['record_path']}: plan=\"auto\" on {payload['world_size']} ranks here now"
              if payload.get("record_path") else f"Not stored (--no-record); stored, it would make plan=\"auto\" on {payload['world_size']} ranks here")
     out.append(
@@ -890,6 +962,8 @@ def render_check(payload: dict[str, Any]) -> str:
         f"{m['default_prefer_seed_within']:.0%}; never less than {m['min_prefer_seed_within']:.0%}), and plans {m['memory_headroom']:.1%} below the memory budget (default "
         f"{m['default_memory_headroom']:.0%}; never less)."
     )
+    if payload.get("record_path"):
+        out.append("To undo: `autodist cache clear --kind fidelity` (plan=\"auto\" then uses the default margins).")
     return "\n".join(out)
 
 
@@ -982,7 +1056,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
                 f"cache entry {entry.path} cannot be read as JSON ({_first_line(e)}); `autodist cache clear "
                 f"--kind {entry.kind}` removes it"
             ) from None
-        _say(json.dumps(data, indent=1, sort_keys=True))
+        _say(json.dumps(data, indent=1, sort_keys=True) if args.json else render_cache_entry(entry.kind, entry.key, entry.path, data))
         return 0
     # clear
     doomed = [e for e in entries if args.kind is None or e.kind == args.kind]

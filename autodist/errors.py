@@ -17,6 +17,9 @@ class PlanError(AutoDistError, ValueError):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         self.source = source
         head = f"invalid plan{f' {source}' if source else ''}"
+        if len(self.problems) == 1:  # one line, as every other bad argument is reported
+            super().__init__(f"{head}: {self.problems[0]}")
+            return
         shown = self.problems[:12]
         more = len(self.problems) - len(shown)
         body = "\n  - ".join(shown)
@@ -46,9 +49,10 @@ def mark_raised_on_every_rank(error: BaseException) -> BaseException:
     return error
 
 
-def reported_once(error: AutoDistError, *, rank: int) -> AutoDistError:
-    """``error``, raised on every rank of a multi-rank job, in the form it leaves AutoDist: the same
-    error (type, message and fields: ``except PlanError`` still catches it) that is also a
+def reported_once(error: Exception, *, rank: int) -> Exception:
+    """``error`` (an AutoDist error, or a bad argument's ``ValueError``/``TypeError``), raised on every
+    rank of a multi-rank job, in the form it leaves AutoDist: the same error (type, message and
+    fields: ``except PlanError`` and ``except ValueError`` still catch it) that is also a
     ``SystemExit``. Uncaught, the interpreter then prints no traceback and exits with status 1, and
     prints the message on rank 0 only.
 
@@ -66,5 +70,6 @@ def reported_once(error: AutoDistError, *, rank: int) -> AutoDistError:
     quiet = both.__new__(both)
     quiet.args = error.args
     quiet.__dict__.update(error.__dict__)
-    quiet.code = f"{cls.__module__}.{cls.__qualname__}: {error}" if rank == 0 else 1
+    name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    quiet.code = f"{name}: {error}" if rank == 0 else 1
     return quiet

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.optim.optimizer as optim_hooks
 from torch.utils._pytree import tree_flatten
 
-from ._log import logger
+from ._log import announce, logger
 from ._progress import progress
 from .cache import Cache, digest
 from .cost.budget import format_bytes
@@ -285,7 +285,7 @@ class AutoPlanner:
         plan.device = self.device.type
         self.stats.source = "safe start"
         if self.rank == 0:
-            logger.info("autodist: plan=auto: starting with a safe plan (%s) while %s profiled", reason, profiled)
+            announce("autodist: plan=auto: starting with a safe plan (%s) while %s profiled", reason, profiled)
         return plan
 
     def estimator(self) -> Estimator | None:
@@ -541,7 +541,7 @@ class AutoPlanner:
 
         origin = {"cache": "from the cache", "search": "searched now"}.get(self.stats.source, self.stats.source)
         where = f", {self.stats.plan_path}" if self.stats.plan_path else ""
-        logger.info("autodist: plan chosen: %s (%s%s): %s", plan.label, origin, where, describe_prediction(plan))
+        announce("autodist: plan chosen: %s (%s%s): %s", plan.label, origin, where, describe_prediction(plan))
 
     # ---- transparent profiling during the first steps --------------------------------------------
     def before_forward(self, args: tuple, kwargs: dict) -> None:

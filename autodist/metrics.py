@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ._log import OnceLogger, logger
+from ._log import OnceLogger, announce
 from .cost.budget import format_bytes
 from .measure.memory import PeakReading, TensorPeakProbe, resident_bytes, storage_bytes
 from .runtime.comm import CommStats
@@ -240,7 +240,7 @@ class StepMeter:
 
     def _log(self) -> None:
         if self.rank == 0 and self.last is not None and self._logged != self.last.step:
-            logger.info(format_step(self._read_resident()))
+            announce("%s", format_step(self._read_resident()))
         self._logged = self.last.step if self.last is not None else 0
 
     def close(self) -> None:
@@ -251,6 +251,13 @@ class StepMeter:
         self.probe.stop()
         if self.log_every:
             self._log()
+
+    def abandon(self) -> None:
+        """Stop listening without logging anything more: training ended at a fatal error, and a
+        step line after it would read as if training went on."""
+        self._closed = True
+        self.log_every = None
+        self.probe.stop()
 
     def _read_resident(self) -> StepMetrics:
         if self.last.resident_bytes is None:

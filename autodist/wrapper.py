@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ._log import logger
+from ._log import announce, logger
 from .builtins import BUILTIN_PLANS, builtin_plan
 from .cost.budget import format_bytes, parse_memory_limit
 from .errors import AutoDistError, InitError, PlanError, RankMismatchError, mark_raised_on_every_rank, reported_once
@@ -30,15 +31,27 @@ PLAN_CHOICES = ("auto",) + BUILTIN_PLANS
 
 
 def _reported_once(init: Callable[..., None]) -> Callable[..., None]:
-    """An AutoDist error that every rank of a multi-rank job raises leaves ``__init__`` in the form
+    """An error that every rank of a multi-rank job raises (an AutoDist error, or a bad argument's
+    ``ValueError``/``TypeError``) leaves ``__init__`` in the form
     :func:`~autodist.errors.reported_once` gives it: printed by rank 0, without a traceback; the
-    other ranks exit quietly with the same status."""
+    other ranks exit quietly with the same status. An unknown keyword argument (Python's own
+    ``TypeError``, raised before ``__init__`` runs) is agreed between the ranks the same way."""
+    signature = inspect.signature(init)
 
     @functools.wraps(init)
     def wrapped(self: AutoDist, *args: Any, **kwargs: Any) -> None:
         try:
+            try:
+                signature.bind(self, *args, **kwargs)
+            except TypeError as e:
+                names = [n for n, p in list(signature.parameters.items())[1:] if p.kind is not p.VAR_POSITIONAL]
+                unknown = TypeError(f"AutoDist() {e}; its arguments are {', '.join(names)}")
+                if not _in_multi_rank_job():
+                    raise unknown from None
+                init_distributed()
+                _agree_on_arguments(unknown, None)
             init(self, *args, **kwargs)
-        except AutoDistError as e:
+        except (AutoDistError, ValueError, TypeError) as e:
             if not getattr(e, "raised_on_every_rank", False) or not dist.is_initialized() or dist.get_world_size() == 1:
                 raise
             comm = getattr(self, "_comm", None)
@@ -52,7 +65,7 @@ def _reported_once(init: Callable[..., None]) -> Callable[..., None]:
 class AutoDist(nn.Module):
     """Data-parallel training of ``module`` following a plan.
 
-    Args:
+    Args (all but ``module`` keyword-only):
         module: the model, on the CPU or on this rank's device (it is moved to the device), or built on
             the meta device (``with torch.device("meta"): model = Net()``): it is then materialised and
             initialised module by module, each rank keeping only what the plan places on it (see
@@ -98,8 +111,8 @@ class AutoDist(nn.Module):
     def __init__(
         self,
         module: nn.Module,
+        *misplaced: Any,
         plan: str | os.PathLike[str] | Plan = "auto",
-        *,
         mesh: DeviceMesh | None = None,
         memory_limit: int | str | None = None,
         example_inputs: tuple[Any, ...] | None = None,
@@ -112,41 +125,32 @@ class AutoDist(nn.Module):
         param_init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
         super().__init__()
-        _check_module_argument(module)
-        meta = is_meta_model(module)
-        if param_init_fn is not None and not meta:
-            raise ValueError(
-                "param_init_fn initialises a model built on the meta device; this model's tensors are already "
-                "materialised: drop param_init_fn, or build the model under `with torch.device('meta'):`"
+        self._closed = False
+        self._failed: BaseException | None = None
+        self._auto = None
+        # Every argument is checked before anything is modified; in a multi-rank job the ranks then
+        # agree on the outcome, so a bad argument is one error raised on every rank (reported once).
+        try:
+            if misplaced:
+                raise TypeError(_positional_message(misplaced))
+            meta, mixed_precision = _check_arguments(
+                module, plan, mesh=mesh, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                grad_accum_steps=grad_accum_steps, cache_dir=cache_dir, mixed_precision=mixed_precision,
+                log_every=log_every, param_init_fn=param_init_fn,
             )
-        if param_init_fn is not None and not callable(param_init_fn):
-            raise TypeError(f"param_init_fn must be callable with a module, got {type(param_init_fn).__name__}")
-        mixed_precision = MixedPrecision.coerce(mixed_precision, module)
-        _check_plan_argument(plan)
-        if (example_inputs is not None or example_kwargs is not None) and not (isinstance(plan, str) and plan == "auto"):
-            raise ValueError("example_inputs/example_kwargs are only used by plan='auto'; drop them or pass plan='auto'")
-        if example_kwargs is not None and not isinstance(example_kwargs, dict):
-            raise TypeError(f"example_kwargs must be a dict of keyword inputs, got {type(example_kwargs).__name__}")
-        if grad_accum_steps is not None and (isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1):
-            raise ValueError(f"grad_accum_steps must be a positive number of micro-batches per optimizer step, got {grad_accum_steps!r}")
+            refused: BaseException | None = None
+        except (AutoDistError, ValueError, TypeError) as e:
+            refused = e
+        if refused is not None and not _in_multi_rank_job():
+            raise refused  # a plain process: no process group is created for an error
+        device = init_distributed(torch.device(mesh.device_type) if refused is None and mesh is not None and mesh.device_type == "cpu" else None)
+        _agree_on_arguments(refused, mesh.get_group() if refused is None and mesh is not None else None)
         self.grad_accum_steps = grad_accum_steps
-        if cache_dir is not None and not (isinstance(plan, str) and plan == "auto"):
-            raise ValueError("cache_dir is only used by plan='auto'; drop it or pass plan='auto'")
         self._mixed_precision = mixed_precision
         self._explicit_budget = memory_limit is not None
-        self._auto = None
-        self._closed = False
-        if mesh is not None and mesh.ndim != 1:
-            raise ValueError(f"AutoDist runs on a 1-D DeviceMesh; got a {mesh.ndim}-D mesh {mesh}")
-        device = init_distributed(torch.device(mesh.device_type) if mesh is not None and mesh.device_type == "cpu" else None)
         if mesh is None:
             mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         devices = {p.device for p in module.parameters()} | {b.device for b in module.buffers()}
-        if len(devices) > 1:
-            hint = " (a model built on the meta device must be built there whole)" if meta else ""
-            raise ValueError(
-                f"all parameters and buffers must be on one device before wrapping{hint}; found {sorted(map(str, devices))}"
-            )
         self.module = module
         self.device = device
         self.mesh = mesh
@@ -177,8 +181,6 @@ class AutoDist(nn.Module):
             self._warn_if_over_budget(resolved)
         if not resolved.param_shapes:  # so that a saved copy of the plan in force is checked when loaded
             resolved = replace(resolved, param_shapes={n: list(p.shape) for n, p in self._structure.params.items()})
-        if log_every is not None and log_every < 1:
-            raise ValueError(f"log_every must be a positive number of steps or None, got {log_every}")
         self._engine = Engine(
             module,
             resolved,
@@ -213,7 +215,7 @@ class AutoDist(nn.Module):
             source = "file" if isinstance(plan, (str, os.PathLike)) and plan not in PLAN_CHOICES else (
                 "built-in" if plan in BUILTIN_PLANS else "object" if isinstance(plan, Plan) else "auto"
             )
-            logger.info(
+            announce(
                 "autodist: plan %s in force (source: %s; %d units, %d sharded, %d gather groups, %d buckets, "
                 "%d offload fragments, %d blocks recomputed; world size %d, budget %s)",
                 resolved.label, source, len(resolved.units), len(resolved.sharded_units),
@@ -381,11 +383,28 @@ class AutoDist(nn.Module):
                 "this AutoDist instance was closed: close() removed its hooks and released its process groups. "
                 "Wrap the model again (AutoDist(model.module, ...)) to train it; state_dict() still gives its parameters."
             )
+        if self._failed is not None:
+            raise RuntimeError(
+                f"this AutoDist instance stopped at a fatal error ({type(self._failed).__name__}: "
+                f"{str(self._failed).splitlines()[0]}); nothing more trains on it. Fix what the error says "
+                "and wrap the model again."
+            )
         if torch.is_grad_enabled():
             if self._auto is not None:  # first: its planning (which may profile) is outside the step's memory window
-                self._auto.before_forward(args, kwargs)
+                try:
+                    self._auto.before_forward(args, kwargs)
+                except AutoDistError as e:
+                    self._stop_at(e)
+                    raise
             self._meter.on_forward(args, kwargs, sync=self._engine.sync_enabled)
         return self._engine.forward(args, kwargs)
+
+    def _stop_at(self, error: BaseException) -> None:
+        """A fatal error ended training: no later forward runs, and no step is logged after it (the
+        steps before it were logged as they ended)."""
+        self._failed = error
+        self._meter_done.detach()
+        self._meter.abandon()
 
     def _held_tensors(self) -> list[torch.Tensor]:
         """The tensors this model holds between steps, for the CPU's tensor-memory baseline (the
@@ -491,6 +510,89 @@ class AutoDist(nn.Module):
 _MANAGED = "_autodist_managed"  # set on a module while an AutoDist instance manages it
 
 
+def _check_arguments(
+    module: Any, plan: Any, *, mesh: Any, example_inputs: Any, example_kwargs: Any, grad_accum_steps: Any,
+    cache_dir: Any, mixed_precision: Any, log_every: Any, param_init_fn: Any,
+) -> tuple[bool, MixedPrecision | None]:
+    """Every check of ``AutoDist``'s arguments that needs no other rank (what the memory limit and a
+    plan file resolve to is agreed later): raises the first problem as a ``ValueError`` or
+    ``TypeError`` (a ``PlanError`` for the plan) naming the argument and the fix. Returns whether
+    the model is on the meta device and the mixed-precision policy."""
+    _check_module_argument(module)
+    meta = is_meta_model(module)
+    if param_init_fn is not None and not meta:
+        raise ValueError(
+            "param_init_fn initialises a model built on the meta device; this model's tensors are already "
+            "materialised: drop param_init_fn, or build the model under `with torch.device('meta'):`"
+        )
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(f"param_init_fn must be callable with a module, got {type(param_init_fn).__name__}")
+    mixed_precision = MixedPrecision.coerce(mixed_precision, module)
+    _check_plan_argument(plan)
+    auto = isinstance(plan, str) and plan == "auto"
+    if (example_inputs is not None or example_kwargs is not None) and not auto:
+        raise ValueError("example_inputs/example_kwargs are only used by plan='auto'; drop them or pass plan='auto'")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise TypeError(f"example_kwargs must be a dict of keyword inputs, got {type(example_kwargs).__name__}")
+    if grad_accum_steps is not None and (isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1):
+        raise ValueError(f"grad_accum_steps must be a positive number of micro-batches per optimizer step, got {grad_accum_steps!r}")
+    if cache_dir is not None and not auto:
+        raise ValueError("cache_dir is only used by plan='auto'; drop it or pass plan='auto'")
+    if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
+        raise ValueError(f"log_every must be a positive number of steps or None, got {log_every!r}")
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a 1-D DeviceMesh or None, got {type(mesh).__name__}")
+    if mesh is not None and mesh.ndim != 1:
+        raise ValueError(f"AutoDist runs on a 1-D DeviceMesh; got a {mesh.ndim}-D mesh {mesh}")
+    devices = {p.device for p in module.parameters()} | {b.device for b in module.buffers()}
+    if len(devices) > 1:
+        hint = " (a model built on the meta device must be built there whole)" if meta else ""
+        raise ValueError(
+            f"all parameters and buffers must be on one device before wrapping{hint}; found {sorted(map(str, devices))}"
+        )
+    return meta, mixed_precision
+
+
+def _positional_message(misplaced: tuple[Any, ...]) -> str:
+    """The error for arguments after the module given by position: every other argument is
+    keyword-only, as FSDP2's ``fully_shard(module, *, mesh=...)``'s are (a DDP habit, ``DDP(model,
+    [rank])``, would otherwise pass device ids as the plan)."""
+    first = misplaced[0]
+    hint = f"AutoDist(model, plan={first!r})" if isinstance(first, (str, os.PathLike, Plan)) else "AutoDist(model, plan='auto')"
+    return (
+        f"AutoDist takes the module as its only positional argument, got {len(misplaced)} more ({first!r}"
+        f"{', ...' if len(misplaced) > 1 else ''}); pass the others by keyword, e.g. {hint}"
+    )
+
+
+def _in_multi_rank_job() -> bool:
+    """Whether this process is one rank of several (a process group of more than one, or torchrun's
+    environment for one): then an argument error is agreed between the ranks before it is raised."""
+    if dist.is_initialized():
+        return dist.get_world_size() > 1
+    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _agree_on_arguments(refused: BaseException | None, group: dist.ProcessGroup | None) -> None:
+    """Raise ``refused`` (this rank's argument error) on this rank, and an error naming the first rank
+    that refused its arguments on every other: every rank raises, none waits in a collective, and
+    the error is reported once (``_reported_once``)."""
+    if dist.get_world_size(group) == 1:
+        if refused is not None:
+            raise refused
+        return
+    statuses: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(statuses, None if refused is None else f"{type(refused).__name__}: {refused}", group=group)
+    if refused is not None:
+        raise mark_raised_on_every_rank(refused)
+    failed = [(r, m) for r, m in enumerate(statuses) if m is not None]
+    if failed:
+        r, m = failed[0]
+        raise mark_raised_on_every_rank(
+            ValueError(f"rank {r} refused its AutoDist arguments ({m}); every rank must wrap with valid arguments")
+        )
+
+
 def _check_module_argument(module: Any) -> None:
     """Refuse a module that is already distributed, before anything is modified. The checks look
     only at the module, so every rank raises the same error."""
@@ -555,7 +657,14 @@ def _read_plan_file(path: str) -> tuple[str | None, str | None]:
 
 
 def _not_a_plan_message(path: str) -> str:
-    return (
+    text = (
         f"plan={path!r} is neither one of {', '.join(repr(c) for c in PLAN_CHOICES)} nor an existing plan "
         "file; pass one of those names, a Plan, or the path of a plan JSON file"
     )
+    if path.lower().endswith(".json") or os.sep in path:  # meant as a file: say how to make one
+        text += (
+            f". To make {path}: `autodist.save_plan(model.plan, {path!r})` saves the plan a wrapped model runs "
+            f"(after plan='auto' has chosen it), and `autodist plan --model MODULE:FACTORY --input-shape D0,D1 "
+            f"--world-size N --out {path}` searches one offline (`autodist plan --help`)"
+        )
+    return text

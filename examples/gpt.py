@@ -2,7 +2,12 @@
 
     torchrun --nproc_per_node 2 examples/gpt.py --steps 30
     torchrun --nproc_per_node 2 examples/gpt.py --plan fsdp --layers 8 --d-model 512
-    torchrun --nproc_per_node 2 examples/gpt.py --plan my_plan.json
+    torchrun --nproc_per_node 2 examples/gpt.py --save-plan my_plan.json   # saves the plan "auto" chose
+    torchrun --nproc_per_node 2 examples/gpt.py --plan my_plan.json        # runs that plan
+
+``--save-plan`` calls ``autodist.save_plan(model.plan, path)`` after training; ``autodist plan --model
+autodist.zoo:gpt --input-shape 8,128 --input-dtype int64 --world-size 2 --out my_plan.json`` searches
+one offline instead (it needs the comm model a first run here with ``--plan auto`` caches).
 
 The data is synthetic (random tokens), so the loss goes down only as far as the model memorises it.
 """
@@ -14,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autodist import AutoDist
+from autodist import AutoDist, save_plan
 from autodist.zoo import GPT
 
 
@@ -31,6 +36,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--memory-limit", default=None, help="per-rank budget, e.g. 2GiB or 80%%")
     ap.add_argument("--log-every", type=int, default=5)
+    ap.add_argument("--save-plan", metavar="PATH", help="write the plan in force after training as JSON (for --plan PATH)")
     args = ap.parse_args()
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -60,6 +66,9 @@ def main() -> None:
         print(f"last step ({m['step']}): {m['step_seconds'] * 1e3:.1f} ms, {m['tokens_per_second']:,.0f} tokens/s, "
               f"peak tensor memory {m['peak_bytes'] / 2**30:.2f} GiB (measured at step {m['peak_step']}), "
               f"resident {m['resident_bytes'] / 2**30:.2f} GiB, exposed communication {m['exposed_comm_share']:.0%}")
+        if args.save_plan:
+            save_plan(model.plan, args.save_plan)
+            print(f"saved the plan in force to {args.save_plan}; run it with --plan {args.save_plan}")
     dist.destroy_process_group()
 
 

@@ -56,3 +56,21 @@ def test_the_readme_quickstart_command_trains(tmp_path):
     _check_small_run(out)
     assert out.stderr.count("initialised process group") == 1  # rank 0 only
     assert "last step (3): " in out.stdout
+
+
+HIDE_TORCHVISION = """
+import runpy
+import sys
+
+sys.modules["torchvision"] = None  # as if it were not installed: importing it raises ImportError
+sys.argv = ["examples/resnet.py"]
+runpy.run_path("examples/resnet.py", run_name="__main__")
+"""
+
+
+def test_an_example_without_its_optional_dependency_says_which_in_one_line(tmp_path):
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    out = subprocess.run([sys.executable, "-c", HIDE_TORCHVISION], env=dict(os.environ, PYTHONPATH=path),
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 1
+    assert (out.stdout + out.stderr).strip() == "examples/resnet.py needs torchvision: pip install 'autodist[vision]'"

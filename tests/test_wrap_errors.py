@@ -333,3 +333,130 @@ def test_a_plan_for_8_ranks_on_2_prints_its_message_once_without_tracebacks(tmp_
     # torchrun's summary: the ranks exited with status 1 (one that was still shutting down when
     # torchrun stopped the job shows its signal instead)
     assert text.count("exitcode  : 1 ") >= 1, text
+
+
+_BAD_ARGUMENTS = {
+    "memory_limit": ({"plan": "fsdp", "memory_limit": "lots"}, "ValueError: cannot parse memory_limit 'lots'"),
+    "log_every": ({"plan": "ddp", "log_every": 0}, "ValueError: log_every must be a positive number of steps or None, got 0"),
+    "grad_accum_steps": ({"grad_accum_steps": 0}, "ValueError: grad_accum_steps must be a positive number"),
+    "cache_dir": ({"plan": "ddp", "cache_dir": "/tmp"}, "ValueError: cache_dir is only used by plan='auto'"),
+    "example_kwargs": ({"example_kwargs": [1]}, "TypeError: example_kwargs must be a dict of keyword inputs, got list"),
+    "plan name": ({"plan": "fsdpp"}, "autodist.errors.PlanError: invalid plan:"),
+    "missing plan file": ({"plan": "no_such_plan.json"}, "autodist.errors.PlanError: invalid plan:"),
+    "plan type": ({"plan": 3}, "TypeError: plan must be one of 'auto', 'ddp', 'fsdp', 'zero2', a Plan, or a path; got int"),
+    "unknown keyword": ({"plann": "ddp"}, "TypeError: AutoDist() got an unexpected keyword argument 'plann'; its "
+                        "arguments are module, plan, mesh, memory_limit,"),
+    # every argument but the module is keyword-only, as FSDP2's are
+    "plan by position": ({"args": ("ddp",)}, "TypeError: AutoDist takes the module as its only positional argument, "
+                         "got 1 more ('ddp'); pass the others by keyword, e.g. AutoDist(model, plan='ddp')"),
+}
+
+
+def _each_bad_argument():
+    out = {}
+    for name, (kwargs, _) in _BAD_ARGUMENTS.items():
+        kwargs = dict(kwargs)
+        try:
+            AutoDist(models.make("mlp"), *kwargs.pop("args", ()), **kwargs)
+            out[name] = None
+        except Exception as e:
+            out[name] = {"type": type(e).__name__, "system_exit": isinstance(e, SystemExit), "code": getattr(e, "code", None)}
+    return out
+
+
+def test_every_bad_argument_is_one_line_from_rank_0_and_a_quiet_exit_elsewhere(world2):
+    rank0, rank1 = world2.run(_each_bad_argument, timeout=120)
+    for name, (_, says) in _BAD_ARGUMENTS.items():
+        got0, got1 = rank0[name], rank1[name]
+        assert got0 is not None and got0["system_exit"] and got0["code"].startswith(says), (name, got0)
+        assert "\n" not in got0["code"], (name, got0)
+        assert got1 is not None and got1["system_exit"] and got1["code"] == 1, (name, got1)
+        assert got0["type"] == got1["type"], name  # `except ValueError` still catches it on every rank
+    # a path meant as a plan file says how to make one; a misspelt name does not
+    assert "To make no_such_plan.json: `autodist.save_plan(model.plan, 'no_such_plan.json')`" in rank0["missing plan file"]["code"]
+    assert "`autodist plan --model MODULE:FACTORY" in rank0["missing plan file"]["code"]
+    assert "To make" not in rank0["plan name"]["code"]
+
+
+def _one_rank_refuses():
+    rank = dist.get_rank()
+    try:
+        AutoDist(models.make("mlp"), plan="ddp", log_every=0 if rank == 1 else None)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_an_argument_refused_on_one_rank_fails_every_rank_without_hanging(world2):
+    rank0, rank1 = world2.run(_one_rank_refuses, timeout=60)
+    assert rank1.startswith("log_every must be a positive number"), rank1
+    assert rank0.startswith("rank 1 refused its AutoDist arguments (ValueError: log_every must be"), rank0
+
+
+def _torchrun(script, *args):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p), OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), *args],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    return out.returncode, out.stdout + out.stderr
+
+
+BAD_MEMORY_LIMIT = """
+import torch
+from autodist import AutoDist
+model = AutoDist(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)), memory_limit="lots")
+"""
+
+
+def test_a_bad_memory_limit_under_torchrun_prints_one_line_like_a_bad_plan(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(BAD_MEMORY_LIMIT))
+    rc, text = _torchrun(script)
+    assert rc == 1
+    assert text.count("cannot parse memory_limit 'lots'") == 1, text
+    assert any(line.startswith("ValueError: cannot parse memory_limit 'lots'; use bytes") for line in text.splitlines()), text
+    assert "[rank" not in text and "train.py\", line" not in text, text  # no worker traceback
+
+
+FATAL_BUDGET = """
+import logging
+import sys
+import tempfile
+
+import torch
+from autodist import AutoDist, BudgetError
+
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+torch.manual_seed(0)
+model = AutoDist(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)),
+                 plan="auto", memory_limit="200KiB", log_every=10, cache_dir=sys.argv[1])
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+try:
+    for _ in range(8):
+        model(torch.randn(32, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+except BudgetError as e:
+    print("fatal:", str(e).splitlines()[0][:40], flush=True)
+try:
+    model(torch.randn(32, 64))
+except RuntimeError as e:
+    print("after:", e, flush=True)
+"""
+
+
+def test_no_step_is_logged_or_trained_after_a_fatal_budget_error(tmp_path):
+    # the safe plan runs the profiled steps (about 450 KiB), then no plan fits 200 KiB: the search's
+    # BudgetError ends training; the steps that ran are not logged after it, at exit or otherwise
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(FATAL_BUDGET))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "cache")], env=env, capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "fatal: no plan fits the budget of 200.00 KiB" in text, text
+    assert "after: this AutoDist instance stopped at a fatal error (BudgetError: no plan fits" in text, text
+    assert "autodist: step" not in text, text  # log_every=10: only a step logged at exit could appear

@@ -20,8 +20,9 @@ import random
 import time
 from dataclasses import dataclass, field, replace
 
+from .._log import logger
 from ..cost.comm import CommModel
-from ..cost.fidelity import DEFAULT_MEMORY_HEADROOM, DEFAULT_SEED_MARGIN, FidelityRecord
+from ..cost.fidelity import DEFAULT_MEMORY_HEADROOM, DEFAULT_SEED_MARGIN, UNDO, FidelityRecord
 from ..cost.simulator import SimResult, Simulator
 from ..plan import Plan
 from .space import Genome, PlanSpace
@@ -63,6 +64,13 @@ class SearchConfig:
     def for_machine(cls, record: FidelityRecord | None) -> SearchConfig:
         """The search's margins from this machine's measured fidelity, else the defaults."""
         if record is None:
+            return cls()
+        why = record.unusable()
+        if why is not None:
+            logger.warning(
+                "autodist: this machine's fidelity record (autodist check on %s) is not used: %s. Planning with the "
+                "default margins; %s.", record.model, why, UNDO,
+            )
             return cls()
         return cls(
             prefer_seed_within=record.seed_margin, memory_headroom=record.memory_headroom,

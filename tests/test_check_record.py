@@ -1,0 +1,116 @@
+"""What ``autodist check`` stores for the machine: the decision, tested with injected timings (the
+measurement is replaced; nothing here times anything), and what a stored record may do."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from pathlib import Path
+
+import pytest
+
+from autodist.cache import Cache
+from autodist.cost.fidelity import MAX_REPEAT_PCT_APART, MAX_SEED_MARGIN, FidelityRecord, refusal
+from autodist.sched.search import SearchConfig
+
+TINY_MODEL = '''\
+import torch
+
+
+def build():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check_with_injected_timings(tmp_path: Path, monkeypatch, *, repeat_factor: float, error: float) -> dict:
+    """One rank of ``autodist check`` (a world of one) on a tiny model, every plan 'measured' at its
+    prediction times ``1 + error``, and the plan measured a second time at ``repeat_factor`` times
+    its first measurement. Returns the check's payload."""
+    import autodist.measure.fidelity as measure_fidelity
+    import autodist.measure.sweep as measure_sweep
+    from autodist.cli import build_parser, cmd_check
+    from autodist.cost.comm import CommModel
+
+    (tmp_path / "tinycheckmodel.py").write_text(TINY_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(measure_sweep, "sweep", lambda group, device: CommModel.analytic(1, bandwidth_bytes_s=1e9, latency_s=1e-5))
+
+    def measure_plans(checks, wrap, batches, loss, *, steps, passes, progress=None, **_):
+        first = {}
+        for c in checks:
+            _, eq, other = c.name.partition("=")
+            t = first[other] * repeat_factor if eq else c.predicted.step_s * (1 + error)
+            first.setdefault(c.name, t)
+            c.times = [t] * (steps * passes)
+            c.peak_bytes = c.predicted.peak_bytes
+            if progress is not None:
+                progress(c)
+
+    monkeypatch.setattr(measure_fidelity, "measure_plans", measure_plans)
+    out = tmp_path / "payload.json"
+    args = build_parser().parse_args([
+        "check", "--worker", "--out", str(out), "--model", "tinycheckmodel:build", "--input-shape", "4,16",
+        "--plans", "3", "--steps", "2", "--cache-dir", str(tmp_path / "cache"),
+    ])
+    assert cmd_check(args) == 0
+    return json.loads(out.read_text())
+
+
+def test_a_check_whose_repeated_measurement_disagrees_is_not_stored_and_says_why(tmp_path, monkeypatch):
+    from autodist.cli import render_check
+
+    payload = _check_with_injected_timings(tmp_path, monkeypatch, repeat_factor=1.12, error=0.02)
+    rep = payload["repeated"]
+    assert rep and max(r["pct_apart"] for r in rep) == pytest.approx(200 * 0.12 / 2.12)
+    assert payload["record_path"] is None
+    assert not [e for e in Cache(tmp_path / "cache").entries() if e.kind == "fidelity"]
+    a, b = max(rep, key=lambda r: r["pct_apart"])["plans"]
+    assert payload["refused"].startswith(f"the same plan, measured twice ({a} and {b}), came out 11.3% apart, more than the 5%")
+    text = render_check(payload)
+    assert f"Not stored: {payload['refused']}." in text and "Stored for this machine" not in text
+    assert "`autodist cache clear --kind fidelity` removes it" in text
+
+
+def test_a_check_whose_repeated_measurement_agrees_is_stored_and_says_how_to_undo_it(tmp_path, monkeypatch):
+    from autodist.cli import _search_config, render_check
+
+    payload = _check_with_injected_timings(tmp_path, monkeypatch, repeat_factor=1.01, error=0.04)
+    assert payload["refused"] is None and payload["record_path"]
+    record = FidelityRecord.from_json(Path(payload["record_path"]).read_text())
+    # every plan measured 4% slower than predicted (the repeated ones 1% slower again)
+    assert record.median_abs_error_time == pytest.approx(payload["all"]["median_abs_pct_error_time"] / 100)
+    assert 0.04 / 1.04 <= record.median_abs_error_time <= 0.0505 / 1.0505
+    assert _search_config(str(tmp_path / "cache"), 1).prefer_seed_within == pytest.approx(record.seed_margin)
+    text = render_check(payload)
+    assert "Stored for this machine in" in text and "To undo: `autodist cache clear --kind fidelity`" in text
+
+
+def test_refusal_names_each_reason_a_record_is_not_stored():
+    good = FidelityRecord(0.04, 0.9, 0.0, 7, "m", 0)
+    assert refusal(good, [{"plans": ["ddp", "searched@none=ddp"], "pct_apart": MAX_REPEAT_PCT_APART}]) is None
+    assert "no plan was measured twice" in refusal(good, [])
+    assert "5.1% apart" in refusal(good, [{"plans": ["ddp", "again=ddp"], "pct_apart": 5.1}])
+    far = FidelityRecord(0.527, 0.9, 0.0, 7, "m", 0)
+    assert "median step-time error 52.7% is above the 15%" in refusal(far, [{"plans": ["ddp", "again=ddp"], "pct_apart": 1.0}])
+
+
+def test_a_stored_record_past_the_cap_is_not_used_and_a_warning_says_why(caplog):
+    over = FidelityRecord(MAX_SEED_MARGIN + 0.01, 0.9, 0.2, 7, "gpt", 0, wait_scale=2.5)
+    with caplog.at_level(logging.WARNING, logger="autodist"):
+        cfg = SearchConfig.for_machine(over)
+    assert cfg == SearchConfig()
+    said = [r.getMessage() for r in caplog.records if r.name == "autodist"]
+    assert len(said) == 1 and "fidelity record (autodist check on gpt) is not used" in said[0], said
+    assert "16.0% is above the 15%" in said[0] and "`autodist cache clear --kind fidelity` removes it" in said[0]
+    at_cap = FidelityRecord(MAX_SEED_MARGIN, 0.9, 0.2, 7, "gpt", 0)
+    assert SearchConfig.for_machine(at_cap).prefer_seed_within == MAX_SEED_MARGIN
