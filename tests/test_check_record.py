@@ -24,6 +24,18 @@ def build():
 '''
 
 
+@pytest.fixture(autouse=True)
+def no_default_process_group():
+    """``autodist check``'s rank initialises the default process group itself (a world of one
+    here); an earlier test of the session may have left one (AutoDist run without torchrun
+    initialises a world of one and leaves it, as a user's own would be left)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    yield
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
