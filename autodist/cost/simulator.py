@@ -535,7 +535,6 @@ class Simulator:
             emit((_C, per_bucket + host + fresh + 2 * comm.memcpy(bk.msg_bytes), "bucket copy-in", 0))
             if bk.op == "reduce_scatter" and not bk.allocated:
                 # the gradients held so far are copied into the input, then dropped
-                make_room(plan.max_inflight_buckets)
                 emit((_MEM, bk.in_bytes, COMM))
                 emit((_MEM, -bk.deferred, GRADIENTS))
                 bk.allocated = True
@@ -574,16 +573,6 @@ class Simulator:
                     while launched[0] - finished[0] > sync_limit:
                         finish(act[finished[0]])
                         finished[0] += 1
-
-        def make_room(limit: int | None) -> None:
-            """Before a reduce-scatter input is allocated, the oldest reductions are finished until
-            fewer than ``limit`` are in flight (the runtime's [Note: staging waits for room])."""
-            if not limit:
-                return
-            act = active[0]
-            while launched[0] - finished[0] >= limit:
-                finish(act[finished[0]])
-                finished[0] += 1
 
         def held_bytes(p: str) -> int:
             """A gradient accumulated over micro-batches: in the reduce dtype for sharded or cast parameters."""
@@ -629,7 +618,6 @@ class Simulator:
                         emit((_MEM, g, GRADIENTS))
                     if bk.deferred * 4 >= bk.in_bytes:
                         # the input is allocated, the gradients copied in, and only then dropped
-                        make_room(plan.max_inflight_buckets)
                         emit((_MEM, bk.in_bytes, COMM))
                         emit((_MEM, -bk.deferred, GRADIENTS))
                         bk.allocated = True

@@ -52,8 +52,6 @@ class BucketRuntime:
         self.op = op
         self.params = params
         self.every = False  # reduced in every micro-batch, also those that do not synchronise
-        # called before this bucket allocates its reduce-scatter input (the reducer's bound)
-        self.before_staging: Callable[[], None] | None = None
         self.record: Callable[[str, object], None] | None = None  # the engine's action log, when on
         self.dtype = reduce_dtype
         self.comm = comm
@@ -139,8 +137,6 @@ class BucketRuntime:
 
     def _rs_input(self) -> torch.Tensor:
         if self._input is None:
-            if self.before_staging is not None:
-                self.before_staging()  # [Note: staging waits for room]
             self._input = torch.empty(self.world, self.total + self.n, dtype=self.dtype, device=self.device)
         return self._input
 
@@ -342,13 +338,6 @@ class Reducer:
     ``max_inflight`` bounds the reductions in flight: launching one more first waits for the oldest
     (``0``: every bucket is waited for right after launch; ``None``: all are waited for at the end of
     backward). Fewer in flight frees reduction buffers sooner at the cost of overlap.
-    [Note: staging waits for room] A reduce-scatter bucket allocates its input (world x its
-    gradients) when it starts taking gradients, before it is launched. With ``max_inflight`` in
-    flight already, the oldest is finished first, so the bound holds for the buffers too: under
-    ``max_inflight=1`` the previous reduction's input is freed before the next one is staged (FSDP2
-    waits for the previous reduce-scatter at the same point). Finishing it only after the next
-    launch held two inputs and a layer's full gradient at once: 80-104 MiB more than FSDP2 at the
-    backward peak of the zoo's wide-mlp on 2 ranks. The simulator follows the same rule.
     ``launch_on_ready``: launch a bucket the moment its last gradient arrives; otherwise only when
     :meth:`poll` is called (at sharded-unit events, see [Note: one issue order for NCCL] in
     engine.py) and at the flush, once each of its parameters has its gradient or is ``settled`` (no
@@ -370,9 +359,6 @@ class Reducer:
         self.slot: dict[int, tuple[BucketRuntime, int]] = {
             id(mp): (b, i) for b in buckets for i, mp in enumerate(b.params)
         }
-        for b in buckets:
-            if b.op == "reduce_scatter":
-                b.before_staging = self._make_room
         self.begin(sync=True)
 
     def begin(self, *, sync: bool) -> None:
@@ -423,14 +409,6 @@ class Reducer:
         if self.launch_on_ready or self.settled is None:
             return False
         return all(r or self.settled(mp) for r, mp in zip(b.ready, b.params))
-
-    def _make_room(self) -> None:
-        """Finish the oldest reductions until fewer than ``max_inflight`` are in flight."""
-        if not self.max_inflight:  # None: no bound; 0: each was finished right after its launch
-            return
-        while self.next_launch - self.next_finish >= self.max_inflight:
-            self.active[self.next_finish].finish()
-            self.next_finish += 1
 
     def _launch_ready(self) -> None:
         while self.next_launch < len(self.active) and self._complete(self.active[self.next_launch]):
