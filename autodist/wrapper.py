@@ -316,15 +316,8 @@ class AutoDist(nn.Module):
             result = fn()
         except (AutoDistError, OSError, ValueError, TypeError) as e:
             error, result = e, None
-        statuses = self._comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
-        if error is not None:
-            raise mark_raised_on_every_rank(error)
-        failed = [(r, m) for r, m in enumerate(statuses) if m is not None]
-        if failed:
-            r, m = failed[0]
-            raise mark_raised_on_every_rank(
-                fail(f"rank {r} could not {what} ({m}); {why}")
-            )
+        statuses = self._comm.all_gather_object(_status(error))
+        _raise_agreed(statuses, error, lambda r, m: fail(f"rank {r} could not {what} ({m}); {why}"))
         return result
 
     def _check_rank_agreement(self, plan: Plan) -> None:
@@ -582,15 +575,25 @@ def _agree_on_arguments(refused: BaseException | None, group: dist.ProcessGroup 
             raise refused
         return
     statuses: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(statuses, None if refused is None else f"{type(refused).__name__}: {refused}", group=group)
-    if refused is not None:
-        raise mark_raised_on_every_rank(refused)
+    dist.all_gather_object(statuses, _status(refused), group=group)
+    _raise_agreed(statuses, refused, lambda r, m: ValueError(
+        f"rank {r} refused its AutoDist arguments ({m}); every rank must wrap with valid arguments"
+    ))
+
+
+def _status(error: BaseException | None) -> str | None:
+    """What a rank tells the others of its outcome: nothing, or its error in one line."""
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _raise_agreed(statuses: list[str | None], own: BaseException | None, elsewhere: Callable[[int, str], BaseException]) -> None:
+    """After every rank shared its ``_status``: raise this rank's own error, or, where another rank
+    failed, ``elsewhere(rank, status)`` of the first that did — on every rank, so all stop alike."""
+    if own is not None:
+        raise mark_raised_on_every_rank(own)
     failed = [(r, m) for r, m in enumerate(statuses) if m is not None]
     if failed:
-        r, m = failed[0]
-        raise mark_raised_on_every_rank(
-            ValueError(f"rank {r} refused its AutoDist arguments ({m}); every rank must wrap with valid arguments")
-        )
+        raise mark_raised_on_every_rank(elsewhere(*failed[0]))
 
 
 def _check_module_argument(module: Any) -> None:
