@@ -114,18 +114,25 @@ def _compute(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.M
     return _InBF16(model) if args.mixed_precision == "bf16" else model
 
 
+class _Autocast(nn.Module):
+    """The model's forward under ``torch.autocast`` in bf16: fp32 parameters, gradients and
+    reduction, bf16 arithmetic — how DDP users train in mixed precision (DDP's own experimental
+    ``_MixedPrecision`` refuses tied parameters, which the zoo's GPT has)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any) -> Any:
+        device = next(self.model.parameters()).device.type
+        with torch.autocast(device, dtype=BF16):
+            return self.model(*args)
+
+
 def _ddp(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
-    from torch.nn.parallel.distributed import _MixedPrecision
 
-    if args.mixed_precision != "bf16":
-        return DistributedDataParallel(model)
-    if args.device == "cuda":
-        mp = _MixedPrecision(param_dtype=BF16, reduce_dtype=torch.float32, buffer_dtype=BF16)
-        return DistributedDataParallel(model, mixed_precision=mp)
-    # DDP's mixed precision runs on CUDA streams only: on the CPU, DDP over the bf16 model (the same
-    # arithmetic; it reduces in bf16, half the bytes of the others' fp32 reduction)
-    return DistributedDataParallel(_InBF16(model))
+    return DistributedDataParallel(_Autocast(model) if args.mixed_precision == "bf16" else model)
 
 
 def _fsdp2(

@@ -21,13 +21,16 @@ Checks (``--checks``):
   checkpointing where transformers is installed, against a single-process reference on the same device (3 steps);
 * ``offload`` — all optimizer state offloaded (pinned memory, copy stream, events) trains bitwise
   like no offload;
+* ``allocator`` — what the caching allocator holds that no tensor names (a stream's cuBLAS
+  workspace), for reading the budget cases;
 * ``budget`` — ``plan="auto"`` under budgets, fp32 and bf16: the allocator's peak
   (``max_memory_allocated``) stays within the budget and is compared with the plan's prediction
   (target: within 5%);
 * ``bench`` — ``tools/bench.py`` at one GPU's scale (a GPT of large layers and one of many small
   layers), fp32 and bf16: step time, overhead over the unwrapped model, peak, auto's prediction.
 
-Everything goes into one JSON (``--json``).
+Everything goes into one JSON (``--json``); ``--minutes`` bounds the run (what did not start in time
+is reported as not run) and ``--trace-dir`` keeps the allocator's history of the budget cases.
 """
 
 from __future__ import annotations
@@ -49,8 +52,11 @@ CHECKPOINTING = ["reentrant", "nonreentrant", "selective", "wrapper", "alternate
 
 
 def _peak_reset(device):
+    import gc
+
     import torch
 
+    gc.collect()  # what earlier cases left in reference cycles is not this case's memory
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
@@ -93,7 +99,7 @@ def _train_against_reference(device, rank, world, model_name, plan, extra, micro
     return diff, on_device, policy
 
 
-def _parity(device, rank, world, args):
+def _parity(device, rank, world, args, out):
     import torch
 
     from autodist import MixedPrecision
@@ -113,7 +119,6 @@ def _parity(device, rank, world, args):
         for plan in ("ddp", "fsdp", "zero2"):
             cases[f"user-checkpointing-{mode}-{plan}"] = (f"gpt-ckpt-{mode}", plan, {}, 1)
     cases["user-checkpointing-reentrant-fsdp-bf16"] = ("gpt-ckpt-reentrant", "fsdp", bf16, 1)
-    out = {}
     for name, (model_name, plan, extra, micro) in cases.items():
         diff, on_device, policy = _train_against_reference(device, rank, world, model_name, plan, extra, micro)
         tol = 3e-2 if "bf16" in name else 1e-4
@@ -124,7 +129,7 @@ def _parity(device, rank, world, args):
         import transformers  # noqa: F401
     except ImportError:
         out["hugging-face-checkpointing"] = (None, "transformers is not installed: not verified")
-        return out
+        return
     from test_recompute import hf_gradient_checkpointing
 
     for arch in ("gpt2", "llama"):
@@ -133,10 +138,9 @@ def _parity(device, rank, world, args):
                 diff = hf_gradient_checkpointing(arch, plan, reentrant, device=str(device))
                 name = f"hf-{arch}-{'reentrant' if reentrant else 'nonreentrant'}-{plan}"
                 out[name] = (diff <= 1e-4, f"max parameter difference {diff:.2e} (tolerance 0.0001)")
-    return out
 
 
-def _offload(device, rank, world, args):
+def _offload(device, rank, world, args, out):
     import dataclasses
 
     import torch
@@ -175,23 +179,24 @@ def _offload(device, rank, world, args):
     a, _ = train(False)
     b, pinned = train(True)
     same = all(torch.equal(a[k], b[k]) for k in a)
-    return {"offload": (same and pinned, f"bitwise identical to no offload: {same}; host buffers pinned: {pinned}")}
+    out["offload"] = (same and pinned, f"bitwise identical to no offload: {same}; host buffers pinned: {pinned}")
 
 
-def _budget(device, rank, world, args):
+def _budget(device, rank, world, args, out):
     """``plan="auto"`` under budgets of a few times the model's bytes, fp32 and bf16: the
     allocator's peak over steps 3 and 4 against the budget and against the plan's prediction."""
     from autodist.zoo import zoo
 
     wl = zoo("tiny" if args.quick else "default")["gpt"]
     with tempfile.TemporaryDirectory() as d:  # one cache: the comm model is swept once
-        return {
-            f"budget-{precision}-{factor}x": _budget_case(device, wl, precision, factor, d)
-            for precision in ("fp32", "bf16") for factor in (8, 5)
-        }
+        for precision in ("fp32", "bf16"):
+            for factor in (14, 10):
+                name = f"budget-{precision}-{factor}x"
+                trace = os.path.join(args.trace_dir, f"{name}.pickle") if args.trace_dir and rank == 0 else None
+                out[name] = _budget_case(device, wl, precision, factor, d, trace)
 
 
-def _budget_case(device, wl, precision, factor, cache_dir):
+def _budget_case(device, wl, precision, factor, cache_dir, trace):
     import torch
 
     from autodist import AutoDist, MixedPrecision
@@ -222,33 +227,86 @@ def _budget_case(device, wl, precision, factor, cache_dir):
 
     for _ in range(2):
         step()
-    outside = ""
+    outside, numbers = "", {}
     if device.type == "cuda":
         # what the allocator holds beyond the model's parameters, gradients and optimizer state
         # and the runtime's buffers between steps (cuBLAS workspaces, collective buffers,
-        # rounding): the part of the budget no profile measures today
+        # offloaded state not yet released), and what rounding to blocks adds at the peak
         torch.cuda.synchronize(device)
-        other = torch.cuda.memory_allocated(device) - storage_bytes(t for t in live() if t.device == device)
-        outside = f"; between steps the allocator holds {format_bytes(other)} beyond the model's tensors"
+        held = storage_bytes(t for t in live() if t.device == device)
+        between = torch.cuda.memory_allocated(device)
         _peak_reset(device)
+        if trace:
+            torch.cuda.memory._record_memory_history(max_entries=100000)
         step()
         step()
         torch.cuda.synchronize(device)
         peak, what = torch.cuda.max_memory_allocated(device), "caching allocator"
+        requested = torch.cuda.memory_stats(device).get("requested_bytes.all.peak", peak)
+        if trace:
+            torch.cuda.memory._dump_snapshot(trace)
+            torch.cuda.memory._record_memory_history(enabled=None)
+        numbers = {"between_steps_allocated": between, "between_steps_tensors": held, "peak_requested": requested,
+                   "offload_device_bytes_between_steps": model.runtime.offload.account.device_bytes}
+        outside = (f"; between steps the allocator holds {format_bytes(between - held)} beyond the model's tensors; "
+                   f"rounding adds {format_bytes(peak - requested)} at the peak")
     else:
         peak, what = max(measure_step_peak(step, device, live) for _ in range(2)), "tensor peak"
     predicted = model.plan.predicted.get("peak_bytes", 0)
     label, offloaded = model.plan.label, len(model.plan.offload)
+    numbers.update(budget=budget, peak=peak, predicted=predicted, predicted_all=dict(model.plan.predicted))
     model.close()
     err = (predicted - peak) / max(peak, 1)
     return (
         peak <= budget and abs(err) <= 0.05,
         f"{label}: measured peak {format_bytes(peak)} ({what}) vs budget {format_bytes(budget)}; predicted "
         f"{format_bytes(predicted)} ({err:+.1%}; target within 5%); {offloaded} offload fragments{outside}",
+        numbers,
     )
 
 
-CHECKS = {"parity": _parity, "offload": _offload, "budget": _budget}
+def _allocator(device, rank, world, args, out):
+    """What the caching allocator holds that no tensor names: the cuBLAS workspace of a stream
+    (allocated by its first matrix product, fp32 and bf16)."""
+    import torch
+
+    from autodist.cost.budget import format_bytes
+
+    if device.type != "cuda":
+        out["cublas-workspace"] = ("info", "no cuBLAS on the CPU")
+        return
+    got = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.cuda.synchronize(device)
+        torch._C._cuda_clearCublasWorkspaces()
+        before = torch.cuda.memory_allocated(device)
+        a = torch.ones(64, 64, device=device, dtype=dtype)
+        (a @ a).sum().item()
+        got[str(dtype)] = torch.cuda.memory_allocated(device) - before - 2 * 64 * 64 * a.element_size() - 512
+        del a
+    out["cublas-workspace"] = ("info", "per stream, measured as the allocator's growth over a first matrix product: "
+                               + ", ".join(f"{k} {format_bytes(v)}" for k, v in got.items()), got)
+
+
+CHECKS = {"parity": _parity, "offload": _offload, "allocator": _allocator, "budget": _budget}
+
+
+class _Report(dict):
+    """The results of the checks, each printed (rank 0) as soon as it is known."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def __setitem__(self, name, value) -> None:
+        value = list(value)
+        super().__setitem__(name, value)
+        if self.rank == 0:
+            print(f"gpu_check: {_mark(value[0])} {name}: {value[1]}", flush=True)
+
+
+def _mark(ok) -> str:
+    return {None: "[not verified]", "info": "[info]", True: "[verified]", False: "[FAILED]"}.get(ok, "[?]")
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -266,17 +324,21 @@ def worker(args: argparse.Namespace) -> None:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
         name = "cpu (dry run)"
-    results, seconds = {}, {}
+    results, seconds = _Report(rank), {}
     for check in args.checks:
+        if args.deadline and time.time() > args.deadline:
+            results[check] = (None, "not run: out of time (--minutes)")
+            continue
         t0 = time.perf_counter()
         try:
-            results.update({k: list(v) for k, v in CHECKS[check](device, rank, world, args).items()})
+            CHECKS[check](device, rank, world, args, results)
         except Exception:
-            results[check] = [False, "raised:\n" + traceback.format_exc(limit=6)]
+            results[check] = (False, "raised:\n" + traceback.format_exc(limit=6))
         seconds[check] = round(time.perf_counter() - t0, 1)
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump({"world": world, "device": name, "torch": torch.__version__, "results": results, "seconds": seconds}, f)
+        if rank == 0:
+            with open(args.out, "w") as f:
+                json.dump({"world": world, "device": name, "torch": torch.__version__, "results": dict(results),
+                           "seconds": seconds}, f)
     dist.destroy_process_group()
 
 
@@ -284,14 +346,25 @@ def _bench(args: argparse.Namespace, nproc: int, d: str) -> tuple[dict, list[str
     """tools/bench.py at one GPU's scale (tiny on a dry run), fp32 and bf16."""
     out, lines = {}, []
     size = "tiny" if args.device == "cpu" else "gpu"
-    for precision in ("none", "bf16"):
+    for precision in args.precisions:
         path = os.path.join(d, f"bench-{precision}.json")
         cmd = [sys.executable, os.path.join(HERE, "bench.py"), "--device", args.device, "--size", size,
                "--models", "gpt,gpt-deep", "--mixed-precision", precision, "--nproc", str(nproc),
                "--contenders", "compute,ddp,autodist:ddp,fsdp2,autodist:fsdp,autodist:auto",
                "--steps", "3" if args.quick else "5", "--warmup", "2", "--passes", "1", "--json", path]
-        rc = subprocess.run(cmd, capture_output=True, text=True)
+        left = args.deadline - time.time() if args.deadline else None
+        if left is not None and left < 30:
+            out[precision] = {"error": "not run: out of time (--minutes)"}
+            continue
+        try:
+            rc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+        except subprocess.TimeoutExpired as e:
+            out[precision] = {"error": f"stopped after {left:.0f} s: out of time (--minutes)",
+                              "stderr": (e.stderr or b"")[-2000:].decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")[-2000:]}
+            lines.append((e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or "").strip())
+            continue
         lines.append(rc.stdout.strip())
+        print(rc.stdout.strip(), flush=True)
         if rc.returncode != 0 or not os.path.exists(path):
             out[precision] = {"error": f"exit code {rc.returncode}", "stderr": rc.stderr[-2000:]}
             continue
@@ -306,13 +379,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--nproc", type=int, default=None, help="ranks (default: the number of GPUs, at most 2)")
     ap.add_argument("--checks", default=",".join(CHECKS), help="comma-separated (default: %(default)s)")
     ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--bench-precisions", default="none,bf16", help="the benchmark's runs (default: %(default)s)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of this script on gloo")
     ap.add_argument("--quick", action="store_true", help="fewer cases and steps, small models")
     ap.add_argument("--json", default=None, help="write everything measured here")
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="stop starting work after this long; what did not run is reported as not run")
+    ap.add_argument("--trace-dir", default=None,
+                    help="CUDA: dump the allocator's history of each budget case's measured steps here (pickles)")
+    ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.checks = [c for c in args.checks.split(",") if c]
+    args.precisions = [c for c in args.bench_precisions.split(",") if c]
+    if set(args.precisions) - {"none", "bf16"}:
+        ap.error("--bench-precisions takes none and bf16")
+    if args.minutes is not None and args.deadline is None:
+        args.deadline = time.time() + 60 * args.minutes
     unknown = [c for c in args.checks if c not in CHECKS]
     if unknown:
         ap.error(f"unknown check(s) {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
@@ -350,9 +434,21 @@ def main(argv: list[str] | None = None) -> int:
                os.path.abspath(__file__), "--worker", "--out", out, "--checks", ",".join(args.checks), "--device", args.device]
         if args.quick:
             cmd.append("--quick")
-        rc = subprocess.run(cmd).returncode
+        if args.deadline:
+            cmd += ["--deadline", str(args.deadline)]
+        if args.trace_dir:
+            os.makedirs(args.trace_dir, exist_ok=True)
+            cmd += ["--trace-dir", os.path.abspath(args.trace_dir)]
+        left = args.deadline - time.time() + 60 if args.deadline else None
+        try:
+            rc = subprocess.run(cmd, timeout=left).returncode
+        except subprocess.TimeoutExpired:
+            rc = "stopped: out of time"
         if rc != 0 or not os.path.exists(out):
             print(f"gpu_check: the ranks failed (exit code {rc})")
+            if os.path.exists(out) and args.json:  # what the ranks finished
+                with open(out) as f, open(args.json, "w") as g:
+                    g.write(f.read())
             return 1
         with open(out) as f:
             payload = json.load(f)
@@ -360,9 +456,8 @@ def main(argv: list[str] | None = None) -> int:
             payload["bench"], tables = _bench(args, nproc, d)
     print(f"gpu_check on {payload['world']} x {payload['device']} (torch {payload['torch']}):")
     failed = 0
-    for name, (ok, detail) in payload["results"].items():
-        mark = "not verified" if ok is None else "verified" if ok else "FAILED"
-        print(f"  [{mark}] {name}: {detail}")
+    for name, (ok, detail, *_) in payload["results"].items():
+        print(f"  {_mark(ok)} {name}: {detail}")
         failed += ok is False
     if not args.skip_bench:
         for precision, result in payload["bench"].items():

@@ -15,8 +15,8 @@ from typing import Any
 # of the readable schemas load with the newer fields at their defaults (no contention sensitivity,
 # no block saving after its last unit), as the committed records hold them; the cache measures a
 # model of an older schema again.
-PROFILE_SCHEMA_VERSION = 5
-READABLE_PROFILE_SCHEMAS = (3, 4, 5)
+PROFILE_SCHEMA_VERSION = 6
+READABLE_PROFILE_SCHEMAS = (3, 4, 5, 6)
 
 
 @dataclass
@@ -105,6 +105,10 @@ class Profile:
     # the same train, measured in the same rounds: what the simulator scales the sweep's compute
     # slowdowns by (None: not measured; see [Note: the model's own contention])
     contention_sensitivity: float | None = None
+    # CUDA: bytes the caching allocator holds for the math libraries' workspaces once the model has
+    # run forward and backward (cuBLAS/cuBLASLt keep one per thread handle and stream; 0 on the CPU;
+    # see [Note: what the allocator holds for libraries] in autodist/measure/trace.py)
+    library_bytes: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
     schema_version: int = PROFILE_SCHEMA_VERSION
 
@@ -168,6 +172,7 @@ def slowest(profiles: list[Profile]) -> Profile:
             u.bwd_peak_bytes = max(u.bwd_peak_bytes, o.bwd_peak_bytes)
         for key in (
             "pre_fwd_s", "post_fwd_s", "pre_bwd_s", "post_bwd_s", "loss_act_bytes", "loss_fwd_peak_bytes", "loss_bwd_peak_bytes",
+            "library_bytes",
         ):
             setattr(out, key, max(getattr(out, key), getattr(other, key)))
         out.optimizer.per_byte_s = max(out.optimizer.per_byte_s, other.optimizer.per_byte_s)

@@ -70,9 +70,9 @@ ORDER_CHECK_BYTES = 16 * 8  # the collective-order check's message (runtime/comm
 _C, _ISSUE, _WAIT, _MEM = 0, 1, 2, 3
 
 # memory categories (what a byte is for, in the peak's breakdown)
-PARAMETERS, GATHERED, GRADIENTS, OPTIMIZER, ACTIVATIONS, COMM = range(6)
+PARAMETERS, GATHERED, GRADIENTS, OPTIMIZER, ACTIVATIONS, COMM, LIBRARIES = range(7)
 _WAITED = -1  # in the compute thread's memory log: it waited here (no bytes, no category)
-N_CATEGORIES = 6
+N_CATEGORIES = 7
 CATEGORY_NAMES = (
     "parameters (shards, replicas, compute copies)",
     "gathered full parameters",
@@ -80,6 +80,7 @@ CATEGORY_NAMES = (
     "optimizer state",
     "activations (incl. the loss)",
     "communication buffers in flight",
+    "math-library workspaces (cuBLAS, measured)",
 )
 
 
@@ -449,6 +450,9 @@ class Simulator:
 
         # ---- static memory -------------------------------------------------------------------
         opt = prof.optimizer
+        # compute-dtype copies of replicated parameters: cast in the forward, released when the
+        # optimizer step makes them stale (runtime/params.py ``release_cast``)
+        cast_copies = 0
         local_master = 0
         local_tensors = 0
         for u in plan.units:
@@ -461,11 +465,12 @@ class Simulator:
                     static[PARAMETERS] += self.numel[p] * size
                     local = self.numel[p] * size
                     if self.param_dtype is not None and self.floating[p] and self.param_dtype.itemsize != size:
-                        static[PARAMETERS] += self.numel[p] * self.param_dtype.itemsize
+                        cast_copies += self.numel[p] * self.param_dtype.itemsize
                 if p in trainable:
                     local_master += local
                     local_tensors += 1
         static[OPTIMIZER] += int(opt.state_factor * local_master)
+        static[LIBRARIES] += prof.library_bytes  # [Note: what the allocator holds for libraries]
 
         # ---- compile the program -------------------------------------------------------------
         ops: list[CommOp] = []
@@ -836,6 +841,8 @@ class Simulator:
         static[GRADIENTS] += sum(bk.out_bytes for bk in carried)
         # ... and the copy-out of offloaded state the previous optimizer step started
         copy_out(out_at.get("step", []))
+        if cast_copies:
+            emit((_MEM, cast_copies, PARAMETERS))
         held: set[str] = set()
         for micro in range(micro_batches):
             sync = micro == micro_batches - 1
@@ -971,6 +978,8 @@ class Simulator:
         # the sync point: every offloaded fragment is back before the step
         sections.append((len(prog), "optimizer"))
         finish_back()
+        if cast_copies:
+            emit((_MEM, -cast_copies, PARAMETERS))
         # optimizer step (the next step's refresh and copy-out are issued after it); zero_grad then
         # drops the gradients, the reduce-scatter outputs' storage staying until the next forward
         emit((_MEM, opt_transient, OPTIMIZER))

@@ -496,6 +496,12 @@ def _memory_peaks(
     peaks: dict[str, list[int]] = {}
     try:
         if cuda:
+            # one pass first: what a first pass allocates for good (library workspaces, see [Note:
+            # what the allocator holds for libraries]) is not a transient of the unit it ran in
+            run()
+            marks.clear()
+            readings.clear()
+            seen_bwd.clear()
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             run()
@@ -548,6 +554,28 @@ def _spread(results: list[dict[str, Any]]) -> float:
     return totals[len(totals) // 2] / totals[0] - 1 if totals and totals[0] > 0 else 0.0
 
 
+def library_workspace_bytes(device: torch.device) -> int:
+    """Bytes the caching allocator holds for the math libraries' workspaces on ``device`` (0 on the CPU).
+
+    [Note: what the allocator holds for libraries] cuBLAS and cuBLASLt take a workspace from the
+    caching allocator the first time a handle runs a matrix product on a stream, and keep it: 32 MiB
+    each on Hopper (``CUBLAS_WORKSPACE_CONFIG`` sets it). Handles are per thread, and autograd runs a
+    CUDA backward on its own device thread, so a training step holds at least two — 64 MiB on an
+    H200 (measured by tools/gpu_check.py, which found them the largest part of the gap between a
+    plan's predicted and measured peak). No tensor names them, so they are measured here, after
+    the model has run forward and backward, as what releasing them frees; the next product
+    re-creates them. The simulator holds them for the whole step."""
+    if device.type != "cuda":
+        return 0
+    release = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if release is None:
+        return 0
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    release()
+    return max(0, before - torch.cuda.memory_allocated(device))
+
+
 def profile_model(
     module: nn.Module,
     structure: ModelStructure,
@@ -596,6 +624,7 @@ def profile_model(
     try:
         with _preserved(module, device), computing_in(module, compute_dtype):
             peaks = _memory_peaks(module, structure, lambda: module(*inputs, **kwargs), loss_fn, device) if memory else {}
+            library = library_workspace_bytes(device) if memory else 0
             def one_pass() -> tuple[dict[str, Any], _Pass]:
                 nonlocal out_fp32
                 p = _Pass()
@@ -691,6 +720,7 @@ def profile_model(
         block_tail_saves=[b for b, saves in last.block_tail.items() if saves],
         contended_slowdown=slowdown,
         contention_sensitivity=sensitivity,
+        library_bytes=library,
         meta={
             "warmup": warmup, "passes": len(results), "torch": torch.__version__,
             **({"compute_dtype": str(compute_dtype).replace("torch.", "")} if compute_dtype is not None else {}),

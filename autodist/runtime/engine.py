@@ -1003,6 +1003,8 @@ class Engine:
                 g.quiesce()
         if self.offload.active:
             self.offload.finish_back()  # the sync point: every offloaded fragment is back
+        for mp in self._params_of(optimizer):
+            mp.release_cast()
 
     def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._in_step.get(optimizer):

@@ -13,7 +13,7 @@ bytes — the tensor object, which the optimizer's state refers to, stays). Arou
 * **copy-out** — after the step (or when the named forward unit starts): ``R`` is copied to ``H``
   and ``K`` to a fresh ``D``; when both copies are done ``T``'s storage is released.
 
-The source of a copy is never released before its destination is complete, so an exception or an
+The source of a copy is never freed for reuse before its destination is complete, so an exception or an
 interruption mid-copy leaves every value either in ``T`` or in ``H``/``D``: ``state_dict()`` of the
 optimizer (and so DCP) always sees complete, correct state (a state-dict hook assembles offloaded
 tensors), and ``load_state_dict`` re-applies the offload to the newly loaded state.
@@ -21,12 +21,14 @@ tensors), and ``load_state_dict`` re-applies the offload to the newly loaded sta
 [Note: copy engines] On CUDA the copies run on a dedicated stream into pinned host memory, the
 FSDP2 way: the copy stream first waits on an event recorded on the compute stream (the optimizer's
 kernels that wrote the state, or the allocation a copy-back writes into); each copy records an
-event on the copy stream; a buffer the copy reads or writes is kept referenced until that event has
-completed (polled with ``query()`` without blocking, or waited for), and the compute stream waits on
-the copy-back's event before the optimizer step — the host does not block for it. Memory the copy
-stream used is released only after its event completed, so the caching allocator never hands it to
-the compute stream while a copy still runs. (Written for CUDA; not exercised on this CPU-only
-machine: ``tools/gpu_check.py`` verifies it on a GPU.) On the CPU there is no "device" memory apart
+event on the copy stream; the compute stream waits on the copy-back's event before the optimizer
+step — the host does not block for it. A copy-out's source ``T`` is released as soon as the copy is
+issued, marked with ``record_stream`` for the copy stream: the caching allocator counts the bytes
+as free at once and hands the block out again only after the copy stream's work has passed that
+point. Waiting for the copy's event instead would keep ``T`` allocated for as long as the host runs
+ahead of the device — typically the whole next step (the first GPU run measured 27 MiB of
+offloaded state resident through it). The host waits for an event only before it reads a host
+buffer. (Written for CUDA; ``tools/gpu_check.py`` verifies it on a GPU.) On the CPU there is no "device" memory apart
 from the host's; the copies run on one background worker thread so they overlap compute (the GIL is
 released during tensor copies), and the runtime keeps two accounts — device pool and host pool — so
 that the mechanism and the memory accounting can be exercised and checked against the simulator.
@@ -97,7 +99,13 @@ class PoolAccount:
 
 
 class _ThreadCopies:
-    """CPU: copies on one background worker thread; a handle is a future."""
+    """CPU: copies on one background worker thread; a handle is a future. A copy-out's source is
+    released when the copy is done (the worker reads it)."""
+
+    release_at_issue = False
+
+    def keep_for_copy(self, t: torch.Tensor) -> None:
+        pass
 
     def __init__(self) -> None:
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="autodist-offload")
@@ -117,10 +125,17 @@ class _ThreadCopies:
 
 class _StreamCopies:  # pragma: no cover - CUDA only, not exercised on this machine
     """CUDA: copies on a dedicated stream, ordered after the compute stream's work so far; a handle
-    is the event recorded after the copy (see [Note: copy engines])."""
+    is the event recorded after the copy (see [Note: copy engines]). A copy-out's source is released
+    as soon as the copy is issued: the allocator keeps the block from reuse until the copy stream's
+    work issued so far has completed (``record_stream``)."""
+
+    release_at_issue = True
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device)
+
+    def keep_for_copy(self, t: torch.Tensor) -> None:
+        t.record_stream(self.stream)
 
     def start(self, fn):
         ready = torch.cuda.current_stream().record_event()  # the optimizer's writes / the allocation
@@ -247,6 +262,8 @@ class OffloadManager:
                     off += b - a
 
             e.pending = self._copies.start(work)
+            if self._copies.release_at_issue:
+                self._release(e)
         if started:
             self.account.mark("copy-out start")
 
@@ -271,14 +288,19 @@ class OffloadManager:
             self._wait(e, host=self.device.type != "cuda")
             if e.status is not FragState.OUT:
                 continue
-            storage = e.t.untyped_storage()
-            freed = storage.nbytes()
-            storage.resize_(0)
-            self.account.device_bytes -= freed
-            self.account.host_bytes += e.off_numel * e.t.element_size()
-            e.status = FragState.OFFLOADED
+            self._release(e)
         if changed:
             self.account.mark("copy-out done")
+
+    def _release(self, e: _Entry) -> None:
+        """Drop ``T``'s storage once its copy-out is issued (CUDA) or done (CPU)."""
+        self._copies.keep_for_copy(e.t)
+        storage = e.t.untyped_storage()
+        freed = storage.nbytes()
+        storage.resize_(0)
+        self.account.device_bytes -= freed
+        self.account.host_bytes += e.off_numel * e.t.element_size()
+        e.status = FragState.OFFLOADED
 
     def copy_back(self, keys: Iterable[tuple[str, str]]) -> None:
         self.finish_out()
@@ -356,6 +378,8 @@ class OffloadManager:
         e = self.entries.get(key)
         if e is None:
             return None
+        if e.status is FragState.OFFLOADED and e.pending is not None:
+            self._wait(e, host=True)  # CUDA: released at issue; the host buffer may still be filling
         if e.status in (FragState.OUT, FragState.BACK):
             self._wait(e, host=True)
             if e.status is FragState.OUT:

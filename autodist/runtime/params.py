@@ -262,9 +262,23 @@ class ManagedParam:
             return
         v = self.version()
         if v != self._cast_version:
+            storage = self.full.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(self.full.numel() * self.full.element_size())
             with torch.no_grad():
                 self.full.data.copy_(self._master)
             self._cast_version = v
+
+    def release_cast(self) -> None:
+        """Drop the replicated compute copy before the optimizer step makes it stale: between steps
+        it would hold memory DDP under autocast does not; the next forward casts it again."""
+        if self._cast_version is None or self.sharded:
+            return
+        storage = self.full.untyped_storage()
+        if storage.nbytes():
+            torch.autograd.graph.increment_version(self.full)  # a graph kept across the step must not read it
+            storage.resize_(0)
+        self._cast_version = -1
 
     # -- module registration ------------------------------------------------------------------
     def register_visible(self) -> None:
