@@ -11,6 +11,8 @@ def output_leaves(out: object) -> list[object]:
     """The leaves of a model's or module's output: pytree containers (tuples, dicts, Hugging Face
     ``ModelOutput``) are flattened, and so are plain objects that hold their results as attributes
     (a ``SimpleNamespace``, a dataclass that is not a registered pytree)."""
+    if isinstance(out, torch.Tensor):  # the common case, without pytree's cost (every module's output)
+        return [out]
     leaves, seen = [], set()
     stack = [out]
     while stack:

@@ -78,7 +78,11 @@ def attach_post_backward(args: tuple, kwargs: dict, callback: Callable[[], None]
     a recomputation, which is not routed (the original forward's signal is in the graph), it took
     the packed one, saved a different number of tensors, and torch's checkpoint refused the
     backward (``nn.TransformerEncoderLayer`` recomputed under any sharded plan)."""
-    leaves, spec = tree_flatten((args, kwargs))
+    if not kwargs and all(type(x) is torch.Tensor for x in args):
+        # tensors only, the common case: no pytree round trip (every module's forward)
+        leaves, spec = list(args), None
+    else:
+        leaves, spec = tree_flatten((args, kwargs))
     distinct: list[torch.Tensor] = []
     slot_of: dict[int, int] = {}  # id of a tensor -> its place in ``distinct``
     places: list[tuple[int, int]] = []  # (leaf index, place in ``distinct``)
@@ -93,5 +97,7 @@ def attach_post_backward(args: tuple, kwargs: dict, callback: Callable[[], None]
     outs = PostBackward.apply(callback, *distinct)
     for i, k in places:
         leaves[i] = outs[k]
+    if spec is None:
+        return tuple(leaves), kwargs
     new_args, new_kwargs = tree_unflatten(leaves, spec)
     return new_args, new_kwargs

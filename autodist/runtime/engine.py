@@ -591,6 +591,8 @@ class Engine:
         )
         for mp in self.params.values():
             mp.reset_swaps()
+        for g in self.groups:
+            g.recheck()
         self.reducer.begin(sync=self._step.sync)
         if self._drop_global_hooks:
             for h in self._opt_global_handles:
