@@ -1,8 +1,8 @@
 """One step's schedule: the rules that decide, from a plan and the order units run in, when each gather
 group is gathered and freed, what a recomputation needs, and in which order buckets are reduced.
 The runtime (``autodist/runtime/engine.py``) carries these rules out at its hooks; the simulator
-(``autodist/cost/simulator.py``) times the same rules — each rule is written once, here (DistIR's
-explicit program). Both also write the actions they take in one vocabulary (:class:`ActionLog`), so
+(``autodist/cost/simulator.py``; its compiler in ``autodist/cost/sim/emit.py``) times the same
+rules — each rule is written once, here (DistIR's explicit program). Both also write the actions they take in one vocabulary (:class:`ActionLog`), so
 a test can check that what ran is what was simulated.
 
 [Note: prefetch triggers] A gather group with window ``w`` is issued when the gathering unit ``w``
@@ -66,7 +66,7 @@ reaches (an anchor lists it once; a later one finds it already moved). The runti
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .plan import OffloadFragment
@@ -185,7 +185,7 @@ def backward_order(forward_sequence: Sequence[str], module_of: dict[str, str]) -
 
 
 def backward_positions(
-    forward_sequence: Sequence[str], anchors: dict[str, str | None], counted: Collection[str], module_of: dict[str, str]
+    forward_sequence: Sequence[str], anchors: Mapping[str, str | None], counted: Collection[str], module_of: dict[str, str]
 ) -> dict[str, int]:
     """The position where each unit's parameters are first needed in the backward of a forward
     that ran ``forward_sequence``: where its own backward begins (positions of :func:`positions`

@@ -18,6 +18,11 @@ from when its group's backend takes it up to its completion — the persistent r
 step's start, as they were taken up before — and a reduce-scatter's from launch to wait, as its
 work object owns it), activations (end of a unit's forward to the end of its backward), gradients
 waiting for their bucket, reduction inputs (launch to wait), and each segment's transient peak.
+
+The simulator's ``[Note: ...]`` blocks sit next to the code they explain: [Note: what a blocked
+wait costs], [Note: collectives taken up at once] and [Note: what a wait returns after] in
+``sim/execute.py``; [Note: gradients are fresh memory] and [Note: reduce-scatter staging] in
+``sim/reductions.py``; [Note: refresh buffers] in ``sim/gathers.py``.
 """
 
 from __future__ import annotations
@@ -194,8 +199,9 @@ class Simulator:
         return self.itemsize[p]
 
     def _reduce_itemsize(self, p: str) -> int:
-        if self.floating[p] and (self.reduce_dtype or self.param_dtype):
-            return (self.reduce_dtype or self.param_dtype).itemsize
+        dtype = self.reduce_dtype or self.param_dtype
+        if self.floating[p] and dtype:
+            return dtype.itemsize
         return self.itemsize[p]
 
     def _shard_numel(self, p: str) -> int:
