@@ -244,8 +244,9 @@ class StepEmitter:
 
     def _optimizer_step(self) -> None:
         """The sync point (every offloaded fragment is back before the step), the optimizer step,
-        and the next step's refresh issued after it; zero_grad then drops the gradients, the
-        reduce-scatter outputs' storage staying until the next forward."""
+        and the next step's refresh issued after it (it and the copy-outs the step starts run in
+        the next step's preamble); zero_grad then drops the gradients, the reduce-scatter outputs'
+        storage staying until the next forward."""
         out = self.out
         out.section("optimizer")
         self.offload.finish_back()
