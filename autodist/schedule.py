@@ -1,8 +1,8 @@
 """One step's schedule: the rules that decide, from a plan and the order units run in, when each gather
 group is gathered and freed, what a recomputation needs, and in which order buckets are reduced.
 The runtime (``autodist/runtime/engine.py``) carries these rules out at its hooks; the simulator
-(``autodist/cost/simulator.py``) times the same rules — each rule is written once, here (DistIR's
-explicit program). Both also write the actions they take in one vocabulary (:class:`ActionLog`), so
+(``autodist/cost/simulator.py``; its compiler in ``autodist/cost/sim/emit.py``) times the same
+rules — each rule is written once, here (DistIR's explicit program). Both also write the actions they take in one vocabulary (:class:`ActionLog`), so
 a test can check that what ran is what was simulated.
 
 [Note: prefetch triggers] A gather group with window ``w`` is issued when the gathering unit ``w``
@@ -53,12 +53,23 @@ after the resident state (parameters, gradients and two optimizer-state tensors 
 held locally, and the full tensors of persistent groups); the other half is for activations. The
 rule sees only figures every rank shares (padded shard sizes, the agreed budget), so every rank
 issues the same gathers in the same order.
+
+[Note: offload anchors] An offloaded optimizer-state tensor (a ``(param, state)`` key: this
+rank's local part, flattened) is copied out at the anchor its fragments name in ``out_after`` —
+``"step"`` (right after the optimizer step) or ``"forward:<unit>"`` (when that unit's forward
+begins) — and copied back at the one they name in ``back_from``: ``"backward:<unit>"`` (when that
+unit's backward begins) or ``"step"`` (just before the step). A tensor with several fragments moves
+as one, its offloaded ranges those of all its fragments: at the first of their anchors the step
+reaches (an anchor lists it once; a later one finds it already moved). The runtime (``runtime/offload.py``) and the simulator take both from
+:func:`offload_anchors`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from .plan import OffloadFragment
 
 
 @dataclass(frozen=True)
@@ -174,7 +185,7 @@ def backward_order(forward_sequence: Sequence[str], module_of: dict[str, str]) -
 
 
 def backward_positions(
-    forward_sequence: Sequence[str], anchors: dict[str, str | None], counted: Collection[str], module_of: dict[str, str]
+    forward_sequence: Sequence[str], anchors: Mapping[str, str | None], counted: Collection[str], module_of: dict[str, str]
 ) -> dict[str, int]:
     """The position where each unit's parameters are first needed in the backward of a forward
     that ran ``forward_sequence``: where its own backward begins (positions of :func:`positions`
@@ -238,3 +249,33 @@ def group_label(units: Sequence[str]) -> str:
 
 
 Recorder = Callable[[str, object], None]
+
+
+StateKey = tuple[str, str]  # (parameter name, optimizer-state name): one offloaded state tensor
+
+
+@dataclass
+class OffloadAnchors:
+    """A plan's offload fragments by anchor ([Note: offload anchors]): ``out_at`` and ``back_at``
+    map an anchor (``"step"``, ``"forward:<unit>"``, ``"backward:<unit>"``) to the state tensors
+    copied out or back there, in plan order, each once; ``ranges`` maps each state tensor to its
+    fragments' ``[start, end)`` ranges as the plan gives them (unclipped, unmerged)."""
+
+    out_at: dict[str, list[StateKey]] = field(default_factory=dict)
+    back_at: dict[str, list[StateKey]] = field(default_factory=dict)
+    ranges: dict[StateKey, list[tuple[int, int]]] = field(default_factory=dict)
+
+
+def offload_anchors(fragments: Iterable[OffloadFragment]) -> OffloadAnchors:
+    """Where each state tensor of ``fragments`` is copied out and back ([Note: offload anchors])."""
+    out = OffloadAnchors()
+    for f in fragments:
+        key = (f.param, f.state)
+        out.ranges.setdefault(key, []).append((f.fragment[0], f.fragment[1]))
+        leaving = out.out_at.setdefault(f.out_after, [])
+        if key not in leaving:
+            leaving.append(key)
+        returning = out.back_at.setdefault(f.back_from, [])
+        if key not in returning:
+            returning.append(key)
+    return out

@@ -273,7 +273,7 @@ def test_the_wait_scale_multiplies_only_the_slowdown_of_small_messages_while_com
     for bad in (0, -1.5, float("inf"), "1.6", True):
         with pytest.raises(ValueError, match="wait_scale"):
             CommModel.from_dict(dict(json.loads(m.to_json()), wait_scale=bad))
-    # the blocked-wait time: seconds, 0 or more ([Note: what a blocked wait costs] in cost/simulator.py)
+    # the blocked-wait time: seconds, 0 or more ([Note: what a blocked wait costs] in cost/sim/execute.py)
     assert CommModel.from_json(replace(m, blocked_wait_s=4e-4).to_json()).blocked_wait_s == 4e-4
     for bad in (-1e-4, float("inf"), float("nan"), "0.1", True):
         with pytest.raises(ValueError, match="blocked_wait_s"):

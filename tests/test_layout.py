@@ -1,6 +1,7 @@
-"""The layering the design promises (issue 13): modelling (``cost/``) never imports the runtime, the
-search or the measuring code; the runtime never imports the search; plan construction and the
-schedule's rules exist once (``builtins.py``, ``schedule.py``)."""
+"""The layering the design promises (issue 13): modelling (``cost/``, the simulator's parts in
+``cost/sim/`` included) never imports the runtime, the search, the measuring code or the planner;
+the runtime never imports the search; plan construction and the schedule's rules (the offload
+anchors among them) exist once (``builtins.py``, ``schedule.py``)."""
 
 import ast
 import pathlib
@@ -50,3 +51,21 @@ def test_bucketing_and_block_grouping_are_written_once():
     assert [n for n, s in src.items() if "def bucket_by_size(" in s] == ["builtins.py"]
     assert [n for n, s in src.items() if "def block_groups(" in s] == ["builtins.py"]
     assert [n for n, s in src.items() if "def triggers(" in s] == ["schedule.py"]
+
+
+def test_the_simulator_s_parts_import_only_modelling_and_the_schedule():
+    parts = _package_imports("cost/sim")
+    assert {f"cost/sim/{n}.py" for n in ("program", "emit", "execute")} <= set(parts)
+    for name, mods in parts.items():
+        bad = [m for m in mods if _within(m, "autodist.runtime", "autodist.sched", "autodist.measure",
+                                          "autodist.planner", "autodist.lab", "autodist.lifecycle", "autodist.wrapper")]
+        assert not bad, f"{name} imports {bad}"
+
+
+def test_the_offload_anchors_are_written_once_and_read_by_the_runtime_and_the_simulator():
+    src = {str(p.relative_to(PKG)): p.read_text() for p in PKG.rglob("*.py")}
+    assert [n for n, s in src.items() if "def offload_anchors(" in s] == ["schedule.py"]
+    readers = sorted(n for n, s in src.items() if "offload_anchors(" in s and n != "schedule.py")
+    assert readers == ["cost/sim/offload.py", "runtime/offload.py"]
+    # nobody else reads the fragments' anchors to decide when to copy
+    assert [n for n, s in src.items() if ".out_after, [" in s or ".back_from, [" in s] == ["schedule.py"]

@@ -172,3 +172,21 @@ def test_units_inside_units_are_prefetched_in_backward(world2):
     backward was gathered on demand (timm's ViT: 14 of its 32 gathers a step; ConvNeXt: 48 of 140)."""
     for counts in world2.run(on_demand_backward_gathers_by_step, "nested"):
         assert counts[-1] == counts[0], counts  # nothing on demand once the order is learnt
+
+
+def test_offload_anchors_list_each_state_tensor_once_per_anchor_with_all_its_ranges():
+    """[Note: offload anchors]: the runtime and the simulator copy a state tensor out and back at
+    the anchors its fragments name, once per anchor, in plan order."""
+    from autodist.plan import OffloadFragment
+    from autodist.schedule import offload_anchors
+
+    got = offload_anchors([
+        OffloadFragment("a", "exp_avg", (0, 10), "forward:u1", "backward:u1"),
+        OffloadFragment("b", "exp_avg", (0, 4)),
+        OffloadFragment("a", "exp_avg", (20, 30), "forward:u1", "step"),
+        OffloadFragment("a", "exp_avg_sq", (5, 8), "step", "backward:u1"),
+    ])
+    assert got.out_at == {"forward:u1": [("a", "exp_avg")], "step": [("b", "exp_avg"), ("a", "exp_avg_sq")]}
+    assert got.back_at == {"backward:u1": [("a", "exp_avg"), ("a", "exp_avg_sq")],
+                           "step": [("b", "exp_avg"), ("a", "exp_avg")]}
+    assert got.ranges == {("a", "exp_avg"): [(0, 10), (20, 30)], ("b", "exp_avg"): [(0, 4)], ("a", "exp_avg_sq"): [(5, 8)]}

@@ -630,3 +630,27 @@ def test_sharded_accumulation_reduces_every_micro_batch_and_holds_no_full_gradie
     # + u0's fresh gradient 1000 while it is copied into its new input 1008
     assert every.peak_bytes == 3000 + 1000 + (1008 + 504 + 504) + 504 + (1000 + 1008)
     assert every.breakdown["gradients (buckets, unreduced, accumulated)"] == 504 + 504 + 504 + 1000
+
+
+def test_a_program_is_timed_alone():
+    """The timeline (autodist/cost/sim/execute.py) on a hand-written program: 10 ms of compute, an
+    all-gather of 2 ms issued with a 50-byte staging buffer and 100 bytes gathered, 1 ms of compute
+    beside it, a wait, the gathered bytes freed. Compute runs 1.5 times slower beside the gather and
+    the gather 2 times slower beside compute; a blocked wait costs 1 ms."""
+    from autodist.cost.sim.execute import execute
+    from autodist.cost.sim.program import COMPUTE, GATHERED, ISSUE, MEM, WAIT, CommOp
+
+    comm = replace(COMM, compute_slowdown=1.5, comm_slowdown=2.0, blocked_wait_s=1 * MS)
+    prog = [(COMPUTE, 10 * MS, "a", 0), (MEM, 100, GATHERED), (ISSUE, 0), (COMPUTE, 1 * MS, "b", 0), (WAIT, 0),
+            (MEM, -100, GATHERED)]
+    ops = [CommOp("all_gather", "g", 1000, 2 * MS, 50)]
+    r = execute(prog, ops, [0] * 7, comm=comm, sensitivity=1.0, budget=140, record=True)
+    # "b" takes 1.5 ms beside the gather, which does 0.75 ms of its 2 in that time; the wait runs the
+    # remaining 1.25 ms at full speed (12.75 ms), then stands the step still for 1 ms
+    assert r.step_s == pytest.approx(13.75 * MS)
+    assert r.compute_s == pytest.approx(11 * MS) and r.exposed_comm_s == pytest.approx(2.75 * MS)
+    assert [(e.stream, e.name) for e in r.events] == [("compute", "a"), ("compute", "b"), ("comm", "all_gather g")]
+    assert r.events[2].start == pytest.approx(10 * MS) and r.events[2].end == pytest.approx(12.75 * MS)
+    # the staging buffer is held from the issue to the gather's completion, beside the gathered bytes
+    assert r.peak_bytes == 150 and not r.feasible
+    assert r.breakdown["gathered full parameters"] == 100 and r.breakdown["communication buffers in flight"] == 50

@@ -24,7 +24,7 @@ with under ``out_of_sample``: records measured with one default and fitted to an
 predictions the new default makes, as the search's margins and the tests read them.
 
 See [Note: the wait calibration] in autodist/cost/fidelity.py and [Note: what a blocked wait costs]
-in autodist/cost/simulator.py for what the two are and where the simulator applies them.
+in autodist/cost/sim/execute.py for what the two are and where the simulator applies them.
 """
 
 from __future__ import annotations

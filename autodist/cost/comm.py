@@ -129,10 +129,10 @@ class CommModel:
     wait_scale: float = 1.0
     # seconds a step loses to each wait on a collective that has not completed, beyond the
     # collective's own time: the calibration of this machine class against measured steps, which
-    # the sweep sets (autodist/cost/simulator.py [Note: what a blocked wait costs])
+    # the sweep sets (autodist/cost/sim/execute.py [Note: what a blocked wait costs])
     blocked_wait_s: float = 0.0
     # collectives each of the runtime's process groups works on at once (gloo: its worker threads;
-    # see [Note: collectives taken up at once] in autodist/cost/simulator.py): when their staging
+    # see [Note: collectives taken up at once] in autodist/cost/sim/execute.py): when their staging
     # buffers are allocated
     workers: int = 1
     meta: dict[str, Any] = field(default_factory=dict)

@@ -75,7 +75,7 @@ SIMULATOR_VERSION = 14
 # (``CommModel.wait_scale``) for collectives the comm queue took up on its own, of messages up to
 # ``WAIT_SCALED_BELOW_BYTES`` (autodist/cost/comm.py: a large collective streams and runs at about
 # the sweep's figure), and charges a fixed time at every wait on a collective not yet done
-# (``CommModel.blocked_wait_s``; autodist/cost/simulator.py [Note: what a blocked wait costs]).
+# (``CommModel.blocked_wait_s``; autodist/cost/sim/execute.py [Note: what a blocked wait costs]).
 #
 # ``tools/calibrate.py`` fits the two together to the committed simcheck records
 # (``benchmarks/calibration.json``): every record is predicted again at each pair of

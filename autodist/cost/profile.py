@@ -135,7 +135,7 @@ class Profile:
             raise ValueError(f"profile schema_version {d.get('schema_version')!r} is not one of {READABLE_PROFILE_SCHEMAS}")
         d = dict(d)
         # written until simulator version 8, which found every gradient written into fresh memory
-        # ([Note: gradients are fresh memory] in autodist/cost/simulator.py): nothing to read
+        # ([Note: gradients are fresh memory] in autodist/cost/sim/reductions.py): nothing to read
         d.pop("fresh_gradients", None)
         d["units"] = [UnitProfile(**u) for u in d["units"]]
         d["optimizer"] = OptimizerProfile(**d.get("optimizer", {}))

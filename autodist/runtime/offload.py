@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from .._log import logger
 from ..plan import OffloadFragment
+from ..schedule import offload_anchors
 from .params import ManagedParam
 
 
@@ -167,18 +168,10 @@ class OffloadManager:
         self.account = PoolAccount()
         self.record: Callable[[str, object], None] | None = None  # the engine's action log, when on
         self.entries: dict[tuple[str, str], _Entry] = {}
-        self._spec: dict[tuple[str, str], list[tuple[int, int]]] = {}
-        self.out_at: dict[str, list[tuple[str, str]]] = {}  # anchor ("step" | "forward:u") -> keys
-        self.back_at: dict[str, list[tuple[str, str]]] = {}  # anchor ("step" | "backward:u") -> keys
-        for f in fragments:
-            key = (f.param, f.state)
-            self._spec.setdefault(key, []).append((f.fragment[0], f.fragment[1]))
-            self.out_at.setdefault(f.out_after, [])
-            if key not in self.out_at[f.out_after]:
-                self.out_at[f.out_after].append(key)
-            self.back_at.setdefault(f.back_from, [])
-            if key not in self.back_at[f.back_from]:
-                self.back_at[f.back_from].append(key)
+        anchors = offload_anchors(fragments)  # [Note: offload anchors] in autodist/schedule.py
+        self._spec: dict[tuple[str, str], list[tuple[int, int]]] = anchors.ranges
+        self.out_at: dict[str, list[tuple[str, str]]] = anchors.out_at  # anchor ("step" | "forward:u") -> keys
+        self.back_at: dict[str, list[tuple[str, str]]] = anchors.back_at  # anchor ("step" | "backward:u") -> keys
         self._lock = threading.Lock()
         self._copies = _StreamCopies(device) if device.type == "cuda" else _ThreadCopies()
         self.errors: list[BaseException] = []

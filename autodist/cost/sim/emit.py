@@ -1,0 +1,258 @@
+"""Compile a plan into the program of one steady-state step (:class:`StepEmitter`).
+
+The program is what the runtime will execute on the compute thread: compute segments (each unit's
+forward and backward, from the profile), collective issues and waits, and memory changes. It does
+not depend on timing: the runtime decides what to issue from the plan and the order units run in,
+never from how long anything took. Compilation follows the runtime's rules exactly — prefetch
+triggers (``autodist/schedule.py``), own group before prefetch, free after the group's last unit
+(:mod:`.gathers`), free before reducing, bucket launch in order with ``max_inflight_buckets``,
+flush at the end of backward (:mod:`.reductions`), recomputation at its anchor
+(:mod:`.recompute`), offload copies at theirs (:mod:`.offload`), persistent refresh after the
+optimizer step. One steady-state step is compiled with a preamble: the persistent refresh and the
+offload copy-outs the previous step's optimizer issued are in flight at its start.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ...plan import Plan
+from ...schedule import TriggerCursor, backward_order, encloses, finish_order
+from .gathers import Gathers, Group
+from .offload import OffloadCopies
+from .program import (
+    ACTIVATIONS,
+    COMPUTE,
+    GATHERED,
+    GRADIENTS,
+    LIBRARIES,
+    MEM,
+    N_CATEGORIES,
+    OPTIMIZER,
+    PARAMETERS,
+    Program,
+    ProgramBuilder,
+)
+from .recompute import Recomputation
+from .reductions import Reductions
+
+if TYPE_CHECKING:
+    from ..simulator import Simulator
+
+
+class StepEmitter:
+    """The program of one step of ``plan``: :meth:`program` emits it once, through the gather
+    groups, the buckets, the recomputations and the offload copies, each holding its own state."""
+
+    def __init__(self, sim: Simulator, plan: Plan) -> None:
+        self.sim = sim
+        self.plan = plan
+        self.out = ProgramBuilder()
+        self.trainable = {n for n, p in sim.structure.params.items() if p.requires_grad}
+        self.micro_batches = max(1, plan.grad_accum_steps)
+        self.gathers = Gathers(sim, plan, self.out, self.trainable)
+        self.reductions = Reductions(sim, plan, self.out, self.trainable)
+        self.static = [0] * N_CATEGORIES
+        self.static[GRADIENTS] += self.reductions.static_bytes  # persistent bucket buffers; gradients are views of them
+        self._static_memory()
+        self._backward_order()
+        self.recompute = Recomputation(sim, plan, self.out, self.gathers, self.bstart)
+        self.fwd_trig = self.gathers.forward_triggers()
+        self.bwd_trig = self.gathers.backward_triggers(self.recompute.need)
+        self._step_costs()
+        self.offload = OffloadCopies(sim, plan, self.out)
+
+    # ---- what the step is made of --------------------------------------------------------------
+    def _static_memory(self) -> None:
+        """Parameters as each rank holds them, optimizer state, the math libraries' workspaces, and
+        the compute-dtype copies of replicated parameters (``cast_copies``): cast in the forward,
+        released when the optimizer step makes them stale (runtime/params.py ``release_cast``)."""
+        sim, static = self.sim, self.static
+        self.cast_copies = 0
+        self.local_master = 0  # bytes of trainable parameters this rank updates
+        self.local_tensors = 0
+        for u in self.plan.units:
+            for p in u.params:
+                size = sim.itemsize[p]
+                if u.placement == "shard":
+                    static[PARAMETERS] += sim._shard_numel(p) * size
+                    local = sim._local_numel(p) * size
+                else:
+                    static[PARAMETERS] += sim.numel[p] * size
+                    local = sim.numel[p] * size
+                    if sim.param_dtype is not None and sim.floating[p] and sim.param_dtype.itemsize != size:
+                        self.cast_copies += sim.numel[p] * sim.param_dtype.itemsize
+                if p in self.trainable:
+                    self.local_master += local
+                    self.local_tensors += 1
+        static[OPTIMIZER] += int(sim.profile.optimizer.state_factor * self.local_master)
+        static[LIBRARIES] += sim.profile.library_bytes  # [Note: what the allocator holds for libraries]
+
+    def _backward_order(self) -> None:
+        """Backward passes begin in ``bstart`` order and end in ``bend`` order, forwards finish in
+        ``finishing`` order ([Note: nested units]). Gradients the profile saw arrive during a unit's
+        backward: those of an enclosing unit's parameters arrive when that backward has ended."""
+        sim = self.sim
+        self.bstart = backward_order(sim.order, sim.module_of)
+        self.bend = list(reversed(sim.order))
+        self.finishing = finish_order(sim.order, sim.module_of)
+        self.ready_at_start: dict[str, list[str]] = {}
+        self.ready_at_end: dict[str, list[str]] = {}
+        for u in sim.order:
+            up = sim.uprof.get(u)
+            for p in up.ready if up is not None else ():
+                if p not in self.trainable:
+                    continue
+                owner = sim.structure.unit_of_param[p]
+                late = owner != u and encloses(sim.module_of.get(owner, owner), sim.module_of.get(u, u))
+                (self.ready_at_end if late else self.ready_at_start).setdefault(u, []).append(p)
+
+    def _step_costs(self) -> None:
+        """The optimizer step's time and transient memory, and each unit's hook time: module hooks
+        run on every unit once anything is gathered (swapping units cost the most)."""
+        sim, plan = self.sim, self.plan
+        opt = sim.profile.optimizer
+        ovh = sim.comm.overhead
+        self.opt_s = opt.step_seconds(self.local_tensors, self.local_master)
+        if any(u.placement == "shard" for u in plan.units):
+            self.opt_s += ovh.get("dtensor_opt_per_tensor_s", 0.0) * self.local_tensors
+        self.hook_s: dict[str, float] = {}
+        if self.gathers.groups:
+            per_unit = ovh.get("per_unit_s", 0.0)
+            placement_of_unit = {u.name: u.placement for u in plan.units}
+            for u in sim.order:
+                self.hook_s[u] = per_unit / 2 if placement_of_unit.get(u) == "shard" else per_unit / 4
+        self.opt_transient = int(opt.transient_factor * self.local_master)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def program(self) -> Program:
+        self._preamble()
+        for micro in range(self.micro_batches):
+            sync = micro == self.micro_batches - 1
+            at = f" @m{micro}" if micro else ""
+            self.reductions.start_micro_batch(sync)
+            self.gathers.start_micro_batch()
+            self._forward(micro, at)
+            self._backward(sync, at)
+        self._optimizer_step()
+        out = self.out
+        return Program(out.prog, out.ops, self.static, out.log, self.offload.log, out.sections, self.plan,
+                       self.sim.compute_bytes)
+
+    def _preamble(self) -> None:
+        """What the previous step leaves behind: persistent groups resident, their refresh (issued
+        by the previous optimizer step) in flight; the previous step's reduce-scatter outputs, held
+        while the refreshes are in flight; the copy-out of offloaded state the previous optimizer
+        step started; everything else idle."""
+        self.static[GATHERED] += self.gathers.refresh_in_flight()
+        self.static[GRADIENTS] += sum(bk.out_bytes for bk in self.reductions.carried)
+        self.offload.copy_out(self.offload.out_at.get("step", []))
+        if self.cast_copies:
+            self.out.emit((MEM, self.cast_copies, PARAMETERS))
+
+    def _forward(self, micro: int, at: str) -> None:
+        """One micro-batch's forward and loss (the runtime's rules: autodist/runtime/engine.py,
+        autodist/schedule.py): the optimizer step's copy-outs are finished and released first."""
+        sim, out, gathers, rc = self.sim, self.out, self.gathers, self.recompute
+        prof = sim.profile
+        out.section(f"forward{at}")
+        if micro == 0:
+            self.reductions.release_carried()
+        self.offload.finish_out()
+        out.emit((COMPUTE, prof.pre_fwd_s, "forward", 0))
+        fcur = TriggerCursor(self.fwd_trig)
+        gathers.fire(fcur, -1)
+        used_by: dict[str, list[Group]] = {}
+        started: set[str] = set()
+        nfinished = 0
+        for u in sim.order:
+            out.section(f"fwd {u}{at}")
+            up = sim.uprof.get(u)
+            if f"forward:{u}" in self.offload.out_at and micro == 0:
+                self.offload.copy_out(self.offload.out_at[f"forward:{u}"])
+            if u in rc.block_first:  # a recomputed block keeps only its input until its backward
+                out.emit((MEM, prof.block_input_bytes.get(rc.block_first[u], 0), ACTIVATIONS))
+            used = gathers.forward_uses(u, up)
+            gathers.fire(fcur, gathers.pos[u])
+            if up is not None:
+                out.emit((COMPUTE, up.fwd_s + self.hook_s.get(u, 0.0), f"fwd {u}", up.fwd_peak_bytes))
+                if u not in rc.in_recomputed:
+                    out.emit((MEM, up.act_bytes, ACTIVATIONS))
+            used_by[u] = used
+            started.add(u)
+            # the forwards that finish now (this one, and those enclosing it whose last unit it is)
+            while nfinished < len(self.finishing) and self.finishing[nfinished] in started:
+                f = self.finishing[nfinished]
+                nfinished += 1
+                gathers.forward_finished(f, used_by[f])
+            # modules that only reuse other units' parameters (tied weights) run after this unit;
+            # a group freed after forward is gathered again for them, kept to the end of forward
+            gathers.ensure_owners(sim.site_uses.get(u, ()))
+        out.section(f"loss{at}")
+        gathers.free_unless_persistent("after_forward")
+        self.offload.finish_out()  # copy-outs started at forward units
+        out.emit((COMPUTE, prof.post_fwd_s, "loss", prof.loss_fwd_peak_bytes))
+        out.emit((MEM, prof.loss_act_bytes, ACTIVATIONS))
+
+    def _backward(self, sync: bool, at: str) -> None:
+        """One micro-batch's backward, down to the flush and the collective-order check."""
+        sim, out, gathers, rc = self.sim, self.out, self.gathers, self.recompute
+        prof = sim.profile
+        out.section(f"loss backward{at}")
+        out.emit((COMPUTE, prof.pre_bwd_s, "loss backward", prof.loss_bwd_peak_bytes))
+        out.emit((MEM, -prof.loss_act_bytes, ACTIVATIONS))
+        bcur = TriggerCursor(self.bwd_trig)
+        gathers.fire(bcur, -1)
+        begun: set[str] = set()
+        nended = 0
+        for u in self.bstart:
+            out.section(f"bwd {u}{at}")
+            up = sim.uprof.get(u)
+            if f"backward:{u}" in self.offload.back_at and sync:
+                self.offload.copy_back(self.offload.back_at[f"backward:{u}"])
+            gathers.ensure_owners(sim.site_uses.get(u, ()))
+            gathers.ensure_owners(sim.uses[u])
+            gathers.fire(bcur, rc.need[u])
+            rc.run(rc.before, u, bcur)
+            if up is not None:
+                out.emit((COMPUTE, max(0.0, up.bwd_s + self.hook_s.get(u, 0.0)), f"bwd {u}", up.bwd_peak_bytes))
+                out.emit((MEM, -up.act_bytes, ACTIVATIONS))
+            for p in self.ready_at_start.get(u, ()):
+                self._grad_ready(p, sync)
+            begun.add(u)
+            # the backward passes that end now (this one, and those enclosing it whose last unit
+            # it is): groups no later backward reads are freed
+            while nended < len(self.bend) and self.bend[nended] in begun:
+                e = self.bend[nended]
+                nended += 1
+                gathers.backward_ended(e, sim.uprof.get(e))
+                for p in self.ready_at_end.get(e, ()):
+                    self._grad_ready(p, sync)
+                if e in rc.block_last_bwd:
+                    out.emit((MEM, -prof.block_input_bytes.get(rc.block_last_bwd[e], 0), ACTIVATIONS))
+            rc.run(rc.after, u, bcur)
+        out.section(f"backward{at}")
+        out.emit((COMPUTE, prof.post_bwd_s, "backward", 0))
+        self.reductions.flush()
+        gathers.free_unless_persistent()
+        if gathers.groups:  # the collective-order check (runtime/comm.py): a small all-reduce, waited for on the CPU
+            out.emit((COMPUTE, sim._order_check_s(), "collective-order check", 0))
+
+    def _grad_ready(self, p: str, sync: bool) -> None:
+        self.gathers.grad_ready(p)
+        self.reductions.grad_ready(p, sync)
+
+    def _optimizer_step(self) -> None:
+        """The sync point (every offloaded fragment is back before the step), the optimizer step,
+        and the next step's refresh issued after it (it and the copy-outs the step starts run in
+        the next step's preamble); zero_grad then drops the gradients, the reduce-scatter outputs'
+        storage staying until the next forward."""
+        out = self.out
+        out.section("optimizer")
+        self.offload.finish_back()
+        if self.cast_copies:
+            out.emit((MEM, -self.cast_copies, PARAMETERS))
+        out.emit((MEM, self.opt_transient, OPTIMIZER))
+        out.emit((COMPUTE, self.opt_s, "optimizer", 0))
+        out.emit((MEM, -self.opt_transient, OPTIMIZER))
+        self.gathers.issue_refresh()

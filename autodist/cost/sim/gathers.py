@@ -1,0 +1,251 @@
+"""Gather groups in a compiled step: issuing a group's all-gather at its prefetch trigger, waiting
+for it where a unit needs it (the copy-out of a multi-parameter group), freeing it by the runtime's
+rules, and the persistent groups' refresh after the optimizer step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from ...plan import Plan
+from ...schedule import Trigger, TriggerCursor, freed_after_forward, gathering_units, group_label, positions, triggers
+from ..profile import UnitProfile
+from .program import COMM, COMPUTE, GATHERED, ISSUE, MEM, WAIT, CommOp, ProgramBuilder
+
+if TYPE_CHECKING:
+    from ..simulator import Simulator
+
+
+@dataclass(slots=True)
+class Group:
+    index: int
+    units: list[str]
+    params: list[str]
+    residency: str
+    fw: int
+    bw: int
+    full_bytes: int  # all full parameters, compute dtype, padded
+    recv_bytes: int  # extra receive buffer (multi-parameter groups copy out of it)
+    msg_bytes: int
+    trainable: int
+    all_trainable: bool
+    landing_s: float = 0.0  # the backend's cost of writing into freshly allocated memory
+    copy_out_fresh_s: float = 0.0  # the copy-out's cost of writing the freshly allocated full tensors
+    state: str = "sharded"  # "sharded" | "issued" | "gathered"
+    refreshing: bool = False  # an in-place refresh of resident full parameters is in flight
+    op: int = -1
+    grads_ready: int = 0
+    pending_bwd: int = 0  # forwards (units) that used it this micro-batch and have not finished backward
+    untokened: bool = False  # used by a forward whose inputs need no gradient
+    untokened_open: bool = False  # ... whose parameters' gradients are not all in yet
+    fwd_done: set[str] = field(default_factory=set)
+
+
+def distinct(groups: Iterable[Group | None]) -> list[Group]:
+    """The distinct groups of an iterable (by identity), in order, without ``None``."""
+    seen: set[int] = set()
+    out = []
+    for g in groups:
+        if g is not None and id(g) not in seen:
+            seen.add(id(g))
+            out.append(g)
+    return out
+
+
+class Gathers:
+    """The plan's gather groups and what the compute thread does with them ([Note: prefetch
+    triggers] in ``autodist/schedule.py``: own group before prefetch, free after the group's last
+    unit)."""
+
+    def __init__(self, sim: Simulator, plan: Plan, out: ProgramBuilder, trainable: set[str]) -> None:
+        self.sim = sim
+        self.out = out
+        self.per_gather = sim.comm.overhead.get("per_gather_s", 0.0)
+        self.t_ag = sim.comm.transient.get("all_gather", 0.0)
+        unit_plan = {u.name: u for u in plan.units}
+        self.groups: list[Group] = []
+        self.group_of_unit: dict[str, Group] = {}
+        by_memory = sim._memory_windows(plan)
+        for gi, g in enumerate(plan.gather_groups):
+            params = [p for un in g.units for p in unit_plan[un].params]
+            full = sum(sim.full_padded_bytes[p] for p in params)
+            fw = g.prefetch.forward if g.prefetch.forward != "memory" else by_memory[gi]
+            bw = g.prefetch.backward if g.prefetch.backward != "memory" else by_memory[gi]
+            grp = Group(
+                gi, list(g.units), params, unit_plan[g.units[0]].residency, int(fw), int(bw),
+                full_bytes=full, recv_bytes=full if len(params) > 1 else 0, msg_bytes=full,
+                trainable=sum(p in trainable for p in params), all_trainable=all(p in trainable for p in params),
+            )
+            # [Note: fresh memory] (measure/sweep.py): the receive buffer (several parameters) or
+            # the full tensor (one) the backend writes, and each full tensor the copy-out writes
+            grp.landing_s = sim.comm.first_touch_s(full)
+            if len(params) > 1:
+                grp.copy_out_fresh_s = sum(sim.comm.first_touch_s(sim.full_padded_bytes[p]) for p in params)
+            self.groups.append(grp)
+            for un in g.units:
+                self.group_of_unit[un] = grp
+        self.group_of_param = {p: grp for grp in self.groups for p in grp.params}
+        self.gathering = gathering_units([g.units for g in self.groups], [g.residency for g in self.groups])
+        self.pos = positions(sim.order, self.gathering)
+
+    # ---- triggers ----------------------------------------------------------------------------
+    def forward_triggers(self) -> list[Trigger]:
+        pos = self.pos
+        return triggers([g.units for g in self.groups], [g.fw for g in self.groups], pos,
+                        missing=max(pos.values(), default=-1) + 1)
+
+    def backward_triggers(self, need: dict[str, int]) -> list[Trigger]:
+        """Backward prefetch among the groups freed after forward, at the positions ``need`` gives
+        (recomputed units are first needed at their anchor)."""
+        late = [g for g in self.groups if g.residency == "after_forward"]
+        return [
+            replace(t, group=late[t.group].index)
+            for t in triggers([g.units for g in late], [g.bw for g in late], need)
+        ]
+
+    def fire(self, cursor: TriggerCursor, p: int) -> None:
+        for gi in cursor.fire(p):
+            self.issue(self.groups[gi])
+
+    # ---- one group's states: sharded -> issued -> gathered -> sharded --------------------------
+    def issue(self, grp: Group) -> None:
+        if grp.state != "sharded":
+            return
+        sim, out = self.sim, self.out
+        cost = self.per_gather + sim._host("all_gather", grp.msg_bytes)
+        if cost:
+            out.emit((COMPUTE, cost, "gather bookkeeping", 0))
+        # the backend writes the gathered tensor into memory allocated for it now
+        secs = sim._time("all_gather", grp.msg_bytes) + grp.landing_s
+        grp.op = out.add_op(CommOp("all_gather", f"gather {grp.units[0]}", grp.msg_bytes, secs, int(self.t_ag * grp.msg_bytes)))
+        grp.state = "issued"
+        out.log.add("gather", group_label(grp.units))
+        out.emit((MEM, grp.full_bytes if not grp.recv_bytes else grp.recv_bytes, GATHERED))
+        out.emit((ISSUE, grp.op))
+
+    def ensure(self, grp: Group) -> None:
+        out = self.out
+        if grp.state == "sharded":
+            self.issue(grp)
+        if grp.state == "issued":
+            out.emit((WAIT, grp.op))
+            if grp.recv_bytes:
+                # the full tensors are allocated, filled from the receive buffer, and only then
+                # is the buffer dropped: both are held during the copy-out
+                out.emit((MEM, 0 if grp.refreshing else grp.full_bytes, GATHERED))
+                out.emit((COMPUTE, self.sim.comm.memcpy(grp.full_bytes) + grp.copy_out_fresh_s, "copy-out", 0))
+                out.emit((MEM, -grp.recv_bytes, GATHERED))
+            grp.state = "gathered"
+            grp.refreshing = False
+
+    def ensure_owners(self, owners: Iterable[str]) -> None:
+        """Gather (or wait for) the groups of the units ``owners``, in order."""
+        for owner in owners:
+            grp = self.group_of_unit.get(owner)
+            if grp is not None:
+                self.ensure(grp)
+
+    def free(self, grp: Group) -> None:
+        if grp.state == "issued":
+            self.ensure(grp)
+        if grp.state == "gathered":
+            self.out.emit((MEM, -grp.full_bytes, GATHERED))
+            grp.state = "sharded"
+            self.out.log.add("free", group_label(grp.units))
+
+    def post_backward(self, grp: Group) -> None:
+        """Free ``grp`` when no backward computation reads it any more (the runtime's rule:
+        every forward that used it has finished its backward)."""
+        if grp.residency != "persistent" and grp.pending_bwd <= 0 and not grp.untokened_open:
+            self.free(grp)
+
+    def free_unless_persistent(self, residency: str | None = None) -> None:
+        """Free every group not persistent (of the given residency only, when given)."""
+        for grp in self.groups:
+            if grp.residency != "persistent" and residency in (None, grp.residency):
+                self.free(grp)
+
+    # ---- a micro-batch -----------------------------------------------------------------------
+    def start_micro_batch(self) -> None:
+        for grp in self.groups:
+            grp.grads_ready = 0
+            grp.pending_bwd = 0
+            grp.untokened = grp.untokened_open = False
+            grp.fwd_done = set()
+
+    def forward_uses(self, u: str, up: UnitProfile | None) -> list[Group]:
+        """Unit ``u``'s forward: the groups it uses are gathered, and each will wait for this
+        forward's backward to end (its post-backward signal, or, when its inputs need no gradient,
+        its parameters' gradients)."""
+        used = distinct(self.group_of_unit.get(o) for o in self.sim.uses[u])
+        for grp in used:
+            self.ensure(grp)
+            if up is None or up.input_requires_grad:
+                grp.pending_bwd += 1
+            else:
+                grp.untokened = grp.untokened_open = True
+        return used
+
+    def forward_finished(self, f: str, used: Sequence[Group]) -> None:
+        """Unit ``f``'s forward has finished: a group freed after forward goes once its units' have."""
+        every = set(self.sim.order)
+        for grp in used:
+            grp.fwd_done.update(self.sim.uses[f])
+            if grp.residency == "after_forward" and freed_after_forward(grp.units, grp.fwd_done, every):
+                self.free(grp)
+
+    def backward_ended(self, e: str, ep: UnitProfile | None) -> None:
+        """Unit ``e``'s backward has ended: groups no later backward reads are freed."""
+        for grp in distinct(self.group_of_unit.get(o) for o in self.sim.uses[e]):
+            if ep is None or ep.input_requires_grad:
+                grp.pending_bwd -= 1
+                if not grp.untokened:
+                    self.post_backward(grp)
+
+    def grad_ready(self, p: str) -> None:
+        """Parameter ``p``'s gradient is in. A forward whose inputs need no gradient has no
+        post-backward signal: its end is when all of its parameters' gradients are in (see
+        runtime/backward.py)."""
+        grp = self.group_of_param.get(p)
+        if grp is not None:
+            grp.grads_ready += 1
+            if grp.untokened and grp.all_trainable and grp.grads_ready == grp.trainable:
+                grp.untokened_open = False
+                self.post_backward(grp)
+
+    # ---- the persistent groups' refresh --------------------------------------------------------
+    def refresh_in_flight(self) -> int:
+        """The refresh of the persistent groups the previous step's optimizer issued, in flight at
+        this step's start; the bytes of their resident full parameters.
+
+        [Note: refresh buffers] The backend's buffer for a refresh (gloo: message-sized) was
+        allocated before this step, while the previous step's reduce-scatter outputs were still
+        held: gloo takes up the refreshes issued together on its worker threads at once (measured
+        on wide-mlp: docs/fidelity.md, "Measurements behind the simulator's rules"). Each is held
+        from the step's start until its refresh completes."""
+        out = self.out
+        persistent_full = 0
+        for grp in (g for g in self.groups if g.residency == "persistent"):  # in plan order, as the runtime issues them
+            secs = self.sim._time("all_gather", grp.msg_bytes)
+            staging = int(self.t_ag * grp.msg_bytes)
+            grp.op = out.add_op(CommOp("all_gather", f"refresh {grp.units[0]}", grp.msg_bytes, secs, 0,
+                                       end_bytes=-staging, end_category=COMM))
+            grp.state = "issued"
+            grp.refreshing = True
+            out.log.add("gather", group_label(grp.units))
+            persistent_full += grp.full_bytes
+            if grp.recv_bytes:
+                out.emit((MEM, grp.recv_bytes, GATHERED))
+            if staging:
+                out.emit((MEM, staging, COMM))
+            out.emit((ISSUE, grp.op))
+        return persistent_full
+
+    def issue_refresh(self) -> None:
+        """After the optimizer step: the compute thread's share of issuing the next step's refresh
+        (which runs in the next step's preamble)."""
+        refresh_s = sum(self.per_gather + self.sim._host("all_gather", g.msg_bytes)
+                        for g in self.groups if g.residency == "persistent")
+        if refresh_s:
+            self.out.emit((COMPUTE, refresh_s, "gather bookkeeping", 0))

@@ -1,0 +1,216 @@
+"""Gradient buckets in a compiled step: gradients arriving (held over micro-batches, or taken into
+a reduce-scatter's input), buckets launched in order with ``max_inflight_buckets``, and the flush
+at the end of backward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ...plan import Plan
+from .program import COMM, COMPUTE, GRADIENTS, ISSUE, MEM, WAIT, CommOp, ProgramBuilder
+
+if TYPE_CHECKING:
+    from ..simulator import Simulator
+
+
+@dataclass(slots=True)
+class Bucket:
+    index: int
+    op: str
+    params: list[str]
+    msg_bytes: int
+    in_bytes: int  # reduce-scatter input allocated per step
+    out_bytes: int  # reduce-scatter output (the local gradients): from launch until zero_grad
+    pending: int = 0
+    deferred: int = 0  # bytes of gradients held before the input buffer exists
+    allocated: bool = False
+    opi: int = -1
+    every: bool = False  # reduce-scattered in every micro-batch (sharded accumulation)
+    held: int = 0  # bytes of gradients accumulated outside the bucket over earlier micro-batches
+    out_live: bool = False  # the reduce-scatter output (the sharded gradient) is allocated
+    restore: bool = False  # a copy of the accumulated sharded gradient is held during the reduction
+    staging: int = 0  # the backend's buffer for the reduce-scatter in flight (launch to wait)
+
+
+class Reductions:
+    """The plan's buckets and the compute thread's part in reducing them: buckets launch in index
+    order once all their gradients are in, at most ``max_inflight_buckets`` in flight."""
+
+    def __init__(self, sim: Simulator, plan: Plan, out: ProgramBuilder, trainable: set[str]) -> None:
+        self.sim = sim
+        self.out = out
+        self.trainable = trainable
+        self.sync_limit = plan.max_inflight_buckets
+        self.per_bucket = sim.comm.overhead.get("per_bucket_s", 0.0)
+        self.t_rs = sim.comm.transient.get("reduce_scatter", 0.0)
+        self.t_ar = sim.comm.transient.get("all_reduce", 0.0)
+        self.placement = {p: u.placement for u in plan.units for p in u.params}
+        sharded_accumulation = {
+            p for u in plan.units if u.placement == "shard" and u.accumulate == "sharded" for p in u.params
+        }
+        self.buckets: list[Bucket] = []
+        self.bucket_of: dict[str, Bucket] = {}
+        self.static_bytes = 0  # the persistent all-reduce buffers (gradients are views of them)
+        world = sim.world
+        for bi, b in enumerate(plan.buckets):
+            n = len(b.params)
+            if b.op == "all_reduce":
+                msg = sum(sim.numel[p] * sim._reduce_itemsize(p) for p in b.params) + 4 * n
+                bk = Bucket(bi, b.op, list(b.params), msg, 0, 0)
+                self.static_bytes += msg
+            else:
+                s = sum(sim._shard_numel(p) * sim._reduce_itemsize(p) for p in b.params) + 4 * n
+                bk = Bucket(bi, b.op, list(b.params), world * s, world * s, s)
+                bk.every = all(p in sharded_accumulation for p in b.params)
+            self.buckets.append(bk)
+            for p in b.params:
+                self.bucket_of[p] = bk
+        # the previous step's reduce-scatter outputs: zero_grad dropped their gradients, and their
+        # storage goes at the next forward (runtime/reducer.py, ``release_if_unused``)
+        self.carried = [bk for bk in self.buckets if bk.op == "reduce_scatter"]
+        self.active: list[Bucket] = self.buckets  # the buckets reduced in this micro-batch
+        self.launched = 0
+        self.finished = 0
+        self.held: set[str] = set()  # parameters whose gradients accumulate outside their bucket
+
+    def start_micro_batch(self, sync: bool) -> None:
+        """A micro-batch reduces every bucket when it synchronises, else only those accumulated sharded."""
+        self.active = self.buckets if sync else [bk for bk in self.buckets if bk.every]
+        self.launched = self.finished = 0
+        for bk in self.buckets:
+            bk.pending = sum(p in self.trainable for p in bk.params)
+            bk.allocated = False
+            bk.deferred = 0
+
+    def release_carried(self) -> None:
+        """The first forward releases the previous step's reduce-scatter outputs."""
+        for bk in self.carried:
+            self.out.emit((MEM, -bk.out_bytes, GRADIENTS))
+
+    def finish(self, bk: Bucket) -> None:
+        out = self.out
+        out.emit((WAIT, bk.opi))
+        if bk.op == "reduce_scatter":
+            out.emit((MEM, -bk.in_bytes - bk.staging, COMM))
+            if bk.restore:  # the accumulated sharded gradient, saved while the output was overwritten
+                out.emit((MEM, -bk.out_bytes, GRADIENTS))
+                bk.restore = False
+
+    # [Note: gradients are fresh memory] A gradient autograd produces is a new tensor: the matrix
+    # product (or whatever op) writes it into memory allocated then, so on a CPU host a large one
+    # is written into fresh pages (measure/sweep.py [Note: fresh memory]) whatever the runtime does
+    # with it next. A replicated bucket copies it into its view and frees it (runtime/reducer.py
+    # [Note: gradients as bucket views]): the copy is the bucket's copy-in below; the fresh pages
+    # are paid as in the profile's backward, which frees its gradients as they arrive.
+    def launch(self, bk: Bucket) -> None:
+        sim, out = self.sim, self.out
+        comm = sim.comm
+        # copy-in of the gradients and the pre-division, both a pass over the message
+        host = sim._host(bk.op, bk.msg_bytes)
+        fresh = comm.first_touch_s(bk.in_bytes) if bk.op == "reduce_scatter" else 0.0  # its input, new each time
+        out.emit((COMPUTE, self.per_bucket + host + fresh + 2 * comm.memcpy(bk.msg_bytes), "bucket copy-in", 0))
+        if bk.op == "reduce_scatter" and not bk.allocated:
+            # the gradients held so far are copied into the input, then dropped
+            out.emit((MEM, bk.in_bytes, COMM))
+            out.emit((MEM, -bk.deferred, GRADIENTS))
+            bk.allocated = True
+            bk.deferred = 0
+        if bk.held:  # gradients accumulated outside the bucket over earlier micro-batches
+            out.emit((MEM, -bk.held, GRADIENTS))
+            bk.held = 0
+        if bk.op == "reduce_scatter":
+            if bk.out_live:
+                out.emit((MEM, bk.out_bytes, GRADIENTS))  # the sharded gradient so far, added back after
+                bk.restore = True
+            else:
+                out.emit((MEM, bk.out_bytes, GRADIENTS))
+                bk.out_live = True
+            secs = sim._time("reduce_scatter", bk.msg_bytes)
+            # [Note: reduce-scatter staging] the backend's own buffer (gloo: one shard-sized
+            # message, allocated when the collective is issued) belongs to its work object, which
+            # the runtime drops at the wait, not when the collective completes: it is held from
+            # the launch to the wait, in program order
+            bk.staging = int(self.t_rs * bk.msg_bytes)
+            out.emit((MEM, bk.staging, COMM))
+            bk.opi = out.add_op(CommOp("reduce_scatter", f"bucket{bk.index}", bk.msg_bytes, secs, 0))
+        else:
+            secs = sim._time("all_reduce", bk.msg_bytes)
+            bk.opi = out.add_op(CommOp("all_reduce", f"bucket{bk.index}", bk.msg_bytes, secs, int(self.t_ar * bk.msg_bytes)))
+        out.log.add("reduce", bk.index)
+        out.emit((ISSUE, bk.opi))
+
+    def launch_ready(self) -> None:
+        """Launch the buckets whose gradients are all in, in order; past the in-flight limit, wait
+        for the oldest."""
+        act = self.active
+        while self.launched < len(act) and act[self.launched].pending == 0:
+            self.launch(act[self.launched])
+            self.launched += 1
+            if self.sync_limit is not None:
+                while self.launched - self.finished > self.sync_limit:
+                    self.finish(act[self.finished])
+                    self.finished += 1
+
+    def flush(self) -> None:
+        """The end of backward: launch what is left in order (gradients that never arrived count as
+        zeros), and wait for all."""
+        act = self.active
+        while self.launched < len(act):
+            self.launch(act[self.launched])
+            self.launched += 1
+        while self.finished < self.launched:
+            self.finish(act[self.finished])
+            self.finished += 1
+
+    def held_bytes(self, p: str) -> int:
+        """A gradient accumulated over micro-batches: in the reduce dtype for sharded or cast parameters."""
+        sim = self.sim
+        return sim.numel[p] * (sim._reduce_itemsize(p) if self.placement.get(p) == "shard" or sim._cast(p) else sim.itemsize[p])
+
+    def grad_ready(self, p: str, sync: bool) -> None:
+        """Parameter ``p``'s gradient is in (``sync``: in the micro-batch that reduces every bucket)."""
+        bk = self.bucket_of.get(p)
+        if bk is None:
+            return
+        out, held = self.out, self.held
+        if p in held:
+            # a gradient accumulated over earlier micro-batches: this micro-batch's gradient is a
+            # new tensor until autograd adds it in (the first one is taken as it is)
+            out.emit((COMPUTE, 0.0, f"accumulate {p}", self.sim.compute_bytes[p]))
+        if not (sync or bk.every):
+            # no reduction in this micro-batch: the gradient accumulates locally (in the reduce
+            # dtype for sharded or cast parameters) until the synchronising backward
+            if p not in held:
+                held.add(p)
+                g = self.held_bytes(p)
+                bk.held += g
+                out.emit((MEM, g, GRADIENTS))
+            return
+        bk.pending -= 1
+        if bk.op == "reduce_scatter" and not bk.allocated:
+            self._take_into_input(bk, p)
+        act = self.active
+        if self.launched < len(act) and act[self.launched] is bk and bk.pending == 0:
+            self.launch_ready()
+
+    def _take_into_input(self, bk: Bucket, p: str) -> None:
+        """A reduce-scatter bucket whose input does not exist yet holds ``p``'s gradient; once a
+        quarter of the input's size is held, the input is allocated, the gradients copied in, and
+        only then dropped."""
+        out = self.out
+        g = self.sim.compute_bytes[p]
+        bk.deferred += g
+        if p in self.held:
+            # autograd added this micro-batch's gradient into the one held since earlier
+            # micro-batches: that tensor is what is taken now, not a second one
+            hb = self.held_bytes(p)
+            bk.held -= hb
+            out.emit((MEM, g - hb, GRADIENTS))
+        else:
+            out.emit((MEM, g, GRADIENTS))
+        if bk.deferred * 4 >= bk.in_bytes:
+            out.emit((MEM, bk.in_bytes, COMM))
+            out.emit((MEM, -bk.deferred, GRADIENTS))
+            bk.allocated = True
+            bk.deferred = 0
