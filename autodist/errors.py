@@ -66,8 +66,9 @@ def reported_once(error: Exception, *, rank: int) -> Exception:
     makes torchrun stop the job, comes after their interpreter has shut down.
     """
     cls = type(error)
-    both = type(cls.__name__, (cls, SystemExit), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    both: type[SystemExit] = type(cls.__name__, (cls, SystemExit), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
     quiet = both.__new__(both)
+    assert isinstance(quiet, cls)  # a SystemExit and a ``cls``: what the checker cannot infer from type()
     quiet.args = error.args
     quiet.__dict__.update(error.__dict__)
     name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"

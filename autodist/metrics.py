@@ -88,11 +88,23 @@ def format_step(m: StepMetrics) -> str:
         where = "" if m.peak_step == m.step else f" at step {m.peak_step}"
         scope = ", process peak" if m.peak_scope == "process" else ""
         host = f"; {format_bytes(m.host_state_bytes)} of it optimizer state on the host" if m.host_state_bytes else ""
-        peak = f"peak tensors {format_bytes(m.peak_bytes)}{where} ({100 * m.budget_fraction:.0f}% of budget{scope}{host})"
+        share = (
+            f"{100 * m.budget_fraction:.0f}% of budget" if m.budget_fraction is not None
+            else f"budget {format_bytes(m.budget_bytes)}"  # a zero budget has no fraction
+        )
+        peak = f"peak tensors {format_bytes(m.peak_bytes)}{where} ({share}{scope}{host})"
+    resident = "not read" if m.resident_bytes is None else format_bytes(m.resident_bytes)
     return (
-        f"autodist: step {m.step}  {1e3 * m.step_seconds:.1f} ms  {rate}  {peak}  resident {format_bytes(m.resident_bytes)}  "
+        f"autodist: step {m.step}  {1e3 * m.step_seconds:.1f} ms  {rate}  {peak}  resident {resident}  "
         f"exposed comm {100 * m.exposed_comm_share:.0f}%"
     )
+
+
+def _with_resident(m: StepMetrics) -> StepMetrics:
+    """``m``, with the resident set read now if it was not yet."""
+    if m.resident_bytes is None:
+        m.resident_bytes = resident_bytes()
+    return m
 
 
 class StepMeter:
@@ -239,9 +251,10 @@ class StepMeter:
         self._begin(now)
 
     def _log(self) -> None:
-        if self.rank == 0 and self.last is not None and self._logged != self.last.step:
-            announce("%s", format_step(self._read_resident()))
-        self._logged = self.last.step if self.last is not None else 0
+        last = self.last
+        if self.rank == 0 and last is not None and self._logged != last.step:
+            announce("%s", format_step(_with_resident(last)))
+        self._logged = last.step if last is not None else 0
 
     def close(self) -> None:
         """Stop listening to optimizers; log the last step if ``log_every`` is set and it was not logged."""
@@ -259,10 +272,5 @@ class StepMeter:
         self.log_every = None
         self.probe.stop()
 
-    def _read_resident(self) -> StepMetrics:
-        if self.last.resident_bytes is None:
-            self.last.resident_bytes = resident_bytes()
-        return self.last
-
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self._read_resident()) if self.last is not None else {}
+        return asdict(_with_resident(self.last)) if self.last is not None else {}

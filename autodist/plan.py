@@ -416,12 +416,11 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
     if d.get("rebuild_buckets") is not None:
         ro = r.obj(d["rebuild_buckets"], "rebuild_buckets", set(), {"cap_bytes", "first_cap_bytes"})
         if ro is not None:
-            caps = {}
+            caps: dict[str, int] = {}
             for key, default in (("cap_bytes", BucketRebuild.cap_bytes), ("first_cap_bytes", BucketRebuild.first_cap_bytes)):
                 what = f"a non-negative number of bytes (DDP's default: {default})"
-                caps[key] = r.count(ro.get(key, default), f"rebuild_buckets.{key}", what)
-                if caps[key] is None:
-                    caps[key] = default
+                cap = r.count(ro.get(key, default), f"rebuild_buckets.{key}", what)
+                caps[key] = default if cap is None else cap
             rebuild = BucketRebuild(**caps)
 
     inflight = d.get("max_inflight_buckets")
@@ -602,6 +601,9 @@ def validate_plan(
 
     # Gather groups: only sharded units, each exactly once.
     placement = {u.name: u.placement for u in plan.units}
+    residency: dict[str, str] = {}  # of the first unit of each name
+    for u in plan.units:
+        residency.setdefault(u.name, u.residency)
     grouped: dict[str, int] = {}
     for gi, g in enumerate(plan.gather_groups):
         if not g.units:
@@ -616,7 +618,7 @@ def validate_plan(
             if un in grouped:
                 problems.append(f"unit {un!r} is in gather_groups[{grouped[un]}] and gather_groups[{gi}]; list it once")
             grouped[un] = gi
-        res = {next((u.residency for u in plan.units if u.name == un), None) for un in g.units} - {None}
+        res = {residency[un] for un in g.units if un in residency}
         if len(res) > 1:
             problems.append(
                 f"gather_groups[{gi}] mixes residencies {sorted(res)}; units gathered together are freed together, "
@@ -677,10 +679,10 @@ def validate_plan(
             )
 
     blocks = set(structure.blocks)
-    for i, b in enumerate(plan.recompute):
-        if b not in blocks:
+    for i, block in enumerate(plan.recompute):
+        if block not in blocks:
             problems.append(
-                f"recompute[{i}] = {b!r} is not a block of this model (its blocks: "
+                f"recompute[{i}] = {block!r} is not a block of this model (its blocks: "
                 f"{', '.join(structure.blocks[:6])}{', ...' if len(structure.blocks) > 6 else ''}); {fix_other_model}"
             )
 

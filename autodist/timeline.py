@@ -58,12 +58,15 @@ def from_simulation(result: Any, title: str = "simulated step", *, budget_bytes:
     )
 
 
-def from_profiler_trace(trace: str | dict, title: str = "measured step") -> Timeline:
+def from_profiler_trace(trace: str | os.PathLike[str] | dict[str, Any], title: str = "measured step") -> Timeline:
     """A ``torch.profiler`` Chrome trace (path or loaded JSON) of one step."""
+    data: dict[str, Any]
     if isinstance(trace, (str, os.PathLike)):
         with open(trace) as f:
-            trace = json.load(f)
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+            data = json.load(f)
+    else:
+        data = trace
+    events = [e for e in data["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     if not events:
         return Timeline(title=title)
     # the main thread is the one that issued autodist's labels (else the busiest)
@@ -90,7 +93,7 @@ def from_profiler_trace(trace: str | dict, title: str = "measured step") -> Time
                 intervals.append(Interval("comm", name, (e["ts"] - t0) / 1e6, (e["ts"] + e["dur"] - t0) / 1e6))
     memory = sorted(
         ((e["ts"] - t0) / 1e6, int(e["args"].get("Total Allocated", 0)))
-        for e in trace["traceEvents"]
+        for e in data["traceEvents"]
         if e.get("name") == "[memory]"
     )
     intervals.sort(key=lambda i: (i.start, i.stream))

@@ -51,9 +51,13 @@ import collections
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
+
+if TYPE_CHECKING:
+    from torch.profiler import profile
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 
@@ -150,8 +154,10 @@ class TensorPeakProbe:
             if self.reset:
                 return PeakReading(peak, "step", True)
             return PeakReading(peak, "process", peak > self._before)
-        events = self._trace.stop()
-        self._trace = None
+        trace, self._trace = self._trace, None
+        if trace is None:
+            raise RuntimeError("TensorPeakProbe.stop(): a CPU window was open without a profiler session")
+        events = trace.stop()
         peak = self._base + events.held_elsewhere() + max((m for _, m in events.mem), default=0)
         return PeakReading(peak, "step", True)
 
@@ -163,7 +169,7 @@ class _CpuTrace:
     def __init__(self, mark_prefix: str = "autodist::mark(") -> None:
         self.mark_prefix = mark_prefix
         self._legacy = all(hasattr(torch.autograd, n) for n in ("_enable_profiler_legacy", "_disable_profiler_legacy"))
-        self._prof = None
+        self._prof: profile | None = None
 
     def start(self) -> None:
         if self._legacy:
@@ -181,8 +187,11 @@ class _CpuTrace:
     def stop(self) -> _Events:
         if self._legacy:
             return _legacy_events(torch.autograd._disable_profiler_legacy(), self.mark_prefix)
-        self._prof.__exit__(None, None, None)
-        return _kineto_events(self._prof, self.mark_prefix)
+        prof = self._prof
+        if prof is None:
+            raise RuntimeError("_CpuTrace.stop() called before start()")
+        prof.__exit__(None, None, None)
+        return _kineto_events(prof, self.mark_prefix)
 
 
 @dataclass
@@ -337,7 +346,7 @@ def _unseen_backend_frees(
     return out
 
 
-def _kineto_events(prof: object, mark_prefix: str) -> _Events:
+def _kineto_events(prof: profile, mark_prefix: str) -> _Events:
     import json
     import tempfile
     import threading

@@ -17,7 +17,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,13 +44,13 @@ ROUNDS = 8  # interleaved rounds over the configurations (see [Note: stable over
 STEPS_PER_ROUND = 3
 
 
-def _clock(device: torch.device):
+def _clock(device: torch.device) -> Callable[[], float]:
     """Thread CPU time for a single-threaded CPU rank (what the profile times; the other rank's work
     does not count), wall-clock time otherwise (on an accelerator the host's time is the cost)."""
     return time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
 
 
-def _interleaved(steps: dict[str, object], device: torch.device, *, warmup: int = 3) -> dict[str, float]:
+def _interleaved(steps: Mapping[str, Callable[[], object]], device: torch.device, *, warmup: int = 3) -> dict[str, float]:
     """Each of ``steps`` (name -> a function running one step) timed over ``ROUNDS`` interleaved
     rounds of ``STEPS_PER_ROUND`` steps; the lower quartile of each one's times.
 
@@ -73,7 +75,7 @@ def _interleaved(steps: dict[str, object], device: torch.device, *, warmup: int 
     return {k: lower_quartile(v) for k, v in times.items()}
 
 
-def _train_step(run: object, module: nn.Module, x: torch.Tensor):
+def _train_step(run: Callable[[torch.Tensor], Any], module: nn.Module, x: torch.Tensor) -> Callable[[], None]:
     def one() -> None:
         run(x).sum().backward()
         for p in module.parameters():
@@ -100,6 +102,8 @@ def measure_runtime_overhead(device: torch.device, comm: Comm) -> RuntimeOverhea
     groups instead, warned: the collectives are then real, and their issue cost is counted twice."""
     if comm.world_size == dist.get_world_size():
         own, _ = dist.new_subgroups(group_size=1)
+        if own is None:  # every rank is in a group of one
+            raise RuntimeError(f"torch made no one-rank group for rank {dist.get_rank()} to measure the runtime on")
         try:
             figures = _measure(device, Comm(own), DeviceMesh.from_group(own, device.type))
         finally:
@@ -187,7 +191,11 @@ def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12
             mixed_precision=None, broadcast_buffers=False,
         )
         engines.append(engine)
-        steps[key] = _train_step(lambda t, engine=engine: engine.forward((t,), {}), module, x)
+
+        def run(t: torch.Tensor, engine: Engine = engine) -> Any:
+            return engine.forward((t,), {})
+
+        steps[key] = _train_step(run, module, x)
     try:
         timings = _interleaved(steps, device)
     finally:
@@ -202,14 +210,14 @@ def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12
     from torch.distributed.tensor import DTensor, Replicate
 
     n = 32
-    plain = [torch.zeros(1024, device=device, requires_grad=True) for _ in range(n)]
+    plain_params = [torch.zeros(1024, device=device, requires_grad=True) for _ in range(n)]
     dts = [nn.Parameter(DTensor.from_local(torch.zeros(1024, device=device), mesh, [Replicate()], run_check=False)) for _ in range(n)]
-    for p in plain:
+    for p in plain_params:
         p.grad = torch.zeros_like(p)
     for p in dts:
         p.grad = DTensor.from_local(torch.zeros(1024, device=device), mesh, [Replicate()], run_check=False)
 
-    opt_plain = torch.optim.AdamW(plain, lr=1e-3)
+    opt_plain = torch.optim.AdamW(plain_params, lr=1e-3)
     opt_dts = torch.optim.AdamW(dts, lr=1e-3)
     opt = _interleaved({"plain": opt_plain.step, "dtensor": opt_dts.step}, device, warmup=1)
     dt_extra = max(0.0, (opt["dtensor"] - opt["plain"]) / n)
@@ -232,7 +240,10 @@ def _child(argv: list[str] | None = None) -> None:
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(0)
-        figures = _measure(device, Comm(dist.group.WORLD), DeviceMesh.from_group(dist.group.WORLD, device.type))
+        world = dist.group.WORLD
+        if world is None:
+            raise RuntimeError("init_process_group made no default process group")
+        figures = _measure(device, Comm(world), DeviceMesh.from_group(world, device.type))
     finally:
         dist.destroy_process_group()
     sys.stdout.write(json.dumps(figures) + "\n")

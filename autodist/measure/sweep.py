@@ -257,10 +257,10 @@ def _measure_pass(
     collected = dict(zip(COLLECTIVES, collected_times))
     samples: dict[str, list[tuple[float, float]]] = {}
     host_samples: dict[str, list[tuple[float, float]]] = {}
-    for (op, nb), t, i in zip(names, times, issue_times):
+    for (op, nb), t, issue_t in zip(names, times, issue_times):
         samples.setdefault(op, []).append((float(nb), t))
         if op in COLLECTIVES:
-            host_samples.setdefault(op, []).append((float(nb), i + collected[op]))
+            host_samples.setdefault(op, []).append((float(nb), issue_t + collected[op]))
     # the contention figures are relative to this pass's own base times (what the pass measured)
     ops = {op: fit_op(_monotone(pts)) for op, pts in samples.items()}
     contention = _contention(comm, group, device, ops, collected) if world > 1 else {}
@@ -347,7 +347,7 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
     passes = [_measure_pass(comm, group, device, cfg, cases, calls) for _ in range(n_passes)]
     combined = _combine(passes)
     ops = {op: fit_op(_monotone(pts)) for op, pts in combined.samples.items()}
-    host = {op: fit_op(pts) for op, pts in combined.host_samples.items()}
+    host_ops = {op: fit_op(pts) for op, pts in combined.host_samples.items()}
     if world == 1:
         zero = OpModel(Piece(0.0, 0.0), Piece(0.0, 0.0), float("inf"))
         for op in ("all_reduce", "all_gather", "reduce_scatter"):
@@ -373,7 +373,7 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
         contention=contention,
         transient=transient,
         overhead=overhead,
-        host=host,
+        host=host_ops,
         first_touch=first_touch,
         meta={
             "sweep_seconds": time.perf_counter() - t_start, "torch": torch.__version__,
@@ -569,9 +569,9 @@ def _contention(
         out_rows.setdefault(kind, []).append([float(nbytes), *values[3 * i : 3 * i + 3]])
     for rows in out_rows.values():  # neighbouring sizes differ little: a running median of three
         for j in (1, 2, 3):
-            column = [r[j] for r in rows]
-            for i, r in enumerate(rows):
-                r[j] = statistics.median(column[max(0, i - 1) : i + 2])
+            column = [row[j] for row in rows]
+            for i, row in enumerate(rows):
+                row[j] = statistics.median(column[max(0, i - 1) : i + 2])
     return out_rows
 
 

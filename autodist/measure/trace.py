@@ -316,7 +316,8 @@ def surrogate_loss(out: object) -> torch.Tensor:
     floats = [t for t in output_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
     if not floats:
         raise ValueError("the model's output has no floating-point tensor that requires grad; cannot profile backward")
-    return sum(t.float().mean() for t in floats)
+    means = [t.float().mean() for t in floats]
+    return sum(means[1:], start=means[0])
 
 
 @contextlib.contextmanager
@@ -820,7 +821,7 @@ def contended_slowdown(train_backward: Callable[[], None], contention: Callable[
     or below 1): hence the median, and more rounds while they spread."""
     from .sweep import reference_product  # measurement beside measurement: no cycle at import
 
-    def timed(fn: Callable[[], None]) -> float:
+    def timed(fn: Callable[[], object]) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = clock()
@@ -896,7 +897,7 @@ def measure_optimizer(module: nn.Module, make_optimizer: Callable[[list[torch.Te
     the same step repeated on its own: up to 2x on a 2-core CPU host (resnet18's AdamW: 108 ms
     after each backward, 54 ms repeated), and random gradients make it cheaper still — so the
     step is timed after real backwards."""
-    params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
+    params: list[torch.Tensor] = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
     saved = [(p.detach().clone(), p.grad) for p in params]
     clock = _Clock(device)
     opt = make_optimizer(params)

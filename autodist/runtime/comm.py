@@ -23,7 +23,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,8 @@ from torch.profiler import record_function
 
 from .._log import logger
 from ..errors import PeerFailure, RankMismatchError
+
+T = TypeVar("T")
 
 # torch >= 2.14 renamed the flat-tensor collectives (the old names still work but warn).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -166,7 +168,7 @@ class InFlight:
         self.waited = work is None
         self.stats = stats
         self.comm = comm
-        self.timing = None
+        self.timing: CollectiveTiming | None = None
         if stats is not None and stats.timeline is not None and work is not None:
             self.timing = timing = CollectiveTiming(label, max(t.numel() * t.element_size() for t in buffers), time.perf_counter())
             stats.timeline.append(timing)
@@ -178,20 +180,23 @@ class InFlight:
     def wait(self) -> None:
         """Wait for the collective; the work handle is dropped here, inside the wait's profiler range
         (see [Note: a backend's buffer freed out of sight] in ``autodist/measure/memory.py``)."""
-        if not self.waited:
-            t0 = time.perf_counter()
-            with record_function(f"autodist::wait({self.label})"):
-                try:
-                    self.work.wait()
-                except RuntimeError as e:  # a peer died or the group timed out (DistBackendError too)
-                    self.waited = True
-                    raise self._peer_failure(e) from e
-                if self.timing is not None:  # a wait that blocked returns at completion
-                    self.timing.completed(time.perf_counter())
-                self.work = None
-            if self.stats is not None:
-                self.stats.wait_seconds += time.perf_counter() - t0
-            self.waited = True
+        work = self.work
+        if self.waited or work is None:  # waited for already, or nothing was issued
+            return
+        t0 = time.perf_counter()
+        with record_function(f"autodist::wait({self.label})"):
+            try:
+                work.wait()
+            except RuntimeError as e:  # a peer died or the group timed out (DistBackendError too)
+                self.waited = True
+                raise self._peer_failure(e) from e
+            if self.timing is not None:  # a wait that blocked returns at completion
+                self.timing.completed(time.perf_counter())
+            self.work = None
+            del work  # the last reference, dropped inside the range
+        if self.stats is not None:
+            self.stats.wait_seconds += time.perf_counter() - t0
+        self.waited = True
 
     def _peer_failure(self, error: BaseException) -> PeerFailure:
         comm = self.comm
@@ -277,10 +282,17 @@ def _untraced() -> Iterator[None]:
         toggle(True)
 
 
+def _accelerator() -> torch.device | None:
+    """The kind of local accelerator (``torch.accelerator``), or ``None`` where there is none."""
+    if hasattr(torch, "accelerator") and torch.accelerator.is_available():
+        return torch.accelerator.current_accelerator()
+    return None
+
+
 def default_device() -> torch.device:
     """The device this rank computes on: the local accelerator if there is one, else the CPU."""
-    if hasattr(torch, "accelerator") and torch.accelerator.is_available():
-        acc = torch.accelerator.current_accelerator()
+    acc = _accelerator()
+    if acc is not None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         index = local_rank % max(1, torch.accelerator.device_count())
         return torch.device(acc.type, index)
@@ -299,15 +311,13 @@ def init_distributed(device: torch.device | None = None, timeout_s: float | None
     if dist.is_initialized():
         return device
     backend = "gloo" if device.type == "cpu" else dist.get_default_backend_for_device(device)
-    kwargs = {}
-    if timeout_s is not None:
-        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None  # None: torch's default
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend=backend, **kwargs)
+        dist.init_process_group(backend=backend, timeout=timeout)
         if dist.get_rank() == 0:
             logger.info("autodist: initialised process group (%s, world size %d)", backend, dist.get_world_size())
     else:
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         logger.info("autodist: no torchrun environment; running as a world of one (%s)", backend)
     return device
 
@@ -342,8 +352,9 @@ def _backend_option(group: dist.ProcessGroup, name: str, kind: type) -> Any:
     """The option ``name`` of ``group``'s backend (the CPU's, then the accelerator's) if it is a
     ``kind``, else ``None``: torch keeps a backend's options in ``_get_backend(device).options``."""
     device_types = ["cpu"]
-    if hasattr(torch, "accelerator") and torch.accelerator.is_available():
-        device_types.append(torch.accelerator.current_accelerator().type)
+    acc = _accelerator()
+    if acc is not None:
+        device_types.append(acc.type)
     for device_type in device_types:
         try:
             backend = group._get_backend(torch.device(device_type))
@@ -355,11 +366,23 @@ def _backend_option(group: dist.ProcessGroup, name: str, kind: type) -> Any:
     return None
 
 
+def _new_group(ranks: list[int], timeout: datetime.timedelta | None, backend: str | None = None) -> dist.ProcessGroup:
+    """A process group of ``ranks`` (this rank among them), made by them alone
+    (see [Note: AutoDist's own process groups])."""
+    pg = dist.new_group(ranks, timeout=timeout, backend=backend, use_local_synchronization=True)
+    if not isinstance(pg, dist.ProcessGroup):  # torch's marker for a rank outside ``ranks``
+        raise ValueError(
+            f"autodist: rank {dist.get_rank()} made a process group of ranks {ranks}, which it is not one of; "
+            "make the group this rank wraps its model on one it belongs to"
+        )
+    return pg
+
+
 def _pickled(obj: object) -> torch.Tensor:
     return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
 
 
-def _unpickled(data: torch.Tensor, size: int) -> object:
+def _unpickled(data: torch.Tensor, size: int) -> Any:
     return pickle.loads(data[:size].numpy().tobytes())
 
 
@@ -381,26 +404,33 @@ class Comm:
     than the job (autodist/measure/overhead.py [Note: a one-rank world of its own])."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group or dist.group.WORLD
+        group = group if group is not None else dist.group.WORLD
+        if group is None:
+            raise ValueError(
+                "autodist: no default process group; call autodist.init_distributed() or "
+                "torch.distributed.init_process_group() before wrapping a model"
+            )
+        self.group: dist.ProcessGroup = group
         self.backend = dist.get_backend(self.group)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         ranks = dist.get_process_group_ranks(self.group)
         if self.world_size > 1:
             timeout = group_timeout(self.group)  # see [Note: inherited timeout]
-            self.gather_pg = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
-            self.reduce_pg = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+            self.gather_pg = _new_group(ranks, timeout)
+            self.reduce_pg = _new_group(ranks, timeout)
             # the collective-order check and the exchange of objects run on the host (gloo), on a
             # group of their own: on NCCL they neither synchronise the device nor wait on the step's
             # critical path (see check_sequence), and :meth:`destroy` can end its threads (see
             # [Note: object exchanges and interpreter exit])
-            self.check_pg = dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
+            self.check_pg = _new_group(ranks, timeout, backend="gloo")
         else:
             self.gather_pg = self.reduce_pg = self.check_pg = self.group
         self._owns_groups = True
         self.stats = CommStats()
         self.sequence = CollectiveSequence()
-        self._check: tuple | None = None  # a sequence check in flight: (work, tensor, entries, interleaving)
+        # a sequence check in flight: (work, tensor, entries, interleaving)
+        self._check: tuple[dist.Work, torch.Tensor, list[str], bool] | None = None
 
     def sharing_groups(self) -> Comm:
         """A ``Comm`` on this one's process groups with statistics and a collective sequence of its
@@ -448,7 +478,7 @@ class Comm:
             # of its own when issued, freed with the work handle.
             chunks = list(inp.view(self.world_size, -1).unbind(0))
             with _issuing(f"autodist::reduce_scatter({label})"):
-                work = dist.reduce_scatter(out, chunks, group=self.reduce_pg, async_op=True)
+                work: dist.Work | None = dist.reduce_scatter(out, chunks, group=self.reduce_pg, async_op=True)
         else:
             with _issuing(f"autodist::reduce_scatter({label})"):
                 work = _reduce_scatter_flat(out, inp, group=self.reduce_pg, async_op=True)
@@ -580,8 +610,8 @@ class Comm:
         """The rank in ``check_pg`` of rank ``rank`` of ``group``."""
         return dist.get_group_rank(self.check_pg, dist.get_global_rank(self.group, rank))
 
-    def all_gather_object(self, obj: object) -> list[object]:
-        """Every rank's ``obj``, indexed by rank in ``group``."""
+    def all_gather_object(self, obj: T) -> list[T]:
+        """Every rank's ``obj``, indexed by rank in ``group`` (every rank passes the same type)."""
         if self.world_size == 1:
             return [obj]
         mine = _pickled(obj)
@@ -595,7 +625,7 @@ class Comm:
         by_host_rank = [_unpickled(d, int(s)) for d, s in zip(datas, sizes)]
         return [by_host_rank[self._host_rank(r)] for r in range(self.world_size)]
 
-    def broadcast_object(self, obj: object, src: int = 0) -> object:
+    def broadcast_object(self, obj: T, src: int = 0) -> T:
         """Rank ``src``'s ``obj`` (a rank in ``group``) on every rank; rank ``src`` gets ``obj`` itself."""
         if self.world_size == 1:
             return obj

@@ -51,14 +51,15 @@ class _DtypeLayout:
 
     def find_contiguous_send(self) -> None:
         """If every shard is already in ``dtype`` and they are adjacent in memory, send in place."""
-        first = self.params[0].shard_flat
-        if any(mp.shard_flat.dtype != self.dtype for mp in self.params):
+        shards = [mp.flat_shard() for mp in self.params]
+        first = shards[0]
+        if any(shard.dtype != self.dtype for shard in shards):
             return
         expect = first.data_ptr()
-        for mp in self.params:
-            if mp.shard_flat.data_ptr() != expect or mp.shard_flat.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+        for shard in shards:
+            if shard.data_ptr() != expect or shard.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
                 return
-            expect += mp.shard_flat.numel() * mp.shard_flat.element_size()
+            expect += shard.numel() * shard.element_size()
         base = first.untyped_storage()
         offset = first.storage_offset()
         flat = torch.empty(0, dtype=self.dtype, device=first.device).set_(base, offset, (self.total,), (1,))
@@ -165,7 +166,7 @@ class GatherGroupRuntime:
             else:
                 send = torch.empty(lay.total, dtype=lay.dtype, device=self.device)
                 for dst, mp in zip(torch.split(send, lay.sizes), lay.params):
-                    dst.copy_(mp.shard_flat)
+                    dst.copy_(mp.flat_shard())
             if single is not None:
                 # One parameter: gather straight into its full storage (no copy-out, no extra buffer).
                 single.alloc_full()

@@ -97,6 +97,12 @@ class _Entry:
     def dict_of(self, module: nn.Module) -> dict[str, Any]:
         return module._parameters if self.kind == "param" else module._buffers
 
+    def live_copy(self) -> torch.Tensor:
+        """``live``, for an entry being initialised (between its first and its last call)."""
+        if self.live is None:
+            raise RuntimeError(f"materialize: {self.name} has no host copy outside its initialisation")
+        return self.live
+
     def register(self, value: torch.Tensor) -> None:
         for module, attr in self.sites:
             self.dict_of(module)[attr] = value
@@ -222,14 +228,15 @@ class Materializer:
             for m, attr in e.sites:
                 direct.setdefault(id(m), []).append((i, attr))
         for name, m in _post_order(self.module):
+            fn: Callable[[], None]
             if self.param_init_fn is not None:
                 fn = functools.partial(self.param_init_fn, m)
             elif id(m) not in direct:
                 continue
-            elif callable(getattr(m, "reset_parameters", None)):
-                fn = m.reset_parameters
-            elif callable(getattr(m, "_reset_parameters", None)):
-                fn = m._reset_parameters
+            elif callable(reset := getattr(m, "reset_parameters", None)):
+                fn = reset
+            elif callable(reset := getattr(m, "_reset_parameters", None)):
+                fn = reset
             else:
                 continue
             subtree = sorted({i for s in m.modules() for i, _ in direct.get(id(s), [])})
@@ -395,9 +402,12 @@ class Materializer:
             largest_live_bytes=best, largest_live_at=at,
         )
 
-    def _call(self, call: Any, live: set[int], meta_keys: dict[object, int]) -> None:
+    def _call(self, call: _Call, live: set[int], meta_keys: dict[int, int]) -> None:
         """Run one initialiser call on the live tensors and take what it wrote."""
-        expected = {i: self.entries[i].live if self.entries[i].live is not None else self.entries[i].original for i in call.subtree}
+        expected: dict[int, torch.Tensor] = {}
+        for i in call.subtree:
+            e = self.entries[i]
+            expected[i] = e.live if e.live is not None else e.original
         keys = {i: _storage_key(t) for i, t in expected.items()}
         recorder = _WriteRecorder(dry=False)
         try:
@@ -417,7 +427,7 @@ class Materializer:
             )
         for i in live:
             e = self.entries[i]
-            if _storage_key(e.live) in recorder.written:
+            if _storage_key(e.live_copy()) in recorder.written:
                 e.written = True
         for i in replaced:
             self._adopt(self.entries[i])
@@ -434,19 +444,20 @@ class Materializer:
 
     def _adopt(self, e: _Entry) -> None:
         """The call registered a new tensor for ``e`` (or swapped its data): take its values."""
+        live = e.live_copy()
         new = next(
-            (e.dict_of(m)[attr] for m, attr in e.sites if e.dict_of(m).get(attr) is not e.live), e.live
+            (e.dict_of(m)[attr] for m, attr in e.sites if e.dict_of(m).get(attr) is not live), live
         )
         if tuple(new.shape) != tuple(e.original.shape) or new.dtype != e.original.dtype:
             raise InitError(
                 f"an initialiser replaced {e.name} (shape {tuple(e.original.shape)}, {e.original.dtype}) by a tensor of "
                 f"shape {tuple(new.shape)}, {new.dtype}; initialise it in place instead"
             )
-        if new is e.live:  # its data was swapped (``to_empty``): no longer the storage the rank keeps
+        if new is live:  # its data was swapped (``to_empty``): no longer the storage the rank keeps
             e.aliased = False
         else:
-            e.live.detach().copy_(new.detach())
-        e.register(e.live)
+            live.detach().copy_(new.detach())
+        e.register(live)
         e.written = True
 
     @staticmethod
@@ -461,7 +472,7 @@ class Materializer:
     def _finish(self, done: list[_Entry], params: dict[str, Any], broadcast: Callable[[list[torch.Tensor]], None],
                 device: torch.device) -> None:
         """Broadcast rank 0's values of the tensors no later call writes and hand them over."""
-        values = [e.live.detach().to(device) for e in done]
+        values = [e.live_copy().detach().to(device) for e in done]
         for e in done:  # on an accelerator the device copy is what is kept: the host copy goes now
             e.live = None
         batch: list[torch.Tensor] = []

@@ -87,9 +87,10 @@ class ManagedParam:
         # A parameter on the meta device has no values yet: its storage is allocated here and filled
         # by ``load_full_`` (see autodist/runtime/materialize.py).
         pending = original.is_meta
-        data = original.detach()
+        data = original.detach()  # a sharded pending parameter's data is not read
         if pending:
-            data = torch.empty(self.shape, dtype=self.dtype, device=device) if placement == "replicate" else None
+            if placement == "replicate":
+                data = torch.empty(self.shape, dtype=self.dtype, device=device)
         elif data.device != device:
             data = data.to(device)
 
@@ -100,7 +101,7 @@ class ManagedParam:
                 # Exactly DDP: the user's own Parameter object stays registered.
                 keep = original.device == device and not pending
                 self.visible = original if keep else nn.Parameter(data, original.requires_grad)
-                self._master = self.visible
+                self._master: torch.Tensor = self.visible
             else:
                 self.visible = nn.Parameter(
                     DTensor.from_local(data, mesh, [Replicate()], run_check=False),
@@ -161,6 +162,12 @@ class ManagedParam:
     def shard_numel(self) -> int:
         """Elements of the padded local shard (what this parameter contributes to an all-gather)."""
         return self.padded_rows * self.row_numel
+
+    def flat_shard(self) -> torch.Tensor:
+        """The padded local shard, flat (``shard_flat``: what a sharded parameter sends in an all-gather)."""
+        if self.shard_flat is None:
+            raise ValueError(f"parameter {self.name!r} is replicated: it has no shard to gather")
+        return self.shard_flat
 
     @property
     def full_nbytes(self) -> int:

@@ -157,7 +157,8 @@ class BlockRecompute:
 
     def __init__(self, module: nn.Module, blocks: list[str], on_recompute: Callable[[], None] = lambda: None) -> None:
         self.blocks = list(blocks)
-        self._patched: list[tuple[nn.Module, object]] = []
+        # each block and what its instance dict held under "forward" (any value; _MISSING: nothing)
+        self._patched: list[tuple[nn.Module, Any]] = []
         for name in self.blocks:
             block = module.get_submodule(name)
             previous = block.__dict__.get("forward", _MISSING)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -19,6 +19,14 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ..errors import RankMismatchError
 from .params import ManagedParam
+
+T = TypeVar("T")
+
+
+class AllGatherObject(Protocol):
+    """Every rank's object, indexed by rank (``Comm.all_gather_object``)."""
+
+    def __call__(self, obj: T, /) -> list[T]: ...
 
 
 def full_state_dict(module: nn.Module, *, prefix: str = "", keep_vars: bool = False) -> dict[str, torch.Tensor]:
@@ -52,7 +60,7 @@ def _describe(value: object) -> str:
 
 
 def agree_on_state_dict(
-    module: nn.Module, state_dict: dict[str, object], all_gather_object: Callable[[object], list[object]]
+    module: nn.Module, state_dict: dict[str, object], all_gather_object: AllGatherObject
 ) -> None:
     """Raise on every rank if the ranks were given state dicts with different keys or tensor shapes
     and dtypes (values are not compared): loading is a collective (DTensor values are gathered)

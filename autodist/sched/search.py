@@ -84,8 +84,9 @@ class SearchConfig:
         measured here) is left as it is."""
         if self.wait_scale is None or comm.meta.get("source") == "analytic":
             return comm
-        held = {} if self.blocked_wait_s is None else {"blocked_wait_s": self.blocked_wait_s}
-        return replace(comm, wait_scale=self.wait_scale, **held)
+        if self.blocked_wait_s is None:
+            return replace(comm, wait_scale=self.wait_scale)
+        return replace(comm, wait_scale=self.wait_scale, blocked_wait_s=self.blocked_wait_s)
 
     def planning_budget(self, budget: int | None) -> int | None:
         return None if budget is None else int(budget * (1 - self.memory_headroom))
@@ -172,11 +173,10 @@ class Searcher:
             for axis in (0, 1):
                 for w in sorted(self.space.window_choices):
                     win = list(g.window)
-                    pair = list(win[first])
-                    if w <= pair[axis]:
+                    fwd, bwd = win[first]
+                    if w <= (fwd, bwd)[axis]:
                         continue
-                    pair[axis] = w
-                    win[first] = tuple(pair)
+                    win[first] = (w, bwd) if axis == 0 else (fwd, w)
                     cand = self.space.normalize(replace(g, window=tuple(win)))
                     c = self.cost(cand)
                     if c < best:
@@ -285,15 +285,15 @@ class Searcher:
         if sp.fixed is None or any(v == "shard" for v in sp.fixed.values()):
             out["fsdp"] = sp.fsdp()
             out["zero2"] = sp.zero2()
-        for name in [n for n in ("fsdp", "zero2") if n in out]:
-            out[f"{name}+prefetch"] = self.widen_windows(out[name])
-            out[f"{name}+unshard"] = self.unshard_selectively(out[f"{name}+prefetch"])
+        for seed in [n for n in ("fsdp", "zero2") if n in out]:
+            out[f"{seed}+prefetch"] = self.widen_windows(out[seed])
+            out[f"{seed}+unshard"] = self.unshard_selectively(out[f"{seed}+prefetch"])
         if sp.fixed is not None and not out:
             out["fixed"] = sp.normalize(sp.ddp())
         if sp.accum_steps > 1:  # FSDP2's default: reduce-scatter in every micro-batch
-            for name in [n for n in ("fsdp", "zero2") if n in out]:
-                g = out[name]
-                out[f"{name}+sharded-accumulation"] = sp.normalize(replace(g, accumulate=tuple(int(s_) for s_ in g.shard)))
+            for seed in [n for n in ("fsdp", "zero2") if n in out]:
+                g = out[seed]
+                out[f"{seed}+sharded-accumulation"] = sp.normalize(replace(g, accumulate=tuple(int(s_) for s_ in g.shard)))
         if sp.recompute_blocks:
             every = range(len(sp.recompute_blocks))
             for name in list(out):

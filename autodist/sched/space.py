@@ -24,13 +24,13 @@ trainable parameters in gradient-ready order.
 
 from __future__ import annotations
 
-import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from random import Random
 
 from ..builtins import ddp_plan, fsdp_plan, zero2_plan
 from ..cost.profile import Profile
-from ..plan import Bucket, GatherGroup, OffloadFragment, Plan, Prefetch, UnitPlan
+from ..plan import Bucket, GatherGroup, OffloadFragment, Plan, Prefetch, UnitPlan, Window
 from ..structure import ModelStructure
 
 RESIDENCIES = ("after_forward", "after_backward", "persistent")
@@ -49,6 +49,16 @@ class Genome:
     offload: tuple[tuple[str, str, int, int, int], ...] = ()
     recompute: frozenset[int] = frozenset()
     accumulate: tuple[int, ...] = ()
+
+
+def _clamp_window(w: int, n_units: int) -> int:
+    """A window gene of at most ``n_units`` (``MEMORY_WINDOW`` stays)."""
+    return w if w == MEMORY_WINDOW else min(w, n_units)
+
+
+def _window_gene(w: Window) -> int:
+    """A plan's prefetch window as a gene (``"memory"``: ``MEMORY_WINDOW``)."""
+    return MEMORY_WINDOW if w == "memory" else int(w)
 
 
 class PlanSpace:
@@ -118,7 +128,7 @@ class PlanSpace:
             prev_sharded = s
         res = list(g.residency)
         n_units = len(self.units)
-        win = [tuple(w if w == MEMORY_WINDOW else min(w, n_units) for w in pair) for pair in g.window]
+        win = [(_clamp_window(f, n_units), _clamp_window(b, n_units)) for f, b in g.window]
         current = 0
         for i, s in enumerate(shard):
             if s:
@@ -235,7 +245,7 @@ class PlanSpace:
         for g in plan.gather_groups:
             first = min(self.index[u] for u in g.units)
             starts.add(first)
-            window[first] = tuple(MEMORY_WINDOW if w == "memory" else int(w) for w in (g.prefetch.forward, g.prefetch.backward))
+            window[first] = (_window_gene(g.prefetch.forward), _window_gene(g.prefetch.backward))
         position = {p: k for k, p in enumerate(self.ready)}
         bstarts = {min(position[p] for p in b.params if p in position) for b in plan.buckets if any(p in position for p in b.params)}
         recompute = frozenset(self.recompute_blocks.index(b) for b in plan.recompute if b in self.recompute_blocks)
@@ -292,7 +302,7 @@ class PlanSpace:
         return replace(g, offload=tuple(sorted(o if o != frag else new for o in g.offload)))
 
     # ---- random plans and moves ------------------------------------------------------------
-    def random(self, rng: random.Random) -> Genome:
+    def random(self, rng: Random) -> Genome:
         n = len(self.units)
         shard = tuple(rng.random() < 0.6 for _ in range(n))
         residency = tuple(rng.randrange(3) for _ in range(n))
@@ -304,23 +314,23 @@ class PlanSpace:
         accumulate = tuple(int(rng.random() < 0.5) for _ in range(n))
         return self.normalize(Genome(shard, residency, starts, window, bstarts, inflight, (), recompute, accumulate))
 
-    def mutate(self, g: Genome, rng: random.Random, moves: int = 1) -> Genome:
+    def mutate(self, g: Genome, rng: Random, moves: int = 1) -> Genome:
         """Apply ``moves`` random moves (bucket merge/split, group merge/split, residency, window,
         placement when free, in-flight bound)."""
         for _ in range(moves):
             g = self._move(g, rng)
         return self.normalize(g)
 
-    def with_recompute(self, g: Genome, blocks: Sequence[int]) -> Genome:
+    def with_recompute(self, g: Genome, blocks: Iterable[int]) -> Genome:
         return replace(g, recompute=frozenset(blocks))
 
-    def _move(self, g: Genome, rng: random.Random) -> Genome:
+    def _move(self, g: Genome, rng: Random) -> Genome:
         kinds = ["bucket_merge", "bucket_split", "residency", "window", "inflight", "group_merge", "group_split"]
         if self.fixed is None:
             kinds.append("placement")
         return self._move_kind(g, rng.choice(kinds), rng)
 
-    def _move_kind(self, g: Genome, kind: str, rng: random.Random) -> Genome:
+    def _move_kind(self, g: Genome, kind: str, rng: Random) -> Genome:
         """One move of the given kind (a no-op when it does not apply)."""
         n = len(self.units)
         sharded = [i for i in range(n) if g.shard[i]]
