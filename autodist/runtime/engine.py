@@ -60,6 +60,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import torch
 import torch.optim.optimizer as optim_hooks
@@ -68,6 +69,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 from torch.torch_version import TorchVersion
+from torch.utils.hooks import RemovableHandle
 
 from .._log import OnceLogger, logger
 from .._tree import output_leaves
@@ -97,7 +99,7 @@ LAUNCH_POLICIES = ("ready", "sampled")
 
 # torch 2.15 changed FSDP2's MixedPrecisionPolicy(reduce_dtype=None) from reducing in param_dtype to
 # reducing in the parameter's own dtype (see its docstring's "versionchanged")
-_FSDP2_REDUCES_IN_ORIGINAL_DTYPE = TorchVersion(torch.__version__) >= (2, 15)
+_FSDP2_REDUCES_IN_ORIGINAL_DTYPE = TorchVersion(torch.__version__) >= "2.15"
 
 
 @dataclass
@@ -205,7 +207,13 @@ class RuntimeStats:
     grad_accum_steps: int = 0  # backward passes between the last two optimizer steps (0: none yet)
 
 
+T = TypeVar("T")
+
+
 class Engine:
+    recompute: BlockRecompute
+    offload: OffloadManager
+
     def __init__(
         self,
         module: nn.Module,
@@ -244,8 +252,8 @@ class Engine:
         self.once = OnceLogger()
         self._launch_policy_arg = launch_policy
         self.check_collectives = check_collectives
-        self._handles: list[object] = []
-        self._opt_global_handles: list[object] = []
+        self._handles: list[RemovableHandle] = []
+        self._opt_global_handles: list[RemovableHandle] = []
         self._gen = 0
         self._step = _Step()
         self._order_learned = False
@@ -335,8 +343,8 @@ class Engine:
                 if ours:
                     self._adopt_optimizer(opt)
         self._install_reducer(plan)
-        for g in self.groups:
-            g.record = self._record
+        for grt in self.groups:
+            grt.record = self._record
         for b in self.reducer.buckets:
             b.record = self._record
         self.offload.record = self._record
@@ -555,7 +563,8 @@ class Engine:
                 g.wait()
         self._remove_hooks()
         for opt in list(self._optimizers.keys()):
-            for h in getattr(opt, "_autodist_step_hooks", {}).pop(id(self), []):
+            handles: dict[int, list[RemovableHandle]] = getattr(opt, "_autodist_step_hooks", {})
+            for h in handles.pop(id(self), []):
                 h.remove()
 
     # ------------------------------------------------------------------------------------------
@@ -563,7 +572,7 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     def forward(self, args: tuple, kwargs: dict) -> object:
         if self.mp is not None and self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
-            args, kwargs = _cast_floats((args, kwargs), self.mp.param_dtype)
+            args, kwargs = _cast_floats(args, self.mp.param_dtype), _cast_floats(kwargs, self.mp.param_dtype)
         if in_backward():  # the whole model is checkpointed and recomputed: the module hooks cope
             self.stats.recomputations += 1
             return self.module(*args, **kwargs)
@@ -981,7 +990,8 @@ class Engine:
         if ours:
             hooks = getattr(optimizer, "_autodist_step_hooks", None)
             if hooks is None:
-                hooks = optimizer._autodist_step_hooks = {}
+                hooks = {}
+                setattr(optimizer, "_autodist_step_hooks", hooks)  # noqa: B010 (an attribute of the user's object)
             hooks[id(self)] = [
                 optimizer.register_step_pre_hook(_weak_optimizer_hook(self, "pre")),
                 optimizer.register_step_post_hook(_weak_optimizer_hook(self, "post")),
@@ -1058,11 +1068,11 @@ class Engine:
                     eng.offload.copy_out([k for keys in eng.offload.out_at.values() for k in keys])
                     eng.offload.finish_out()
 
-            optimizer._autodist_offload_hooks = [
+            setattr(optimizer, "_autodist_offload_hooks", [  # noqa: B010 (an attribute of the user's object)
                 optimizer.register_state_dict_post_hook(sd_post),
                 optimizer.register_load_state_dict_pre_hook(load_pre),
                 optimizer.register_load_state_dict_post_hook(load_post),
-            ]
+            ])
 
     def _complete_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
         """Offloaded state tensors appear in ``optimizer.state_dict()`` with their full values."""
@@ -1140,7 +1150,8 @@ def _weak_optimizer_hook(engine: Engine, phase: str):
     return hook
 
 
-def _cast_floats(tree: object, dtype: torch.dtype) -> object:
+def _cast_floats(tree: T, dtype: torch.dtype) -> T:
+    """``tree`` with its floating-point tensors in ``dtype`` (the same containers)."""
     from torch.utils._pytree import tree_map
 
     def cast(x: object) -> object:
@@ -1148,4 +1159,5 @@ def _cast_floats(tree: object, dtype: torch.dtype) -> object:
             return x.to(dtype)
         return x
 
-    return tree_map(cast, tree)
+    out: T = tree_map(cast, tree)
+    return out

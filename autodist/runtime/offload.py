@@ -42,6 +42,7 @@ import enum
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -67,12 +68,18 @@ class _Entry:
     state: str
     ranges: list[tuple[int, int]]  # offloaded, sorted, disjoint, within the local numel
     numel: int
-    t: torch.Tensor | None = None  # the local state tensor (flattened view of the optimizer's own)
-    h: torch.Tensor | None = None  # host buffer of the offloaded elements
+    t: torch.Tensor  # the local state tensor (flattened view of the optimizer's own)
+    h: torch.Tensor  # host buffer of the offloaded elements
     d: torch.Tensor | None = None  # device buffer of the kept elements (only while offloaded)
     status: FragState = FragState.RESIDENT
-    pending: object | None = None  # the copy in flight (a handle of the copy engine)
+    pending: Any = None  # the copy in flight (a handle of the copy engine: a future or a CUDA event)
     kept: list[tuple[int, int]] = field(default_factory=list)
+
+    def kept_buffer(self) -> torch.Tensor:
+        """``D``, which exists from a copy-out's start until its copy-back is done."""
+        if self.d is None:
+            raise RuntimeError(f"offload of {self.param}/{self.state}: no device buffer of kept elements in state {self.status.value}")
+        return self.d
 
     @property
     def off_numel(self) -> int:
@@ -111,7 +118,7 @@ class _ThreadCopies:
     def __init__(self) -> None:
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="autodist-offload")
 
-    def start(self, fn) -> concurrent.futures.Future:
+    def start(self, fn: Callable[[], None]) -> concurrent.futures.Future:
         return self._worker.submit(fn)
 
     def done(self, handle: concurrent.futures.Future) -> bool:
@@ -138,17 +145,17 @@ class _StreamCopies:  # pragma: no cover - CUDA only, not exercised on this mach
     def keep_for_copy(self, t: torch.Tensor) -> None:
         t.record_stream(self.stream)
 
-    def start(self, fn):
+    def start(self, fn: Callable[[], None]) -> Any:
         ready = torch.cuda.current_stream().record_event()  # the optimizer's writes / the allocation
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
             fn()
             return self.stream.record_event()
 
-    def done(self, handle) -> bool:
-        return handle.query()
+    def done(self, handle: Any) -> bool:
+        return bool(handle.query())
 
-    def wait(self, handle, *, host: bool) -> None:
+    def wait(self, handle: Any, *, host: bool) -> None:
         if host:
             handle.synchronize()  # the host is about to release or read memory the copy used
         else:
@@ -215,10 +222,11 @@ class OffloadManager:
                 old = self.entries.get(key)
                 if old is not None and old.t is not None and old.t.data_ptr() == local.data_ptr() and old.status is not FragState.RESIDENT:
                     continue  # already managed
-                e = _Entry(mp.name, name, ranges, numel, t=local.view(-1))
-                e.kept = _complement(ranges, numel)
                 pin = self.device.type == "cuda"
-                e.h = torch.empty(e.off_numel, dtype=local.dtype, pin_memory=pin)
+                off_numel = sum(b - a for a, b in ranges)
+                e = _Entry(mp.name, name, ranges, numel, t=local.view(-1),
+                           h=torch.empty(off_numel, dtype=local.dtype, pin_memory=pin))
+                e.kept = _complement(ranges, numel)
                 self.entries[key] = e
                 self.account.device_bytes += numel * local.element_size()
                 found += 1
@@ -250,8 +258,9 @@ class OffloadManager:
                     e.h[off : off + b - a].copy_(e.t[a:b], non_blocking=True)
                     off += b - a
                 off = 0
+                d = e.kept_buffer()
                 for a, b in e.kept:
-                    e.d[off : off + b - a].copy_(e.t[a:b])
+                    d[off : off + b - a].copy_(e.t[a:b])
                     off += b - a
 
             e.pending = self._copies.start(work)
@@ -316,8 +325,9 @@ class OffloadManager:
                     e.t[a:b].copy_(e.h[off : off + b - a], non_blocking=True)
                     off += b - a
                 off = 0
+                d = e.kept_buffer()
                 for a, b in e.kept:
-                    e.t[a:b].copy_(e.d[off : off + b - a])
+                    e.t[a:b].copy_(d[off : off + b - a])
                     off += b - a
 
             e.pending = self._copies.start(work)
@@ -381,14 +391,15 @@ class OffloadManager:
                 self.finish_back()
         if e.status is not FragState.OFFLOADED:
             return None
-        out = torch.empty(e.numel, dtype=e.h.dtype, device=e.d.device if e.d is not None else self.device)
+        d = e.kept_buffer()
+        out = torch.empty(e.numel, dtype=e.h.dtype, device=d.device)
         off = 0
         for a, b in e.ranges:
             out[a:b].copy_(e.h[off : off + b - a])
             off += b - a
         off = 0
         for a, b in e.kept:
-            out[a:b].copy_(e.d[off : off + b - a])
+            out[a:b].copy_(d[off : off + b - a])
             off += b - a
         return out
 

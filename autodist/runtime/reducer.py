@@ -160,6 +160,13 @@ class BucketRuntime:
             else:
                 cols[q:].zero_()
 
+    @staticmethod
+    def _arrived(g: torch.Tensor | None, mp: ManagedParam) -> torch.Tensor:
+        """The gradient a ready hook announced (it is there by then)."""
+        if g is None:
+            raise RuntimeError(f"autodist: the gradient of {mp.name!r} was announced ready but is None")
+        return g
+
     def add_grad(self, slot: int, mp: ManagedParam) -> None:
         """Take this rank's gradient for ``mp`` into the bucket (called once per step per parameter)."""
         if self.ready[slot]:
@@ -173,7 +180,7 @@ class BucketRuntime:
                 if self._is_slot_view(g, slot):
                     self.action[slot] = _KEEP
                 else:
-                    view.copy_(g)
+                    view.copy_(self._arrived(g, mp))
                     obj = self.grad_obj(slot)
                     if obj is not None:
                         # the gradient lives in the bucket from now on: autograd's tensor goes now,
@@ -183,7 +190,7 @@ class BucketRuntime:
                     else:
                         self.action[slot] = _SET
             else:
-                g = mp.take_full_grad()
+                g = self._arrived(mp.take_full_grad(), mp)
                 vg = mp.local_grad()
                 if self._is_slot_view(vg, slot):
                     view.add_(g)
@@ -192,7 +199,7 @@ class BucketRuntime:
                     view.copy_(g)
                     self.action[slot] = _SET if vg is None else _ADD
         else:
-            g = mp.take_full_grad()
+            g = self._arrived(mp.take_full_grad(), mp)
             vg = mp.local_grad()
             if vg is None:
                 self.action[slot] = _SET
@@ -222,7 +229,7 @@ class BucketRuntime:
         if self.op == "all_reduce" and not mp.needs_swap:
             g = mp.visible.grad  # autograd accumulated into it: it holds the total
             if not self._is_slot_view(g, slot):
-                self.views[slot].copy_(g)
+                self.views[slot].copy_(self._arrived(g, mp))
             return
         g = mp.full.grad
         mp.full.grad = None
@@ -327,7 +334,7 @@ class BucketRuntime:
                     else:
                         mp.set_local_grad(views[slot].to(mp.dtype))
                 else:
-                    mp.local_grad().add_(views[slot].to(mp.dtype))
+                    self._arrived(mp.local_grad(), mp).add_(views[slot].to(mp.dtype))
         self._saved.clear()
         self.inflight = None
 
