@@ -327,6 +327,18 @@ def test_runtime_overheads_and_copies_are_charged_to_compute():
     assert r.step_s == pytest.approx(81.5 * MS)
 
 
+def test_each_replicated_parameters_gradient_hook_is_charged_to_its_units_backward():
+    plan = _two_all_reduce_buckets()
+    base = Simulator(PROFILE, STRUCTURE, COMM, world_size=2).run(plan)
+    hooked = Simulator(PROFILE, STRUCTURE, replace(COMM, overhead={"per_param_s": 1 * MS}), world_size=2).run(plan)
+    trainable = [p for p in STRUCTURE.params.values() if p.requires_grad]
+    assert len(trainable) == 2  # one weight per unit
+    assert hooked.compute_s == pytest.approx(base.compute_s + 2 * MS)
+    assert hooked.step_s > base.step_s
+    # a comm model measured before the figure existed charges nothing
+    assert Simulator(PROFILE, STRUCTURE, replace(COMM, overhead={}), world_size=2).run(plan).step_s == pytest.approx(base.step_s)
+
+
 def test_the_compute_thread_pays_for_issuing_and_collecting_each_collective():
     # the caller's share of a collective (issue + collecting it when done): 0.5 ms per all-gather,
     # 1 ms per reduce-scatter, 0.25 ms per all-reduce; the operations themselves as before

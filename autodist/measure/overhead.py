@@ -38,6 +38,7 @@ class RuntimeOverhead:
     per_gather_s: float = 0.0  # issue + wait + copy-out of one gather group, beyond the transfer
     per_bucket_s: float = 0.0  # copy-in + launch + finish of one bucket, beyond the transfer
     dtensor_opt_per_tensor_s: float = 0.0  # extra optimizer time per DTensor parameter
+    per_param_s: float = 0.0  # a replicated parameter's gradient-ready hook and copy into its bucket
 
 
 ROUNDS = 8  # interleaved rounds over the configurations (see [Note: stable overhead figures])
@@ -122,8 +123,8 @@ def measure_runtime_overhead(device: torch.device, comm: Comm) -> RuntimeOverhea
     values = torch.tensor(figures, dtype=torch.float64, device=device)
     if comm.world_size > 1:
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=comm.group)
-    u, g, b, d = values.tolist()
-    return RuntimeOverhead(per_unit_s=u, per_gather_s=g, per_bucket_s=b, dtensor_opt_per_tensor_s=d)
+    u, g, b, d, r = values.tolist()
+    return RuntimeOverhead(per_unit_s=u, per_gather_s=g, per_bucket_s=b, dtensor_opt_per_tensor_s=d, per_param_s=r)
 
 
 CHILD_TIMEOUT_S = 300.0
@@ -152,13 +153,14 @@ def _in_a_child(device: torch.device) -> tuple[str | None, list[float]]:
         figures = [float(v) for v in json.loads(lines[-1])]
     except (ValueError, TypeError) as e:
         return f"the child's answer was unreadable: {e}", []
-    if len(figures) != 4 or not all(math.isfinite(v) and v >= 0 for v in figures):
-        return f"the child's answer was not four figures: {lines[-1]!r}", []
+    if len(figures) != 5 or not all(math.isfinite(v) and v >= 0 for v in figures):
+        return f"the child's answer was not five figures: {lines[-1]!r}", []
     return None, figures
 
 
 def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12) -> list[float]:
-    """[per unit, per gather, per bucket, DTensor optimizer per tensor] in seconds, on ``comm``."""
+    """[per unit, per gather, per bucket, DTensor optimizer per tensor, per replicated parameter]
+    in seconds, on ``comm``."""
     from ..plan import Bucket, GatherGroup, Plan, Prefetch, UnitPlan
     from ..runtime.engine import Engine
     from ..structure import discover
@@ -169,6 +171,11 @@ def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12
 
     structure = discover(make())
     names = [u.name for u in structure.units]
+
+    def replicated() -> Plan:
+        ups = [UnitPlan(u.name, list(u.params), "replicate", "after_backward") for u in structure.units]
+        order = [p for u in reversed(structure.units) for p in u.params]
+        return Plan(world_size=comm.world_size, units=ups, gather_groups=[], buckets=[Bucket(order, "all_reduce")])
 
     def plan(per_unit_groups: bool, per_unit_buckets: bool) -> Plan:
         ups = [UnitPlan(u.name, list(u.params), "shard", "after_backward") for u in structure.units]
@@ -184,10 +191,11 @@ def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12
     plain = make()
     steps = {"plain": _train_step(plain, plain, x)}
     engines = []
-    for key, (pg, pb) in {"A": (True, True), "B": (False, False), "C": (True, False)}.items():
+    configurations = {"A": plan(True, True), "B": plan(False, False), "C": plan(True, False), "D": replicated()}
+    for key, the_plan in configurations.items():
         module = make()
         engine = Engine(
-            module, plan(pg, pb), discover(module), comm=comm, mesh=mesh, device=device,
+            module, the_plan, discover(module), comm=comm, mesh=mesh, device=device,
             mixed_precision=None, broadcast_buffers=False,
         )
         engines.append(engine)
@@ -205,6 +213,9 @@ def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12
     gather = max(0.0, (timings["C"] - timings["B"]) / (k - 1))
     bucket = max(0.0, (timings["A"] - timings["C"]) / (k - 1))
     unit = max(0.0, (timings["B"] - timings["plain"] - gather - bucket) / k)
+    # a replicated plan hooks no module: what it adds is each parameter's gradient-ready hook and
+    # copy into the bucket (its one bucket's launch is counted in with them)
+    per_param = max(0.0, (timings["D"] - timings["plain"]) / (2 * k))
 
     # optimizer over DTensor parameters vs plain tensors
     from torch.distributed.tensor import DTensor, Replicate
@@ -221,7 +232,7 @@ def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12
     opt_dts = torch.optim.AdamW(dts, lr=1e-3)
     opt = _interleaved({"plain": opt_plain.step, "dtensor": opt_dts.step}, device, warmup=1)
     dt_extra = max(0.0, (opt["dtensor"] - opt["plain"]) / n)
-    return [unit, gather, bucket, dt_extra]
+    return [unit, gather, bucket, dt_extra, per_param]
 
 
 def _child(argv: list[str] | None = None) -> None:

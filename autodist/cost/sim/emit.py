@@ -117,11 +117,19 @@ class StepEmitter:
         if any(u.placement == "shard" for u in plan.units):
             self.opt_s += ovh.get("dtensor_opt_per_tensor_s", 0.0) * self.local_tensors
         self.hook_s: dict[str, float] = {}
+        placement_of_unit = {u.name: u.placement for u in plan.units}
         if self.gathers.groups:
             per_unit = ovh.get("per_unit_s", 0.0)
-            placement_of_unit = {u.name: u.placement for u in plan.units}
             for u in sim.order:
                 self.hook_s[u] = per_unit / 2 if placement_of_unit.get(u) == "shard" else per_unit / 4
+        # each replicated parameter's gradient-ready hook runs in its unit's backward (a comm model
+        # measured before this figure existed has none: 0)
+        per_param = ovh.get("per_param_s", 0.0)
+        self.grad_hook_s: dict[str, float] = {}
+        if per_param:
+            for up in plan.units:
+                if up.placement != "shard":
+                    self.grad_hook_s[up.name] = per_param * sum(p in self.trainable for p in up.params)
         self.opt_transient = int(opt.transient_factor * self.local_master)
 
     # ---- the step ------------------------------------------------------------------------------
@@ -215,7 +223,7 @@ class StepEmitter:
             gathers.fire(bcur, rc.need[u])
             rc.run(rc.before, u, bcur)
             if up is not None:
-                out.emit((COMPUTE, max(0.0, up.bwd_s + self.hook_s.get(u, 0.0)), f"bwd {u}", up.bwd_peak_bytes))
+                out.emit((COMPUTE, max(0.0, up.bwd_s + self.hook_s.get(u, 0.0) + self.grad_hook_s.get(u, 0.0)), f"bwd {u}", up.bwd_peak_bytes))
                 out.emit((MEM, -up.act_bytes, ACTIVATIONS))
             for p in self.ready_at_start.get(u, ()):
                 self._grad_ready(p, sync)
