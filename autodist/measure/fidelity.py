@@ -124,19 +124,6 @@ def summaries(rows: Sequence[dict[str, Any]], steps: int | None = None) -> dict[
     }
 
 
-RECORD_FIELDS = ("spearman", "median_abs_pct_error_time", "median_abs_pct_error_peak", "max_pct_peak_excess",
-                 "split_half_spearman")  # of all the plans, at a record's top level
-
-
-def record_fidelity(rows: Sequence[dict[str, Any]], steps: int | None = None) -> dict[str, Any]:
-    """The fidelity figures a simcheck record holds beside its plans (``rows``): those of all the
-    plans at its top level (``RECORD_FIELDS``), and the built-in and random plans' and the searched
-    ones' under ``random_and_builtin`` and ``searched`` (:func:`summaries`)."""
-    fidelity = summaries(rows, steps)
-    return {**{k: fidelity["all"].get(k) for k in RECORD_FIELDS},
-            "random_and_builtin": fidelity["random_and_builtin"], "searched": fidelity["searched"]}
-
-
 def split_half_spearman(times: Sequence[Sequence[float]], steps: int) -> float:
     """How well the measurement ranks its own plans: the rank correlation, over plans, of each
     plan's step time (the lower quartile, as :attr:`Checked.measured_step_s`) from its even passes
@@ -254,24 +241,6 @@ def predictions_by_comm(profile: Profile, structure: Any, comms: Sequence[Any], 
     simulator's ``param_dtype`` and ``reduce_dtype``."""
     sims = [Simulator(profile, structure, c, world_size=world, **policy) for c in comms]
     return [[sim.run(plan).step_s for sim in sims] for plan in plans]
-
-
-def sweep_spread(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """How far each plan's prediction moves with the comm model it is made from: rows carry
-    ``predicted_step_s_by_sweep`` (the same profile, one comm model per sweep taken in the run);
-    per plan, the range of its predictions as a % of their median. Returns the number of sweeps,
-    the median and the largest range over the plans, and the plan with the largest (empty when no
-    row has two sweeps)."""
-    spreads = []
-    for r in rows:
-        preds = r.get("predicted_step_s_by_sweep") or []
-        if len(preds) > 1:
-            spreads.append((pct_apart(preds), r["plan"], len(preds)))
-    if not spreads:
-        return {}
-    worst = max(spreads)
-    return {"sweeps": max(n for _, _, n in spreads), "median_pct": statistics.median(s for s, _, _ in spreads),
-            "max_pct": worst[0], "max_plan": worst[1]}
 
 
 def budget_fractions(budgets: int) -> list[float]:

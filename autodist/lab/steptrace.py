@@ -2,7 +2,7 @@
 time of each section of the compute thread (``"forward"``, ``"fwd <unit>"``, ``"loss"``, ``"loss
 backward"``, ``"bwd <unit>"``, ``"backward"``, ``"optimizer"``: the names of
 ``autodist.cost.simulator.Program.sections``) and the duration of each collective. The learned
-estimator (``autodist/cost/learned.py``) trains on these; ``tools/collect_timelines.py`` collects them.
+estimator (``autodist/lab/learned.py``) trains on these; ``tools/collect_timelines.py`` collects them.
 
 [Note: measured sections] A section is what the compute thread does from one hook position to the
 next, as the simulator's program cuts it: a unit's forward section starts *before* AutoDist's own
@@ -35,10 +35,10 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
+from ..measure.trace import _attribute, _Pass
 from ..runtime.backward import in_backward
 from ..runtime.comm import CollectiveTiming, CommStats
 from ..structure import ModelStructure
-from .trace import _attribute, _Pass
 
 _Mark = tuple[float, float, float]  # (perf_counter, cumulative collective wait seconds, thread CPU time)
 

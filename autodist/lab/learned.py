@@ -28,7 +28,7 @@ the step; and the plan's analytic step time and compute share. Nothing names the
 estimator can be used on models it never saw (and is evaluated on such: ``tools/train_estimator.py``).
 
 **The target** of a node is ``log(measured / analytic)`` (clipped to ±``CLIP``): the wall-clock
-duration a step on this machine took (``autodist/measure/steptrace.py``) over the duration the
+duration a step on this machine took (``autodist/lab/steptrace.py``) over the duration the
 analytic simulator gave it (at least ``FLOOR_S``, so that a section the analytic model thinks
 free — the end of backward — can still be corrected).
 
@@ -63,9 +63,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..cost.fidelity import SIMULATOR_VERSION
+from ..cost.simulator import Program, SimResult, Simulator
 from ..plan import Plan
-from .fidelity import SIMULATOR_VERSION
-from .simulator import Program, SimResult, Simulator
 
 # 2: the unit parameter features (unit_*), and targets and ln_queued relative to a 100 us floor
 FEATURE_SCHEMA = 2
@@ -155,7 +155,7 @@ def schedule_graph(program: Program, analytic: SimResult) -> ScheduleGraph:
     """The graph of ``program`` timed as ``analytic`` (a ``Simulator._execute`` result with
     ``record=True``: its compute events are the program's compute instructions of positive
     duration, in order; its operations' ``start``/``end`` are set)."""
-    from .simulator import _C, _ISSUE, _WAIT  # the program's opcodes
+    from ..cost.simulator import _C, _ISSUE, _WAIT  # the program's opcodes
 
     prog, ops = program.prog, program.ops
     step = max(analytic.step_s, 1e-9)
@@ -376,7 +376,7 @@ def corrected_durations(graph: ScheduleGraph, program: Program, log_ratio: torch
     ``nodes``, a boolean per node, among those) gets ``exp(log_ratio) * max(analytic, FLOOR_S)``;
     other nodes keep theirs. With the measured targets as ``log_ratio`` and their mask as ``nodes``
     this is the *replay*: the simulator timing the durations a run measured."""
-    from .simulator import _C
+    from ..cost.simulator import _C
 
     keep = set(kinds)
     durations: dict[int, float] = {}
@@ -470,7 +470,7 @@ class MeasuredStep:
         """The step with ``log_ratio`` applied to the nodes of ``kinds`` (and ``nodes``, as
         :func:`corrected_durations` takes them); None: the analytic step. The sample's own targets
         and mask replay the durations measured."""
-        from .simulator import scaled
+        from ..cost.simulator import scaled
 
         if log_ratio is None:  # the program's own durations (timing sets its operations' start and end: fresh copies)
             prog, ops = scaled(self.program, {}, [op.seconds for op in self.program.ops])
