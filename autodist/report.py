@@ -66,8 +66,8 @@ def render_plan(plan: Plan, path: str) -> str:
 
     vs = pred.get("vs") or {}
     if vs:
-        rows = [(name, f"{ratio:.2f}x") for name, ratio in sorted(vs.items())]
-        out += ["", "predicted speed-up over the seeds", format_table(("seed", "speed-up"), rows)]
+        speedups = [(name, f"{ratio:.2f}x") for name, ratio in sorted(vs.items())]
+        out += ["", "predicted speed-up over the seeds", format_table(("seed", "speed-up"), speedups)]
 
     out += ["", f"units ({len(plan.units)})"]
     out.append(
@@ -83,20 +83,20 @@ def render_plan(plan: Plan, path: str) -> str:
 
     out += ["", f"gather groups ({len(plan.gather_groups)})"]
     if plan.gather_groups:
-        rows = [
+        groups = [
             (i, _span(g.units), g.prefetch.forward, g.prefetch.backward) for i, g in enumerate(plan.gather_groups)
         ]
-        out.append(format_table(("group", "units", "fwd prefetch", "bwd prefetch"), rows))
+        out.append(format_table(("group", "units", "fwd prefetch", "bwd prefetch"), groups))
     else:
         out.append("  none")
 
     out += ["", f"buckets ({len(plan.buckets)})"]
     if plan.buckets:
-        rows = [
+        buckets = [
             (i, b.op, len(b.params), "?" if b.nbytes is None else format_bytes(b.nbytes))
             for i, b in enumerate(plan.buckets)
         ]
-        out.append(format_table(("bucket", "op", "params", "size"), rows))
+        out.append(format_table(("bucket", "op", "params", "size"), buckets))
     else:
         out.append("  none")
     if plan.rebuild_buckets is not None:
@@ -112,8 +112,8 @@ def render_plan(plan: Plan, path: str) -> str:
 
     out += ["", f"offload fragments ({len(plan.offload)})"]
     if plan.offload:
-        rows = [(o.param, o.state, f"[{o.fragment[0]}, {o.fragment[1]})", o.out_after, o.back_from) for o in plan.offload]
-        out.append(format_table(("param", "state", "fragment", "out_after", "back_from"), rows))
+        fragments = [(o.param, o.state, f"[{o.fragment[0]}, {o.fragment[1]})", o.out_after, o.back_from) for o in plan.offload]
+        out.append(format_table(("param", "state", "fragment", "out_after", "back_from"), fragments))
     else:
         out.append("  none")
     return "\n".join(out)
@@ -257,9 +257,8 @@ def environment_report() -> str:
         import torch.distributed as dist
 
         backend = dist.get_default_backend_for_device(device)
-    has_accelerator = hasattr(torch, "accelerator") and torch.accelerator.is_available()
-    if has_accelerator:
-        acc = torch.accelerator.current_accelerator()
+    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") and torch.accelerator.is_available() else None
+    if acc is not None:
         accel = f"{acc.type} x {torch.accelerator.device_count()}"
         if acc.type == "cuda":
             accel += f" ({torch.cuda.get_device_name(device)})"

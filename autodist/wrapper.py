@@ -9,7 +9,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,9 @@ from .runtime.engine import Engine, MixedPrecision
 from .runtime.materialize import Materializer, is_meta_model
 from .runtime.state import agree_on_state_dict, full_state_dict, load_full_state_dict
 from .structure import ModelStructure, discover
+
+if TYPE_CHECKING:
+    from .planner.online import AutoPlanner
 
 PLAN_CHOICES = ("auto",) + BUILTIN_PLANS
 
@@ -127,7 +130,7 @@ class AutoDist(nn.Module):
         super().__init__()
         self._closed = False
         self._failed: BaseException | None = None
-        self._auto = None
+        self._auto: AutoPlanner | None = None
         # Every argument is checked before anything is modified; in a multi-rank job the ranks then
         # agree on the outcome, so a bad argument is one error raised on every rank (reported once).
         try:

@@ -281,7 +281,7 @@ def test_an_older_profile_reads_without_a_sensitivity_and_the_cache_measures_the
     import json
 
     from autodist.cost.profile import PROFILE_SCHEMA_VERSION, Profile, UnitProfile
-    from autodist.planner.cache import profile_entry
+    from autodist.planner.entries import profile_entry
 
     current = Profile(units=[UnitProfile("u", fwd_s=1.0, ready=["u.w"])], ready_order=["u.w"], contended_slowdown=1.8,
                       contention_sensitivity=1.1)

@@ -448,7 +448,7 @@ def build_net(config: NetConfig) -> nn.Module:
             h = self.inp(x)
             for convs, own in zip(self.convs, self.own):
                 m = own(h)
-                for r, conv in convs.items():
+                for r, conv in convs.items():  # type: ignore[operator]  # nn.Module.__getattr__ types convs as a Tensor
                     m = m + conv(h, edges[r])
                 h = h + torch.relu(m)
             return self.head(h).squeeze(-1)
@@ -494,7 +494,9 @@ class Sample:
 
 def _batch(graphs: Sequence[ScheduleGraph]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The disjoint union of ``graphs``: stacked features and offset edges."""
-    xs, edges, offset = [], {r: [] for r in RELATIONS}, 0
+    xs: list[torch.Tensor] = []
+    edges: dict[str, list[torch.Tensor]] = {r: [] for r in RELATIONS}
+    offset = 0
     for g in graphs:
         xs.append(g.x)
         for r in RELATIONS:
@@ -642,8 +644,10 @@ def _validation_error(held: Sequence[Sample], raw: Sequence[torch.Tensor], share
     if all(s.step is not None for s in held):
         errors = []
         for s, r in zip(held, raw):
-            step = s.step.timed(s.graph, share * r if share else None, kinds)
-            errors.append(abs(step - s.step.measured_s) / s.step.measured_s)
+            measured = s.step
+            assert measured is not None  # every sample of ``held`` has one (checked above)
+            step = measured.timed(s.graph, share * r if share else None, kinds)
+            errors.append(abs(step - measured.measured_s) / measured.measured_s)
         return float(torch.tensor(errors).median()) if errors else 0.0
     err = torch.cat([(share * r[s.mask] - s.y[s.mask]).abs() for s, r in zip(held, raw)])
     return float(err.median()) if err.numel() else 0.0

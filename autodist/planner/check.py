@@ -88,13 +88,16 @@ def run_check(req: CheckRequest, device: torch.device, backend: str, say: Callab
     :func:`~autodist.cli.render_check` prints (the others ``None``). ``say`` reports each plan's
     measurement as it completes (rank 0)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    if group is None:
+        raise RuntimeError("autodist check runs in a process group (torchrun); none is initialised")
     model = req.build()
     structure = discover(model)
     req.validate(model)
     gen = torch.Generator().manual_seed(1000 + rank)  # distinct data per rank and step
     batches = [(req.batch(gen, device), None) for _ in range(WARMUP_STEPS + req.steps + 1)]
     x0 = batches[0][0].chunk(req.accum)[0]
-    train = measure_sweep.collective_train(dist.group.WORLD, device)
+    train = measure_sweep.collective_train(group, device)
     model = model.to(device)
 
     def profile(memory: bool = True) -> Profile:
@@ -105,7 +108,7 @@ def run_check(req: CheckRequest, device: torch.device, backend: str, say: Callab
 
     prof = measure_fidelity.slowest_over_ranks(profile())
     reprofile = measure_fidelity.Reprofile(prof, lambda: profile(memory=False))
-    comm = measure_sweep.sweep(dist.group.WORLD, device)
+    comm = measure_sweep.sweep(group, device)
     space = space_for(prof, structure, world, grad_accum_steps=req.accum)
     sim = Simulator(prof, structure, comm, world_size=world)
     chosen = measure_fidelity.plans_to_check(space, sim, req.plans)

@@ -33,7 +33,8 @@ from ..plan import Plan, made_for
 from ..sched.search import SearchConfig, Searcher, SearchResult
 from ..sched.space import space_for
 from ..structure import discover
-from .cache import Cache, profile_entry
+from .cache import Cache
+from .entries import profile_entry
 from .keys import input_signature, machine, machine_key, profile_cache_key
 
 

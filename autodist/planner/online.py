@@ -48,7 +48,8 @@ from ..sched.search import SearchConfig, SearchResult
 from ..sched.space import PlanSpace, space_for
 from ..structure import ModelStructure
 from . import keys
-from .cache import Cache, comm_entry, placement_entry, plan_entry, profile_entry
+from .cache import Cache
+from .entries import comm_entry, placement_entry, plan_entry, profile_entry
 from .estimator import entry_parser, stored_estimator
 from .offline import annotate, budget_error, search_within_budget
 from .recorder import StepRecorder
@@ -231,7 +232,8 @@ class AutoPlanner:
         return self._estimator[1] if self._estimator is not None else None
 
     def lookup(self, sig: str) -> Plan | None:
-        key = text = None
+        key: str | None = None
+        text: str | None = None
         if self.rank == 0:
             key = self.plan_key(sig, self._optimizer_kind(sig))
             plan = self.read("plans", key)
@@ -249,7 +251,7 @@ class AutoPlanner:
             text = plan.to_json() if plan is not None else None
         # every rank must agree on hit or miss (their caches may differ): rank 0 decides
         key, text = self.comm.broadcast_object((key, text))
-        if text is None:
+        if text is None or key is None:
             return None
         plan = Plan.from_json(text)
         self.stats.cache_hits += 1
@@ -319,20 +321,20 @@ class AutoPlanner:
 
     def search(self, profile: Profile, comm: CommModel, *, fixed: dict[str, str] | None) -> SearchResult:
         comm = self.search_config().calibrated(comm)
-        kw = {
-            "world_size": self.world, "budget_bytes": self.search_config().planning_budget(self.rt.budget_bytes),
-            "param_dtype": self.mp.param_dtype if self.mp else None, "reduce_dtype": self.mp.reduce_dtype if self.mp else None,
-        }
+        mp = self.mp
+
+        def simulator(budget: int | None, estimator: DurationEstimator | None = None) -> Simulator:
+            return Simulator(
+                profile, self.structure, comm, world_size=self.world, budget_bytes=budget, estimator=estimator,
+                param_dtype=mp.param_dtype if mp else None, reduce_dtype=mp.reduce_dtype if mp else None,
+            )
+
         space = space_for(profile, self.structure, self.world, fixed_placement=fixed, grad_accum_steps=self.rt.grad_accum_steps)
-        searcher, result = search_within_budget(
-            space, lambda budget: Simulator(profile, self.structure, comm, **{**kw, "budget_bytes": budget}),
-            self.search_config(), self.rt.budget_bytes,
-        )
-        kw["budget_bytes"] = searcher.sim.budget
+        searcher, result = search_within_budget(space, simulator, self.search_config(), self.rt.budget_bytes)
         estimator = self.estimator()
         if estimator is not None:
             # the corrected simulator ranks the finalists (see [Note: when plan="auto" uses the learned estimator])
-            result = searcher.refine(result, Simulator(profile, self.structure, comm, estimator=estimator, **kw))
+            result = searcher.refine(result, simulator(searcher.sim.budget, estimator))
             logger.info(
                 "autodist: the learned estimator ranked the search's finalists: predicted step %.2f ms (analytic %.2f ms)",
                 result.result.step_s * 1e3, (result.result.analytic_step_s or result.result.step_s) * 1e3,
@@ -345,29 +347,9 @@ class AutoPlanner:
     def _budget_error(self, result: SearchResult) -> BudgetError:
         return budget_error(self.rt.budget_bytes, result, self.structure)
 
-    def plan_now(self, profile: Profile, sig: str, *, fixed: dict[str, str] | None) -> tuple[Plan, Plan | None]:
+    def plan_now(self, profile: Profile, sig: str, *, fixed: dict[str, str] | None) -> tuple[Plan, Plan]:
         """Search (rank 0) and broadcast. Returns (plan to use now, plan for the next launch)."""
-        payload = None
-        if self.nothing_to_communicate(fixed):
-            # [Note: a model with nothing to communicate] No parameter is trained, so no gradient is
-            # reduced; with every unit replicated nothing is gathered either, and the comm model
-            # would price no collective of the plan: it is not measured (a sweep takes about 50 s
-            # a pass). The search runs with the placement fixed to replicate and a comm model that
-            # prices nothing it is asked about; if replicating does not fit the budget and the
-            # placement may change, units must be sharded, which gathers, and the comm model is
-            # measured as for any model.
-            replicated = {u.name: "replicate" for u in self.structure.units}
-            payload = self.comm.broadcast_object(
-                self._search_payload(profile, sig, _silent_comm_model(self.world, self.device), fixed=replicated, free=replicated)
-                if self.rank == 0 else None
-            )
-            if "error" in payload and fixed is None:  # with the placement fixed, the error stands
-                if self.rank == 0:
-                    logger.info("autodist: replicating this untrained model does not fit the budget; planning sharded units")
-                payload = None
-        if payload is None:
-            comm = self.comm_model()
-            payload = self.comm.broadcast_object(self._search_payload(profile, sig, comm, fixed=fixed) if self.rank == 0 else None)
+        payload = self._agreed_search(profile, sig, fixed)
         if "failure" in payload or "error" in payload:
             # every rank raises it (they all got the payload): reported once, as at wrap time
             err: AutoDistError = (
@@ -388,6 +370,33 @@ class AutoPlanner:
         self.stats.plan_path = str(path) if path else str(self.cache.path("plans", key))
         self.stats.source = "search"
         return now_plan, free_plan
+
+    def _agreed_search(self, profile: Profile, sig: str, fixed: dict[str, str] | None) -> dict[str, Any]:
+        """Rank 0's search payload (:meth:`_search_payload`), on every rank."""
+        payload: dict[str, Any] | None = None
+        if self.nothing_to_communicate(fixed):
+            # [Note: a model with nothing to communicate] No parameter is trained, so no gradient is
+            # reduced; with every unit replicated nothing is gathered either, and the comm model
+            # would price no collective of the plan: it is not measured (a sweep takes about 50 s
+            # a pass). The search runs with the placement fixed to replicate and a comm model that
+            # prices nothing it is asked about; if replicating does not fit the budget and the
+            # placement may change, units must be sharded, which gathers, and the comm model is
+            # measured as for any model.
+            replicated = {u.name: "replicate" for u in self.structure.units}
+            payload = self.comm.broadcast_object(
+                self._search_payload(profile, sig, _silent_comm_model(self.world, self.device), fixed=replicated, free=replicated)
+                if self.rank == 0 else None
+            )
+            if payload is not None and "error" in payload and fixed is None:  # with the placement fixed, the error stands
+                if self.rank == 0:
+                    logger.info("autodist: replicating this untrained model does not fit the budget; planning sharded units")
+                payload = None
+        if payload is None:
+            comm = self.comm_model()
+            payload = self.comm.broadcast_object(self._search_payload(profile, sig, comm, fixed=fixed) if self.rank == 0 else None)
+        if payload is None:  # rank 0 always sends one; a broadcast that lost it is a failure, not a hang
+            return {"failure": "rank 0 sent no search result"}
+        return payload
 
     def nothing_to_communicate(self, fixed: dict[str, str] | None) -> bool:
         """Whether a plan for this model issues no collective: no parameter is trained (no gradient
