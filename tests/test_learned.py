@@ -30,7 +30,8 @@ from test_simulator import COMM, PROFILE, STRUCTURE
 import models
 from autodist.cost.simulator import Simulator
 from autodist.lab import learned
-from autodist.lab.learned import FEATURES, EstimatorEntry, NetConfig, estimator_entry, graph_of, targets
+from autodist.lab.graph import FEATURES, graph_of, targets
+from autodist.lab.learned import EstimatorEntry, NetConfig, estimator_entry
 from autodist.plan import Bucket, GatherGroup, Plan, Prefetch, UnitPlan
 from autodist.planner.cache import Cache
 from autodist.planner.keys import comm_cache_key
@@ -399,7 +400,7 @@ def test_collectives_record_when_they_were_issued_and_completed_only_when_asked(
 
 def _measured_names(plan_kw):
     from autodist import AutoDist
-    from autodist.lab.learned import collective_name
+    from autodist.lab.graph import collective_name
     from autodist.lab.steptrace import StepTracer
     from parity import profiled_mlp
 

@@ -57,7 +57,7 @@ from _launch import report, run_tool  # noqa: E402
 from autodist import AutoDist  # noqa: E402
 from autodist.cost.comm import CommModel  # noqa: E402
 from autodist.cost.simulator import Simulator  # noqa: E402
-from autodist.lab.learned import collective_name, graph_of  # noqa: E402
+from autodist.lab.graph import collective_name, graph_of  # noqa: E402
 from autodist.lab.steptrace import StepTracer  # noqa: E402
 from autodist.measure.fidelity import max_over_ranks, optimizer_for, plans_to_check, slowest_over_ranks  # noqa: E402
 from autodist.measure.sweep import collective_train, sweep  # noqa: E402

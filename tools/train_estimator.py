@@ -43,6 +43,7 @@ from autodist.cost.comm import CommModel  # noqa: E402
 from autodist.cost.profile import Profile  # noqa: E402
 from autodist.cost.simulator import Simulator  # noqa: E402
 from autodist.lab import learned  # noqa: E402
+from autodist.lab.graph import ScheduleGraph, graph_of, targets  # noqa: E402
 from autodist.measure.fidelity import spearman  # noqa: E402
 from autodist.plan import Plan  # noqa: E402
 from autodist.planner.cache import Cache  # noqa: E402
@@ -86,9 +87,9 @@ def samples_for(record: dict, plans: list[dict]) -> list[learned.Sample]:
     sim = simulator_for(record)
     out = []
     for p in plans:
-        program, _, graph = learned.graph_of(sim, Plan.from_json(json.dumps(p["plan"])))
+        program, _, graph = graph_of(sim, Plan.from_json(json.dumps(p["plan"])))
         measured = {e["name"]: e["measured_s"] for e in p["events"] if "measured_s" in e}
-        y, mask = learned.targets(graph, measured)
+        y, mask = targets(graph, measured)
         step = learned.MeasuredStep(sim, program, p["measured_step_s"])
         out.append(learned.Sample(graph, y, mask, record["model"], p["plan_name"], step))
     return out
@@ -144,7 +145,7 @@ def evaluate(trained: learned.Trained, record: dict, plans: list[dict], samples:
     }
 
 
-def repeat_errors(graph: learned.ScheduleGraph, events: list[dict]) -> dict[int, float]:
+def repeat_errors(graph: ScheduleGraph, events: list[dict]) -> dict[int, float]:
     """Per measured node of ``graph`` whose record has ``halves_s`` (the means of the first and
     the last half of the measured steps): how far apart the two are, relative to the measured
     duration as :func:`autodist.lab.learned.event_errors` judges a prediction — the error a
