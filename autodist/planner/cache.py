@@ -2,12 +2,12 @@
 
 Location: ``cache_dir`` if given, else ``$AUTODIST_CACHE_DIR``, else ``$XDG_CACHE_HOME/autodist``,
 else ``~/.cache/autodist``. The kinds of entry live apart, so that a new budget re-plans without
-re-profiling and a new model reuses the machine's comm model:
+re-profiling and a new model reuses the machine's comm model (the keys: ``keys.py``):
 
 * ``profiles/<key>.json`` — a :class:`~autodist.cost.profile.Profile`, keyed by model structure,
   input signature, device and torch version;
-* ``comm/<key>.json`` — a :class:`~autodist.cost.comm.CommModel`, keyed by backend, world size,
-  device name and torch version;
+* ``comm/<key>.json`` — a :class:`~autodist.cost.comm.CommModel`, keyed by the machine (backend,
+  world size, device type and name, torch version: :func:`~autodist.planner.keys.machine_key`);
 * ``plans/<key>.json`` — a plan, keyed by everything that decides it (the profile key, world size,
   backend, budget, optimizer kind, mixed precision, plan schema version);
 * ``placements/<key>.json`` — the placement of the last plan stored for a model, world size and
@@ -19,7 +19,7 @@ re-profiling and a new model reuses the machine's comm model:
 
 Writes are atomic (temporary file + rename) under an exclusive ``fcntl`` lock; only rank 0 writes.
 A corrupt, truncated or stale entry is reported once, removed and treated as a miss — it never
-crashes training or changes results.
+crashes training or changes results (the checks: ``entries.py``).
 """
 
 from __future__ import annotations

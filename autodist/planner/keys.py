@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 
@@ -31,7 +32,7 @@ def device_name(device: torch.device) -> str:
 
 def default_backend(device: torch.device) -> str:
     """The backend a process group on ``device`` uses by default (gloo on the CPU, NCCL on CUDA)."""
-    return "gloo" if device.type == "cpu" else str(torch.distributed.get_default_backend_for_device(device))
+    return "gloo" if device.type == "cpu" else str(dist.get_default_backend_for_device(device))
 
 
 def machine_facts(world: int, device_type: str, name: str, backend: str) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .._log import announce, logger
@@ -152,7 +153,7 @@ class AutoPlanner:
         self.stats = LifecycleStats()
         self.state = _State.DONE
         self.explicit_budget = explicit_budget
-        self.machine = keys.machine(self.world, self.device, str(torch.distributed.get_backend(self.comm.group)))
+        self.machine = keys.machine(self.world, self.device, str(dist.get_backend(self.comm.group)))
         self._recorder: StepRecorder | None = None
         self._sig = ""
         self._wrapped_inputs: tuple | None = None  # a meta-device model's example inputs (profile_wrapped)
