@@ -26,12 +26,13 @@ import importlib
 import importlib.metadata
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
+
+from .report import environment_report, format_table, render_cache_entry, render_check, render_plan
 
 if TYPE_CHECKING:
     import torch
@@ -44,11 +45,6 @@ INPUT_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32")
 DEFAULT_INPUT_HIGH = 1000
 PNG_SIZE = (1400, 700)  # pixels: a step's streams and memory curve stay readable on one screen
 TIMELINE_SUFFIXES = (".json", ".png")
-TORCHRUN_VARS = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-    "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-)
-OPTIONAL_PACKAGES = ("torchvision", "matplotlib", "torch_geometric")
 
 
 class CommandError(Exception):
@@ -74,27 +70,6 @@ def _say(text: str = "") -> None:
 
 def _complain(prog: str, message: str) -> None:
     print(f"{prog}: {' '.join(str(message).split())}", file=sys.stderr)
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, indent: str = "  ") -> str:
-    """Rows as aligned plain-text columns under a ruled header; numeric columns are right-aligned."""
-    cells = [[str(c) for c in r] for r in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    right = [bool(rows) and all(isinstance(r[i], (int, float)) for r in rows) for i in range(len(headers))]
-
-    def line(values: Sequence[str]) -> str:
-        parts = [v.rjust(w) if r else v.ljust(w) for v, w, r in zip(values, widths, right)]
-        return (indent + "  ".join(parts)).rstrip()
-
-    out = [line(headers), line(["-" * w for w in widths])]
-    out.extend(line(r) for r in cells)
-    return "\n".join(out)
-
-
-def format_fields(pairs: Sequence[tuple[str, Any]], *, indent: str = "  ") -> str:
-    """``key  value`` lines with the values aligned."""
-    width = max((len(k) for k, _ in pairs), default=0)
-    return "\n".join(f"{indent}{k.ljust(width)}  {v}" for k, v in pairs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -304,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     show_entry.add_argument("key", metavar="KEY", help="the entry's key, as `autodist cache list` shows it, or a unique prefix")
     show_entry.add_argument("--json", action="store_true", help="print the raw JSON record")
     clear = actions.add_parser("clear", parents=[common], help="remove entries", description="Remove cache entries.")
-    from .cache import KINDS
+    from .planner.cache import KINDS
 
     clear.add_argument("--kind", choices=KINDS, help="remove only this kind (default: all)")
     actions.add_parser("path", parents=[common], help="print the cache directory", description="Print the cache directory.")
@@ -413,41 +388,15 @@ def _first_line(e: BaseException) -> str:
 
 
 def _comm_model(args: argparse.Namespace, world: int) -> tuple[Any, str]:
-    """The comm model and a phrase saying where it came from."""
-    import torch
+    """The comm model the flags ask for, and a phrase saying where it came from (``planner/offline.py``)."""
+    from .planner import offline
 
-    from .cache import Cache, comm_cache_key
-    from .cost.comm import CommModel
-
-    if args.interconnect is not None:
-        from .cost.interconnect import INTERCONNECTS
-
-        link = INTERCONNECTS[args.interconnect]
-        model = CommModel.analytic(world, bandwidth_bytes_s=link.bandwidth_gbps * 1e9, latency_s=link.latency_us * 1e-6)
-        return model, f"the {link.name} interconnect ({link.what}: {link.bandwidth_gbps:g} GB/s, {link.latency_us:g} us)"
-    if args.bandwidth is not None:
-        model = CommModel.analytic(world, bandwidth_bytes_s=args.bandwidth * 1e9, latency_s=args.latency * 1e-6)
-        return model, f"an analytic comm model ({args.bandwidth:g} GB/s, {args.latency:g} us)"
-    cache = Cache(args.cache_dir, writer=False)
-    path = cache.path("comm", comm_cache_key(world, "cpu", "cpu", "gloo"))
-    if not path.is_file():
-        from .cost.interconnect import INTERCONNECTS
-
-        raise CommandError(
-            f"no comm model is cached for {world} CPU ranks (gloo, torch {torch.__version__}) in {cache.dir}; pass "
-            f"--interconnect NAME for the link your ranks use ({', '.join(INTERCONNECTS)}; `--help` lists their "
-            "numbers), or --bandwidth GBPS --latency US, or run a job with plan=\"auto\" on this machine with "
-            f"{world} ranks first (it measures one and caches it)"
-        )
     try:
-        # with the wait calibration `autodist check` fitted here, as the search simulates with it
-        model = _search_config(args.cache_dir, world).calibrated(CommModel.from_json(path.read_text()))
-        return model, f"the comm model measured on this machine ({path})"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CommandError(
-            f"the cached comm model {path} cannot be read ({type(e).__name__}: {_first_line(e)}); remove it with "
-            "`autodist cache clear --kind comm` or pass --bandwidth and --latency"
-        ) from None
+        return offline.comm_model(
+            world, cache_dir=args.cache_dir, interconnect=args.interconnect, bandwidth_gbps=args.bandwidth, latency_us=args.latency,
+        )
+    except offline.OfflineError as e:
+        raise CommandError(str(e)) from None
 
 
 def _check_comm_options(args: argparse.Namespace) -> None:
@@ -470,103 +419,11 @@ def _budget_line(e: Exception) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
-def render_plan(plan: Plan, path: str) -> str:
-    """A plan as a header and tables (what ``autodist show`` prints)."""
-    from .cost.budget import format_bytes
-    from .describe import describe_prediction
-
-    pred = plan.predicted
-    header: list[tuple[str, Any]] = [
-        ("world size", plan.world_size),
-        ("device", plan.device),
-        ("budget", "-" if plan.budget_bytes is None else f"{format_bytes(plan.budget_bytes)} per rank"),
-        ("schema version", plan.schema_version),
-        ("micro-batches per step", plan.grad_accum_steps),
-        ("fingerprint", plan.fingerprint or "-"),
-        ("source", plan.provenance.get("source", "-")),
-    ]
-    if pred:
-        header.append(("prediction", describe_prediction(plan)))
-    out = [f"plan {path}", format_fields(header)]
-
-    vs = pred.get("vs") or {}
-    if vs:
-        rows = [(name, f"{ratio:.2f}x") for name, ratio in sorted(vs.items())]
-        out += ["", "predicted speed-up over the seeds", format_table(("seed", "speed-up"), rows)]
-
-    out += ["", f"units ({len(plan.units)})"]
-    out.append(
-        format_table(
-            ("unit", "placement", "residency", "accumulate", "params"),
-            [
-                (u.name, u.placement, u.residency if u.placement == "shard" else "-",
-                 (u.accumulate if u.placement == "shard" else "local") if plan.grad_accum_steps > 1 else "-", len(u.params))
-                for u in plan.units
-            ],
-        )
-    )
-
-    out += ["", f"gather groups ({len(plan.gather_groups)})"]
-    if plan.gather_groups:
-        rows = [
-            (i, _span(g.units), g.prefetch.forward, g.prefetch.backward) for i, g in enumerate(plan.gather_groups)
-        ]
-        out.append(format_table(("group", "units", "fwd prefetch", "bwd prefetch"), rows))
-    else:
-        out.append("  none")
-
-    out += ["", f"buckets ({len(plan.buckets)})"]
-    if plan.buckets:
-        rows = [
-            (i, b.op, len(b.params), "?" if b.nbytes is None else format_bytes(b.nbytes))
-            for i, b in enumerate(plan.buckets)
-        ]
-        out.append(format_table(("bucket", "op", "params", "size"), rows))
-    else:
-        out.append("  none")
-    if plan.rebuild_buckets is not None:
-        rb = plan.rebuild_buckets
-        out.append(
-            f"  rebuilt once from the observed gradient-ready order: {format_bytes(rb.cap_bytes)} buckets, "
-            f"first {format_bytes(rb.first_cap_bytes)}"
-        )
-    out.append(f"  max_inflight_buckets: {_inflight(plan.max_inflight_buckets)}")
-
-    out += ["", f"recomputed blocks ({len(plan.recompute)})"]
-    out.append("  " + ", ".join(plan.recompute) if plan.recompute else "  none (activations are kept from forward to backward)")
-
-    out += ["", f"offload fragments ({len(plan.offload)})"]
-    if plan.offload:
-        rows = [(o.param, o.state, f"[{o.fragment[0]}, {o.fragment[1]})", o.out_after, o.back_from) for o in plan.offload]
-        out.append(format_table(("param", "state", "fragment", "out_after", "back_from"), rows))
-    else:
-        out.append("  none")
-    return "\n".join(out)
-
-
-def _inflight(limit: int | None) -> str:
-    """``max_inflight_buckets`` and what it does to the reductions."""
-    if limit is None:
-        return "no limit (reductions overlap the rest of backward; all are waited for at its end)"
-    if limit == 0:
-        return "0 (each reduction is waited for right after its launch: no overlap with backward, least memory)"
-    return (
-        f"{limit} (at most {limit} reduction{'s' if limit > 1 else ''} in flight: launching another first waits "
-        "for the oldest)"
-    )
-
-
-def _span(units: Sequence[str]) -> str:
-    if len(units) == 1:
-        return f"{units[0]} (1)"
-    return f"{units[0]}..{units[-1]} ({len(units)})"
-
-
 def cmd_show(args: argparse.Namespace) -> int:
     if Path(args.plan).exists():
         _say(render_plan(_load_plan(args.plan), args.plan))
         return 0
-    from .cache import Cache
+    from .planner.cache import Cache
 
     cache = Cache(args.cache_dir)
     plans = [e for e in cache.entries() if e.kind == "plans"]
@@ -581,37 +438,6 @@ def cmd_show(args: argparse.Namespace) -> int:
     path = str(matches[0].path)
     _say(render_plan(_load_plan(path), path))
     return 0
-
-
-def _summary_value(value: Any) -> str:
-    """One line for a field of a cache entry: a number or string as it is, a list or an object by its
-    size (and, when short, its contents)."""
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    if isinstance(value, dict):
-        inline = json.dumps(value, sort_keys=True)
-        return inline if len(inline) <= 80 else f"{{{len(value)} fields: {', '.join(list(value)[:6])}{', ...' if len(value) > 6 else ''}}}"
-    if isinstance(value, list):
-        inline = json.dumps(value)
-        return inline if len(inline) <= 80 else f"[{len(value)} items]"
-    return str(value)
-
-
-def render_cache_entry(kind: str, key: str, path: Path, data: Any) -> str:
-    """``autodist cache show``'s summary: a plan as ``autodist show`` prints it, another entry one
-    line per field."""
-    if kind == "plans":
-        from .errors import PlanError
-        from .plan import Plan
-
-        try:
-            return render_plan(Plan.from_json(json.dumps(data), source=str(path)), str(path))
-        except PlanError:
-            pass  # a plan of another schema: field by field, like any entry
-    head = f"{kind}/{key} ({path})"
-    if not isinstance(data, dict):
-        return f"{head}\n  {_summary_value(data)}"
-    return f"{head}\n{format_fields([(k, _summary_value(v)) for k, v in sorted(data.items())])}\n(--json prints the raw record)"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -634,15 +460,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .cost.budget import format_bytes, parse_memory_limit
     from .describe import describe_prediction
     from .errors import BudgetError
-    from .lifecycle import plan_offline
     from .plan import save_plan
+    from .planner.offline import offline_search_config, plan_offline
 
     _check_comm_options(args)
     budget = parse_memory_limit(args.memory_limit, torch.device("cpu"))
     comm, comm_source = _comm_model(args, args.world_size)
     model = _build_model(args.model)
     x = _example_input(model, args)
-    config = _search_config(args.cache_dir, args.world_size)
+    config = offline_search_config(args.cache_dir, args.world_size)
     profile, profile_source = _profile(args, model, x)
     try:
         plan, result, _ = plan_offline(
@@ -666,49 +492,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace, model: nn.Module, x: torch.Tensor) -> tuple[Any, str]:
-    """The model's profile for ``autodist plan`` and ``autodist timeline``, and a phrase saying
-    where it came from: the one cached for this model, input and machine, else (or with
-    ``--reprofile``) measured here and cached.
+    """The model's profile for ``autodist plan`` and ``autodist timeline`` and where it came from
+    (cached, or measured here: ``planner/offline.py`` [Note: planning twice])."""
+    from .planner.offline import offline_profile
 
-    [Note: planning twice] Profiling is robust to a busy host (thread time, a low quantile of
-    several passes, retaken when they spread), but not to a host whose speed drifts: on the
-    development VM the gpt zoo model's forward and backward took 299 to 411 ms (lower quartile of
-    six passes, thread time) within two minutes, with no steal time, and a calibration kernel timed
-    between the passes did not track it (the model's time over the kernel's ranged 411-527). So a profile is measured once per model, input and machine and
-    reused, as a job with ``plan="auto"`` reuses its own: the same command plans from the same
-    measurement and gives the same plan and prediction."""
-    import torch
-
-    from .cache import Cache
-    from .lifecycle import input_signature, profile_cache_key, profile_entry
-    from .measure.trace import profile_model
-    from .structure import discover
-
-    cache = Cache(args.cache_dir)
-    kwargs = _input_kwargs(x, args)
-    structure = discover(model)
-    key = profile_cache_key(structure, input_signature(((x,), kwargs)), "cpu", measured_by="autodist plan")
-    if not args.reprofile:
-        cached = cache.get("profiles", key, profile_entry)
-        if cached is not None:
-            return cached, f"the profile cached in {cache.path('profiles', key)} (--reprofile measures it again)"
-    profile = profile_model(model, structure, (x,), device=torch.device("cpu"), example_kwargs=kwargs)
-    cache.put("profiles", key, profile.to_json())
-    noisy = (
-        f", on a busy host (its passes spread {profile.meta['spread']:.0%} after {profile.meta['passes']}; "
-        "--reprofile on a quieter host measures it again)" if profile.meta.get("noisy") else ""
-    )
-    return profile, f"a profile measured here{noisy}"
-
-
-def _search_config(cache_dir: str | None, world: int) -> Any:
-    """The search's margins for ``world`` CPU ranks on this machine (its fidelity record, else the defaults)."""
-    from .cache import Cache, comm_cache_key
-    from .cost.fidelity import FidelityRecord
-    from .sched.search import SearchConfig
-
-    cache = Cache(cache_dir, writer=False)
-    return SearchConfig.for_machine(cache.get("fidelity", comm_cache_key(world, "cpu", "cpu", "gloo"), FidelityRecord.from_json))
+    return offline_profile(model, (x,), _input_kwargs(x, args), cache_dir=args.cache_dir, reprofile=args.reprofile)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -766,205 +554,34 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _check_worker(args: argparse.Namespace) -> int:
-    """One rank of ``autodist check`` (launched by torchrun)."""
-    from dataclasses import replace
-
+    """One rank of ``autodist check`` (launched by torchrun): the pipeline of ``planner/check.py``
+    on the model and batches the flags describe; rank 0 writes the payload to ``--out``."""
     import torch
-    import torch.distributed as dist
 
-    from . import AutoDist
-    from .cache import Cache, comm_cache_key
-    from .cost.fidelity import MIN_SEED_MARGIN, SCALE_TOLERANCE, WAIT_SCALES, FidelityRecord, refusal
-    from .cost.simulator import Simulator
-    from .measure.fidelity import (
-        Checked,
-        Reprofile,
-        best_wait_scale,
-        errors_by_wait_scale,
-        measure_plans,
-        optimizer_for,
-        plans_to_check,
-        repeatability,
-        slowest_over_ranks,
-        summaries,
+    from .planner.check import CheckRequest, check_on_ranks
+
+    dtype = getattr(torch, args.input_dtype)
+    shape = (args.input_shape[0] * args.accum, *args.input_shape[1:])  # a step: --accum micro-batches
+
+    def batch(gen: torch.Generator, device: torch.device) -> torch.Tensor:
+        if dtype.is_floating_point:
+            return torch.randn(shape, generator=gen).to(dtype).to(device)
+        high = DEFAULT_INPUT_HIGH if args.input_high is None else args.input_high
+        return torch.randint(0, high, shape, generator=gen, dtype=dtype).to(device)
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    request = CheckRequest(
+        model=args.model, build=lambda: _build_model(args.model), validate=lambda m: _example_input(m, args),
+        batch=batch, kwargs_of=lambda x: _input_kwargs(x, args), input_shape=tuple(args.input_shape),
+        plans=args.plans, steps=args.steps, accum=args.accum, record=not args.no_record, cache_dir=args.cache_dir,
     )
-    from .measure.sweep import collective_train, sweep
-    from .measure.trace import model_loss, profile_model, surrogate_loss
-    from .sched.search import SearchConfig
-    from .sched.space import space_for
-    from .structure import discover
-
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        backend, device_name = "nccl", torch.cuda.get_device_name(device)
-    else:
-        device, backend, device_name = torch.device("cpu"), "gloo", "cpu"
-        _rank_threads()
-    dist.init_process_group(backend)
-    try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        model = _build_model(args.model)
-        structure = discover(model)
-        _example_input(model, args)
-        # distinct data per rank and step; a step is --accum micro-batches of --input-shape
-        gen = torch.Generator().manual_seed(1000 + rank)
-        shape = (args.input_shape[0] * args.accum, *args.input_shape[1:])
-        dtype = getattr(torch, args.input_dtype)
-        warmup, passes = 2, 2
-
-        def batch() -> torch.Tensor:
-            if dtype.is_floating_point:
-                return torch.randn(shape, generator=gen).to(dtype).to(device)
-            high = DEFAULT_INPUT_HIGH if args.input_high is None else args.input_high
-            return torch.randint(0, high, shape, generator=gen, dtype=dtype).to(device)
-
-        batches = [(batch(), None) for _ in range(warmup + args.steps + 1)]
-
-        def loss(out: Any, _target: Any) -> torch.Tensor:
-            own = model_loss(out)  # the model's own loss (Hugging Face with labels), else the mean of its outputs
-            return own if own is not None else surrogate_loss(out)
-
-        x0 = batches[0][0].chunk(args.accum)[0]
-        train = collective_train(dist.group.WORLD, device)
-        model = model.to(device)
-
-        def profile(memory: bool = True) -> Any:
-            return profile_model(
-                model, structure, (x0,), device=device, loss_fn=lambda out: loss(out, None),
-                example_kwargs=_input_kwargs(x0, args), optimizer=optimizer_for, contention=train, memory=memory,
-            )
-
-        prof = slowest_over_ranks(profile())
-        reprofile = Reprofile(prof, lambda: profile(memory=False))
-        comm = sweep(dist.group.WORLD, device)
-        space = space_for(prof, structure, world, grad_accum_steps=args.accum)
-        sim = Simulator(prof, structure, comm, world_size=world)
-        chosen = plans_to_check(space, sim, args.plans)
-        if not any("=" in name for name, _, _ in chosen):
-            # one plan measured twice: the measurement's own noise, which decides whether the record
-            # is stored (autodist/cost/fidelity.py refusal); the search usually picks a built-in one
-            chosen.append(("again=ddp", chosen[0][1], False))
-        checks = [
-            Checked(name, space.to_plan(g, provenance={"source": f"autodist check:{name}"}), sim.run(space.to_plan(g)), searched)
-            for name, g, searched in chosen
-        ]
-
-        def wrap(plan: Any) -> Any:
-            return AutoDist(_build_model(args.model), plan=plan)  # the factory is seeded the same each time
-
-        def progress(c: Checked) -> None:
-            if rank == 0:
-                # the table's predictions come later, from the profiles taken across all passes
-                print(f"[autodist check] {c.name}: measured {c.measured_step_s * 1e3:.1f} ms (predicted "
-                      f"{c.predicted.step_s * 1e3:.1f} ms from the first profile)", file=sys.stderr, flush=True)
-
-        measure_plans(checks, wrap, batches, loss, device=device, accum=args.accum, steps=args.steps, warmup=warmup,
-                      passes=passes, progress=progress, forward=lambda m, x: m(x, **_input_kwargs(x, args)),
-                      after_pass=reprofile.after_pass)
-        prof = reprofile.predict(checks, sim)
-        if rank == 0:
-            # each row with its plan, so that a plan whose peak or time was off can be run again
-            rows = [dict(c.row(), plan_json=json.loads(c.plan.to_json())) for c in checks]
-            fidelity = summaries(rows)
-            overall = fidelity["all"]
-            # the wait calibration that fits these plans best ([Note: the wait calibration]); the
-            # record's errors stay those measured at the sweep's scale
-            by_scale = errors_by_wait_scale(prof, structure, comm, [c.plan for c in checks],
-                                            [c.measured_step_s for c in checks], world,
-                                            sorted({*WAIT_SCALES, comm.wait_scale}))
-            fitted = best_wait_scale({s: {"": e} for s, e in by_scale.items()}, [""], prior=comm.wait_scale,
-                                     within=SCALE_TOLERANCE)
-            record = replace(FidelityRecord.from_summary(overall, args.model), wait_scale=fitted,
-                             blocked_wait_s=comm.blocked_wait_s)
-            stored = None
-            repeated = repeatability(rows)
-            refused = refusal(record, repeated)
-            if not args.no_record and refused is None:
-                path = Cache(args.cache_dir).put("fidelity", comm_cache_key(world, device.type, device_name, backend), record.to_json())
-                stored = str(path) if path else None
-            cfg = SearchConfig.for_machine(record)
-            payload = {
-                "model": args.model, "world_size": world, "device": device_name, "backend": backend,
-                "input_shape": list(args.input_shape), "accum": args.accum, "steps": args.steps, "passes": passes,
-                "plans": rows, "all": overall,
-                "builtin_and_random": fidelity["random_and_builtin"],
-                "searched": fidelity["searched"],
-                "repeated": repeated,
-                "refused": refused,
-                "calibration": {"wait_scale": fitted, "median_abs_pct_error_time": by_scale[fitted],
-                                "sweep_wait_scale": comm.wait_scale, "at_sweep_scale": by_scale[comm.wait_scale],
-                                "blocked_wait_s": comm.blocked_wait_s},
-                "margins": {"prefer_seed_within": cfg.prefer_seed_within, "memory_headroom": cfg.memory_headroom,
-                            "default_prefer_seed_within": SearchConfig().prefer_seed_within,
-                            "min_prefer_seed_within": MIN_SEED_MARGIN,
-                            "default_memory_headroom": SearchConfig().memory_headroom},
-                "record_path": stored,
-            }
-            with open(args.out, "w") as f:
-                json.dump(payload, f, indent=1, default=lambda v: None)
-    finally:
-        dist.destroy_process_group()
+    payload = check_on_ranks(request, say)
+    if payload is not None:
+        with open(args.out, "w") as f:
+            json.dump(payload, f, indent=1, default=lambda v: None)
     return 0
-
-
-def render_check(payload: dict[str, Any]) -> str:
-    """``autodist check``'s report: one row per plan, the fidelity figures, and what they change."""
-    accum = f", {payload['accum']} micro-batches per step" if payload.get("accum", 1) > 1 else ""
-    out = [
-        f"autodist check: {payload['model']} on {payload['world_size']} ranks ({payload['device']}, {payload['backend']}), "
-        f"input {','.join(map(str, payload['input_shape']))}{accum}; {payload['steps']} timed steps x {payload['passes']} passes per plan",
-        "",
-    ]
-    rows = []
-    for r in payload["plans"]:
-        et = (r["predicted_step_s"] - r["measured_step_s"]) / r["measured_step_s"]
-        ep = (r["predicted_peak_bytes"] - r["measured_peak_bytes"]) / max(1, r["measured_peak_bytes"])
-        rows.append((r["plan"], f"{r['predicted_step_s'] * 1e3:.1f}", f"{r['measured_step_s'] * 1e3:.1f}", f"{et:+.0%}",
-                     f"{r['predicted_peak_bytes'] / 2**20:.1f}", f"{r['measured_peak_bytes'] / 2**20:.1f}", f"{ep:+.0%}"))
-    out.append(format_table(("plan", "pred ms", "meas ms", "error", "pred MiB", "meas MiB", "error"), rows))
-    out.append("  (predicted from the profiles taken across all passes; the progress lines predicted from the first one)")
-    out.append("")
-
-    def line(what: str, f: dict[str, Any]) -> str:
-        sp = f["spearman"]
-        rank = "n/a (fewer than 3 plans)" if sp is None or sp != sp else f"{sp:.2f}"
-        return (f"  {what} ({f['plans']}): step time Spearman {rank}, median |error| {f['median_abs_pct_error_time']:.1f}%; "
-                f"peak median |error| {f['median_abs_pct_error_peak']:.1f}%, at most {max(0.0, f['max_pct_peak_excess']):.1f}% above prediction")
-
-    out.append(line("all plans", payload["all"]))
-    for key, what in (("builtin_and_random", "built-in and random"), ("searched", "searched")):
-        if payload.get(key):
-            out.append(line(what, payload[key]))
-    for rep in payload.get("repeated", []):
-        out.append(f"  measured twice: {rep['plans'][0]} and {rep['plans'][1]}, {rep['pct_apart']:.1f}% apart (the measurement's noise)")
-    cal = payload.get("calibration")
-    if cal:
-        out.append(
-            f"  wait calibration: {cal['wait_scale']:.2f} fits these plans (median |error| "
-            f"{cal['median_abs_pct_error_time']:.1f}%, against {cal['at_sweep_scale']:.1f}% at the sweep's "
-            f"{cal['sweep_wait_scale']:.2f}; of the scales within a point of the best, the nearest the sweep's; "
-            f"the blocked-wait time held at the sweep's {1000 * cal.get('blocked_wait_s', 0.0):.2f} ms); "
-            "the search here simulates with it"
-        )
-    m = payload["margins"]
-    out.append("")
-    if payload.get("refused"):
-        out.append(
-            f"Not stored: {payload['refused']}. plan=\"auto\" on {payload['world_size']} ranks here plans as before "
-            "(with the record an earlier check stored, if any; `autodist cache clear --kind fidelity` removes it)."
-        )
-        return "\n".join(out)
-    where = (f"Stored for this machine in {payload['record_path']}: plan=\"auto\" on {payload['world_size']} ranks here now"
-             if payload.get("record_path") else f"Not stored (--no-record); stored, it would make plan=\"auto\" on {payload['world_size']} ranks here")
-    out.append(
-        f"{where} keeps a built-in plan unless a searched one is predicted {m['prefer_seed_within']:.1%} faster (default "
-        f"{m['default_prefer_seed_within']:.0%}; never less than {m['min_prefer_seed_within']:.0%}), and plans {m['memory_headroom']:.1%} below the memory budget (default "
-        f"{m['default_memory_headroom']:.0%}; never less)."
-    )
-    if payload.get("record_path"):
-        out.append("To undo: `autodist cache clear --kind fidelity` (plan=\"auto\" then uses the default margins).")
-    return "\n".join(out)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -975,9 +592,9 @@ def render_check(payload: dict[str, Any]) -> str:
 def cmd_timeline(args: argparse.Namespace) -> int:
     _rank_threads()
     from . import timeline
-    from .cost.simulator import Simulator
     from .errors import PlanError
     from .plan import validate_plan
+    from .planner.offline import simulate
     from .structure import discover
 
     _check_comm_options(args)
@@ -996,8 +613,7 @@ def cmd_timeline(args: argparse.Namespace) -> int:
         ) from None
     x = _example_input(model, args)
     profile, _ = _profile(args, model, x)
-    sim = Simulator(profile, structure, comm, world_size=plan.world_size, budget_bytes=plan.budget_bytes)
-    result = sim.run(plan, record=True)
+    result = simulate(plan, profile, structure, comm)
     tl = timeline.from_simulation(
         result, f"{plan.label}: simulated step ({Path(args.plan).name}, {plan.world_size} ranks, {comm_source})",
         budget_bytes=plan.budget_bytes,
@@ -1022,8 +638,8 @@ def cmd_timeline(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from .cache import Cache
     from .cost.budget import format_bytes
+    from .planner.cache import Cache
 
     cache = Cache(args.cache_dir)
     if args.action == "path":
@@ -1069,73 +685,6 @@ def cmd_cache(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------
 # env
 # ------------------------------------------------------------------------------------------------
-
-
-def _version_of(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def environment_report() -> str:
-    import torch
-
-    from . import __version__
-    from .cache import Cache
-    from .cost.budget import default_budget, format_bytes
-    from .runtime.comm import default_device
-
-    versions = [
-        ("python", f"{platform.python_version()} ({sys.executable})"),
-        ("torch", torch.__version__),
-        ("autodist", __version__),
-        ("numpy", _version_of("numpy")),
-        ("psutil", _version_of("psutil")),
-    ] + [(name, _version_of(name)) for name in OPTIONAL_PACKAGES]
-
-    device = default_device()
-    if device.type == "cpu":
-        backend = "gloo"
-    else:
-        import torch.distributed as dist
-
-        backend = dist.get_default_backend_for_device(device)
-    has_accelerator = hasattr(torch, "accelerator") and torch.accelerator.is_available()
-    if has_accelerator:
-        acc = torch.accelerator.current_accelerator()
-        accel = f"{acc.type} x {torch.accelerator.device_count()}"
-        if acc.type == "cuda":
-            accel += f" ({torch.cuda.get_device_name(device)})"
-    else:
-        accel = "none"
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cache = Cache()
-    torchrun = [f"{k}={os.environ[k]}" for k in TORCHRUN_VARS if k in os.environ]
-    machine = [
-        ("device", str(device)),
-        ("backend", backend),
-        ("accelerator", accel),
-        ("cpu count", f"{os.cpu_count()} ({usable} usable by this process)"),
-        ("default budget", _default_budgets(device, default_budget, format_bytes)),
-        ("cache", f"{cache.dir} ({len(cache.entries())} entries)"),
-        ("torchrun", " ".join(torchrun) if torchrun else "not set (not launched by torchrun)"),
-    ]
-    return "\n".join(["versions", format_fields(versions), "", "machine", format_fields(machine)])
-
-
-def _default_budgets(device: torch.device, default_budget: Callable[..., int], format_bytes: Callable[[float], str]) -> str:
-    """The budget each rank gets without ``memory_limit``: per GPU on CUDA; on the CPU, the host's
-    available memory shared by the ranks launched on it (torchrun's ``--nproc_per_node``)."""
-    if device.type != "cpu":
-        return f"{format_bytes(default_budget(device))} per rank on {device}"
-    launched = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    counts = [launched] if launched else [1, 2, 4]
-    shares = [
-        f"{format_bytes(default_budget(device, local_ranks=n))} {'each for' if n > 1 else 'for'} {n} rank{'s' if n > 1 else ''}"
-        for n in counts
-    ]
-    return f"{', '.join(shares)} on this host (available host memory shared by the local ranks, minus a margin)"
 
 
 def cmd_env(args: argparse.Namespace) -> int:

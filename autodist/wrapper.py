@@ -9,7 +9,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,9 @@ from .runtime.engine import Engine, MixedPrecision
 from .runtime.materialize import Materializer, is_meta_model
 from .runtime.state import agree_on_state_dict, full_state_dict, load_full_state_dict
 from .structure import ModelStructure, discover
+
+if TYPE_CHECKING:
+    from .planner.online import AutoPlanner
 
 PLAN_CHOICES = ("auto",) + BUILTIN_PLANS
 
@@ -127,7 +130,7 @@ class AutoDist(nn.Module):
         super().__init__()
         self._closed = False
         self._failed: BaseException | None = None
-        self._auto = None
+        self._auto: AutoPlanner | None = None
         # Every argument is checked before anything is modified; in a multi-rank job the ranks then
         # agree on the outcome, so a bad argument is one error raised on every rank (reported once).
         try:
@@ -237,9 +240,9 @@ class AutoDist(nn.Module):
             p.device = self.device.type
             return p
         if isinstance(plan, str) and plan == "auto":
-            from .lifecycle import AutoPlanner
+            from .planner.online import AutoPlanner
 
-            self._auto = AutoPlanner(self, cache_dir, explicit_budget=self._explicit_budget)
+            self._auto = AutoPlanner(_AutoRuntime(self), cache_dir, explicit_budget=self._explicit_budget)
             return self._auto.resolve(example_inputs, example_kwargs, meta=self._meta)
         return self._load_plan_file(os.fspath(plan))
 
@@ -498,6 +501,50 @@ class AutoDist(nn.Module):
     def extra_repr(self) -> str:
         p = self.plan
         return f"plan={p.label}, world_size={p.world_size}, sharded_units={len(p.sharded_units)}, buckets={len(p.buckets)}"
+
+
+class _AutoRuntime:
+    """The view of a wrapper ``plan="auto"`` plans through (``autodist/planner/online.py``
+    ``Runtime``): what it profiles, the plan in force, and the switch to another."""
+
+    def __init__(self, w: AutoDist) -> None:
+        self._w = w
+        self.module = w.module
+        self.device = w.device
+        self.structure = w._structure
+        self.comm = w._comm
+        self.mixed_precision = w._mixed_precision
+        self.budget_bytes = w.budget_bytes
+        self.grad_accum_steps = w.grad_accum_steps
+
+    def plan(self) -> Plan:
+        return self._w._engine.plan
+
+    def placements(self) -> dict[str, str]:
+        return {name: mp.placement for name, mp in self._w._engine.params.items()}
+
+    def trained_params(self) -> list[tuple[str, torch.Tensor]]:
+        return [(mp.name, mp.full) for mp in self._w._engine.params.values() if mp.requires_grad]
+
+    def visible_ids(self) -> set[int]:
+        return {id(mp.visible) for mp in self._w._engine.params.values()}
+
+    def observed_accum_steps(self) -> int:
+        return self._w._engine.stats.grad_accum_steps
+
+    def forward(self, args: tuple, kwargs: dict) -> Any:
+        return self._w._engine.forward(args, kwargs)
+
+    def clear_grads(self) -> None:
+        for mp in self._w._engine.params.values():
+            mp.visible.grad = None
+
+    def observe(self, recorder: Any) -> None:
+        self._w._engine.observer = recorder
+
+    def switch(self, plan: Plan) -> None:
+        self._w._engine.switch_plan(plan)
+        self._w._check_rank_agreement(plan)
 
 
 _MANAGED = "_autodist_managed"  # set on a module while an AutoDist instance manages it

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import models
 from autodist import AutoDist, BudgetError
-from autodist.cache import Cache
+from autodist.planner.cache import Cache
 from parity import Case, check, run_case
 
 ATOL = 2e-5
@@ -161,7 +161,7 @@ def test_the_plan_chosen_line_reads_the_same_on_a_first_launch_and_a_cache_hit(w
 def test_a_kept_built_in_plan_is_named_in_the_label_and_provenance():
     from types import SimpleNamespace
 
-    from autodist.lifecycle import search_provenance
+    from autodist.planner.offline import search_provenance
     from autodist.sched.search import SearchConfig
 
     cfg = SearchConfig(prefer_seed_within=0.07, margin_source="measured here")
@@ -174,7 +174,7 @@ def test_a_kept_built_in_plan_is_named_in_the_label_and_provenance():
 
 
 def _margins_from_the_machine_record(cache_dir, record_text):
-    from autodist.cache import comm_cache_key
+    from autodist.planner.keys import comm_cache_key
 
     if dist.get_rank() == 0:
         Cache(cache_dir).put("fidelity", comm_cache_key(dist.get_world_size(), "cpu", "cpu", "gloo"), record_text)

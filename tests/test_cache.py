@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 import models
 from autodist import AutoDist
-from autodist.cache import Cache
-from autodist.lifecycle import PROFILE_STEPS, AutoPlanner
+from autodist.planner.cache import Cache
+from autodist.planner.online import PROFILE_STEPS, AutoPlanner
 
 KINDS = ("plans", "profiles", "comm", "placements")
 
@@ -100,11 +100,11 @@ def test_every_unusable_entry_of_every_kind_is_reported_once_and_removed(filled_
     for kind, path in entries.items():
         key = path.stem
         other = valid["plans" if kind != "plans" else "comm"]
-        assert AutoPlanner(wrapper, directory, explicit_budget=False).read(kind, key) is not None, kind
+        assert AutoPlanner(wrapper._auto.rt, directory, explicit_budget=False).read(kind, key) is not None, kind
         for name, data in _corruptions(valid[kind], other).items():
             cases += 1
             path.write_bytes(data)
-            planner = AutoPlanner(wrapper, directory, explicit_budget=False)
+            planner = AutoPlanner(wrapper._auto.rt, directory, explicit_budget=False)
             with _warnings() as seen:
                 try:
                     results = [planner.read(kind, key), planner.read(kind, key)]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from autodist.cache import Cache
 from autodist.cost.fidelity import MAX_REPEAT_PCT_APART, MAX_SEED_MARGIN, FidelityRecord, refusal
+from autodist.planner.cache import Cache
 from autodist.sched.search import SearchConfig
 
 TINY_MODEL = '''\
@@ -94,7 +94,8 @@ def test_a_check_whose_repeated_measurement_disagrees_is_not_stored_and_says_why
 
 
 def test_a_check_whose_repeated_measurement_agrees_is_stored_and_says_how_to_undo_it(tmp_path, monkeypatch):
-    from autodist.cli import _search_config, render_check
+    from autodist.cli import render_check
+    from autodist.planner.offline import offline_search_config as _search_config
 
     payload = _check_with_injected_timings(tmp_path, monkeypatch, repeat_factor=1.01, error=0.04)
     assert payload["refused"] is None and payload["record_path"]

@@ -21,8 +21,8 @@ import pytest
 
 import readme
 from autodist.builtins import fsdp_plan
-from autodist.cache import Cache
 from autodist.plan import Plan, load_plan, save_plan, validate_plan
+from autodist.planner.cache import Cache
 from autodist.structure import discover
 from autodist.zoo import gpt
 
@@ -197,7 +197,6 @@ def test_plan_passes_the_example_batch_as_keyword_inputs(cli: Cli, tmp_path: Pat
 def test_check_measures_the_simulator_on_a_user_model_and_the_search_takes_its_margins(
     cli: Cli, tmp_path: Path, cache_dir: Path
 ) -> None:
-    from autodist.cli import _search_config
     from autodist.cost.fidelity import (
         MAX_MEMORY_HEADROOM,
         MAX_REPEAT_PCT_APART,
@@ -206,6 +205,7 @@ def test_check_measures_the_simulator_on_a_user_model_and_the_search_takes_its_m
         WAIT_SCALES,
         FidelityRecord,
     )
+    from autodist.planner.offline import offline_search_config as _search_config
     from autodist.sched.search import SearchConfig
 
     out = tmp_path / "check.json"

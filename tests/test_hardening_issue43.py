@@ -77,8 +77,9 @@ def test_eval_after_training_equals_ddp_outputs_and_buffers(world2, plan):
 
 
 def _impossible_budget_without_example_inputs(cache_dir, seed_comm):
-    from autodist.cache import Cache, comm_cache_key
     from autodist.cost.comm import CommModel
+    from autodist.planner.cache import Cache
+    from autodist.planner.keys import comm_cache_key
 
     world = dist.get_world_size()
     if seed_comm and dist.get_rank() == 0:  # a comm model stored for this machine: no sweep
@@ -198,7 +199,7 @@ def test_the_search_over_a_model_without_units_finishes():
     # with the placement free, a placement move drew a unit from an empty range (ValueError): the
     # search a parameterless model gets when replicating it does not fit, or from `autodist plan`
     from autodist.cost.comm import CommModel
-    from autodist.lifecycle import plan_offline
+    from autodist.planner.offline import plan_offline
 
     x = torch.randn(4, 16).requires_grad_()
     comm = CommModel.analytic(2, bandwidth_bytes_s=1e9, latency_s=1e-4)

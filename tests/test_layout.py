@@ -1,10 +1,15 @@
-"""The layering the design promises (issue 13): modelling (``cost/``, the simulator's parts in
-``cost/sim/`` included) never imports the runtime, the search, the measuring code or the planner;
-the runtime never imports the search; plan construction and the schedule's rules (the offload
-anchors among them) exist once (``builtins.py``, ``schedule.py``)."""
+"""The layering the design promises (docs/design.md, "Module map"): modelling (``cost/``, the
+simulator's parts in ``cost/sim/`` included) never imports the runtime, the search, the measuring
+code or the planner; the runtime never imports the search or the planner; the research code
+(``lab/``) is imported by no library module but the planner's estimator switch, and only when it is
+on; plan construction and the schedule's rules (the offload anchors among them) exist once
+(``builtins.py``, ``schedule.py``)."""
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "autodist"
 
@@ -26,6 +31,19 @@ def _imports(path: pathlib.Path) -> set[str]:
     return {m for m in out if m.startswith("autodist")}
 
 
+def _top_level_imports(path: pathlib.Path) -> set[str]:
+    """The autodist modules ``path`` imports when it is imported (not inside a function)."""
+    here = path.relative_to(PKG.parent).with_suffix("").parts
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom):
+            base = list(here[: len(here) - node.level]) if node.level else []
+            out.add(".".join(base + ([node.module] if node.module else [])) if node.level else node.module or "")
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m for m in out if m.startswith("autodist")}
+
+
 def _within(module: str, *packages: str) -> bool:
     return any(module == p or module.startswith(p + ".") for p in packages)
 
@@ -34,16 +52,44 @@ def _package_imports(sub: str) -> dict[str, set[str]]:
     return {str(p.relative_to(PKG)): _imports(p) for p in (PKG / sub).glob("*.py")}
 
 
-def test_modelling_imports_neither_the_runtime_nor_the_search_nor_measuring():
+def test_modelling_imports_neither_the_runtime_nor_the_search_nor_measuring_nor_the_planner():
     for name, mods in _package_imports("cost").items():
-        bad = [m for m in mods if _within(m, "autodist.runtime", "autodist.sched", "autodist.measure")]
+        bad = [m for m in mods if _within(m, "autodist.runtime", "autodist.sched", "autodist.measure", "autodist.planner")]
         assert not bad, f"{name} imports {bad}"
 
 
-def test_the_runtime_does_not_import_the_search():
+def test_the_runtime_imports_neither_the_search_nor_the_planner():
     for name, mods in _package_imports("runtime").items():
-        bad = [m for m in mods if _within(m, "autodist.sched")]
+        bad = [m for m in mods if _within(m, "autodist.sched", "autodist.planner")]
         assert not bad, f"{name} imports {bad}"
+
+
+def test_the_lab_is_imported_only_by_the_planners_estimator_switch_when_it_is_on():
+    importers = sorted(
+        str(p.relative_to(PKG)) for p in PKG.rglob("*.py")
+        if p.parent.name != "lab" and any(_within(m, "autodist.lab") for m in _imports(p))
+    )
+    assert importers == ["planner/estimator.py"]
+    # inside the function that reads a stored estimator, never when the planner is imported
+    assert not any(_within(m, "autodist.lab") for m in _top_level_imports(PKG / "planner" / "estimator.py"))
+
+
+def test_plan_auto_without_a_stored_estimator_never_imports_the_lab():
+    # a frozen model: plan="auto" profiles, keys and searches it without measuring a comm model
+    script = (
+        "import sys, tempfile, torch\n"
+        "from autodist import AutoDist\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 4)).requires_grad_(False)\n"
+        "m = AutoDist(model, plan='auto', example_inputs=(torch.ones(2, 4, requires_grad=True),),\n"
+        "             cache_dir=tempfile.mkdtemp())\n"
+        "m.close()\n"
+        "print('searched:', m._auto.stats.source == 'search')\n"
+        "print('lab imported:', any(n.startswith('autodist.lab') for n in sys.modules))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(PKG.parent)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "searched: True" in out.stdout and "lab imported: False" in out.stdout, out.stdout
 
 
 def test_bucketing_and_block_grouping_are_written_once():

@@ -28,11 +28,13 @@ import torch
 from test_simulator import COMM, PROFILE, STRUCTURE
 
 import models
-from autodist.cache import Cache, comm_cache_key
-from autodist.cost import learned
-from autodist.cost.learned import FEATURES, EstimatorEntry, NetConfig, estimator_entry, graph_of, targets
 from autodist.cost.simulator import Simulator
+from autodist.lab import learned
+from autodist.lab.graph import FEATURES, graph_of, targets
+from autodist.lab.learned import EstimatorEntry, NetConfig, estimator_entry
 from autodist.plan import Bucket, GatherGroup, Plan, Prefetch, UnitPlan
+from autodist.planner.cache import Cache
+from autodist.planner.keys import comm_cache_key
 
 MS = 1e-3
 needs_gnn = pytest.mark.skipif(not learned.gnn_available(), reason="torch_geometric is not installed (the 'gnn' extra)")
@@ -398,8 +400,8 @@ def test_collectives_record_when_they_were_issued_and_completed_only_when_asked(
 
 def _measured_names(plan_kw):
     from autodist import AutoDist
-    from autodist.cost.learned import collective_name
-    from autodist.measure.steptrace import StepTracer
+    from autodist.lab.graph import collective_name
+    from autodist.lab.steptrace import StepTracer
     from parity import profiled_mlp
 
     structure, prof, plan, x, y = profiled_mlp(plan_kw)

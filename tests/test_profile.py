@@ -234,7 +234,7 @@ def test_the_measurement_s_own_ranking_compares_its_even_passes_with_its_odd_one
 
 
 def test_the_spread_of_predictions_over_sweeps_is_each_plan_s_range_against_its_median():
-    from autodist.measure.fidelity import sweep_spread
+    from autodist.lab.fidelity import sweep_spread
 
     rows = [{"plan": "ddp", "predicted_step_s_by_sweep": [0.10, 0.11, 0.09]},
             {"plan": "fsdp", "predicted_step_s_by_sweep": [0.20, 0.30, 0.25]},
@@ -281,7 +281,7 @@ def test_an_older_profile_reads_without_a_sensitivity_and_the_cache_measures_the
     import json
 
     from autodist.cost.profile import PROFILE_SCHEMA_VERSION, Profile, UnitProfile
-    from autodist.lifecycle import profile_entry
+    from autodist.planner.entries import profile_entry
 
     current = Profile(units=[UnitProfile("u", fwd_s=1.0, ready=["u.w"])], ready_order=["u.w"], contended_slowdown=1.8,
                       contention_sensitivity=1.1)

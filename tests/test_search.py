@@ -206,7 +206,7 @@ def test_offload_is_chosen_only_when_the_budget_requires_it():
 
 
 def test_a_budget_met_only_inside_the_headroom_is_searched_within_the_budget_itself(caplog):
-    from autodist.lifecycle import search_within_budget
+    from autodist.planner.offline import search_within_budget
 
     def sim(budget):
         return Simulator(PROFILE, STRUCTURE, COMM, world_size=2, budget_bytes=budget)
@@ -230,7 +230,7 @@ def test_the_search_simulates_with_the_wait_calibration_autodist_check_fitted():
     from dataclasses import replace
 
     from autodist.cost.fidelity import FidelityRecord
-    from autodist.lifecycle import plan_offline
+    from autodist.planner.offline import plan_offline
 
     record = FidelityRecord(
         median_abs_error_time=0.05, spearman=0.9, max_peak_excess=0.0, plans=5, model="m:f", measured_at=0.0,

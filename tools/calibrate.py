@@ -185,7 +185,8 @@ def apply(payload: dict) -> None:
     summaries then: a record predicted at a pair fitted before it was measured);
     ``predicted_step_s_by_sweep`` and ``sweep_spread`` stay at that pair (the other sweeps are not
     stored)."""
-    from autodist.measure.fidelity import record_fidelity, summaries
+    from autodist.lab.fidelity import record_fidelity
+    from autodist.measure.fidelity import summaries
 
     fitted = payload["wait_scale"]
     for path in payload["records"]:

@@ -1,5 +1,5 @@
 """Collect measured timelines of many plans, aligned with the simulator's events: the learned
-estimator's training data (``autodist/cost/learned.py``; train and evaluate it with
+estimator's training data (``autodist/lab/learned.py``; train and evaluate it with
 ``tools/train_estimator.py``).
 
     python tools/collect_timelines.py --out timelines.jsonl                       # every zoo model
@@ -9,7 +9,7 @@ On 2 CPU ranks (re-launched under torchrun), per zoo model: profile it (the slow
 profile), sweep the comm model once, then for each plan — the built-in ddp/fsdp/zero2 plans,
 random valid plans (``PlanSpace.random``, seeded) and, unless ``--no-searched``, the plans the
 search picks without a budget and under two tighter ones — wrap the model under the plan, run
-``--warmup`` steps and ``--steps`` measured steps with ``autodist.measure.steptrace.StepTracer``
+``--warmup`` steps and ``--steps`` measured steps with ``autodist.lab.steptrace.StepTracer``
 (every section of the compute thread in wall-clock time minus collective waits, every collective
 from when it could start to its completion), and write one JSON line per plan: the simulator's
 events for the plan (same names as the simulator's program: ``"fwd <unit>"``, ``"all_gather
@@ -56,10 +56,10 @@ from _launch import report, run_tool  # noqa: E402
 
 from autodist import AutoDist  # noqa: E402
 from autodist.cost.comm import CommModel  # noqa: E402
-from autodist.cost.learned import collective_name, graph_of  # noqa: E402
 from autodist.cost.simulator import Simulator  # noqa: E402
+from autodist.lab.graph import collective_name, graph_of  # noqa: E402
+from autodist.lab.steptrace import StepTracer  # noqa: E402
 from autodist.measure.fidelity import max_over_ranks, optimizer_for, plans_to_check, slowest_over_ranks  # noqa: E402
-from autodist.measure.steptrace import StepTracer  # noqa: E402
 from autodist.measure.sweep import collective_train, sweep  # noqa: E402
 from autodist.measure.trace import profile_model  # noqa: E402
 from autodist.plan import Plan  # noqa: E402

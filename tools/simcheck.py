@@ -43,6 +43,7 @@ from _launch import run_tool  # noqa: E402
 from autodist import AutoDist, MixedPrecision  # noqa: E402
 from autodist.cost.fidelity import SIMULATOR_VERSION  # noqa: E402
 from autodist.cost.simulator import Simulator  # noqa: E402
+from autodist.lab.fidelity import record_fidelity, sweep_spread  # noqa: E402
 from autodist.measure.fidelity import (  # noqa: E402
     Checked,
     Reprofile,
@@ -50,10 +51,8 @@ from autodist.measure.fidelity import (  # noqa: E402
     optimizer_for,
     plans_to_check,
     predictions_by_comm,
-    record_fidelity,
     repeatability,
     slowest_over_ranks,
-    sweep_spread,
 )
 from autodist.measure.sweep import collective_train, sweep  # noqa: E402
 from autodist.measure.trace import profile_model  # noqa: E402

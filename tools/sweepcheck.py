@@ -72,7 +72,8 @@ def spreads(records: list[str], comm_texts: list[str]) -> dict[str, dict]:
     from autodist.cost.comm import comm_model_of_another_checkout
     from autodist.cost.fidelity import DEFAULT_CPU_BLOCKED_WAIT_S, DEFAULT_CPU_WAIT_SCALE
     from autodist.cost.profile import Profile
-    from autodist.measure.fidelity import pct_apart, predictions_by_comm, sweep_spread
+    from autodist.lab.fidelity import sweep_spread
+    from autodist.measure.fidelity import pct_apart, predictions_by_comm
     from autodist.plan import Plan
     from autodist.structure import discover
     from autodist.zoo import zoo

@@ -16,10 +16,10 @@ last half's — no per-event prediction can be expected to agree with a measurem
 than it agrees with itself), and the *replay* (the simulator timing each plan with every event's
 measured duration: the step-time error that remains with perfect per-event durations, from the
 simulator's rules of order and overlap). The estimator trained for a held-out model applies the
-share of its correction chosen on its own training models (``autodist.cost.learned.fit``).
+share of its correction chosen on its own training models (``autodist.lab.learned.fit``).
 ``--store`` then trains on every model and stores the network with its provenance and this
 validation; ``plan="auto"`` uses it only when the validation meets
-``autodist.cost.learned.HELPS_RULE``.
+``autodist.lab.learned.HELPS_RULE``.
 """
 
 from __future__ import annotations
@@ -39,13 +39,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _launch import report  # noqa: E402
 
-from autodist.cache import Cache, comm_cache_key  # noqa: E402
-from autodist.cost import learned  # noqa: E402
 from autodist.cost.comm import CommModel  # noqa: E402
 from autodist.cost.profile import Profile  # noqa: E402
 from autodist.cost.simulator import Simulator  # noqa: E402
+from autodist.lab import learned  # noqa: E402
+from autodist.lab.graph import ScheduleGraph, graph_of, targets  # noqa: E402
 from autodist.measure.fidelity import spearman  # noqa: E402
 from autodist.plan import Plan  # noqa: E402
+from autodist.planner.cache import Cache  # noqa: E402
+from autodist.planner.keys import comm_cache_key  # noqa: E402
 from autodist.structure import discover  # noqa: E402
 from autodist.zoo import zoo  # noqa: E402
 
@@ -85,9 +87,9 @@ def samples_for(record: dict, plans: list[dict]) -> list[learned.Sample]:
     sim = simulator_for(record)
     out = []
     for p in plans:
-        program, _, graph = learned.graph_of(sim, Plan.from_json(json.dumps(p["plan"])))
+        program, _, graph = graph_of(sim, Plan.from_json(json.dumps(p["plan"])))
         measured = {e["name"]: e["measured_s"] for e in p["events"] if "measured_s" in e}
-        y, mask = learned.targets(graph, measured)
+        y, mask = targets(graph, measured)
         step = learned.MeasuredStep(sim, program, p["measured_step_s"])
         out.append(learned.Sample(graph, y, mask, record["model"], p["plan_name"], step))
     return out
@@ -143,10 +145,10 @@ def evaluate(trained: learned.Trained, record: dict, plans: list[dict], samples:
     }
 
 
-def repeat_errors(graph: learned.ScheduleGraph, events: list[dict]) -> dict[int, float]:
+def repeat_errors(graph: ScheduleGraph, events: list[dict]) -> dict[int, float]:
     """Per measured node of ``graph`` whose record has ``halves_s`` (the means of the first and
     the last half of the measured steps): how far apart the two are, relative to the measured
-    duration as :func:`autodist.cost.learned.event_errors` judges a prediction — the error a
+    duration as :func:`autodist.lab.learned.event_errors` judges a prediction — the error a
     prediction that equalled one half would have against the other."""
     by_name = {e["name"]: e for e in events}
     out = {}

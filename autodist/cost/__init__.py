@@ -1,1 +1,1 @@
-"""Comm model and its sweep, memory rules, budget, simulator, learned estimator."""
+"""Modelling: the comm model, memory rules, budget, interconnects, the simulator and its measured error."""

@@ -124,19 +124,6 @@ def summaries(rows: Sequence[dict[str, Any]], steps: int | None = None) -> dict[
     }
 
 
-RECORD_FIELDS = ("spearman", "median_abs_pct_error_time", "median_abs_pct_error_peak", "max_pct_peak_excess",
-                 "split_half_spearman")  # of all the plans, at a record's top level
-
-
-def record_fidelity(rows: Sequence[dict[str, Any]], steps: int | None = None) -> dict[str, Any]:
-    """The fidelity figures a simcheck record holds beside its plans (``rows``): those of all the
-    plans at its top level (``RECORD_FIELDS``), and the built-in and random plans' and the searched
-    ones' under ``random_and_builtin`` and ``searched`` (:func:`summaries`)."""
-    fidelity = summaries(rows, steps)
-    return {**{k: fidelity["all"].get(k) for k in RECORD_FIELDS},
-            "random_and_builtin": fidelity["random_and_builtin"], "searched": fidelity["searched"]}
-
-
 def split_half_spearman(times: Sequence[Sequence[float]], steps: int) -> float:
     """How well the measurement ranks its own plans: the rank correlation, over plans, of each
     plan's step time (the lower quartile, as :attr:`Checked.measured_step_s`) from its even passes
@@ -203,21 +190,20 @@ def best_wait_scale(errors: dict[Any, dict[str, float]], names: Sequence[str], *
     plans rank too coarsely to tell: the sweep's scale). Each record is measured against its own
     best, in error and in rank, not by its figures themselves: a record the scale hardly moves
     (wide-mlp, whose collectives are mostly larger than the scale applies to) would otherwise be
-    every scale's worst and leave the choice to the tie-breaks (until simulator version 14 the rank
-    compared the records' Spearman itself; wide-mlp's, the same at every scale, was the smallest at
-    most, and the fit went to the scale nearest ``prior``)."""
+    every scale's worst and leave the choice to the tie-breaks."""
     own_best = {n: min(errors[s][n] for s in errors) for n in names}
     worst = {s: round(max(errors[s][n] - own_best[n] for n in names), 9) for s in errors}
     least = min(worst.values())
 
-    best_rank = {n: max((r[n] for r in (ranking or {}).values() if not math.isnan(r[n])), default=math.nan) for n in names}
+    ranks = ranking or {}
+    best_rank = {n: max((r[n] for r in ranks.values() if not math.isnan(r[n])), default=math.nan) for n in names}
 
     def short(s: Any, n: str) -> float:
         # a record no key ranks (its plans predicted alike everywhere) does not decide; a key that
         # ranks nothing of a record others rank (nan) falls as short as a Spearman can
         if math.isnan(best_rank[n]):
             return 0.0
-        return 2.0 if math.isnan(ranking[s][n]) else best_rank[n] - ranking[s][n]
+        return 2.0 if math.isnan(ranks[s][n]) else best_rank[n] - ranks[s][n]
 
     def rank(s: Any) -> float:
         return round(max(short(s, n) for n in names), 9) if ranking is not None else 0.0
@@ -254,24 +240,6 @@ def predictions_by_comm(profile: Profile, structure: Any, comms: Sequence[Any], 
     simulator's ``param_dtype`` and ``reduce_dtype``."""
     sims = [Simulator(profile, structure, c, world_size=world, **policy) for c in comms]
     return [[sim.run(plan).step_s for sim in sims] for plan in plans]
-
-
-def sweep_spread(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """How far each plan's prediction moves with the comm model it is made from: rows carry
-    ``predicted_step_s_by_sweep`` (the same profile, one comm model per sweep taken in the run);
-    per plan, the range of its predictions as a % of their median. Returns the number of sweeps,
-    the median and the largest range over the plans, and the plan with the largest (empty when no
-    row has two sweeps)."""
-    spreads = []
-    for r in rows:
-        preds = r.get("predicted_step_s_by_sweep") or []
-        if len(preds) > 1:
-            spreads.append((pct_apart(preds), r["plan"], len(preds)))
-    if not spreads:
-        return {}
-    worst = max(spreads)
-    return {"sweeps": max(n for _, _, n in spreads), "median_pct": statistics.median(s for s, _, _ in spreads),
-            "max_pct": worst[0], "max_plan": worst[1]}
 
 
 def budget_fractions(budgets: int) -> list[float]:
@@ -342,7 +310,7 @@ def slowest_over_ranks(profile: Profile) -> Profile:
     a measured step is compared with, since the slowest rank sets a step's pace."""
     profiles: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(profiles, profile.to_json())
-    return slowest([Profile.from_json(p) for p in profiles])
+    return slowest([Profile.from_json(p) for p in profiles if p is not None])
 
 
 def max_over_ranks(x: float) -> float:
@@ -389,7 +357,7 @@ def measure_plans(
     steps: int = 6,
     warmup: int = 2,
     passes: int = 2,
-    close: Callable[[nn.Module], None] = lambda m: m.close(),  # type: ignore[attr-defined]
+    close: Callable[[nn.Module], None] = lambda m: m.close(),  # type: ignore[operator]  # nn.Module.__getattr__'s stub
     after_warmup: Callable[[int, Callable[[], None]], None] | None = None,
     progress: Callable[[Checked], None] | None = None,
     forward: Callable[[nn.Module, Any], Any] = lambda model, x: model(x),
@@ -422,7 +390,7 @@ def measure_plans(
             ys = y.chunk(accum) if accum > 1 and y is not None else (y,) * len(xs)
             for k, (xm, ym) in enumerate(zip(xs, ys)):
                 if k < len(xs) - 1:
-                    with model.no_sync():  # type: ignore[attr-defined]
+                    with model.no_sync():  # type: ignore[operator]  # nn.Module.__getattr__'s stub
                         loss(forward(model, xm), ym).div(len(xs)).backward()
                 else:
                     loss(forward(model, xm), ym).div(len(xs)).backward()
@@ -445,7 +413,7 @@ def measure_plans(
             if first:
 
                 def live() -> list[torch.Tensor]:
-                    held = list(model.runtime.held_tensors())  # type: ignore[attr-defined]
+                    held = list(model.runtime.held_tensors())  # type: ignore[union-attr, operator]  # nn.Module.__getattr__'s stub
                     held += [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
                     inputs = [t for t in (xl, yl) if isinstance(t, torch.Tensor)]
                     return held + [p.grad for p in model.parameters() if p.grad is not None] + inputs

@@ -2,7 +2,7 @@
 time of each section of the compute thread (``"forward"``, ``"fwd <unit>"``, ``"loss"``, ``"loss
 backward"``, ``"bwd <unit>"``, ``"backward"``, ``"optimizer"``: the names of
 ``autodist.cost.simulator.Program.sections``) and the duration of each collective. The learned
-estimator (``autodist/cost/learned.py``) trains on these; ``tools/collect_timelines.py`` collects them.
+estimator (``autodist/lab/learned.py``) trains on these; ``tools/collect_timelines.py`` collects them.
 
 [Note: measured sections] A section is what the compute thread does from one hook position to the
 next, as the simulator's program cuts it: a unit's forward section starts *before* AutoDist's own
@@ -35,25 +35,29 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
+from ..measure.trace import _attribute, _Clock, _Pass
 from ..runtime.backward import in_backward
 from ..runtime.comm import CollectiveTiming, CommStats
 from ..structure import ModelStructure
-from .trace import _attribute, _Pass
 
 _Mark = tuple[float, float, float]  # (perf_counter, cumulative collective wait seconds, thread CPU time)
 
 
-class _Busy:
-    """Seconds between two marks, less the time spent blocked on collectives."""
+class _Busy(_Clock):
+    """Seconds between two of the tracer's marks (taken on the host), less the time spent blocked on
+    collectives: a clock :func:`~autodist.measure.trace._attribute` reads marks with."""
 
-    @staticmethod
-    def seconds(a: _Mark, b: _Mark) -> float:
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+
+    def seconds(self, a: _Mark, b: _Mark) -> float:
         return max(0.0, (b[0] - a[0]) - (b[1] - a[1]))
 
 
-class _Thread:
-    @staticmethod
-    def seconds(a: _Mark, b: _Mark) -> float:
+class _Thread(_Busy):
+    """The thread's CPU time between two of the tracer's marks."""
+
+    def seconds(self, a: _Mark, b: _Mark) -> float:
         return b[2] - a[2]
 
 
@@ -214,7 +218,7 @@ class StepTracer:
         units_end = m.get("units_end", m["backward_end"])
         sections: dict[str, float] = {}
         thread: dict[str, float] = {}
-        for clock, out in ((_Busy, sections), (_Thread, thread)):
+        for clock, out in ((_Busy(), sections), (_Thread(), thread)):
             attr = _attribute(self._pass, clock, m["start"], m["forward_end"], units_end, self.units)
             out["forward"] = attr["pre_fwd"]
             out["loss"] = attr["post_fwd"]

@@ -28,7 +28,7 @@ the step; and the plan's analytic step time and compute share. Nothing names the
 estimator can be used on models it never saw (and is evaluated on such: ``tools/train_estimator.py``).
 
 **The target** of a node is ``log(measured / analytic)`` (clipped to ±``CLIP``): the wall-clock
-duration a step on this machine took (``autodist/measure/steptrace.py``) over the duration the
+duration a step on this machine took (``autodist/lab/steptrace.py``) over the duration the
 analytic simulator gave it (at least ``FLOOR_S``, so that a section the analytic model thinks
 free — the end of backward — can still be corrected).
 
@@ -53,7 +53,6 @@ estimator is then used at all is decided on step times of models held out of eve
 from __future__ import annotations
 
 import base64
-import bisect
 import json
 import math
 from collections.abc import Sequence
@@ -63,341 +62,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..plan import Plan
-from .fidelity import SIMULATOR_VERSION
-from .simulator import Program, SimResult, Simulator
+from ..cost.fidelity import SIMULATOR_VERSION
+from ..cost.simulator import Program, SimResult, Simulator
+from .graph import (
+    CLIP,
+    FEATURE_SCHEMA,
+    FEATURES,
+    FLOOR_S,
+    KINDS,
+    RELATIONS,
+    ScheduleGraph,
+    corrected_durations,
+    schedule_graph,
+)
 
-# 2: the unit parameter features (unit_*), and targets and ln_queued relative to a 100 us floor
-FEATURE_SCHEMA = 2
 # 2: shrink (the share of the correction applied), features clamped to FEATURE_CLAMP
 ENTRY_SCHEMA = 2
-# The least duration a target is taken relative to (the analytic side of the ratio) and an error
-# is judged against (the measured side, event_errors): 100 us. A unit's hooks alone take tens of
-# microseconds on a CPU; relative errors of shorter events say little.
-FLOOR_S = 1e-4
-CLIP = 4.0  # targets and predictions are clipped to [-CLIP, CLIP] in log space (a factor of ~55)
-
-SECTION_KINDS = ("forward", "fwd", "loss", "loss backward", "bwd", "backward", "optimizer")
-OP_KINDS = ("all_gather", "refresh", "all_reduce", "reduce_scatter", "copy_out", "copy_back")
-KINDS = SECTION_KINDS + OP_KINDS
-RELATIONS = ("next", "prev", "issue", "issued", "wait", "waited", "overlap")
-NUMERIC = (
-    "ln_ms_analytic", "ln_ms_given", "contention", "ln_mib", "share_compute", "share_bookkeeping",
-    "share_copy_out", "share_copy_in", "share_recompute", "ln_issues", "ln_waits", "waited_share",
-    "overlap_gather", "overlap_reduce", "overlap_copy", "ln_mib_concurrent", "ln_ops_concurrent",
-    "overlap_compute", "ln_queued", "exposed_share", "start", "end",
-    "unit_ln_params", "unit_ln_mib", "unit_sharded", "unit_persistent", "unit_after_forward",
-    "plan_ln_ms_step", "plan_compute_share", "plan_ln_ops",
-)
-FEATURES = tuple(f"kind={k}" for k in KINDS) + NUMERIC
-MIB = float(1 << 20)
-
-
-def _ln_ms(seconds: float) -> float:
-    return math.log(max(seconds, 1e-6) * 1e3)
-
-
-def _section_kind(name: str) -> str:
-    base = name.split(" @m")[0]
-    if base.startswith("fwd "):
-        return "fwd"
-    if base.startswith("bwd "):
-        return "bwd"
-    return base
-
-
-def _op_kind(kind: str, label: str) -> str:
-    return "refresh" if kind == "all_gather" and label.startswith("refresh ") else kind
-
-
-def collective_name(kind: str, ident: str, occurrence: int) -> str:
-    """The node name of an operation: ``"all_gather layers.0"``, ``"all_reduce bucket3 #1"`` for
-    the second of its kind and ident in a step."""
-    return f"{kind} {ident}" + (f" #{occurrence}" if occurrence else "")
-
-
-def op_ident(kind: str, label: str) -> str:
-    """What a simulated operation's runtime counterpart is called: the first unit of a gather group,
-    ``bucket<i>``, or the offloaded state."""
-    if kind == "all_gather":
-        return label.split(" ", 1)[1]
-    return label
-
-
-@dataclass
-class ScheduleGraph:
-    """One compiled step as a graph. Per node: ``names`` (a section's name, or ``"<kind> <ident>"``
-    with ``" #<n>"`` for the n-th repeat), ``kinds`` (``KINDS``), ``x`` (``FEATURES``), ``analytic_s``
-    (the analytic duration, timed), ``instructions`` (a section's compute instructions, indices into
-    ``program.prog``) and ``op`` (an operation's index into ``program.ops``, else -1)."""
-
-    names: list[str]
-    kinds: list[str]
-    x: torch.Tensor
-    edges: dict[str, torch.Tensor]
-    analytic_s: torch.Tensor
-    instructions: list[list[int]]
-    op: list[int]
-    step_s: float
-    start_s: list[float] = field(default_factory=list)  # when each node starts and ends, analytically
-    end_s: list[float] = field(default_factory=list)
-
-    @property
-    def num_nodes(self) -> int:
-        return len(self.names)
-
-
-def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
-    return max(0.0, min(a1, b1) - max(a0, b0))
-
-
-def schedule_graph(program: Program, analytic: SimResult) -> ScheduleGraph:
-    """The graph of ``program`` timed as ``analytic`` (a ``Simulator._execute`` result with
-    ``record=True``: its compute events are the program's compute instructions of positive
-    duration, in order; its operations' ``start``/``end`` are set)."""
-    from .simulator import _C, _ISSUE, _WAIT  # the program's opcodes
-
-    prog, ops = program.prog, program.ops
-    step = max(analytic.step_s, 1e-9)
-    compute_events = iter([e for e in analytic.events if e.stream == "compute"])
-    # replay the compute thread's clock: when each instruction starts and ends
-    t = 0.0
-    span: dict[int, tuple[float, float]] = {}
-    at: list[float] = []
-    for i, ins in enumerate(prog):
-        at.append(t)
-        if ins[0] == _C and ins[1] > 0:
-            ev = next(compute_events)
-            span[i] = (ev.start, ev.end)
-            t = ev.end
-        elif ins[0] == _WAIT:
-            t = max(t, ops[ins[1]].end)
-    at.append(t)
-
-    names: list[str] = []
-    kinds: list[str] = []
-    rows: list[dict[str, float]] = []
-    instructions: list[list[int]] = []
-    op_of: list[int] = []
-    analytic_s: list[float] = []
-    start_s: list[float] = []
-    end_s: list[float] = []
-    busy_spans: list[list[tuple[float, float]]] = []
-    issued_by: dict[int, int] = {}
-    waited_by: dict[int, int] = {}
-    issue_time: dict[int, float] = {}
-    wait_time: dict[int, float] = {}
-    # the preamble (a persistent refresh, a copy-out the previous step started) joins the first section
-    bounds = [(0 if k == 0 else i, name) for k, (i, name) in enumerate(program.sections)] + [(len(prog), "")]
-    for (i0, name), (i1, _) in zip(bounds, bounds[1:]):
-        node = len(names)
-        parts = {"compute": 0.0, "bookkeeping": 0.0, "copy_out": 0.0, "copy_in": 0.0, "recompute": 0.0}
-        mine, spans, issues, waits = [], [], 0, 0
-        for i in range(i0, i1):
-            ins = prog[i]
-            if ins[0] == _C:
-                mine.append(i)
-                label = ins[2]
-                part = (
-                    "bookkeeping" if label == "gather bookkeeping" else "copy_out" if label == "copy-out"
-                    else "copy_in" if label == "bucket copy-in" else "recompute" if label.startswith("recompute ")
-                    else "compute"
-                )
-                parts[part] += max(ins[1], 0.0)
-                if i in span:
-                    spans.append(span[i])
-            elif ins[0] == _ISSUE:
-                issues += 1
-                issued_by.setdefault(ins[1], node)
-                issue_time.setdefault(ins[1], at[i])
-            elif ins[0] == _WAIT:
-                waits += 1
-                if ins[1] not in waited_by:
-                    waited_by[ins[1]] = node
-                    wait_time[ins[1]] = at[i]
-        given = sum(parts.values())
-        busy = sum(b - a for a, b in spans)
-        elapsed = at[i1] - at[i0]
-        names.append(name)
-        kinds.append(_section_kind(name))
-        instructions.append(mine)
-        op_of.append(-1)
-        analytic_s.append(busy)
-        start_s.append(at[i0])
-        end_s.append(at[i1])
-        busy_spans.append(spans)
-        rows.append({
-            "ln_ms_analytic": _ln_ms(busy), "ln_ms_given": _ln_ms(given),
-            "contention": min(busy / given - 1.0, 5.0) if given > 0 else 0.0,
-            **{f"share_{k}": (v / given if given > 0 else 0.0) for k, v in parts.items()},
-            "ln_issues": math.log1p(issues), "ln_waits": math.log1p(waits),
-            "waited_share": (elapsed - busy) / elapsed if elapsed > 0 else 0.0,
-            "start": at[i0] / step, "end": at[i1] / step,
-        })
-    n_sections = len(names)
-    # the unit a section belongs to: its parameters and how the plan holds them
-    if program.plan is not None:
-        units = {u.name: u for u in program.plan.units}
-        for name, row in zip(names, rows):
-            base = name.split(" @m")[0]
-            u = units.get(base.split(" ", 1)[1]) if base.startswith(("fwd ", "bwd ")) else None
-            if u is None:
-                continue
-            row["unit_ln_params"] = math.log1p(len(u.params))
-            row["unit_ln_mib"] = math.log1p(sum(program.param_bytes.get(p, 0) for p in u.params) / MIB)
-            row["unit_sharded"] = float(u.placement == "shard")
-            row["unit_persistent"] = float(u.placement == "shard" and u.residency == "persistent")
-            row["unit_after_forward"] = float(u.placement == "shard" and u.residency == "after_forward")
-
-    # operations: one node each, named by what the runtime calls them
-    seen: dict[tuple[str, str], int] = {}
-    for k, op in enumerate(ops):
-        ident = op_ident(op.kind, op.label)
-        n = seen.get((op.kind, ident), 0)
-        seen[(op.kind, ident)] = n + 1
-        names.append(collective_name(op.kind, ident, n))
-        kinds.append(_op_kind(op.kind, op.label))
-        instructions.append([])
-        op_of.append(k)
-        dur = max(op.end - op.start, 0.0)
-        analytic_s.append(dur)
-        start_s.append(op.start)
-        end_s.append(op.end)
-        issued = issue_time.get(k, op.start)
-        waited = wait_time.get(k)
-        exposed = _overlap(waited, max(waited, op.end), op.start, op.end) if waited is not None else 0.0
-        rows.append({
-            "ln_ms_analytic": _ln_ms(dur), "ln_ms_given": _ln_ms(op.seconds),
-            "contention": min(dur / op.seconds - 1.0, 5.0) if op.seconds > 0 else 0.0,
-            "ln_mib": math.log1p(op.nbytes / MIB),
-            "ln_queued": math.log1p(max(op.start - issued, 0.0) / max(dur, FLOOR_S)),
-            "exposed_share": exposed / dur if dur > 0 else 0.0,
-            "start": op.start / step, "end": op.end / step,
-        })
-
-    # what runs at the same time (analytic timeline): sections' busy spans against operations
-    edges: dict[str, list[tuple[int, int]]] = {r: [] for r in RELATIONS}
-    all_spans = sorted((a, b, node) for node, spans in enumerate(busy_spans) for a, b in spans)
-    starts = [s[0] for s in all_spans]
-    group = {"all_gather": "overlap_gather", "all_reduce": "overlap_reduce", "reduce_scatter": "overlap_reduce",
-             "copy_out": "overlap_copy", "copy_back": "overlap_copy"}
-    concurrent_bytes = [0.0] * n_sections
-    concurrent_ops = [0] * n_sections
-    for k, op in enumerate(ops):
-        node = n_sections + k
-        if op.end <= op.start:
-            continue
-        covered = 0.0
-        touched: set[int] = set()
-        j = max(0, bisect.bisect_right(starts, op.start) - 1)
-        while j < len(all_spans) and all_spans[j][0] < op.end:
-            a, b, sec = all_spans[j]
-            ov = _overlap(a, b, op.start, op.end)
-            if ov > 0:
-                covered += ov
-                touched.add(sec)
-                row = rows[sec]
-                row[group[op.kind]] = row.get(group[op.kind], 0.0) + ov / max(analytic_s[sec], 1e-12)
-                concurrent_bytes[sec] += op.nbytes * ov / (op.end - op.start)
-            j += 1
-        rows[node]["overlap_compute"] = covered / (op.end - op.start)
-        for sec in sorted(touched):
-            concurrent_ops[sec] += 1
-            edges["overlap"] += [(sec, node), (node, sec)]
-    for sec in range(n_sections):
-        rows[sec]["ln_mib_concurrent"] = math.log1p(concurrent_bytes[sec] / MIB)
-        rows[sec]["ln_ops_concurrent"] = math.log1p(concurrent_ops[sec])
-    # operations overlapping each other (a collective and an offload copy, on their two queues)
-    copies = [o for o in ops if o.stream == 1]
-    for k, op in enumerate(ops):
-        others = [o for o in (copies if op.stream == 0 else ops) if o.stream != op.stream and _overlap(o.start, o.end, op.start, op.end) > 0]
-        rows[n_sections + k]["ln_ops_concurrent"] = math.log1p(len(others))
-
-    # order and dependencies
-    for sec in range(1, n_sections):
-        edges["next"].append((sec - 1, sec))
-        edges["prev"].append((sec, sec - 1))
-    for stream in (0, 1):
-        queue = sorted((op.start, k) for k, op in enumerate(ops) if op.stream == stream)
-        for (_, a), (_, b) in zip(queue, queue[1:]):
-            edges["next"].append((n_sections + a, n_sections + b))
-            edges["prev"].append((n_sections + b, n_sections + a))
-    for k, sec in issued_by.items():
-        edges["issue"].append((sec, n_sections + k))
-        edges["issued"].append((n_sections + k, sec))
-    for k, sec in waited_by.items():
-        edges["wait"].append((n_sections + k, sec))
-        edges["waited"].append((sec, n_sections + k))
-
-    plan_row = {
-        "plan_ln_ms_step": _ln_ms(analytic.step_s),
-        "plan_compute_share": analytic.compute_s / step,
-        "plan_ln_ops": math.log1p(len(ops)),
-    }
-    x = torch.zeros(len(names), len(FEATURES), dtype=torch.float32)
-    col = {f: i for i, f in enumerate(FEATURES)}
-    for i, (kind, row) in enumerate(zip(kinds, rows)):
-        x[i, col[f"kind={kind}"]] = 1.0
-        for key, v in {**row, **plan_row}.items():
-            x[i, col[key]] = float(v)
-    return ScheduleGraph(
-        names=names, kinds=kinds, x=x,
-        edges={r: torch.tensor(e, dtype=torch.long).reshape(-1, 2).t().contiguous() for r, e in edges.items()},
-        analytic_s=torch.tensor(analytic_s, dtype=torch.float64), instructions=instructions, op=op_of,
-        step_s=analytic.step_s, start_s=start_s, end_s=end_s,
-    )
-
-
-def graph_of(sim: Simulator, plan: Plan) -> tuple[Program, SimResult, ScheduleGraph]:
-    """``plan`` compiled by ``sim``, timed analytically (whatever estimator ``sim`` has), and its graph."""
-    program = sim.compile(plan)
-    analytic = sim._execute(program.prog, program.ops, program.static, True)
-    return program, analytic, schedule_graph(program, analytic)
-
-
-def targets(graph: ScheduleGraph, measured: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, mask)``: ``log(measured / max(analytic, FLOOR_S))`` clipped to ±CLIP for the nodes
-    ``measured`` names (seconds), and which nodes have one."""
-    y = torch.zeros(graph.num_nodes, dtype=torch.float32)
-    mask = torch.zeros(graph.num_nodes, dtype=torch.bool)
-    for i, name in enumerate(graph.names):
-        m = measured.get(name)
-        if m is None or not math.isfinite(m):
-            continue
-        ratio = max(m, 1e-6) / max(float(graph.analytic_s[i]), FLOOR_S)
-        y[i] = max(-CLIP, min(CLIP, math.log(ratio)))
-        mask[i] = True
-    return y, mask
-
-
-def corrected_durations(graph: ScheduleGraph, program: Program, log_ratio: torch.Tensor, kinds: Sequence[str],
-                        nodes: torch.Tensor | None = None) -> tuple[dict[int, float], list[float]]:
-    """The durations to time ``program`` with: each node of a kind in ``kinds`` (and, given
-    ``nodes``, a boolean per node, among those) gets ``exp(log_ratio) * max(analytic, FLOOR_S)``;
-    other nodes keep theirs. With the measured targets as ``log_ratio`` and their mask as ``nodes``
-    this is the *replay*: the simulator timing the durations a run measured."""
-    from .simulator import _C
-
-    keep = set(kinds)
-    durations: dict[int, float] = {}
-    op_seconds = [op.seconds for op in program.ops]
-    for i in range(graph.num_nodes):
-        if graph.kinds[i] not in keep or (nodes is not None and not bool(nodes[i])):
-            continue
-        r = math.exp(max(-CLIP, min(CLIP, float(log_ratio[i]))))
-        analytic = float(graph.analytic_s[i])
-        if graph.op[i] >= 0:
-            k = graph.op[i]
-            op_seconds[k] = program.ops[k].seconds * r if analytic >= FLOOR_S else max(program.ops[k].seconds, FLOOR_S) * r
-            continue
-        mine = [j for j in graph.instructions[i] if program.prog[j][0] == _C]
-        if not mine:
-            continue
-        for j in mine:
-            durations[j] = max(program.prog[j][1], 0.0) * r
-        if analytic < FLOOR_S:  # too small to scale: the section takes what was predicted for FLOOR_S
-            durations[mine[-1]] += r * (FLOOR_S - analytic)
-    return durations, op_seconds
 
 
 # ------------------------------------------------------------------------------------------------
@@ -448,7 +128,7 @@ def build_net(config: NetConfig) -> nn.Module:
             h = self.inp(x)
             for convs, own in zip(self.convs, self.own):
                 m = own(h)
-                for r, conv in convs.items():
+                for r, conv in convs.items():  # type: ignore[operator]  # nn.Module.__getattr__ types convs as a Tensor
                     m = m + conv(h, edges[r])
                 h = h + torch.relu(m)
             return self.head(h).squeeze(-1)
@@ -470,7 +150,7 @@ class MeasuredStep:
         """The step with ``log_ratio`` applied to the nodes of ``kinds`` (and ``nodes``, as
         :func:`corrected_durations` takes them); None: the analytic step. The sample's own targets
         and mask replay the durations measured."""
-        from .simulator import scaled
+        from ..cost.simulator import scaled
 
         if log_ratio is None:  # the program's own durations (timing sets its operations' start and end: fresh copies)
             prog, ops = scaled(self.program, {}, [op.seconds for op in self.program.ops])
@@ -494,7 +174,9 @@ class Sample:
 
 def _batch(graphs: Sequence[ScheduleGraph]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The disjoint union of ``graphs``: stacked features and offset edges."""
-    xs, edges, offset = [], {r: [] for r in RELATIONS}, 0
+    xs: list[torch.Tensor] = []
+    edges: dict[str, list[torch.Tensor]] = {r: [] for r in RELATIONS}
+    offset = 0
     for g in graphs:
         xs.append(g.x)
         for r in RELATIONS:
@@ -642,8 +324,10 @@ def _validation_error(held: Sequence[Sample], raw: Sequence[torch.Tensor], share
     if all(s.step is not None for s in held):
         errors = []
         for s, r in zip(held, raw):
-            step = s.step.timed(s.graph, share * r if share else None, kinds)
-            errors.append(abs(step - s.step.measured_s) / s.step.measured_s)
+            measured = s.step
+            assert measured is not None  # every sample of ``held`` has one (checked above)
+            step = measured.timed(s.graph, share * r if share else None, kinds)
+            errors.append(abs(step - measured.measured_s) / measured.measured_s)
         return float(torch.tensor(errors).median()) if errors else 0.0
     err = torch.cat([(share * r[s.mask] - s.y[s.mask]).abs() for s, r in zip(held, raw)])
     return float(err.median()) if err.numel() else 0.0

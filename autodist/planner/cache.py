@@ -2,12 +2,12 @@
 
 Location: ``cache_dir`` if given, else ``$AUTODIST_CACHE_DIR``, else ``$XDG_CACHE_HOME/autodist``,
 else ``~/.cache/autodist``. The kinds of entry live apart, so that a new budget re-plans without
-re-profiling and a new model reuses the machine's comm model:
+re-profiling and a new model reuses the machine's comm model (the keys: ``keys.py``):
 
 * ``profiles/<key>.json`` — a :class:`~autodist.cost.profile.Profile`, keyed by model structure,
   input signature, device and torch version;
-* ``comm/<key>.json`` — a :class:`~autodist.cost.comm.CommModel`, keyed by backend, world size,
-  device name and torch version;
+* ``comm/<key>.json`` — a :class:`~autodist.cost.comm.CommModel`, keyed by the machine (backend,
+  world size, device type and name, torch version: :func:`~autodist.planner.keys.machine_key`);
 * ``plans/<key>.json`` — a plan, keyed by everything that decides it (the profile key, world size,
   backend, budget, optimizer kind, mixed precision, plan schema version);
 * ``placements/<key>.json`` — the placement of the last plan stored for a model, world size and
@@ -19,22 +19,20 @@ re-profiling and a new model reuses the machine's comm model:
 
 Writes are atomic (temporary file + rename) under an exclusive ``fcntl`` lock; only rank 0 writes.
 A corrupt, truncated or stale entry is reported once, removed and treated as a miss — it never
-crashes training or changes results.
+crashes training or changes results (the checks: ``entries.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from ._log import OnceLogger, logger
+from .._log import OnceLogger, logger
 
 KINDS = ("profiles", "comm", "plans", "placements", "fidelity", "estimators")
 T = TypeVar("T")
@@ -48,12 +46,6 @@ def default_cache_dir() -> Path:
     if xdg:
         return Path(xdg).expanduser() / "autodist"
     return Path.home() / ".cache" / "autodist"
-
-
-def digest(parts: dict[str, Any]) -> str:
-    """A stable short key for a dict of identifying facts."""
-    blob = json.dumps(parts, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:20]
 
 
 @dataclass
@@ -172,13 +164,3 @@ class Cache:
                         removed += 1
         logger.info("autodist: removed %d cache entries from %s", removed, self.dir)
         return removed
-
-
-def comm_cache_key(world: int, device_type: str, device_name: str, backend: str) -> str:
-    """The key under which ``plan="auto"`` stores the comm model it measured on a machine: world size,
-    device type and name (``"cpu"`` on the CPU), backend and torch version."""
-    import torch
-
-    return digest(
-        {"world": world, "device": device_type, "device_name": device_name, "backend": backend, "torch": torch.__version__}
-    )

@@ -1,0 +1,190 @@
+"""``autodist check``'s pipeline, on each rank torchrun launched: profile the model, measure the comm
+model, choose plans (built-in, random and searched), run each for a few steps, compare the measured
+step time and peak with the predictions, fit the wait calibration, and store the measured error for
+this machine, where ``plan="auto"`` and ``autodist plan`` take their margins from
+(:func:`~autodist.planner.offline.search_config`).
+
+The command (``autodist/cli.py``) parses the arguments, builds the model and its batches, and
+renders the payload :func:`run_check` returns on rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..cost.comm import CommModel
+from ..cost.fidelity import MIN_SEED_MARGIN, SCALE_TOLERANCE, WAIT_SCALES, FidelityRecord, refusal
+from ..cost.profile import Profile
+from ..cost.simulator import Simulator
+from ..measure import fidelity as measure_fidelity
+from ..measure import sweep as measure_sweep
+from ..measure.trace import model_loss, profile_model, surrogate_loss
+from ..sched.search import SearchConfig
+from ..sched.space import space_for
+from ..structure import discover
+from .cache import Cache
+from .keys import machine, machine_key
+
+WARMUP_STEPS = 2  # untimed steps per plan and pass: the allocator and the engine's first-step work
+PASSES = 2  # passes in alternating order (see [Note: a host whose speed drifts] in measure/fidelity.py)
+
+
+@dataclass
+class CheckRequest:
+    """What ``autodist check`` measures: the model (``build`` returns it, seeded the same each time),
+    one step's batch (``batch(generator, device)``: ``accum`` micro-batches), the keyword inputs a
+    micro-batch is also passed as (``kwargs_of``), and how much to measure."""
+
+    model: str  # the factory's name, for the report
+    build: Callable[[], nn.Module]
+    validate: Callable[[nn.Module], object]  # runs the model once on an example batch; raises if it fails
+    batch: Callable[[torch.Generator, torch.device], torch.Tensor]
+    kwargs_of: Callable[[torch.Tensor], dict[str, Any]]
+    input_shape: tuple[int, ...]
+    plans: int
+    steps: int
+    accum: int
+    record: bool
+    cache_dir: str | None
+
+
+def rank_device() -> tuple[torch.device, str]:
+    """This rank's device and backend: its local GPU with NCCL where there is one, else the CPU with
+    gloo, computing with one intra-op thread as a rank does under torchrun."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device, "nccl"
+    torch.set_num_threads(1)
+    return torch.device("cpu"), "gloo"
+
+
+def check_on_ranks(req: CheckRequest, say: Callable[[str], None]) -> dict[str, Any] | None:
+    """One rank of ``autodist check`` (launched by torchrun): join the process group, :func:`run_check`,
+    leave it. Rank 0 returns the payload, the others ``None``."""
+    device, backend = rank_device()
+    dist.init_process_group(backend)
+    try:
+        return run_check(req, device, backend, say)
+    finally:
+        dist.destroy_process_group()
+
+
+def _loss(out: Any, _target: Any) -> torch.Tensor:
+    own = model_loss(out)  # the model's own loss (Hugging Face with labels), else the mean of its outputs
+    return own if own is not None else surrogate_loss(out)
+
+
+def run_check(req: CheckRequest, device: torch.device, backend: str, say: Callable[[str], None]) -> dict[str, Any] | None:
+    """Measure the plans on every rank of the default process group; rank 0 returns the payload
+    :func:`~autodist.cli.render_check` prints (the others ``None``). ``say`` reports each plan's
+    measurement as it completes (rank 0)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    if group is None:
+        raise RuntimeError("autodist check runs in a process group (torchrun); none is initialised")
+    model = req.build()
+    structure = discover(model)
+    req.validate(model)
+    gen = torch.Generator().manual_seed(1000 + rank)  # distinct data per rank and step
+    batches = [(req.batch(gen, device), None) for _ in range(WARMUP_STEPS + req.steps + 1)]
+    x0 = batches[0][0].chunk(req.accum)[0]
+    train = measure_sweep.collective_train(group, device)
+    model = model.to(device)
+
+    def profile(memory: bool = True) -> Profile:
+        return profile_model(
+            model, structure, (x0,), device=device, loss_fn=lambda out: _loss(out, None),
+            example_kwargs=req.kwargs_of(x0), optimizer=measure_fidelity.optimizer_for, contention=train, memory=memory,
+        )
+
+    prof = measure_fidelity.slowest_over_ranks(profile())
+    reprofile = measure_fidelity.Reprofile(prof, lambda: profile(memory=False))
+    comm = measure_sweep.sweep(group, device)
+    space = space_for(prof, structure, world, grad_accum_steps=req.accum)
+    sim = Simulator(prof, structure, comm, world_size=world)
+    chosen = measure_fidelity.plans_to_check(space, sim, req.plans)
+    if not any("=" in name for name, _, _ in chosen):
+        # one plan measured twice: the measurement's own noise, which decides whether the record
+        # is stored (autodist/cost/fidelity.py refusal); the search usually picks a built-in one
+        chosen.append(("again=ddp", chosen[0][1], False))
+    checks = [
+        measure_fidelity.Checked(name, space.to_plan(g, provenance={"source": f"autodist check:{name}"}), sim.run(space.to_plan(g)), searched)
+        for name, g, searched in chosen
+    ]
+
+    def wrap(plan: Any) -> nn.Module:
+        from ..wrapper import AutoDist
+
+        return AutoDist(req.build(), plan=plan)
+
+    def progress(c: measure_fidelity.Checked) -> None:
+        if rank == 0:
+            # the table's predictions come later, from the profiles taken across all passes
+            say(f"[autodist check] {c.name}: measured {c.measured_step_s * 1e3:.1f} ms (predicted "
+                f"{c.predicted.step_s * 1e3:.1f} ms from the first profile)")
+
+    measure_fidelity.measure_plans(
+        checks, wrap, batches, _loss, device=device, accum=req.accum, steps=req.steps, warmup=WARMUP_STEPS,
+        passes=PASSES, progress=progress, forward=lambda m, x: m(x, **req.kwargs_of(x)), after_pass=reprofile.after_pass,
+    )
+    prof = reprofile.predict(checks, sim)
+    if rank != 0:
+        return None
+    facts = machine(world, device, backend)
+    return _payload(req, checks, prof, structure, comm, facts)
+
+
+def _payload(
+    req: CheckRequest, checks: list[measure_fidelity.Checked], prof: Profile, structure: Any, comm: CommModel,
+    facts: dict[str, Any],
+) -> dict[str, Any]:
+    """Rank 0's report of a check: each plan's figures, the fidelity summaries, the fitted wait
+    calibration, the margins they give, and where the record was stored (if it was)."""
+    world = facts["world"]
+    # each row with its plan, so that a plan whose peak or time was off can be run again
+    rows = [dict(c.row(), plan_json=json.loads(c.plan.to_json())) for c in checks]
+    fidelity = measure_fidelity.summaries(rows)
+    overall = fidelity["all"]
+    # the wait calibration that fits these plans best ([Note: the wait calibration]); the
+    # record's errors stay those measured at the sweep's scale
+    by_scale = measure_fidelity.errors_by_wait_scale(
+        prof, structure, comm, [c.plan for c in checks], [c.measured_step_s for c in checks], world,
+        sorted({*WAIT_SCALES, comm.wait_scale}),
+    )
+    fitted = measure_fidelity.best_wait_scale(
+        {s: {"": e} for s, e in by_scale.items()}, [""], prior=comm.wait_scale, within=SCALE_TOLERANCE,
+    )
+    record = replace(FidelityRecord.from_summary(overall, req.model), wait_scale=fitted, blocked_wait_s=comm.blocked_wait_s)
+    stored = None
+    repeated = measure_fidelity.repeatability(rows)
+    refused = refusal(record, repeated)
+    if req.record and refused is None:
+        path = Cache(req.cache_dir).put("fidelity", machine_key(facts), record.to_json())
+        stored = str(path) if path else None
+    cfg = SearchConfig.for_machine(record)
+    return {
+        "model": req.model, "world_size": world, "device": facts["device_name"], "backend": facts["backend"],
+        "input_shape": list(req.input_shape), "accum": req.accum, "steps": req.steps, "passes": PASSES,
+        "plans": rows, "all": overall,
+        "builtin_and_random": fidelity["random_and_builtin"],
+        "searched": fidelity["searched"],
+        "repeated": repeated,
+        "refused": refused,
+        "calibration": {"wait_scale": fitted, "median_abs_pct_error_time": by_scale[fitted],
+                        "sweep_wait_scale": comm.wait_scale, "at_sweep_scale": by_scale[comm.wait_scale],
+                        "blocked_wait_s": comm.blocked_wait_s},
+        "margins": {"prefer_seed_within": cfg.prefer_seed_within, "memory_headroom": cfg.memory_headroom,
+                    "default_prefer_seed_within": SearchConfig().prefer_seed_within,
+                    "min_prefer_seed_within": MIN_SEED_MARGIN,
+                    "default_memory_headroom": SearchConfig().memory_headroom},
+        "record_path": stored,
+    }
