@@ -62,7 +62,7 @@ from .sim.program import (
     scaled,
 )
 
-# the program's opcodes under the names autodist/cost/learned.py reads them by
+# the program's opcodes under the names autodist/lab/learned.py and lab/graph.py read them by
 _C, _ISSUE, _WAIT, _MEM = COMPUTE, ISSUE, WAIT, MEM
 
 __all__ = [
@@ -88,7 +88,7 @@ class Simulator:
         estimator: DurationEstimator | None = None,
     ) -> None:
         """``estimator``: corrects the analytic durations of a compiled step before it is timed
-        (``autodist.cost.learned.Estimator``; see :meth:`run`). Default: the analytic model alone."""
+        (``autodist.lab.learned.Estimator``; see :meth:`run`). Default: the analytic model alone."""
         self.profile = profile
         self.structure = structure
         self.comm = comm

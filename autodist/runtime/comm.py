@@ -91,7 +91,7 @@ class CollectiveTiming:
     issued: float
     done: float | None = None
     # the work, while neither a completion callback (not every gloo collective has one) nor a wait
-    # has set ``done``: a measuring tool polls it (``autodist.measure.steptrace``)
+    # has set ``done``: a measuring tool polls it (``autodist.lab.steptrace``)
     work: dist.Work | None = field(default=None, repr=False)
 
     def completed(self, at: float) -> None:
@@ -105,7 +105,7 @@ class CollectiveTiming:
 class CommStats:
     """Counts of what the runtime issued, for observability and tests. ``timeline``: when a list,
     every asynchronous collective issued appends its :class:`CollectiveTiming` (off by default:
-    a measuring tool turns it on, ``autodist/measure/steptrace.py``)."""
+    a measuring tool turns it on, ``autodist/lab/steptrace.py``)."""
 
     all_gathers: int = 0
     on_demand_gathers: int = 0
@@ -604,7 +604,7 @@ class Comm:
     # help is ending the threads: :meth:`destroy` destroys the groups this Comm made and lets go of
     # them, so the process groups are freed, which waits for their queued work and joins their
     # threads (torch releases the GIL to free a process group). Every error that ends the job on
-    # every rank destroys the Comm before it leaves AutoDist (wrapper.py, lifecycle.py): 0 of 30
+    # every rank destroys the Comm before it leaves AutoDist (wrapper.py, planner/online.py): 0 of 30
     # launches aborted.
     def _host_rank(self, rank: int) -> int:
         """The rank in ``check_pg`` of rank ``rank`` of ``group``."""

@@ -260,7 +260,7 @@ class Engine:
         self._anchors: dict[str, str | None] = {}  # learned recomputation anchors (previous step)
         self._module_of_unit = {u.name: u.module_name for u in structure.units}  # [Note: nested units]
         self._last_seen: set[str] = set()
-        self.observer = None  # plan="auto"'s step recorder while it profiles (autodist/lifecycle.py)
+        self.observer = None  # plan="auto"'s step recorder while it profiles (autodist/planner/recorder.py)
         # the actions taken, in the schedule's vocabulary (autodist/schedule.py); None: not recorded
         self.actions: ActionLog | None = None
         # optimizers seen stepping: True = over this model's parameters (hooks bound to it)

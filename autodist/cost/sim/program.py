@@ -91,7 +91,7 @@ class Program:
     ``"forward"``, ``"fwd <unit>"``, ``"loss"``, ``"loss backward"``, ``"bwd <unit>"``,
     ``"backward"`` (the end of backward: the flush), ``"optimizer"`` (with `` @m<k>`` for
     micro-batch k > 0). The instructions from one section's index to the next are what the runtime
-    does at that position: the names a measured step is cut into (``autodist/measure/steptrace.py``)
+    does at that position: the names a measured step is cut into (``autodist/lab/steptrace.py``)
     and the compute nodes of the learned estimator's graph. ``plan`` and ``param_bytes`` (each
     parameter's full size in its compute dtype) let the graph describe a section's unit."""
 
@@ -106,7 +106,7 @@ class Program:
 
 
 class DurationEstimator(Protocol):
-    """Corrects a compiled step's durations (``autodist.cost.learned.Estimator``): given the program
+    """Corrects a compiled step's durations (``autodist.lab.learned.Estimator``): given the program
     and its analytic timing (``record=True``), the new duration of compute instructions (by index
     into ``program.prog``; the others keep theirs) and of every operation (``program.ops`` order)."""
 
