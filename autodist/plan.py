@@ -316,149 +316,38 @@ class _Reader:
         return 0
 
 
+_TOP_REQUIRED = {"schema_version", "world_size", "units"}
+_TOP_OPTIONAL = {
+    "gather_groups", "buckets", "offload", "rebuild_buckets", "max_inflight_buckets", "fingerprint", "device",
+    "budget_bytes", "param_shapes", "optimizer_states", "predicted", "provenance", "recompute", "grad_accum_steps",
+}
+
+
 def _parse_plan(data: Any, source: str | None) -> Plan:
     r = _Reader(source)
-    top_required = {"schema_version", "world_size", "units"}
-    top_optional = {
-        "gather_groups", "buckets", "offload", "rebuild_buckets", "max_inflight_buckets", "fingerprint", "device",
-        "budget_bytes", "param_shapes", "optimizer_states", "predicted", "provenance", "recompute", "grad_accum_steps",
-    }
-    if isinstance(data, dict) and "schema_version" in data:
-        v = data["schema_version"]
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise PlanError(
-                f"schema_version: expected an integer such as {SCHEMA_VERSION}, got {json.dumps(v)[:60]}; write "
-                f'"schema_version": {SCHEMA_VERSION}',
-                source=source,
-            )
-        if v not in SUPPORTED_SCHEMA_VERSIONS:
-            raise PlanError(
-                f"schema_version {json.dumps(v)} is not supported by this autodist (it reads "
-                f"{', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}); upgrade autodist or regenerate "
-                "the plan with this version",
-                source=source,
-            )
-    d = r.obj(data, "", top_required, top_optional)
+    _check_schema_version(data, source)
+    d = r.obj(data, "", _TOP_REQUIRED, _TOP_OPTIONAL)
     if d is None:
         raise PlanError(r.problems, source=source)
 
-    world_size = r.typed(d.get("world_size"), "world_size", int, "a positive integer")
-    if isinstance(world_size, int) and world_size < 1:
-        r.fail("world_size", f"expected a positive integer, got {world_size}")
-
-    units: list[UnitPlan] = []
-    for p, uo in r.objects(d, "units", {"name", "params"}, {"placement", "residency", "accumulate"}, default=None):
-        units.append(
-            UnitPlan(
-                name=r.typed(uo.get("name"), f"{p}.name", str, "a string") or "",
-                params=r.str_list(uo.get("params"), f"{p}.params"),
-                placement=r.choice(uo.get("placement", "replicate"), f"{p}.placement", PLACEMENTS)
-                or "replicate",
-                residency=r.choice(uo.get("residency", "after_forward"), f"{p}.residency", RESIDENCIES)
-                or "after_forward",
-                accumulate=r.choice(uo.get("accumulate", "unsharded"), f"{p}.accumulate", ACCUMULATIONS)
-                or "unsharded",
-            )
-        )
-
-    groups: list[GatherGroup] = []
-    for p, go in r.objects(d, "gather_groups", {"units"}, {"prefetch"}):
-        pf = go.get("prefetch", {"forward": 1, "backward": 1})
-        pfo = r.obj(pf, f"{p}.prefetch", set(), {"forward", "backward"}) or {}
-        groups.append(
-            GatherGroup(
-                units=r.str_list(go.get("units"), f"{p}.units"),
-                prefetch=Prefetch(
-                    forward=r.window(pfo.get("forward", 1), f"{p}.prefetch.forward"),
-                    backward=r.window(pfo.get("backward", 1), f"{p}.prefetch.backward"),
-                ),
-            )
-        )
-
-    buckets: list[Bucket] = []
-    for p, bo in r.objects(d, "buckets", {"params"}, {"op", "nbytes"}):
-        nb = bo.get("nbytes")
-        if nb is not None:
-            nb = r.count(nb, f"{p}.nbytes", "a non-negative number of bytes or null")
-        buckets.append(
-            Bucket(
-                params=r.str_list(bo.get("params"), f"{p}.params"),
-                op=r.choice(bo.get("op", "all_reduce"), f"{p}.op", BUCKET_OPS) or "all_reduce",
-                nbytes=nb,
-            )
-        )
-
-    offload: list[OffloadFragment] = []
-    for p, oo in r.objects(d, "offload", {"param", "state", "fragment"}, {"out_after", "back_from"}):
-        frag = oo.get("fragment")
-        if not (
-            isinstance(frag, list)
-            and len(frag) == 2
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in frag)
-            and 0 <= frag[0] < frag[1]
-        ):
-            r.fail(f"{p}.fragment", f"expected [start, end] with 0 <= start < end; got {json.dumps(frag)}")
-            frag = [0, 1]
-        offload.append(
-            OffloadFragment(
-                param=r.typed(oo.get("param"), f"{p}.param", str, "a string") or "",
-                state=r.typed(oo.get("state"), f"{p}.state", str, "a string") or "",
-                fragment=(frag[0], frag[1]),
-                out_after=r.typed(oo.get("out_after", "step"), f"{p}.out_after", str, "a string") or "step",
-                back_from=r.typed(oo.get("back_from", "step"), f"{p}.back_from", str, "a string") or "step",
-            )
-        )
-
+    world_size = _read_world_size(r, d)
+    units = _read_units(r, d)
+    groups = _read_gather_groups(r, d)
+    buckets = _read_buckets(r, d)
+    offload = _read_offload(r, d)
     optimizer_states = r.str_list(d.get("optimizer_states", []), "optimizer_states")
     _check_fragments(r, offload, set(optimizer_states))
-
-    rebuild = None
-    if d.get("rebuild_buckets") is not None:
-        ro = r.obj(d["rebuild_buckets"], "rebuild_buckets", set(), {"cap_bytes", "first_cap_bytes"})
-        if ro is not None:
-            caps: dict[str, int] = {}
-            for key, default in (("cap_bytes", BucketRebuild.cap_bytes), ("first_cap_bytes", BucketRebuild.first_cap_bytes)):
-                what = f"a non-negative number of bytes (DDP's default: {default})"
-                cap = r.count(ro.get(key, default), f"rebuild_buckets.{key}", what)
-                caps[key] = default if cap is None else cap
-            rebuild = BucketRebuild(**caps)
-
-    inflight = d.get("max_inflight_buckets")
-    if inflight is not None and not (isinstance(inflight, int) and not isinstance(inflight, bool) and inflight >= 0):
-        r.fail("max_inflight_buckets", f"expected a non-negative integer or null; got {json.dumps(inflight)[:60]}")
-        inflight = None
+    rebuild = _read_rebuild_buckets(r, d)
+    inflight = _read_max_inflight(r, d)
     budget = d.get("budget_bytes")
     if budget is not None:
         budget = r.count(budget, "budget_bytes", "a non-negative number of bytes or null")
-    param_shapes = d.get("param_shapes", {})
-    if not isinstance(param_shapes, dict) or not all(
-        isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
-        for v in param_shapes.values()
-    ):
-        r.fail("param_shapes", f"expected an object of parameter name -> shape (a list of sizes); got {json.dumps(param_shapes)[:60]}")
-        param_shapes = {}
-    for key in ("predicted", "provenance"):
-        if _depth(d.get(key)) > MAX_NESTING:
-            r.fail(key, f"nested deeper than {MAX_NESTING} levels; a plan's {key} is a shallow object: regenerate the plan")
-    for key in ("predicted", "provenance"):
-        if not isinstance(d.get(key, {}), dict):
-            r.fail(key, "expected a JSON object")
-    predicted = d.get("predicted", {})
-    if isinstance(predicted, dict):
-        for key in ("step_seconds", "peak_bytes"):
-            v = predicted.get(key, 0)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
-                r.fail(f"predicted.{key}", f"expected a non-negative number; got {json.dumps(v)[:60]}")
-        vs = predicted.get("vs", {})
-        if not isinstance(vs, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vs.values()):
-            r.fail("predicted.vs", f"expected an object of numbers (predicted speed-ups); got {json.dumps(vs)[:60]}")
+    param_shapes = _read_param_shapes(r, d)
+    _check_free_form(r, d)
     recompute = r.str_list(d.get("recompute", []), "recompute")
     if len(set(recompute)) != len(recompute):
         r.fail("recompute", "lists a block more than once; list each block once")
-    accum = d.get("grad_accum_steps", 1)
-    if isinstance(accum, bool) or not isinstance(accum, int) or not 1 <= accum <= 4096:
-        r.fail("grad_accum_steps", f"expected the number of micro-batches per optimizer step (1 to 4096); got {json.dumps(accum)[:60]}")
-        accum = 1
+    accum = _read_grad_accum_steps(r, d)
     if r.problems:
         raise PlanError(r.problems, source=source)
     return Plan(
@@ -480,6 +369,168 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
         predicted=dict(d.get("predicted", {})),
         provenance=dict(d.get("provenance", {})),
     )
+
+
+def _check_schema_version(data: Any, source: str | None) -> None:
+    """Refuse a plan of an unreadable schema version at once, before its fields are read."""
+    if not (isinstance(data, dict) and "schema_version" in data):
+        return
+    v = data["schema_version"]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise PlanError(
+            f"schema_version: expected an integer such as {SCHEMA_VERSION}, got {json.dumps(v)[:60]}; write "
+            f'"schema_version": {SCHEMA_VERSION}',
+            source=source,
+        )
+    if v not in SUPPORTED_SCHEMA_VERSIONS:
+        raise PlanError(
+            f"schema_version {json.dumps(v)} is not supported by this autodist (it reads "
+            f"{', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}); upgrade autodist or regenerate "
+            "the plan with this version",
+            source=source,
+        )
+
+
+def _read_world_size(r: _Reader, d: dict) -> Any:
+    world_size = r.typed(d.get("world_size"), "world_size", int, "a positive integer")
+    if isinstance(world_size, int) and world_size < 1:
+        r.fail("world_size", f"expected a positive integer, got {world_size}")
+    return world_size
+
+
+def _read_units(r: _Reader, d: dict) -> list[UnitPlan]:
+    units: list[UnitPlan] = []
+    for p, uo in r.objects(d, "units", {"name", "params"}, {"placement", "residency", "accumulate"}, default=None):
+        units.append(
+            UnitPlan(
+                name=r.typed(uo.get("name"), f"{p}.name", str, "a string") or "",
+                params=r.str_list(uo.get("params"), f"{p}.params"),
+                placement=r.choice(uo.get("placement", "replicate"), f"{p}.placement", PLACEMENTS)
+                or "replicate",
+                residency=r.choice(uo.get("residency", "after_forward"), f"{p}.residency", RESIDENCIES)
+                or "after_forward",
+                accumulate=r.choice(uo.get("accumulate", "unsharded"), f"{p}.accumulate", ACCUMULATIONS)
+                or "unsharded",
+            )
+        )
+    return units
+
+
+def _read_gather_groups(r: _Reader, d: dict) -> list[GatherGroup]:
+    groups: list[GatherGroup] = []
+    for p, go in r.objects(d, "gather_groups", {"units"}, {"prefetch"}):
+        pf = go.get("prefetch", {"forward": 1, "backward": 1})
+        pfo = r.obj(pf, f"{p}.prefetch", set(), {"forward", "backward"}) or {}
+        groups.append(
+            GatherGroup(
+                units=r.str_list(go.get("units"), f"{p}.units"),
+                prefetch=Prefetch(
+                    forward=r.window(pfo.get("forward", 1), f"{p}.prefetch.forward"),
+                    backward=r.window(pfo.get("backward", 1), f"{p}.prefetch.backward"),
+                ),
+            )
+        )
+    return groups
+
+
+def _read_buckets(r: _Reader, d: dict) -> list[Bucket]:
+    buckets: list[Bucket] = []
+    for p, bo in r.objects(d, "buckets", {"params"}, {"op", "nbytes"}):
+        nb = bo.get("nbytes")
+        if nb is not None:
+            nb = r.count(nb, f"{p}.nbytes", "a non-negative number of bytes or null")
+        buckets.append(
+            Bucket(
+                params=r.str_list(bo.get("params"), f"{p}.params"),
+                op=r.choice(bo.get("op", "all_reduce"), f"{p}.op", BUCKET_OPS) or "all_reduce",
+                nbytes=nb,
+            )
+        )
+    return buckets
+
+
+def _read_offload(r: _Reader, d: dict) -> list[OffloadFragment]:
+    offload: list[OffloadFragment] = []
+    for p, oo in r.objects(d, "offload", {"param", "state", "fragment"}, {"out_after", "back_from"}):
+        frag = oo.get("fragment")
+        if not (
+            isinstance(frag, list)
+            and len(frag) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in frag)
+            and 0 <= frag[0] < frag[1]
+        ):
+            r.fail(f"{p}.fragment", f"expected [start, end] with 0 <= start < end; got {json.dumps(frag)}")
+            frag = [0, 1]
+        offload.append(
+            OffloadFragment(
+                param=r.typed(oo.get("param"), f"{p}.param", str, "a string") or "",
+                state=r.typed(oo.get("state"), f"{p}.state", str, "a string") or "",
+                fragment=(frag[0], frag[1]),
+                out_after=r.typed(oo.get("out_after", "step"), f"{p}.out_after", str, "a string") or "step",
+                back_from=r.typed(oo.get("back_from", "step"), f"{p}.back_from", str, "a string") or "step",
+            )
+        )
+    return offload
+
+
+def _read_rebuild_buckets(r: _Reader, d: dict) -> BucketRebuild | None:
+    if d.get("rebuild_buckets") is None:
+        return None
+    ro = r.obj(d["rebuild_buckets"], "rebuild_buckets", set(), {"cap_bytes", "first_cap_bytes"})
+    if ro is None:
+        return None
+    caps: dict[str, int] = {}
+    for key, default in (("cap_bytes", BucketRebuild.cap_bytes), ("first_cap_bytes", BucketRebuild.first_cap_bytes)):
+        what = f"a non-negative number of bytes (DDP's default: {default})"
+        cap = r.count(ro.get(key, default), f"rebuild_buckets.{key}", what)
+        caps[key] = default if cap is None else cap
+    return BucketRebuild(**caps)
+
+
+def _read_max_inflight(r: _Reader, d: dict) -> Any:
+    inflight = d.get("max_inflight_buckets")
+    if inflight is not None and not (isinstance(inflight, int) and not isinstance(inflight, bool) and inflight >= 0):
+        r.fail("max_inflight_buckets", f"expected a non-negative integer or null; got {json.dumps(inflight)[:60]}")
+        inflight = None
+    return inflight
+
+
+def _read_param_shapes(r: _Reader, d: dict) -> Any:
+    param_shapes = d.get("param_shapes", {})
+    if not isinstance(param_shapes, dict) or not all(
+        isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+        for v in param_shapes.values()
+    ):
+        r.fail("param_shapes", f"expected an object of parameter name -> shape (a list of sizes); got {json.dumps(param_shapes)[:60]}")
+        param_shapes = {}
+    return param_shapes
+
+
+def _check_free_form(r: _Reader, d: dict) -> None:
+    """``predicted`` and ``provenance``: shallow objects; ``predicted``'s figures are numbers."""
+    for key in ("predicted", "provenance"):
+        if _depth(d.get(key)) > MAX_NESTING:
+            r.fail(key, f"nested deeper than {MAX_NESTING} levels; a plan's {key} is a shallow object: regenerate the plan")
+    for key in ("predicted", "provenance"):
+        if not isinstance(d.get(key, {}), dict):
+            r.fail(key, "expected a JSON object")
+    predicted = d.get("predicted", {})
+    if isinstance(predicted, dict):
+        for key in ("step_seconds", "peak_bytes"):
+            v = predicted.get(key, 0)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                r.fail(f"predicted.{key}", f"expected a non-negative number; got {json.dumps(v)[:60]}")
+        vs = predicted.get("vs", {})
+        if not isinstance(vs, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vs.values()):
+            r.fail("predicted.vs", f"expected an object of numbers (predicted speed-ups); got {json.dumps(vs)[:60]}")
+
+
+def _read_grad_accum_steps(r: _Reader, d: dict) -> Any:
+    accum = d.get("grad_accum_steps", 1)
+    if isinstance(accum, bool) or not isinstance(accum, int) or not 1 <= accum <= 4096:
+        r.fail("grad_accum_steps", f"expected the number of micro-batches per optimizer step (1 to 4096); got {json.dumps(accum)[:60]}")
+        accum = 1
+    return accum
 
 
 def _check_fragments(r: _Reader, offload: list[OffloadFragment], declared: set[str]) -> None:
@@ -527,6 +578,12 @@ def _depth(value: Any) -> int:
 # ------------------------------------------------------------------------------------------------
 
 
+_FIX_OTHER_MODEL = (
+    "this plan was probably made for a different model; regenerate it for this one "
+    "(plan='auto' or `autodist plan`)"
+)
+
+
 def validate_plan(
     plan: Plan,
     structure: ModelStructure,
@@ -535,11 +592,24 @@ def validate_plan(
     source: str | None = None,
 ) -> None:
     """Raise :class:`PlanError` listing every way ``plan`` does not fit ``structure``."""
+    problems = [
+        *_check_header(plan, world_size),
+        *_check_param_shapes(plan, structure),
+        *_check_units(plan, structure),
+        *_check_gather_groups(plan),
+        *_check_prefetch_windows(plan, structure),
+        *_check_buckets(plan, structure),
+        *_check_bucket_accumulation(plan),
+        *_check_recompute(plan, structure),
+        *_check_offload(plan, structure),
+    ]
+    if problems:
+        raise PlanError(problems, source=source)
+
+
+def _check_header(plan: Plan, world_size: int | None) -> list[str]:
+    """The schema version is readable and the plan was made for this job's world size."""
     problems: list[str] = []
-    fix_other_model = (
-        "this plan was probably made for a different model; regenerate it for this one "
-        "(plan='auto' or `autodist plan`)"
-    )
     if plan.schema_version not in SUPPORTED_SCHEMA_VERSIONS:
         problems.append(
             f"schema_version {plan.schema_version} is not supported (this autodist reads "
@@ -550,23 +620,31 @@ def validate_plan(
             f"world_size: the plan was made for {plan.world_size} ranks but this job has {world_size}; "
             "regenerate the plan for this world size or launch with the matching --nproc_per_node"
         )
+    return problems
 
-    params = structure.params
-    unit_of_param = structure.unit_of_param
-    # Parameter shapes, where the plan records them (plans from older versions do not).
+
+def _check_param_shapes(plan: Plan, structure: ModelStructure) -> list[str]:
+    """Parameter shapes, where the plan records them (plans from older versions do not)."""
     resized = [
         (p, plan.param_shapes[p], list(info.shape))
-        for p, info in params.items()
+        for p, info in structure.params.items()
         if p in plan.param_shapes and plan.param_shapes[p] != list(info.shape)
     ]
-    if resized:
-        p, theirs, ours = resized[0]
-        problems.append(
-            f"param_shapes: {len(resized)} parameter(s) have other shapes in this model than in the plan (e.g. "
-            f"{p!r}: {theirs} in the plan, {ours} here); the plan was made for a model of another size: regenerate "
-            "it for this one (plan='auto' or `autodist plan`)"
-        )
-    # Units: names exist, each parameter covered exactly once, and by its own unit.
+    if not resized:
+        return []
+    p, theirs, ours = resized[0]
+    return [
+        f"param_shapes: {len(resized)} parameter(s) have other shapes in this model than in the plan (e.g. "
+        f"{p!r}: {theirs} in the plan, {ours} here); the plan was made for a model of another size: regenerate "
+        "it for this one (plan='auto' or `autodist plan`)"
+    ]
+
+
+def _check_units(plan: Plan, structure: ModelStructure) -> list[str]:
+    """Units: names exist, each parameter covered exactly once, and by its own unit."""
+    problems: list[str] = []
+    params = structure.params
+    unit_of_param = structure.unit_of_param
     seen_units: set[str] = set()
     covered: dict[str, str] = {}
     model_units = {u.name for u in structure.units}
@@ -576,11 +654,11 @@ def validate_plan(
         seen_units.add(u.name)
         if u.name not in model_units:
             problems.append(
-                f"units[{i}] {u.name!r} is not a module of this model that owns parameters; {fix_other_model}"
+                f"units[{i}] {u.name!r} is not a module of this model that owns parameters; {_FIX_OTHER_MODEL}"
             )
         for p in u.params:
             if p not in params:
-                problems.append(f"units[{i}] ({u.name}) names parameter {p!r}, which this model does not have; {fix_other_model}")
+                problems.append(f"units[{i}] ({u.name}) names parameter {p!r}, which this model does not have; {_FIX_OTHER_MODEL}")
                 continue
             if p in covered:
                 problems.append(f"parameter {p!r} is listed in unit {covered[p]!r} and again in {u.name!r}; list it once")
@@ -598,8 +676,12 @@ def validate_plan(
     for p in params:
         if p not in covered:
             problems.append(f"parameter {p!r} is not in any unit; add it to unit {unit_of_param[p]!r}")
+    return problems
 
-    # Gather groups: only sharded units, each exactly once.
+
+def _check_gather_groups(plan: Plan) -> list[str]:
+    """Gather groups: only sharded units, each exactly once."""
+    problems: list[str] = []
     placement = {u.name: u.placement for u in plan.units}
     residency: dict[str, str] = {}  # of the first unit of each name
     for u in plan.units:
@@ -627,7 +709,12 @@ def validate_plan(
     for u in plan.units:
         if u.placement == "shard" and u.name not in grouped:
             problems.append(f"sharded unit {u.name!r} is in no gather group; add it to one")
-    # A window counts units: one as long as the model already issues the gather before the first unit.
+    return problems
+
+
+def _check_prefetch_windows(plan: Plan, structure: ModelStructure) -> list[str]:
+    """A window counts units: one as long as the model already issues the gather before the first unit."""
+    problems: list[str] = []
     n_units = len(structure.units)
     for gi, g in enumerate(plan.gather_groups):
         for direction in ("forward", "backward"):
@@ -638,8 +725,13 @@ def validate_plan(
                     f"has {n_units}; use at most {n_units} (that already issues the gather before the first unit "
                     'runs), or "memory" to prefetch as early as the budget allows'
                 )
+    return problems
 
-    # Buckets: every trainable parameter exactly once, op matching placement, one dtype per bucket.
+
+def _check_buckets(plan: Plan, structure: ModelStructure) -> list[str]:
+    """Buckets: every trainable parameter exactly once, op matching placement, one dtype per bucket."""
+    problems: list[str] = []
+    params = structure.params
     pplace = plan.placement_of_param
     in_bucket: dict[str, int] = {}
     for bi, b in enumerate(plan.buckets):
@@ -648,7 +740,7 @@ def validate_plan(
         dtypes = set()
         for p in b.params:
             if p not in params:
-                problems.append(f"buckets[{bi}] names parameter {p!r}, which this model does not have; {fix_other_model}")
+                problems.append(f"buckets[{bi}] names parameter {p!r}, which this model does not have; {_FIX_OTHER_MODEL}")
                 continue
             if p in in_bucket:
                 problems.append(f"parameter {p!r} is in buckets[{in_bucket[p]}] and buckets[{bi}]; list it once")
@@ -668,7 +760,12 @@ def validate_plan(
     for p in structure.trainable:
         if p not in in_bucket:
             problems.append(f"trainable parameter {p!r} is in no bucket; add it to one (its gradient would never be reduced)")
-    # A bucket is reduced in every micro-batch or once: its sharded units accumulate alike.
+    return problems
+
+
+def _check_bucket_accumulation(plan: Plan) -> list[str]:
+    """A bucket is reduced in every micro-batch or once: its sharded units accumulate alike."""
+    problems: list[str] = []
     accumulate = {p: u.accumulate for u in plan.units if u.placement == "shard" for p in u.params}
     for bi, b in enumerate(plan.buckets):
         modes = {accumulate[p] for p in b.params if p in accumulate}
@@ -677,15 +774,26 @@ def validate_plan(
                 f"buckets[{bi}] holds parameters of units that accumulate gradients differently ({', '.join(sorted(modes))}); "
                 "a bucket is reduced in every micro-batch or once: split it, or give its units one 'accumulate'"
             )
+    return problems
 
+
+def _check_recompute(plan: Plan, structure: ModelStructure) -> list[str]:
+    """Recomputed blocks are blocks of this model."""
     blocks = set(structure.blocks)
-    for i, block in enumerate(plan.recompute):
-        if block not in blocks:
-            problems.append(
-                f"recompute[{i}] = {block!r} is not a block of this model (its blocks: "
-                f"{', '.join(structure.blocks[:6])}{', ...' if len(structure.blocks) > 6 else ''}); {fix_other_model}"
-            )
+    return [
+        f"recompute[{i}] = {block!r} is not a block of this model (its blocks: "
+        f"{', '.join(structure.blocks[:6])}{', ...' if len(structure.blocks) > 6 else ''}); {_FIX_OTHER_MODEL}"
+        for i, block in enumerate(plan.recompute)
+        if block not in blocks
+    ]
 
+
+def _check_offload(plan: Plan, structure: ModelStructure) -> list[str]:
+    """Offload fragments lie within their parameter's optimizer state and move at events of this model."""
+    problems: list[str] = []
+    params = structure.params
+    pplace = plan.placement_of_param
+    model_units = {u.name for u in structure.units}
     for oi, o in enumerate(plan.offload):
         if o.param not in params:
             problems.append(f"offload[{oi}] names parameter {o.param!r}, which this model does not have")
@@ -703,8 +811,7 @@ def validate_plan(
                 problems.append(
                     f"offload[{oi}].{key} = {val!r}; expected 'step' or '{kinds[1]}:<unit name of this model>'"
                 )
-    if problems:
-        raise PlanError(problems, source=source)
+    return problems
 
 
 def _state_elements(info: Any, placement: str | None, world_size: int) -> tuple[int, str]:
