@@ -11,7 +11,8 @@ import queue
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -465,6 +466,115 @@ def _contention(
     5.9-11.1, and ``tools/sweepcheck.py`` measures how far that moves predictions. Completion is
     seen by a waiter thread (gloo's list reduce-scatter cannot be polled), so the compute thread
     notices it within one product.
+    """
+    one = reference_product(device)
+    cells = _contention_cells(comm, device)
+    ratios: list[list[tuple[float, float, float]]] = [[] for _ in cells]
+    with _completion_waiter() as work_q:
+        for r in range(CONTENTION_ROUNDS):
+            for i in range(len(cells)) if r % 2 == 0 else reversed(range(len(cells))):
+                kind, nbytes, issue = cells[i]
+                if r >= contention_rounds(nbytes):
+                    continue
+                t_op = max(ops[kind](nbytes), 1e-6)  # a fit may read 0: the calls below divide by it
+                ratios[i].append(_contention_round(issue, t_op, one, work_q, group, device, collect.get(kind, 0.0)))
+    values = [trimmed_mean([x[j] for x in rs]) for rs in ratios for j in (0, 1, 2)]
+    values = _max_over_ranks(values, group, device)
+    return _contention_rows(cells, values)
+
+
+def _contention_cells(comm: Any, device: torch.device) -> list[tuple[str, int, Any]]:
+    """Every (kind, message bytes, issue) the contention figures are measured for."""
+    world = comm.world_size
+    cells: list[tuple[str, int, Any]] = []
+    for size in CONTENTION_SIZES:
+        n_el = size // 4 // world * world
+        buf = torch.zeros(n_el, device=device)
+        shard = torch.zeros(n_el // world, device=device)
+        out = torch.empty(n_el, device=device)
+        cells += [(kind, n_el * 4, issue) for kind, issue in _collectives(comm, buf, shard, out)]
+    return cells
+
+
+@contextmanager
+def _completion_waiter() -> Iterator[queue.Queue]:
+    """A queue of (work, event): a waiter thread waits on each work and sets its event once it has
+    completed (gloo's list reduce-scatter cannot be polled); the thread ends with the block."""
+    work_q: queue.Queue = queue.Queue()
+
+    def waiter() -> None:
+        while True:
+            item = work_q.get()
+            if item is None:
+                return
+            work, done = item
+            work.wait()
+            done.set()
+
+    thread = threading.Thread(target=waiter, name="autodist-sweep-waiter", daemon=True)
+    thread.start()
+    try:
+        yield work_q
+    finally:
+        work_q.put(None)
+        thread.join()
+
+
+def _contention_round(
+    issue: Any,
+    t_op: float,
+    one: Callable[[], None],
+    work_q: queue.Queue,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    collect_s: float,
+) -> tuple[float, float, float]:
+    """One round of one (kind, size) of base time ``t_op``: [compute slowdown while it runs, its
+    slowdown while compute runs, its wait figure]."""
+    # ops, hence k, agree across ranks
+    k = min(CONTENTION_MAX_CALLS, max(1, math.ceil(CONTENTION_BUSY_S / t_op)))
+    _once(issue)  # wake the backend's threads
+    dist.barrier(group=group)
+    alone = product_rate(one, 0.015, device)
+    slow_compute, slow_comm = _full_overlap(issue, k, t_op, one, alone, work_q, group)
+    return slow_compute, slow_comm, _wait_ratio(issue, t_op, one, slow_comm, collect_s, group)
+
+
+def _full_overlap(
+    issue: Any,
+    k: int,
+    t_op: float,
+    one: Callable[[], None],
+    alone: float,
+    work_q: queue.Queue,
+    group: dist.ProcessGroup,
+) -> tuple[float, float]:
+    """Full overlap: compute until each of ``k`` collectives is done; the compute's slowdown (its
+    rate against ``alone``) and the collectives' (the train's time less its issue time against their
+    base time)."""
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    n, issuing = 0, 0.0
+    for _ in range(k):
+        ti = time.perf_counter()
+        work = issue()
+        issuing += time.perf_counter() - ti
+        done = threading.Event()
+        work_q.put((work, done))
+        while not done.is_set():
+            one()
+            n += 1
+    busy = time.perf_counter() - t0 - issuing
+    computing = max(n / alone, 1e-9)  # what the products would take alone
+    slow_compute = max(1.0, busy / computing) if n else 1.0
+    slow_comm = max(1.0, busy / (k * t_op))
+    return slow_compute, slow_comm
+
+
+def _wait_ratio(
+    issue: Any, t_op: float, one: Callable[[], None], slow_comm: float, collect_s: float, group: dist.ProcessGroup
+) -> float:
+    """The wait: compute for half the base time, then wait; the wait over the base time left.
 
     [Note: the wait figure] The third figure is how fast a collective the compute thread waits on
     runs: the wait divided by the base time it had left. It is measured right after the issue —
@@ -488,82 +598,24 @@ def _contention(
     machine class's calibration (``CommModel.wait_scale``, which :func:`sweep` sets; see [Note: the
     wait calibration] in autodist/cost/fidelity.py).
     """
-    one = reference_product(device)
+    kw = min(CONTENTION_MAX_WAIT_CALLS, max(1, math.ceil(CONTENTION_WAIT_S / t_op)))
+    dist.barrier(group=group)
+    left, waited = 0.0, 0.0
+    for _ in range(kw):
+        work = issue()
+        tc = time.perf_counter()
+        while time.perf_counter() - tc < t_op / 2:
+            one()
+        computed = time.perf_counter() - tc
+        tw = time.perf_counter()
+        work.wait()
+        waited += max(0.0, time.perf_counter() - tw - collect_s)
+        left += max(t_op - computed / slow_comm, t_op / 10)
+    return max(1.0, waited / left)
 
-    def rate(seconds: float) -> float:
-        return product_rate(one, seconds, device)
 
-    world = comm.world_size
-    cells: list[tuple[str, int, Any]] = []
-    for size in CONTENTION_SIZES:
-        n_el = size // 4 // world * world
-        buf = torch.zeros(n_el, device=device)
-        shard = torch.zeros(n_el // world, device=device)
-        out = torch.empty(n_el, device=device)
-        cells += [(kind, n_el * 4, issue) for kind, issue in _collectives(comm, buf, shard, out)]
-    work_q: queue.Queue = queue.Queue()
-
-    def waiter() -> None:
-        while True:
-            item = work_q.get()
-            if item is None:
-                return
-            work, done = item
-            work.wait()
-            done.set()
-
-    thread = threading.Thread(target=waiter, name="autodist-sweep-waiter", daemon=True)
-    thread.start()
-    ratios: list[list[tuple[float, float, float]]] = [[] for _ in cells]
-    try:
-        for r in range(CONTENTION_ROUNDS):
-            for i in range(len(cells)) if r % 2 == 0 else reversed(range(len(cells))):
-                kind, nbytes, issue = cells[i]
-                if r >= contention_rounds(nbytes):
-                    continue
-                t_op = max(ops[kind](nbytes), 1e-6)  # a fit may read 0: the calls below divide by it
-                # ops, hence k, agree across ranks
-                k = min(CONTENTION_MAX_CALLS, max(1, math.ceil(CONTENTION_BUSY_S / t_op)))
-                _once(issue)  # wake the backend's threads
-                dist.barrier(group=group)
-                alone = rate(0.015)
-                # full overlap: compute until each collective is done
-                dist.barrier(group=group)
-                t0 = time.perf_counter()
-                n, issuing = 0, 0.0
-                for _ in range(k):
-                    ti = time.perf_counter()
-                    work = issue()
-                    issuing += time.perf_counter() - ti
-                    done = threading.Event()
-                    work_q.put((work, done))
-                    while not done.is_set():
-                        one()
-                        n += 1
-                busy = time.perf_counter() - t0 - issuing
-                computing = max(n / alone, 1e-9)  # what the products would take alone
-                slow_compute = max(1.0, busy / computing) if n else 1.0
-                slow_comm = max(1.0, busy / (k * t_op))
-                # the wait: compute for half the base time, then wait ([Note: the wait figure])
-                kw = min(CONTENTION_MAX_WAIT_CALLS, max(1, math.ceil(CONTENTION_WAIT_S / t_op)))
-                dist.barrier(group=group)
-                left, waited = 0.0, 0.0
-                for _ in range(kw):
-                    work = issue()
-                    tc = time.perf_counter()
-                    while time.perf_counter() - tc < t_op / 2:
-                        one()
-                    computed = time.perf_counter() - tc
-                    tw = time.perf_counter()
-                    work.wait()
-                    waited += max(0.0, time.perf_counter() - tw - collect.get(kind, 0.0))
-                    left += max(t_op - computed / slow_comm, t_op / 10)
-                ratios[i].append((slow_compute, slow_comm, max(1.0, waited / left)))
-    finally:
-        work_q.put(None)
-        thread.join()
-    values = [trimmed_mean([x[j] for x in rs]) for rs in ratios for j in (0, 1, 2)]
-    values = _max_over_ranks(values, group, device)
+def _contention_rows(cells: list[tuple[str, int, Any]], values: list[float]) -> dict[str, list[list[float]]]:
+    """The figures per kind, one row per size: [bytes, slow_compute, slow_comm, wait]."""
     out_rows: dict[str, list[list[float]]] = {}
     for i, (kind, nbytes, _) in enumerate(cells):
         out_rows.setdefault(kind, []).append([float(nbytes), *values[3 * i : 3 * i + 3]])
