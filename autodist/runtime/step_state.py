@@ -54,7 +54,8 @@ class StepState:
     site_calls: dict[int, int] = field(default_factory=dict)  # site id -> forwards with gradients
     site_done: dict[int, int] = field(default_factory=dict)  # site id -> post-backward signals fired
     site_untokened: set[int] = field(default_factory=set)  # sites with a forward that had no signal
-    site_nograd: dict[int, int] = field(default_factory=dict)  # site id -> no-grad forwards ([Note: settled ...])
+    # site id -> no-grad forwards ([Note: settled parameters] in engine.py)
+    site_nograd: dict[int, int] = field(default_factory=dict)
     deferred: set[int] = field(default_factory=set)  # managed param ids reduced at the end of backward
 
 
