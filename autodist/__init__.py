@@ -30,7 +30,7 @@ _EXPORTS = {
     "load_plan": ".plan",
     "save_plan": ".plan",
     "validate_plan": ".plan",
-    "MixedPrecision": ".runtime.engine",
+    "MixedPrecision": ".runtime.precision",
 }
 
 __all__ = [
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
         save_plan,
         validate_plan,
     )
-    from .runtime.engine import MixedPrecision
+    from .runtime.precision import MixedPrecision
     from .wrapper import AutoDist
 
 

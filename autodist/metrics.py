@@ -30,7 +30,7 @@ per model.
 
 [Note: the step-end hook] The meter registers no hook of its own: the runtime already watches
 optimizer steps (process-wide only until it has seen optimizers over all of the model's trainable
-parameters, then on those optimizers alone; see ``Engine._watch``) and calls
+parameters, then on those optimizers alone; see ``watch`` in autodist/runtime/optimizers.py) and calls
 :meth:`StepMeter.on_optimizer_step` after each step of an optimizer over this model's parameters.
 """
 

@@ -22,8 +22,9 @@ from .cost.budget import format_bytes, parse_memory_limit
 from .errors import AutoDistError, InitError, PlanError, RankMismatchError, mark_raised_on_every_rank, reported_once
 from .plan import Plan, validate_plan
 from .runtime.comm import Comm, init_distributed
-from .runtime.engine import Engine, MixedPrecision
+from .runtime.engine import Engine
 from .runtime.materialize import Materializer, is_meta_model
+from .runtime.precision import MixedPrecision
 from .runtime.state import agree_on_state_dict, full_state_dict, load_full_state_dict
 from .structure import ModelStructure, discover
 

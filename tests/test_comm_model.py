@@ -313,7 +313,7 @@ def test_a_collective_train_is_the_same_on_every_rank_whatever_each_asks(world2)
 
 
 class _Clock:
-    """A clock for :func:`~autodist.measure.trace.contended_slowdown` (its ``clock``): the passes a
+    """A clock for :func:`~autodist.measure.contention.contended_slowdown` (its ``clock``): the passes a
     test fakes advance it by the seconds they stand for, so the rounds' figures are exact, whatever
     else the machine runs."""
 
@@ -332,8 +332,8 @@ def _contention_with_a_disturbed_rank():
     rank 1 alone would take more batches of rounds, each with trains the other rank must join."""
     import itertools
 
+    from autodist.measure.contention import contended_slowdown
     from autodist.measure.sweep import collective_train
-    from autodist.measure.trace import contended_slowdown
 
     train = collective_train(dist.group.WORLD, torch.device("cpu"))
     clock, busy = _Clock(), [False]
@@ -370,7 +370,7 @@ def test_every_rank_takes_as_many_contention_rounds_as_the_most_disturbed_one(wo
 
 
 def test_the_model_s_contended_slowdown_and_its_sensitivity_are_taken_against_the_reference_under_the_same_train():
-    from autodist.measure.trace import CONTENDED_ROUNDS, contended_slowdown
+    from autodist.measure.contention import CONTENDED_ROUNDS, contended_slowdown
 
     clock, busy = _Clock(), [False]
     calls = []
@@ -408,7 +408,7 @@ def test_the_model_s_contended_slowdown_and_its_sensitivity_are_taken_against_th
 def test_a_contention_measurement_whose_rounds_spread_takes_more_rounds_and_keeps_their_median():
     import itertools
 
-    from autodist.measure.trace import contended_slowdown
+    from autodist.measure.contention import contended_slowdown
 
     clock, busy = _Clock(), [False]
     # the model's contended pass alternates 2 ms and 8 ms (a disturbed host), the reference's is 4 ms;

@@ -99,7 +99,7 @@ class Profile:
     # how many times longer this model's forward and backward take, in wall-clock time, while a
     # train of collectives runs on every rank (None: not measured; the simulator then uses the comm
     # model's figures for a reference computation; see [Note: the model's own contention] in
-    # autodist/measure/trace.py)
+    # autodist/measure/contention.py)
     contended_slowdown: float | None = None
     # how many times more that is than the slowdown of the comm sweep's reference computation under
     # the same train, measured in the same rounds: what the simulator scales the sweep's compute
@@ -107,7 +107,7 @@ class Profile:
     contention_sensitivity: float | None = None
     # CUDA: bytes the caching allocator holds for the math libraries' workspaces once the model has
     # run forward and backward (cuBLAS/cuBLASLt keep one per thread handle and stream; 0 on the CPU;
-    # see [Note: what the allocator holds for libraries] in autodist/measure/trace.py)
+    # see [Note: what the allocator holds for libraries] in autodist/measure/unit_memory.py)
     library_bytes: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
     schema_version: int = PROFILE_SCHEMA_VERSION

@@ -157,7 +157,7 @@ class Simulator:
         (``Profile.contention_sensitivity``); for a profile of before that, its own slowdown under
         the train against the sweep's figure for the reference under an all-reduce of
         ``TRAIN_BYTES``; 1 when the profile measured neither (see [Note: the model's own
-        contention] in autodist/measure/trace.py)."""
+        contention] in autodist/measure/contention.py)."""
         if not self.comm.contention:
             return 1.0
         if self.profile.contention_sensitivity is not None:

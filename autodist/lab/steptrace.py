@@ -35,7 +35,8 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from ..measure.trace import _attribute, _Clock, _Pass
+from ..measure.clock import Clock
+from ..measure.trace import _attribute, _Pass
 from ..runtime.backward import in_backward
 from ..runtime.comm import CollectiveTiming, CommStats
 from ..structure import ModelStructure
@@ -43,7 +44,7 @@ from ..structure import ModelStructure
 _Mark = tuple[float, float, float]  # (perf_counter, cumulative collective wait seconds, thread CPU time)
 
 
-class _Busy(_Clock):
+class _Busy(Clock):
     """Seconds between two of the tracer's marks (taken on the host), less the time spent blocked on
     collectives: a clock :func:`~autodist.measure.trace._attribute` reads marks with."""
 

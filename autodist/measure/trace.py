@@ -3,7 +3,10 @@
 :func:`profile_model` runs a few forward/backward passes of the plain (unwrapped) module on one
 device, with no communication and no optimizer step, and returns a :class:`~autodist.cost.profile.Profile`.
 It leaves parameters, gradients, buffers and RNG state as it found them, and frees each gradient as
-soon as it is produced, so it needs no more memory than one training step.
+soon as it is produced, so it needs no more memory than one training step. Its parts measured
+elsewhere: the units' memory peaks and the libraries' workspaces (``unit_memory.py``), the
+optimizer's step (``optimizer.py``), the model's slowdown under a train of collectives
+(``contention.py``); the clock all of them time with (``clock.py``).
 
 [Note: attributing time] Hooks mark when each unit enters and leaves its forward and when its
 backward begins (a multi-grad hook on its outputs). Time between two marks belongs to the unit that
@@ -16,56 +19,27 @@ In backward, time from one unit's backward start to the next belongs to the firs
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
-from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
 from .._tree import output_leaves
 from ..cost.profile import OptimizerProfile, Profile, UnitProfile, estimated_loss_memory
 from ..runtime.backward import in_backward
 from ..structure import ModelStructure
+from .clock import Clock
+from .contention import contended_slowdown
+from .optimizer import estimate_optimizer, measure_optimizer
 from .robust import lower_quartile
+from .unit_memory import LOSS, library_workspace_bytes, memory_peaks
 
 if TYPE_CHECKING:
     from .sweep import CollectiveTrain
-
-
-class _Clock:
-    """CUDA events on CUDA (resolved after the pass). On the CPU, with one intra-op thread (as every
-    rank under torchrun computes), the thread's CPU time: it counts the computation and not the
-    time the thread waited — for a core another process held, or for a collective — so a busy host
-    does not inflate the profile (see [Note: timing on a noisy host]); with several threads, wall
-    time."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self._now = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-
-    def mark(self) -> Any:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return self._now()
-
-    def seconds(self, a: Any, b: Any) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return a.elapsed_time(b) / 1e3
-        return b - a
-
-
-LOSS = "(loss)"  # the owner of what the loss saves, in ``_Pass.saved``
-
 
 
 def float_output_bytes(out: object) -> int:
@@ -114,7 +88,7 @@ class UnitTracer:
         self,
         module: nn.Module,
         structure: ModelStructure,
-        clock: _Clock,
+        clock: Clock,
         *,
         params: list[tuple[str, torch.Tensor]] | None = None,
         free_grads: bool = True,
@@ -376,7 +350,7 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree)
 
 
-def _attribute(pass_: _Pass, clock: _Clock, t0: Any, t_fwd_end: Any, t_bwd_end: Any, units: list[str]) -> dict[str, Any]:
+def _attribute(pass_: _Pass, clock: Clock, t0: Any, t_fwd_end: Any, t_bwd_end: Any, units: list[str]) -> dict[str, Any]:
     fwd = {u: 0.0 for u in units}
     bwd = {u: 0.0 for u in units}
     ready: dict[str, list[str]] = {u: [] for u in units}
@@ -433,120 +407,6 @@ def _attribute(pass_: _Pass, clock: _Clock, t0: Any, t_fwd_end: Any, t_bwd_end: 
     }
 
 
-def _memory_peaks(
-    module: nn.Module,
-    structure: ModelStructure,
-    forward: Callable[[], Any],
-    loss_fn: Callable[[Any], torch.Tensor],
-    device: torch.device,
-) -> dict[str, tuple[int, int]]:
-    """Per unit: (forward, backward) transient peak above the live bytes at the segment's start;
-    under the key ``LOSS``, the same for the loss (its forward; its backward up to the first unit's).
-
-    CUDA: the caching allocator's counters, reset at every unit boundary. CPU: one pass under the
-    torch profiler's memory tracking, segments delimited by zero-length ``record_function`` marks
-    (the host allocator keeps no statistics).
-    """
-    marks: list[tuple[str, str]] = []  # (phase, unit) in order
-    readings: list[tuple[int, int]] = []  # CUDA: (allocated at mark, peak since previous mark)
-    cuda = device.type == "cuda"
-
-    def mark(phase: str, unit: str) -> None:
-        marks.append((phase, unit))
-        if cuda:
-            readings.append((torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)))
-            torch.cuda.reset_peak_memory_stats(device)
-        else:
-            with record_function(f"autodist::mark({len(marks) - 1})"):
-                pass
-
-    handles = []
-    seen_bwd: set[str] = set()
-
-    def pre_fwd(u: str) -> Callable:
-        def hook(m: nn.Module, a: tuple) -> None:
-            if not in_backward():  # a recomputation belongs to the backward segment it runs in
-                mark("fwd", u)
-
-        return hook
-
-    def post_fwd(u: str) -> Callable:
-        def hook(m: nn.Module, a: tuple, out: object) -> None:
-            tensors = [t for t in output_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors and torch.is_grad_enabled():
-                def pre_bwd(grads: object, u: str = u) -> None:
-                    if u not in seen_bwd:
-                        seen_bwd.add(u)
-                        mark("bwd", u)
-
-                register_multi_grad_hook(tensors, pre_bwd, mode="any")
-
-        return hook
-
-    for uinfo in structure.units:
-        sub = module.get_submodule(uinfo.module_name)
-        handles.append(sub.register_forward_pre_hook(pre_fwd(uinfo.name)))
-        handles.append(sub.register_forward_hook(post_fwd(uinfo.name), always_call=True))
-    def run() -> None:
-        out = forward()
-        mark("fwd", LOSS)
-        loss = loss_fn(out)
-        del out
-        mark("bwd", LOSS)
-        loss.backward()
-        for q in module.parameters():
-            q.grad = None
-
-    peaks: dict[str, list[int]] = {}
-    try:
-        if cuda:
-            # one pass first: what a first pass allocates for good (library workspaces, see [Note:
-            # what the allocator holds for libraries]) is not a transient of the unit it ran in
-            run()
-            marks.clear()
-            readings.clear()
-            seen_bwd.clear()
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            run()
-            mark("end", "")
-            for i, (phase, unit) in enumerate(marks[:-1]):
-                start = readings[i][0]
-                seg_peak = readings[i + 1][1]
-                key = 0 if phase == "fwd" else 1
-                peaks.setdefault(unit, [0, 0])[key] = max(peaks.get(unit, [0, 0])[key], seg_peak - start)
-        else:
-            from .memory import trace_cpu_memory
-
-            def run_and_end() -> None:
-                run()
-                mark("end", "")
-
-            mem, named = trace_cpu_memory(run_and_end)
-            mark_ts = {int(k[len("autodist::mark(") : -1]): v for k, v in named.items()}
-            times = [m for _, m in sorted(mark_ts.items())]
-            j, live = 0, 0
-            for i, (phase, unit) in enumerate(marks[:-1]):
-                if i + 1 >= len(times):
-                    break
-                t_start, t_end = times[i], times[i + 1]
-                while j < len(mem) and mem[j][0] < t_start:
-                    live = mem[j][1]
-                    j += 1
-                start, top = live, live
-                while j < len(mem) and mem[j][0] < t_end:
-                    live = mem[j][1]
-                    top = max(top, live)
-                    j += 1
-                key = 0 if phase == "fwd" else 1
-                cur = peaks.setdefault(unit, [0, 0])
-                cur[key] = max(cur[key], int(top - start))
-    finally:
-        for h in handles:
-            h.remove()
-    return {u: (v[0], v[1]) for u, v in peaks.items()}
-
-
 NOISY_SPREAD = 0.10  # passes whose median total time is this much above the fastest: a disturbed host
 
 
@@ -558,76 +418,35 @@ def _spread(results: list[dict[str, Any]]) -> float:
     return totals[len(totals) // 2] / totals[0] - 1 if totals and totals[0] > 0 else 0.0
 
 
-def library_workspace_bytes(device: torch.device) -> int:
-    """Bytes the caching allocator holds for the math libraries' workspaces on ``device`` (0 on the CPU).
+@dataclass
+class _Passes:
+    """What :func:`_run_passes` gathered: every timed pass's attribution (:func:`_attribute`), the
+    pass that counted the bytes saved for backward, the last timed pass, the float bytes of the
+    model's outputs, the units' transient memory peaks (:func:`memory_peaks`) and the libraries'
+    workspace bytes."""
 
-    [Note: what the allocator holds for libraries] cuBLAS and cuBLASLt take a workspace from the
-    caching allocator the first time a handle runs a matrix product on a stream, and keep it: 32 MiB
-    each on Hopper (``CUBLAS_WORKSPACE_CONFIG`` sets it). Handles are per thread, and autograd runs a
-    CUDA backward on its own device thread, so a training step holds at least two — 64 MiB on an
-    H200 (measured by tools/gpu_check.py, which found them the largest part of the gap between a
-    plan's predicted and measured peak). No tensor names them, so they are measured here, after
-    the model has run forward and backward, as what releasing them frees; the next product
-    re-creates them. The simulator holds them for the whole step."""
-    if device.type != "cuda":
-        return 0
-    release = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if release is None:
-        return 0
-    torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
-    release()
-    return max(0, before - torch.cuda.memory_allocated(device))
+    results: list[dict[str, Any]]
+    counted: _Pass
+    last: _Pass | None
+    out_fp32: int
+    peaks: dict[str, tuple[int, int]]
+    library: int
 
 
-def profile_model(
-    module: nn.Module,
-    structure: ModelStructure,
-    example_inputs: tuple[Any, ...],
-    *,
-    device: torch.device,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    warmup: int = 1,
-    repeats: int = 5,
-    memory: bool = True,
-    example_kwargs: dict[str, Any] | None = None,
-    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
-    contention: CollectiveTrain | None = None,
-    compute_dtype: torch.dtype | None = None,
-    cast_inputs: bool = True,
-) -> Profile:
-    """Profile ``module`` on one forward: ``module(*example_inputs, **example_kwargs)``. Without a
-    ``loss_fn``, the loss is the one the model returns (``output.loss``, as Hugging Face models do
-    when given ``labels=``), else a surrogate whose memory is estimated (see ``loss_fields``).
-    ``optimizer``: builds the optimizer training will use over a list of parameters; its step is
-    then measured on the model (:func:`measure_optimizer`), else Adam is assumed and estimated.
-    ``contention``: starts a train of collectives on every rank for about the given seconds and
-    returns the function that waits for it (:func:`autodist.measure.sweep.collective_train`; every
-    rank profiles at once, and takes as many rounds as every other); the model's slowdown under it, and how much more that is than the
-    reference computation's, are then measured (``Profile.contended_slowdown``,
-    ``Profile.contention_sensitivity``; see :func:`contended_slowdown`).
-    ``compute_dtype``: the mixed-precision policy's parameter dtype: the model is profiled as the
-    runtime runs it (see [Note: profiled as it runs]); ``cast_inputs``: the policy casts the
-    floating-point inputs of the forward to it."""
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
-    inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs)
-    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in (example_kwargs or {}).items()}
-    if compute_dtype is not None and cast_inputs:
-        inputs, kwargs = _cast_floating((inputs, kwargs), compute_dtype)
-    clock = _Clock(device)
+def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer, clock: Clock,
+                inputs: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor],
+                device: torch.device, compute_dtype: torch.dtype | None, *,
+                memory: bool, warmup: int, repeats: int) -> _Passes:
+    """The memory pass and the traced passes of :func:`profile_model`, parameters, gradients,
+    buffers and RNG state left as found; ``tracer`` is closed at the end."""
     unit_names = [u.name for u in structure.units]
-    tracer = UnitTracer(module, structure, clock)
-    chooser = None
-    if loss_fn is None:
-        loss_fn = chooser = _OwnOrSurrogateLoss()
     results = []
     last: _Pass | None = None
     out_fp32 = 0
 
     try:
         with _preserved(module, device), computing_in(module, compute_dtype):
-            peaks = _memory_peaks(module, structure, lambda: module(*inputs, **kwargs), loss_fn, device) if memory else {}
+            peaks = memory_peaks(module, structure, lambda: module(*inputs, **kwargs), loss_fn, device) if memory else {}
             library = library_workspace_bytes(device) if memory else 0
             def one_pass(saved: bool = False) -> tuple[dict[str, Any], _Pass]:
                 nonlocal out_fp32
@@ -668,12 +487,17 @@ def profile_model(
                     results.append(attr)
     finally:
         tracer.close()
+    return _Passes(results, counted, last, out_fp32, peaks, library)
 
-    def train_backward() -> None:
-        for p in module.parameters():
-            p.grad = None
-        loss_fn(module(*inputs, **kwargs)).backward()
 
+def _optimizer_and_contention(
+    module: nn.Module, structure: ModelStructure, train_backward: Callable[[], None], device: torch.device,
+    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None, contention: CollectiveTrain | None,
+    compute_dtype: torch.dtype | None,
+) -> tuple[OptimizerProfile, float | None, float | None, dict[str, Any]]:
+    """The optimizer's profile (measured with ``optimizer``, else Adam estimated) and, under
+    ``contention``, the model's contended slowdown, its sensitivity and the measurement's meta
+    fields; parameters, gradients, buffers and RNG state left as found."""
     slowdown = sensitivity = None
     contention_meta: dict[str, Any] = {}
     with _preserved(module, device):  # after the tracer, which drops gradients as they arrive
@@ -687,6 +511,61 @@ def profile_model(
                 measured = contended_slowdown(train_backward, contention, device, agree=contention.largest)
             slowdown, sensitivity = measured.slowdown, measured.sensitivity
             contention_meta = {"contention_rounds": measured.rounds, "contention_spread": round(measured.spread, 4)}
+    return opt_profile, slowdown, sensitivity, contention_meta
+
+
+def profile_model(
+    module: nn.Module,
+    structure: ModelStructure,
+    example_inputs: tuple[Any, ...],
+    *,
+    device: torch.device,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    warmup: int = 1,
+    repeats: int = 5,
+    memory: bool = True,
+    example_kwargs: dict[str, Any] | None = None,
+    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+    contention: CollectiveTrain | None = None,
+    compute_dtype: torch.dtype | None = None,
+    cast_inputs: bool = True,
+) -> Profile:
+    """Profile ``module`` on one forward: ``module(*example_inputs, **example_kwargs)``. Without a
+    ``loss_fn``, the loss is the one the model returns (``output.loss``, as Hugging Face models do
+    when given ``labels=``), else a surrogate whose memory is estimated (see ``loss_fields``).
+    ``optimizer``: builds the optimizer training will use over a list of parameters; its step is
+    then measured on the model (:func:`measure_optimizer`), else Adam is assumed and estimated.
+    ``contention``: starts a train of collectives on every rank for about the given seconds and
+    returns the function that waits for it (:func:`autodist.measure.sweep.collective_train`; every
+    rank profiles at once, and takes as many rounds as every other); the model's slowdown under it, and how much more that is than the
+    reference computation's, are then measured (``Profile.contended_slowdown``,
+    ``Profile.contention_sensitivity``; see :func:`contended_slowdown`).
+    ``compute_dtype``: the mixed-precision policy's parameter dtype: the model is profiled as the
+    runtime runs it (see [Note: profiled as it runs]); ``cast_inputs``: the policy casts the
+    floating-point inputs of the forward to it."""
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in (example_kwargs or {}).items()}
+    if compute_dtype is not None and cast_inputs:
+        inputs, kwargs = _cast_floating((inputs, kwargs), compute_dtype)
+    clock = Clock(device)
+    unit_names = [u.name for u in structure.units]
+    tracer = UnitTracer(module, structure, clock)
+    chooser = None
+    if loss_fn is None:
+        loss_fn = chooser = _OwnOrSurrogateLoss()
+    passes = _run_passes(module, structure, tracer, clock, inputs, kwargs, loss_fn, device, compute_dtype,
+                         memory=memory, warmup=warmup, repeats=repeats)
+    results, counted, last, peaks = passes.results, passes.counted, passes.last, passes.peaks
+
+    def train_backward() -> None:
+        for p in module.parameters():
+            p.grad = None
+        loss_fn(module(*inputs, **kwargs)).backward()
+
+    opt_profile, slowdown, sensitivity, contention_meta = _optimizer_and_contention(
+        module, structure, train_backward, device, optimizer, contention, compute_dtype)
     assert last is not None
     seq = list(dict.fromkeys(u for _, kind, u in last.fwd if kind == "enter"))
     order = seq + [u for u in unit_names if u not in set(seq)]
@@ -730,14 +609,14 @@ def profile_model(
         block_tail_saves=[b for b, saves in counted.block_tail.items() if saves],
         contended_slowdown=slowdown,
         contention_sensitivity=sensitivity,
-        library_bytes=library,
+        library_bytes=passes.library,
         meta={
             "warmup": warmup, "passes": len(results), "torch": torch.__version__,
             **({"compute_dtype": str(compute_dtype).replace("torch.", "")} if compute_dtype is not None else {}),
             "spread": round(_spread(results), 4), "noisy": _spread(results) > NOISY_SPREAD, **contention_meta,
         },
         **loss_fields(
-            counted.saved.get(LOSS, 0), peaks.get(LOSS, (0, 0)), out_fp32,
+            counted.saved.get(LOSS, 0), peaks.get(LOSS, (0, 0)), passes.out_fp32,
             "estimated" if chooser is not None and not chooser.own else "measured",
         ),
     )
@@ -751,261 +630,3 @@ def loss_fields(saved: int, peaks: tuple[int, int], out_fp32: int, source: str) 
         est = estimated_loss_memory(out_fp32)
         act, fwd_peak, bwd_peak = max(act, est[0]), max(fwd_peak, est[1]), max(bwd_peak, est[2])
     return {"loss_act_bytes": act, "loss_fwd_peak_bytes": fwd_peak, "loss_bwd_peak_bytes": bwd_peak, "loss_source": source}
-
-
-OPTIMIZER_SAMPLE_BYTES = 32 << 20  # the most parameter bytes the Adam estimate steps over (4x that is allocated)
-CACHE_FLUSH_BYTES = 64 << 20  # written before each timed step: larger than a CPU's last-level cache or a GPU's L2
-
-
-CONTENDED_ROUNDS = 5  # rounds of the model's and the reference's passes alone and under the train, per batch
-CONTENDED_BATCHES = 3  # at most this many batches ...
-CONTENDED_SPREAD = 0.25  # ... while the sensitivities' quartiles lie this far apart, relative to their median
-
-
-@dataclass(frozen=True)
-class Contention:
-    """What :func:`contended_slowdown` measured: the model's slowdown under the train, its
-    sensitivity (that slowdown against the reference computation's under the same train), the
-    rounds they took and the spread of the rounds' sensitivities (their quartiles' distance over the
-    median)."""
-
-    slowdown: float
-    sensitivity: float
-    rounds: int
-    spread: float
-
-
-def _quartile_spread(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    n = len(ordered)
-    lo, hi = ordered[(n - 1) // 4], ordered[n - 1 - (n - 1) // 4]
-    return (hi - lo) / max(statistics.median(ordered), 1e-9)
-
-
-def contended_slowdown(train_backward: Callable[[], None], contention: Callable[[float], Callable[[], None]],
-                       device: torch.device, rounds: int = CONTENDED_ROUNDS,
-                       reference: Callable[[], None] | None = None, batches: int = CONTENDED_BATCHES,
-                       agree: Callable[[float], float] | None = None,
-                       clock: Callable[[], float] = time.perf_counter) -> Contention:
-    """How many times longer the model's forward and backward (``train_backward``) take in
-    wall-clock time while a train of collectives runs (``contention``), at least 1; and how many
-    times more that is than the reference computation's slowdown under the same train, the model's
-    *sensitivity*. Each round times the model and the reference alone and under a train of their
-    own, the two in turn (which goes first alternates); the slowdown is the median over rounds, the
-    sensitivity the median of each round's ratio. Rounds come in batches of ``rounds``; another
-    batch is run, up to ``batches``, while the rounds' sensitivities spread by more than
-    ``CONTENDED_SPREAD`` (a disturbed host) on any rank: ``agree`` gives a figure's largest value
-    over the ranks (``CollectiveTrain.largest``), so every rank runs as many batches, and so issues
-    as many trains, as every other; without it the figure is this process's own (one rank, or
-    no collectives). ``reference``: one pass of the reference computation, by default
-    :func:`~autodist.measure.sweep.reference_product` repeated for about as long as the model's
-    pass. ``clock``: the seconds every pass is timed with (a test's own clock, advanced by the
-    passes it fakes, makes the rounds' figures exact).
-
-    [Note: the model's own contention] While a collective runs, the compute it overlaps slows down:
-    on an accelerator a little (the collective's kernels take SMs and memory bandwidth), on a CPU
-    host a lot (the backend's threads take the cores the ranks compute on, and the memory
-    bandwidth). The comm sweep measures it per collective and size with a reference computation
-    (small matrix products); the simulator scales those figures by how much more this model slows
-    than the reference does. That ratio is taken here, the model and the reference each under a
-    train of their own in the same round — not the model's slowdown here against the sweep's figure
-    for the reference, which was measured minutes apart and under one collective at a time rather
-    than a queued train: that ratio read resnet18 1.48, wide-mlp 1.30, deep-mlp 1.13 and gpt 1.10 in
-    the zoo's simcheck records (slowdowns 1.71-1.98 against the sweep's 1.34-1.57), where both
-    under the same train read 1.16, 1.13, 0.91 and 1.03 (slowdowns 1.44-1.78 against the
-    reference's 1.44-1.72). resnet18's plans that overlap their reductions with backward were
-    predicted 8-15% slow relative to those that wait at once, because its compute was taken to
-    slow 1.48x more than the reference does under every collective. On a shared 2-core CPU host one
-    round's ratio can read anything from 0.6 to 3 (five rounds per zoo model gave medians of
-    0.80-1.39 under 4 MiB all-reduces and 0.98-1.35 under 64 MiB ones, no model consistently above
-    or below 1): hence the median, and more rounds while they spread."""
-    from .sweep import reference_product  # measurement beside measurement: no cycle at import
-
-    def timed(fn: Callable[[], object]) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = clock()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return clock() - t0
-
-    typical = timed(train_backward)
-    if reference is None:
-        product = reference_product(device)
-        product()
-        per = timed(lambda: [product() for _ in range(16)]) / 16
-        n = max(1, round(typical / max(per, 1e-9)))
-
-        def reference() -> None:
-            for _ in range(n):
-                product()
-
-    def under_train(fn: Callable[[], None]) -> float:
-        alone = timed(fn)
-        stop = contention(typical)
-        try:
-            return timed(fn) / max(alone, 1e-9)
-        finally:
-            stop()
-
-    model: list[float] = []
-    ratios: list[float] = []
-    for _ in range(max(1, batches)):
-        for _ in range(rounds):
-            if len(model) % 2 == 0:
-                m = under_train(train_backward)
-                ref = under_train(reference)
-            else:
-                ref = under_train(reference)
-                m = under_train(train_backward)
-            model.append(m)
-            ratios.append(max(m, 1.0) / max(ref, 1.0))
-        spread = _quartile_spread(ratios)
-        if (agree(spread) if agree is not None else spread) <= CONTENDED_SPREAD:
-            break
-    return Contention(max(1.0, statistics.median(model)), statistics.median(ratios), len(ratios), _quartile_spread(ratios))
-
-
-def estimate_optimizer(device: torch.device, kind: str = "Adam", param_numels: Sequence[int] | None = None) -> OptimizerProfile:
-    """The Adam assumption before the user's optimizer has run: scratch AdamW steps over tensors
-    the sizes of the model's parameters (``param_numels``, the first of them up to
-    ``OPTIMIZER_SAMPLE_BYTES``; without them, four of 1 Mi elements), fitted by
-    :func:`_step_costs`. The sizes matter: a step's cost per byte depends on whether parameters,
-    gradients and state fit in the caches (1.0-4.5 ns/byte on a 2-core CPU host)."""
-    sizes = [1 << 20] * 4
-    if param_numels:
-        sizes, total = [], 0
-        for n in param_numels:
-            take = min(n, (OPTIMIZER_SAMPLE_BYTES - total) // 4)
-            if take <= 0:
-                break
-            sizes.append(take)
-            total += 4 * take
-    costs = _step_costs(lambda params: torch.optim.AdamW(params, lr=1e-3), _scratch(sizes, device), device)
-    return replace(costs, kind=kind, state_factor=2.0, measured=False)
-
-
-def measure_optimizer(module: nn.Module, make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
-                      backward: Callable[[], None], device: torch.device, steps: int = 5) -> OptimizerProfile:
-    """The step of the optimizer ``make_optimizer`` builds, timed in training steps on ``module``
-    (``backward()`` runs a forward and a backward, leaving gradients) as the first training steps
-    time it under ``plan="auto"``; parameters and gradients are left as found. Its per-tensor cost
-    comes from :func:`_step_costs`' small tensors, the rest is per byte.
-
-    [Note: the optimizer step in training] The step measured in a training loop costs more than
-    the same step repeated on its own: up to 2x on a 2-core CPU host (resnet18's AdamW: 108 ms
-    after each backward, 54 ms repeated), and random gradients make it cheaper still — so the
-    step is timed after real backwards."""
-    params: list[torch.Tensor] = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
-    saved = [(p.detach().clone(), p.grad) for p in params]
-    clock = _Clock(device)
-    opt = make_optimizer(params)
-    times = []
-    try:
-        for k in range(steps + 1):  # the first step creates the state
-            for p in params:
-                p.grad = None
-            backward()
-            t0 = clock.mark()
-            opt.step()
-            t1 = clock.mark()
-            if k:
-                times.append(clock.seconds(t0, t1))
-        state = [(n, t) for p in params for n, t in opt.state.get(p, {}).items() if torch.is_tensor(t) and t.dim() > 0]
-        kind = type(opt).__name__
-        transient = _step_transient(opt, device)
-    finally:
-        del opt
-        with torch.no_grad():
-            for p, (data, grad) in zip(params, saved):
-                p.copy_(data)
-                p.grad = grad
-    nbytes = sum(p.numel() * p.element_size() for p in params)
-    step = statistics.median(times)
-    per_tensor = min(_per_tensor_cost(make_optimizer, device), step / max(len(params), 1))
-    return OptimizerProfile(
-        kind=kind, state_factor=sum(t.numel() * t.element_size() for _, t in state) / max(nbytes, 1),
-        state_names=sorted({n for n, _ in state}), transient_factor=transient / max(nbytes, 1), per_tensor_s=per_tensor,
-        per_byte_s=(step - per_tensor * len(params)) / max(nbytes, 1), measured=True,
-    )
-
-
-def _per_tensor_cost(make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer], device: torch.device) -> float:
-    """The optimizer's cost per parameter tensor: its step over 32 tensors of 1024 elements (the
-    lower quartile of 5 steps after one that creates the state), divided by 32."""
-    opt = make_optimizer(_scratch([1024] * 32, device))
-    clock = _Clock(device)
-    times = []
-    for k in range(6):
-        t0 = clock.mark()
-        opt.step()
-        t1 = clock.mark()
-        if k:
-            times.append(clock.seconds(t0, t1))
-    return lower_quartile(times) / 32
-
-
-def _scratch(numels: Sequence[int], device: torch.device) -> list[torch.Tensor]:
-    """Parameters with gradients, valued like a model's in training: an all-zero step runs ~2x
-    slower on the CPU (measured 47.6 vs 21.6 ms on the gpt zoo model's sizes)."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    params = [(torch.randn(n, device=device, generator=gen) * 0.02).requires_grad_() for n in numels]
-    for p in params:
-        p.grad = torch.randn(p.shape, device=device, generator=gen) * 1e-3
-    return params
-
-
-def _step_costs(make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer], params: list[torch.Tensor],
-                device: torch.device) -> OptimizerProfile:
-    """``per_tensor_s`` and ``per_byte_s`` of the optimizer ``make_optimizer`` builds, its state and
-    temporary bytes per parameter byte: two configurations stepped in interleaved rounds (the
-    lower quartile of each) — 32 small tensors (the per-tensor cost) and ``params`` — each step
-    after the caches were flushed, as a step in training follows a backward that streamed
-    activations through them."""
-    configs = {"small": _scratch([1024] * 32, device), "model": params}
-    opts = {name: make_optimizer(ps) for name, ps in configs.items()}
-    clock = _Clock(device)  # thread time on a single-threaded CPU rank, as the units are timed
-    times: dict[str, list[float]] = {k: [] for k in configs}
-    flush = torch.empty(CACHE_FLUSH_BYTES // 4, device=device)
-    for r in range(6):  # the first round warms up (state is created by the first step)
-        for name in configs if r % 2 == 0 else reversed(list(configs)):
-            flush.fill_(r)
-            t0 = clock.mark()
-            opts[name].step()
-            t1 = clock.mark()
-            if r:
-                times[name].append(clock.seconds(t0, t1))
-    del flush
-    (n1, b1, s1), (n2, b2, s2) = (
-        (len(ps), sum(p.numel() * p.element_size() for p in ps), lower_quartile(times[k])) for k, ps in configs.items()
-    )
-    transient = _step_transient(opts["model"], device) / max(b2, 1)
-    state = [(k, t) for p in params for k, t in opts["model"].state.get(p, {}).items() if torch.is_tensor(t) and t.dim() > 0]
-    state_bytes = sum(t.numel() * t.element_size() for _, t in state)
-    kind = type(opts["model"]).__name__
-    opts.clear()
-    # two equations, two unknowns: s = a*n + b*bytes
-    det = n1 * b2 - n2 * b1
-    per_tensor = max(0.0, (s1 * b2 - s2 * b1) / det) if det else 0.0
-    per_byte = max(0.0, (n1 * s2 - n2 * s1) / det) if det else s2 / max(b2, 1)
-    return OptimizerProfile(
-        kind=kind, state_factor=state_bytes / max(b2, 1),
-        state_names=sorted({k for k, _ in state}), transient_factor=transient, per_tensor_s=per_tensor,
-        per_byte_s=per_byte,
-    )
-
-
-def _step_transient(opt: torch.optim.Optimizer, device: torch.device) -> int:
-    """Peak temporary bytes of one optimizer step."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        opt.step()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    from .memory import trace_cpu_memory
-
-    mem, _ = trace_cpu_memory(opt.step)
-    return max((m for _, m in mem), default=0)

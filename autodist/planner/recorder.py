@@ -19,8 +19,9 @@ import torch
 import torch.optim.optimizer as optim_hooks
 
 from ..cost.profile import OptimizerProfile, Profile, UnitProfile
+from ..measure.clock import Clock
 from ..measure.memory import storage_bytes
-from ..measure.trace import UnitTracer, _attribute, _Clock, _Pass, float_output_bytes, loss_fields
+from ..measure.trace import UnitTracer, _attribute, _Pass, float_output_bytes, loss_fields
 
 
 class StepRecorder:
@@ -35,7 +36,7 @@ class StepRecorder:
         self.structure = structure
         self.device = device
         self._ours = ours
-        self.tracer = UnitTracer(module, structure, _Clock(device), params=params, free_grads=False)
+        self.tracer = UnitTracer(module, structure, Clock(device), params=params, free_grads=False)
         self.recorded: list[dict[str, Any]] = []
         self._pass: _Pass | None = None
         self._marks: dict[str, Any] = {}

@@ -19,7 +19,7 @@ reducer, and drives them from these hooks:
   and learn the observed orders;
 * optimizer step hooks: before a step over this model's parameters, wait for gathers that read the
   shards and bring offloaded state back; after it, refresh persistent groups and compute-dtype copies
-  and start offload copy-outs.
+  and start offload copy-outs (optimizers.py).
 
 Prefetch follows [Note: prefetch triggers] in ``autodist/schedule.py``: positions count gathering
 units only, forward in the previous step's observed order, backward in the reverse of this step's
@@ -59,8 +59,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from dataclasses import replace
 
 import torch
 import torch.optim.optimizer as optim_hooks
@@ -68,10 +67,9 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
-from torch.torch_version import TorchVersion
 from torch.utils.hooks import RemovableHandle
 
-from .._log import OnceLogger, logger
+from .._log import OnceLogger
 from .._tree import output_leaves
 from ..plan import Plan
 from ..schedule import (
@@ -87,127 +85,18 @@ from ..schedule import (
 )
 from ..structure import ModelStructure
 from .backward import attach_post_backward, in_backward, outside_dispatch_modes
+from .buckets import install_reducer, maybe_rebuild_buckets
 from .comm import Comm
 from .gather import GatherGroupRuntime, GroupState
 from .offload import OffloadManager
-from .params import ManagedParam
+from .optimizers import adopt_optimizer, weak_optimizer_hook
+from .params import ManagedParam, allocate_shard_storage
+from .precision import MixedPrecision, cast_floats
 from .recompute import BlockRecompute
-from .reducer import BucketRuntime, Reducer
+from .reducer import Reducer
+from .step_state import ModuleSite, RuntimeStats, StepState
 
 LAUNCH_POLICIES = ("ready", "sampled")
-
-
-# torch 2.15 changed FSDP2's MixedPrecisionPolicy(reduce_dtype=None) from reducing in param_dtype to
-# reducing in the parameter's own dtype (see its docstring's "versionchanged")
-_FSDP2_REDUCES_IN_ORIGINAL_DTYPE = TorchVersion(torch.__version__) >= "2.15"
-
-
-@dataclass
-class MixedPrecision:
-    """Compute and reduction dtypes, as FSDP2's ``MixedPrecisionPolicy``.
-
-    ``param_dtype``: dtype of the full parameters used in forward/backward (and of all-gathers);
-    master parameters and optimizer state keep their own dtype. ``reduce_dtype``: dtype gradients
-    are reduced in (default: ``param_dtype``, as FSDP2 before torch 2.15; a torch policy passed instead
-    keeps its own default, see ``coerce``). ``cast_forward_inputs``: cast floating-point inputs of
-    the root forward to ``param_dtype``.
-    """
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    cast_forward_inputs: bool = True
-
-    @classmethod
-    def coerce(cls, policy: object, module: nn.Module | None = None) -> MixedPrecision | None:
-        """``policy`` as a ``MixedPrecision``. torch's ``MixedPrecisionPolicy`` keeps its own meaning of
-        ``reduce_dtype=None``: from torch 2.15 FSDP2 reduces each gradient in its parameter's dtype
-        (before, in ``param_dtype``, as ``MixedPrecision`` does), so it is resolved against
-        ``module``'s trainable floating-point parameters (frozen ones have no gradient to reduce)."""
-        if policy is None or isinstance(policy, MixedPrecision):
-            return policy
-        if hasattr(policy, "param_dtype") and hasattr(policy, "reduce_dtype"):
-            reduce_dtype = policy.reduce_dtype
-            if reduce_dtype is None and policy.param_dtype is not None and module is not None and _FSDP2_REDUCES_IN_ORIGINAL_DTYPE:
-                dtypes = {p.dtype for p in module.parameters() if p.is_floating_point() and p.requires_grad}
-                if len(dtypes) > 1:
-                    raise ValueError(
-                        f"torch's MixedPrecisionPolicy with reduce_dtype=None reduces each gradient in its parameter's "
-                        f"dtype (torch >= 2.15), and this model's parameters have several ({sorted(map(str, dtypes))}); "
-                        "AutoDist reduces in one dtype: set reduce_dtype explicitly"
-                    )
-                reduce_dtype = dtypes.pop() if dtypes else None
-            return cls(
-                param_dtype=policy.param_dtype,
-                reduce_dtype=reduce_dtype,
-                cast_forward_inputs=getattr(policy, "cast_forward_inputs", True),
-            )
-        raise TypeError(
-            f"mixed_precision must be autodist.MixedPrecision or torch's MixedPrecisionPolicy, got {type(policy).__name__}"
-        )
-
-
-@dataclass
-class _ModuleSite:
-    """What one module's forward hooks do: which parameters to swap and which groups to gather."""
-
-    module: nn.Module
-    name: str
-    unit: str | None  # the unit this module owns, if any
-    swaps: list[ManagedParam]
-    groups: list[GatherGroupRuntime]
-    units: list[str]  # units whose parameters this module uses (own first)
-    params: list[ManagedParam]  # every managed parameter it uses (gradient multiplicity)
-
-    @property
-    def sharded(self) -> bool:
-        return bool(self.groups)
-
-
-@dataclass
-class _Step:
-    """State of one forward/backward (a micro-batch)."""
-
-    gen: int = 0  # distinguishes this step's post-backward signals from stale ones
-    sync: bool = True
-    grad: bool = True
-    fwd_sequence: list[str] = field(default_factory=list)
-    seen_units: set[str] = field(default_factory=set)
-    fwd_schedule: TriggerCursor = field(default_factory=lambda: TriggerCursor([]))
-    in_backward: bool = False
-    bwd_schedule: TriggerCursor = field(default_factory=lambda: TriggerCursor([]))
-    bwd_need: dict[str, int] = field(default_factory=dict)  # first backward use (recomputation anchors)
-    bwd_current: str | None = None  # the unit whose backward is running
-    anchors: dict[str, str | None] = field(default_factory=dict)  # recomputed unit -> anchor, this step
-    ready_order: list[str] = field(default_factory=list)
-    ready_set: set[str] = field(default_factory=set)
-    expects_backward: bool = False
-    grad_sites: set[int] = field(default_factory=set)  # sites that ran forward with gradients
-    uses: dict[int, int] = field(default_factory=dict)  # managed param id -> forward uses this step
-    nograd_uses: set[int] = field(default_factory=set)  # ... used in a no-grad forward (reentrant AC)
-    site_calls: dict[int, int] = field(default_factory=dict)  # site id -> forwards with gradients
-    site_done: dict[int, int] = field(default_factory=dict)  # site id -> post-backward signals fired
-    site_untokened: set[int] = field(default_factory=set)  # sites with a forward that had no signal
-    site_nograd: dict[int, int] = field(default_factory=dict)  # site id -> no-grad forwards ([Note: settled ...])
-    deferred: set[int] = field(default_factory=set)  # managed param ids reduced at the end of backward
-
-
-@dataclass
-class RuntimeStats:
-    steps: int = 0
-    order_deviations: int = 0
-    on_demand_forward: int = 0
-    on_demand_backward: int = 0
-    recomputations: int = 0  # forwards of managed units run again in backward (any checkpointing)
-    recomputed_blocks: int = 0  # forwards of blocks the plan recomputes, run again in backward
-    plan_switches: int = 0
-    unused_param_steps: int = 0
-    persistent_refreshes: int = 0
-    late_gradients: int = 0  # gradients accumulated again after their first (shared + reentrant AC)
-    micro_batches: int = 0  # backward passes since the last optimizer step over these parameters
-    grad_accum_steps: int = 0  # backward passes between the last two optimizer steps (0: none yet)
-
-
-T = TypeVar("T")
 
 
 class Engine:
@@ -255,7 +144,7 @@ class Engine:
         self._handles: list[RemovableHandle] = []
         self._opt_global_handles: list[RemovableHandle] = []
         self._gen = 0
-        self._step = _Step()
+        self._step = StepState()
         self._order_learned = False
         self._anchors: dict[str, str | None] = {}  # learned recomputation anchors (previous step)
         self._module_of_unit = {u.name: u.module_name for u in structure.units}  # [Note: nested units]
@@ -277,7 +166,7 @@ class Engine:
         # ---- managed parameters -------------------------------------------------------------
         self.params: dict[str, ManagedParam] = {}
         original = dict(module.named_parameters(remove_duplicate=True))
-        shard_storage = self._allocate_shard_storage(plan, structure, world, device)
+        shard_storage = allocate_shard_storage(plan, structure, world, device)
         for name, info in structure.params.items():
             mp = ManagedParam(
                 info,
@@ -341,8 +230,8 @@ class Engine:
             previous.close()
             for opt, ours in list(self._optimizers.items()):
                 if ours:
-                    self._adopt_optimizer(opt)
-        self._install_reducer(plan)
+                    adopt_optimizer(self, opt)
+        install_reducer(self, plan)
         for grt in self.groups:
             grt.record = self._record
         for b in self.reducer.buckets:
@@ -372,34 +261,6 @@ class Engine:
     def _count_recomputed_block(self) -> None:
         self.stats.recomputed_blocks += 1
 
-    def _install_reducer(self, plan: Plan) -> None:
-        """New buckets for ``plan``; gradients held in the old buckets move into the new ones."""
-        old_buffers = {b.buffer.untyped_storage().data_ptr() for b in self.reducer.buckets}
-        kept = {}
-        for mp in self.params.values():
-            g = mp.local_grad()
-            if g is not None and g.untyped_storage().data_ptr() in old_buffers:
-                kept[mp.name] = g.detach().clone()
-        self.reducer.reset()
-        self.reducer = Reducer(
-            self._build_buckets(plan), max_inflight=plan.max_inflight_buckets,
-            launch_on_ready=self.launch_policy == "ready", settled=self._settled,
-        )
-        for b in self.reducer.buckets:
-            b.record = self._record
-        if not kept:
-            return
-        with torch.no_grad():
-            for b in self.reducer.buckets:
-                for slot, mp in enumerate(b.params):
-                    if mp.name in kept:
-                        obj = b.grad_obj(slot)
-                        if obj is not None:
-                            b.views[slot].copy_(kept.pop(mp.name))
-                            mp.visible.grad = obj
-            for name, g in kept.items():  # params no longer in any bucket keep a private copy
-                self.params[name].set_local_grad(g)
-
     def switch_plan(self, plan: Plan, windows: dict[int, tuple[int, int]] | None = None) -> None:
         """Change every knob that can change between steps: residency, gather groups, windows,
         buckets, in-flight bound. Placement must stay as it is. Call between steps."""
@@ -419,7 +280,7 @@ class Engine:
             if g.state is not GroupState.SHARDED:
                 g.free()
         self._remove_hooks()
-        self._step = _Step(gen=self._next_gen())
+        self._step = StepState(gen=self._next_gen())
         self._configure(plan, windows)
 
     def set_launch_policy(self, policy: str | None) -> None:
@@ -453,43 +314,10 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     # construction helpers
     # ------------------------------------------------------------------------------------------
-    @staticmethod
-    def _allocate_shard_storage(
-        plan: Plan, structure: ModelStructure, world: int, device: torch.device
-    ) -> dict[str, torch.Tensor]:
-        """One flat buffer per dtype for all local shards, in plan unit order (see params.py)."""
-        from .params import shard_geometry
-
-        order = [p for u in plan.units if u.placement == "shard" for p in u.params]
-        sizes: dict[torch.dtype, int] = {}
-        spans: dict[str, tuple[torch.dtype, int, int]] = {}
-        for name in order:
-            info = structure.params[name]
-            _, row_numel, padded_rows = shard_geometry(info.shape, world)
-            n = padded_rows * row_numel
-            off = sizes.get(info.dtype, 0)
-            spans[name] = (info.dtype, off, n)
-            sizes[info.dtype] = off + n
-        buffers = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in sizes.items()}
-        return {name: buffers[dt][off : off + n] for name, (dt, off, n) in spans.items()}
-
     def reduce_dtype(self, mp: ManagedParam) -> torch.dtype:
         if self.mp is not None and mp.dtype.is_floating_point:
             return self.mp.reduce_dtype or self.mp.param_dtype or mp.dtype
         return mp.dtype
-
-    def _build_buckets(self, plan: Plan) -> list[BucketRuntime]:
-        sharded_accumulation = {p for u in plan.units if u.placement == "shard" and u.accumulate == "sharded" for p in u.params}
-        buckets = []
-        for bi, b in enumerate(plan.buckets):
-            mps = [self.params[p] for p in b.params]
-            rd = {self.reduce_dtype(mp) for mp in mps}
-            if len(rd) != 1:
-                raise ValueError(f"bucket {bi} would reduce in several dtypes {rd}; split it by dtype")
-            bucket = BucketRuntime(bi, b.op, mps, reduce_dtype=rd.pop(), comm=self.comm, device=self.device)
-            bucket.every = b.op == "reduce_scatter" and all(p in sharded_accumulation for p in b.params)
-            buckets.append(bucket)
-        return buckets
 
     def _compute_forward_triggers(self) -> None:
         pos = positions(self.unit_order, self._gathering)
@@ -504,7 +332,7 @@ class Engine:
             self.groups[gi].issue()
 
     def _install_hooks(self) -> None:
-        self._sites_of_param: dict[int, list[_ModuleSite]] = {}
+        self._sites_of_param: dict[int, list[ModuleSite]] = {}
         # Module forward hooks, only where something must happen.
         unit_of_module = {u.module_name: u.name for u in self.structure.units}
         module_of_unit = {u.name: u.module_name for u in self.structure.units}
@@ -538,7 +366,7 @@ class Engine:
                 continue
             if not groups and self.launch_policy == "sampled" and not params:
                 continue
-            site = _ModuleSite(module=module, name=mname, unit=own, swaps=swaps, groups=groups, units=units, params=params)
+            site = ModuleSite(module=module, name=mname, unit=own, swaps=swaps, groups=groups, units=units, params=params)
             for mp in params:
                 self._sites_of_param.setdefault(id(mp), []).append(site)
             self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(site), with_kwargs=True))
@@ -548,9 +376,9 @@ class Engine:
             if mp.requires_grad:
                 self._handles.append(mp.full.register_post_accumulate_grad_hook(self._make_grad_hook(mp)))
         # Optimizer hooks: process-wide until an optimizer over every trainable parameter has been
-        # seen, then only on those optimizers (see _watch_optimizers).
-        self._opt_global_handles.append(optim_hooks.register_optimizer_step_pre_hook(_weak_optimizer_hook(self, "pre")))
-        self._opt_global_handles.append(optim_hooks.register_optimizer_step_post_hook(_weak_optimizer_hook(self, "post")))
+        # seen, then only on those optimizers (see ``watch`` in optimizers.py).
+        self._opt_global_handles.append(optim_hooks.register_optimizer_step_pre_hook(weak_optimizer_hook(self, "pre")))
+        self._opt_global_handles.append(optim_hooks.register_optimizer_step_post_hook(weak_optimizer_hook(self, "post")))
 
     def close(self) -> None:
         """Remove all hooks; wait for anything in flight; bring offloaded state back."""
@@ -572,7 +400,7 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     def forward(self, args: tuple, kwargs: dict) -> object:
         if self.mp is not None and self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
-            args, kwargs = _cast_floats(args, self.mp.param_dtype), _cast_floats(kwargs, self.mp.param_dtype)
+            args, kwargs = cast_floats(args, self.mp.param_dtype), cast_floats(kwargs, self.mp.param_dtype)
         if in_backward():  # the whole model is checkpointed and recomputed: the module hooks cope
             self.stats.recomputations += 1
             return self.module(*args, **kwargs)
@@ -594,7 +422,7 @@ class Engine:
             # The previous forward's backward never ran (or ran without reaching our hooks).
             self._release_after_step(drop_reductions=True)
         grad = torch.is_grad_enabled()
-        self._step = _Step(
+        self._step = StepState(
             gen=self._next_gen(), sync=self.sync_enabled and grad, grad=grad,
             fwd_schedule=TriggerCursor(self._fwd_triggers),
         )
@@ -677,14 +505,14 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     # module hooks
     # ------------------------------------------------------------------------------------------
-    def _make_pre_forward(self, site: _ModuleSite):
+    def _make_pre_forward(self, site: ModuleSite):
         def pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             with outside_dispatch_modes():
                 return self._pre_forward(site, args, kwargs)
 
         return pre_forward
 
-    def _pre_forward(self, site: _ModuleSite, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def _pre_forward(self, site: ModuleSite, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         step = self._step
         recompute = in_backward()
         if recompute:
@@ -767,14 +595,14 @@ class Engine:
                 g.index, g.label,
             )
 
-    def _make_post_forward(self, site: _ModuleSite):
+    def _make_post_forward(self, site: ModuleSite):
         def post_forward(module: nn.Module, args: tuple, output: object) -> None:
             with outside_dispatch_modes():
                 self._post_forward(site, output)
 
         return post_forward
 
-    def _post_forward(self, site: _ModuleSite, output: object) -> None:
+    def _post_forward(self, site: ModuleSite, output: object) -> None:
         recompute = in_backward()
         for mp in site.swaps:
             mp.swap_out()
@@ -790,7 +618,7 @@ class Engine:
             if tensors:
                 register_multi_grad_hook(tensors, self._make_pre_backward(site), mode="any")
 
-    def _make_pre_backward(self, site: _ModuleSite):
+    def _make_pre_backward(self, site: ModuleSite):
         def pre_backward(grads: object) -> None:
             self._on_backward_start()
             step = self._step
@@ -812,7 +640,7 @@ class Engine:
 
         return pre_backward
 
-    def _post_backward(self, site: _ModuleSite, gen: int) -> None:
+    def _post_backward(self, site: ModuleSite, gen: int) -> None:
         """The backward of one forward call of ``site`` is complete (see backward.py)."""
         step = self._step
         if gen != step.gen:
@@ -914,7 +742,7 @@ class Engine:
                         "were flushed at the end of backward and globally unused ones keep grad=None",
                         len(missing), missing[0],
                     )
-                self._maybe_rebuild_buckets(step.ready_order)
+                maybe_rebuild_buckets(self, step.ready_order)
             elif self.reducer.active:
                 self.reducer.flush()  # sharded units accumulating sharded gradients: every micro-batch
             self._release_after_step(drop_reductions=False)
@@ -937,173 +765,6 @@ class Engine:
             g.reset_step()
         for mp in self.params.values():
             mp.reset_swaps()
-
-    def _maybe_rebuild_buckets(self, ready_order: list[str]) -> None:
-        rb = self.plan.rebuild_buckets
-        if rb is None:
-            return
-        from ..builtins import bucket_by_size
-
-        # Rank 0's observed order wins, so every rank builds identical buckets.
-        order = self.comm.broadcast_object(list(dict.fromkeys(ready_order)))
-        seen = set(order)
-        trainable = [p for p in reversed(self.structure.trainable) if p not in seen]
-        order = [p for p in order if p in self.params and self.params[p].requires_grad] + trainable
-        by_op: dict[str, list[str]] = {}
-        for p in order:
-            by_op.setdefault("reduce_scatter" if self.params[p].sharded else "all_reduce", []).append(p)
-        buckets = []
-        for op, names in by_op.items():
-            buckets.extend(
-                bucket_by_size(names, self.structure, cap_bytes=rb.cap_bytes, first_cap_bytes=rb.first_cap_bytes, op=op)
-            )
-        position = {p: i for i, p in enumerate(order)}
-        buckets.sort(key=lambda b: min(position[p] for p in b.params))
-        from dataclasses import replace
-
-        self.plan = replace(self.plan, buckets=buckets, rebuild_buckets=None)
-        self._install_reducer(self.plan)
-        if self.comm.rank == 0:
-            logger.info("autodist: rebuilt %d gradient buckets from the observed gradient-ready order", len(buckets))
-
-    # ------------------------------------------------------------------------------------------
-    # optimizer hooks
-    # ------------------------------------------------------------------------------------------
-    def _watch(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` updates this model's parameters. The first time an optimizer over
-        them steps, hooks are bound to it; once the bound optimizers cover every trainable
-        parameter, the process-wide step hooks are removed."""
-        ours = self._optimizers.get(optimizer)
-        if ours is not None:
-            return ours
-        held = [p for grp in optimizer.param_groups for p in grp["params"]]
-        stale = [p for p in held if (r := self._replaced.get(id(p))) is not None and r() is p]
-        if stale:
-            raise RuntimeError(
-                f"this optimizer ({type(optimizer).__name__}) holds {len(stale)} parameter tensor(s) that AutoDist "
-                "replaced when it wrapped the model, so its step would update tensors the model no longer uses and "
-                "training would silently stop. Build the optimizer after wrapping: "
-                "`model = AutoDist(model, ...)` first, then `optimizer = Optimizer(model.parameters(), ...)`."
-            )
-        ours = any(id(p) in self._visible_map for p in held)
-        self._optimizers[optimizer] = ours
-        if ours:
-            hooks = getattr(optimizer, "_autodist_step_hooks", None)
-            if hooks is None:
-                hooks = {}
-                setattr(optimizer, "_autodist_step_hooks", hooks)  # noqa: B010 (an attribute of the user's object)
-            hooks[id(self)] = [
-                optimizer.register_step_pre_hook(_weak_optimizer_hook(self, "pre")),
-                optimizer.register_step_post_hook(_weak_optimizer_hook(self, "post")),
-            ]
-            covered = {id(p) for opt, o in self._optimizers.items() if o for g in opt.param_groups for p in g["params"]}
-            # removed at the next forward: not while torch iterates the process-wide hooks
-            self._drop_global_hooks = all(id(mp.visible) in covered for mp in self.params.values() if mp.requires_grad)
-        return ours
-
-    def _params_of(self, optimizer: torch.optim.Optimizer) -> list[ManagedParam]:
-        return [mp for grp in optimizer.param_groups for p in grp["params"] if (mp := self._visible_map.get(id(p))) is not None]
-
-    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self._watch(optimizer) or self._in_step.get(optimizer):
-            return  # not ours, or the other of the two hooks (process-wide, bound) already ran
-        self._in_step[optimizer] = True
-        # The step writes the shards: gathers still reading them finish first.
-        touched = {id(mp) for mp in self._params_of(optimizer)}
-        for g in self.groups:
-            if any(id(mp) in touched for mp in g.params):
-                g.quiesce()
-        if self.offload.active:
-            self.offload.finish_back()  # the sync point: every offloaded fragment is back
-        for mp in self._params_of(optimizer):
-            mp.release_cast()
-
-    def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self._in_step.get(optimizer):
-            return
-        self._in_step[optimizer] = False
-        mps = self._params_of(optimizer)
-        # In the sequence the end-of-backward check compares: a rank that skipped this step (a
-        # GradScaler that found inf/NaN in its own gradient shards) is reported, not left to diverge.
-        self.comm.sequence.record("optimizer_step", str(len(mps)))
-        if self.stats.micro_batches:
-            self.stats.grad_accum_steps, self.stats.micro_batches = self.stats.micro_batches, 0
-        touched = {id(mp) for mp in mps}
-        for mp in mps:
-            mp.mark_stale()  # compute-dtype copies are re-cast (an optimizer may write p.data)
-        # In plan order, which every rank shares: not in the order units ran here — a persistent unit
-        # one rank skipped would move to the end of that rank's observed order, and its refresh with
-        # it (gloo pairs gathers of different units, or aborts when their sizes differ).
-        for g in (g for g in self.groups if g.residency == "persistent" and g.state is not GroupState.SHARDED):
-            # unconditional: an optimizer may write p.data without bumping any version counter
-            if any(id(mp) in touched for mp in g.params) and g.issue(force=True):
-                self.stats.persistent_refreshes += 1
-        if self.offload.active:
-            if not self.offload.entries:
-                self._adopt_optimizer(optimizer)
-            self.offload.copy_out(self.offload.out_at.get("step", []))
-        for listener in self.step_listeners:
-            listener(optimizer)
-
-    def _adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Bind offload to the optimizer's state and keep its state dicts complete."""
-        self.offload.bind(optimizer)
-        if getattr(optimizer, "_autodist_offload_hooks", None) is None:
-            ref = weakref.ref(self)
-
-            def sd_post(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
-                eng = ref()
-                return state_dict if eng is None else eng._complete_state_dict(opt, state_dict)
-
-            def load_pre(opt: torch.optim.Optimizer, state_dict: dict) -> None:
-                eng = ref()
-                if eng is not None:
-                    eng.offload.materialize_all()
-
-            def load_post(opt: torch.optim.Optimizer) -> None:
-                eng = ref()
-                if eng is not None and eng.offload.active:
-                    eng.offload.entries.clear()
-                    eng.offload.bind(opt)
-                    eng.offload.copy_out([k for keys in eng.offload.out_at.values() for k in keys])
-                    eng.offload.finish_out()
-
-            setattr(optimizer, "_autodist_offload_hooks", [  # noqa: B010 (an attribute of the user's object)
-                optimizer.register_state_dict_post_hook(sd_post),
-                optimizer.register_load_state_dict_pre_hook(load_pre),
-                optimizer.register_load_state_dict_post_hook(load_post),
-            ])
-
-    def _complete_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-        """Offloaded state tensors appear in ``optimizer.state_dict()`` with their full values."""
-        if not self.offload.entries:
-            return state_dict
-        index = {}
-        i = 0
-        for grp in optimizer.param_groups:
-            for p in grp["params"]:
-                index[i] = p
-                i += 1
-        by_visible = {id(mp.visible): mp for mp in self.params.values()}
-        from torch.distributed.tensor import DTensor
-
-        for idx, st in state_dict.get("state", {}).items():
-            p = index.get(idx)
-            mp = by_visible.get(id(p)) if p is not None else None
-            if mp is None:
-                continue
-            for name, value in list(st.items()):
-                full = self.offload.assembled((mp.name, name))
-                if full is None:
-                    continue
-                local_shape = value.to_local().shape if isinstance(value, DTensor) else value.shape
-                full = full.view(local_shape)
-                if isinstance(value, DTensor):
-                    full = DTensor.from_local(
-                        full, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
-                    )
-                st[name] = full
-        return state_dict
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor the runtime holds between steps (for memory accounting)."""
@@ -1133,31 +794,3 @@ class Engine:
 
     def full_param_bytes_gathered(self) -> int:
         return sum(g.full_bytes for g in self.groups if g.state is not GroupState.SHARDED)
-
-
-def _weak_optimizer_hook(engine: Engine, phase: str):
-    ref = weakref.ref(engine)
-
-    def hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        eng = ref()
-        if eng is None:
-            return
-        if phase == "pre":
-            eng.before_optimizer_step(optimizer)
-        else:
-            eng.on_optimizer_step(optimizer)
-
-    return hook
-
-
-def _cast_floats(tree: T, dtype: torch.dtype) -> T:
-    """``tree`` with its floating-point tensors in ``dtype`` (the same containers)."""
-    from torch.utils._pytree import tree_map
-
-    def cast(x: object) -> object:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-
-    out: T = tree_map(cast, tree)
-    return out

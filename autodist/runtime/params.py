@@ -29,13 +29,17 @@ the parameter's rows in order followed by padding.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..structure import ParamInfo
+from ..structure import ModelStructure, ParamInfo
+
+if TYPE_CHECKING:
+    from ..plan import Plan
 
 
 def shard_geometry(shape: tuple[int, ...], world_size: int) -> tuple[int, int, int]:
@@ -43,6 +47,24 @@ def shard_geometry(shape: tuple[int, ...], world_size: int) -> tuple[int, int, i
     rows = shape[0]
     row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
     return rows, row_numel, -(-rows // world_size)
+
+
+def allocate_shard_storage(
+    plan: Plan, structure: ModelStructure, world: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """One flat buffer per dtype for all local shards, in plan unit order (see params.py)."""
+    order = [p for u in plan.units if u.placement == "shard" for p in u.params]
+    sizes: dict[torch.dtype, int] = {}
+    spans: dict[str, tuple[torch.dtype, int, int]] = {}
+    for name in order:
+        info = structure.params[name]
+        _, row_numel, padded_rows = shard_geometry(info.shape, world)
+        n = padded_rows * row_numel
+        off = sizes.get(info.dtype, 0)
+        spans[name] = (info.dtype, off, n)
+        sizes[info.dtype] = off + n
+    buffers = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in sizes.items()}
+    return {name: buffers[dt][off : off + n] for name, (dt, off, n) in spans.items()}
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,0 +1,121 @@
+"""The model's own contention: how much its forward and backward slow down while a train of
+collectives runs, against how much a reference computation slows under the same train
+(:func:`contended_slowdown`; see [Note: the model's own contention])."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+CONTENDED_ROUNDS = 5  # rounds of the model's and the reference's passes alone and under the train, per batch
+CONTENDED_BATCHES = 3  # at most this many batches ...
+CONTENDED_SPREAD = 0.25  # ... while the sensitivities' quartiles lie this far apart, relative to their median
+
+
+@dataclass(frozen=True)
+class Contention:
+    """What :func:`contended_slowdown` measured: the model's slowdown under the train, its
+    sensitivity (that slowdown against the reference computation's under the same train), the
+    rounds they took and the spread of the rounds' sensitivities (their quartiles' distance over the
+    median)."""
+
+    slowdown: float
+    sensitivity: float
+    rounds: int
+    spread: float
+
+
+def _quartile_spread(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    lo, hi = ordered[(n - 1) // 4], ordered[n - 1 - (n - 1) // 4]
+    return (hi - lo) / max(statistics.median(ordered), 1e-9)
+
+
+def contended_slowdown(train_backward: Callable[[], None], contention: Callable[[float], Callable[[], None]],
+                       device: torch.device, rounds: int = CONTENDED_ROUNDS,
+                       reference: Callable[[], None] | None = None, batches: int = CONTENDED_BATCHES,
+                       agree: Callable[[float], float] | None = None,
+                       clock: Callable[[], float] = time.perf_counter) -> Contention:
+    """How many times longer the model's forward and backward (``train_backward``) take in
+    wall-clock time while a train of collectives runs (``contention``), at least 1; and how many
+    times more that is than the reference computation's slowdown under the same train, the model's
+    *sensitivity*. Each round times the model and the reference alone and under a train of their
+    own, the two in turn (which goes first alternates); the slowdown is the median over rounds, the
+    sensitivity the median of each round's ratio. Rounds come in batches of ``rounds``; another
+    batch is run, up to ``batches``, while the rounds' sensitivities spread by more than
+    ``CONTENDED_SPREAD`` (a disturbed host) on any rank: ``agree`` gives a figure's largest value
+    over the ranks (``CollectiveTrain.largest``), so every rank runs as many batches, and so issues
+    as many trains, as every other; without it the figure is this process's own (one rank, or
+    no collectives). ``reference``: one pass of the reference computation, by default
+    :func:`~autodist.measure.sweep.reference_product` repeated for about as long as the model's
+    pass. ``clock``: the seconds every pass is timed with (a test's own clock, advanced by the
+    passes it fakes, makes the rounds' figures exact).
+
+    [Note: the model's own contention] While a collective runs, the compute it overlaps slows down:
+    on an accelerator a little (the collective's kernels take SMs and memory bandwidth), on a CPU
+    host a lot (the backend's threads take the cores the ranks compute on, and the memory
+    bandwidth). The comm sweep measures it per collective and size with a reference computation
+    (small matrix products); the simulator scales those figures by how much more this model slows
+    than the reference does. That ratio is taken here, the model and the reference each under a
+    train of their own in the same round — not the model's slowdown here against the sweep's figure
+    for the reference, which was measured minutes apart and under one collective at a time rather
+    than a queued train: that ratio read resnet18 1.48, wide-mlp 1.30, deep-mlp 1.13 and gpt 1.10 in
+    the zoo's simcheck records (slowdowns 1.71-1.98 against the sweep's 1.34-1.57), where both
+    under the same train read 1.16, 1.13, 0.91 and 1.03 (slowdowns 1.44-1.78 against the
+    reference's 1.44-1.72). resnet18's plans that overlap their reductions with backward were
+    predicted 8-15% slow relative to those that wait at once, because its compute was taken to
+    slow 1.48x more than the reference does under every collective. On a shared 2-core CPU host one
+    round's ratio can read anything from 0.6 to 3 (five rounds per zoo model gave medians of
+    0.80-1.39 under 4 MiB all-reduces and 0.98-1.35 under 64 MiB ones, no model consistently above
+    or below 1): hence the median, and more rounds while they spread."""
+    from .sweep import reference_product  # measurement beside measurement: no cycle at import
+
+    def timed(fn: Callable[[], object]) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = clock()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return clock() - t0
+
+    typical = timed(train_backward)
+    if reference is None:
+        product = reference_product(device)
+        product()
+        per = timed(lambda: [product() for _ in range(16)]) / 16
+        n = max(1, round(typical / max(per, 1e-9)))
+
+        def reference() -> None:
+            for _ in range(n):
+                product()
+
+    def under_train(fn: Callable[[], None]) -> float:
+        alone = timed(fn)
+        stop = contention(typical)
+        try:
+            return timed(fn) / max(alone, 1e-9)
+        finally:
+            stop()
+
+    model: list[float] = []
+    ratios: list[float] = []
+    for _ in range(max(1, batches)):
+        for _ in range(rounds):
+            if len(model) % 2 == 0:
+                m = under_train(train_backward)
+                ref = under_train(reference)
+            else:
+                ref = under_train(reference)
+                m = under_train(train_backward)
+            model.append(m)
+            ratios.append(max(m, 1.0) / max(ref, 1.0))
+        spread = _quartile_spread(ratios)
+        if (agree(spread) if agree is not None else spread) <= CONTENDED_SPREAD:
+            break
+    return Contention(max(1.0, statistics.median(model)), statistics.median(ratios), len(ratios), _quartile_spread(ratios))

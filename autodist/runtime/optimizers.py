@@ -1,0 +1,179 @@
+"""The runtime's optimizer hooks: before a step over this model's parameters, wait for gathers that
+read the shards and bring offloaded state back; after it, refresh persistent groups and
+compute-dtype copies and start offload copy-outs. Process-wide step hooks (installed by
+:meth:`~autodist.runtime.engine.Engine._install_hooks`) until the optimizers bound here cover every
+trainable parameter, then hooks on those optimizers alone (:func:`watch`); an optimizer over
+offloaded state is bound to the offload manager and its state dicts kept complete
+(:func:`adopt_optimizer`). Each function takes the :class:`~autodist.runtime.engine.Engine` whose
+parameters the optimizer updates."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from .gather import GroupState
+from .params import ManagedParam
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def watch(engine: Engine, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` updates this model's parameters. The first time an optimizer over
+    them steps, hooks are bound to it; once the bound optimizers cover every trainable
+    parameter, the process-wide step hooks are removed."""
+    ours = engine._optimizers.get(optimizer)
+    if ours is not None:
+        return ours
+    held = [p for grp in optimizer.param_groups for p in grp["params"]]
+    stale = [p for p in held if (r := engine._replaced.get(id(p))) is not None and r() is p]
+    if stale:
+        raise RuntimeError(
+            f"this optimizer ({type(optimizer).__name__}) holds {len(stale)} parameter tensor(s) that AutoDist "
+            "replaced when it wrapped the model, so its step would update tensors the model no longer uses and "
+            "training would silently stop. Build the optimizer after wrapping: "
+            "`model = AutoDist(model, ...)` first, then `optimizer = Optimizer(model.parameters(), ...)`."
+        )
+    ours = any(id(p) in engine._visible_map for p in held)
+    engine._optimizers[optimizer] = ours
+    if ours:
+        hooks = getattr(optimizer, "_autodist_step_hooks", None)
+        if hooks is None:
+            hooks = {}
+            setattr(optimizer, "_autodist_step_hooks", hooks)  # noqa: B010 (an attribute of the user's object)
+        hooks[id(engine)] = [
+            optimizer.register_step_pre_hook(weak_optimizer_hook(engine, "pre")),
+            optimizer.register_step_post_hook(weak_optimizer_hook(engine, "post")),
+        ]
+        covered = {id(p) for opt, o in engine._optimizers.items() if o for g in opt.param_groups for p in g["params"]}
+        # removed at the next forward: not while torch iterates the process-wide hooks
+        engine._drop_global_hooks = all(id(mp.visible) in covered for mp in engine.params.values() if mp.requires_grad)
+    return ours
+
+
+def params_of(engine: Engine, optimizer: torch.optim.Optimizer) -> list[ManagedParam]:
+    return [mp for grp in optimizer.param_groups for p in grp["params"] if (mp := engine._visible_map.get(id(p))) is not None]
+
+
+def before_optimizer_step(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
+    if not watch(engine, optimizer) or engine._in_step.get(optimizer):
+        return  # not ours, or the other of the two hooks (process-wide, bound) already ran
+    engine._in_step[optimizer] = True
+    # The step writes the shards: gathers still reading them finish first.
+    touched = {id(mp) for mp in params_of(engine, optimizer)}
+    for g in engine.groups:
+        if any(id(mp) in touched for mp in g.params):
+            g.quiesce()
+    if engine.offload.active:
+        engine.offload.finish_back()  # the sync point: every offloaded fragment is back
+    for mp in params_of(engine, optimizer):
+        mp.release_cast()
+
+
+def on_optimizer_step(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
+    if not engine._in_step.get(optimizer):
+        return
+    engine._in_step[optimizer] = False
+    mps = params_of(engine, optimizer)
+    # In the sequence the end-of-backward check compares: a rank that skipped this step (a
+    # GradScaler that found inf/NaN in its own gradient shards) is reported, not left to diverge.
+    engine.comm.sequence.record("optimizer_step", str(len(mps)))
+    if engine.stats.micro_batches:
+        engine.stats.grad_accum_steps, engine.stats.micro_batches = engine.stats.micro_batches, 0
+    touched = {id(mp) for mp in mps}
+    for mp in mps:
+        mp.mark_stale()  # compute-dtype copies are re-cast (an optimizer may write p.data)
+    # In plan order, which every rank shares: not in the order units ran here — a persistent unit
+    # one rank skipped would move to the end of that rank's observed order, and its refresh with
+    # it (gloo pairs gathers of different units, or aborts when their sizes differ).
+    for g in (g for g in engine.groups if g.residency == "persistent" and g.state is not GroupState.SHARDED):
+        # unconditional: an optimizer may write p.data without bumping any version counter
+        if any(id(mp) in touched for mp in g.params) and g.issue(force=True):
+            engine.stats.persistent_refreshes += 1
+    if engine.offload.active:
+        if not engine.offload.entries:
+            adopt_optimizer(engine, optimizer)
+        engine.offload.copy_out(engine.offload.out_at.get("step", []))
+    for listener in engine.step_listeners:
+        listener(optimizer)
+
+
+def adopt_optimizer(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
+    """Bind offload to the optimizer's state and keep its state dicts complete."""
+    engine.offload.bind(optimizer)
+    if getattr(optimizer, "_autodist_offload_hooks", None) is None:
+        ref = weakref.ref(engine)
+
+        def sd_post(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+            eng = ref()
+            return state_dict if eng is None else complete_state_dict(eng, opt, state_dict)
+
+        def load_pre(opt: torch.optim.Optimizer, state_dict: dict) -> None:
+            eng = ref()
+            if eng is not None:
+                eng.offload.materialize_all()
+
+        def load_post(opt: torch.optim.Optimizer) -> None:
+            eng = ref()
+            if eng is not None and eng.offload.active:
+                eng.offload.entries.clear()
+                eng.offload.bind(opt)
+                eng.offload.copy_out([k for keys in eng.offload.out_at.values() for k in keys])
+                eng.offload.finish_out()
+
+        setattr(optimizer, "_autodist_offload_hooks", [  # noqa: B010 (an attribute of the user's object)
+            optimizer.register_state_dict_post_hook(sd_post),
+            optimizer.register_load_state_dict_pre_hook(load_pre),
+            optimizer.register_load_state_dict_post_hook(load_post),
+        ])
+
+
+def complete_state_dict(engine: Engine, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """Offloaded state tensors appear in ``optimizer.state_dict()`` with their full values."""
+    if not engine.offload.entries:
+        return state_dict
+    index = {}
+    i = 0
+    for grp in optimizer.param_groups:
+        for p in grp["params"]:
+            index[i] = p
+            i += 1
+    by_visible = {id(mp.visible): mp for mp in engine.params.values()}
+    from torch.distributed.tensor import DTensor
+
+    for idx, st in state_dict.get("state", {}).items():
+        p = index.get(idx)
+        mp = by_visible.get(id(p)) if p is not None else None
+        if mp is None:
+            continue
+        for name, value in list(st.items()):
+            full = engine.offload.assembled((mp.name, name))
+            if full is None:
+                continue
+            local_shape = value.to_local().shape if isinstance(value, DTensor) else value.shape
+            full = full.view(local_shape)
+            if isinstance(value, DTensor):
+                full = DTensor.from_local(
+                    full, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+                )
+            st[name] = full
+    return state_dict
+
+
+def weak_optimizer_hook(engine: Engine, phase: str) -> Callable[[torch.optim.Optimizer, tuple, dict], None]:
+    ref = weakref.ref(engine)
+
+    def hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        eng = ref()
+        if eng is None:
+            return
+        if phase == "pre":
+            before_optimizer_step(eng, optimizer)
+        else:
+            on_optimizer_step(eng, optimizer)
+
+    return hook
