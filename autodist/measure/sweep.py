@@ -404,7 +404,7 @@ def reference_product(device: torch.device) -> Callable[[], None]:
     """One step of the reference computation the contention figures are measured with: a product
     of two 128x128 matrices and a tanh, written in place (~0.15 ms on a CPU core). A profile
     measures the model's slowdown under communication against this one's under the same
-    (autodist/measure/trace.py [Note: the model's own contention])."""
+    (autodist/measure/contention.py [Note: the model's own contention])."""
     a = torch.randn(128, 128, device=device)
     b = torch.randn(128, 128, device=device)
 
