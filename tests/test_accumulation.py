@@ -171,7 +171,7 @@ def test_torch_policy_without_reduce_dtype_on_a_model_of_several_dtypes_is_refus
     rather than reducing some gradients in another dtype than FSDP2 would."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from autodist.runtime.engine import _FSDP2_REDUCES_IN_ORIGINAL_DTYPE
+    from autodist.runtime.precision import _FSDP2_REDUCES_IN_ORIGINAL_DTYPE
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     model = models.make("dtypes")
