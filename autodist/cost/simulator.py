@@ -36,7 +36,7 @@ from ..schedule import memory_windows, resident_state_bytes
 from ..structure import ModelStructure
 from .comm import TRAIN_BYTES, CommModel
 from .profile import Profile
-from .sim.emit import StepEmitter
+from .sim.emit import StepEmitter, StepOrders
 from .sim.execute import execute
 from .sim.program import (
     ACTIVATIONS,
@@ -100,8 +100,10 @@ class Simulator:
         self.order = [u.name for u in profile.units]
         known = set(self.order)
         self.order += [u.name for u in structure.units if u.name not in known]
+        self.unit_set = set(self.order)  # read only
         self.uprof = {u.name: u for u in profile.units}
-        unit_of_param = structure.unit_of_param
+        unit_of_param = self.unit_of_param = structure.unit_of_param
+        self.trainable = frozenset(n for n, p in structure.params.items() if p.requires_grad)
         # which units' parameters each unit's module uses (tied weights: extra sites)
         module_of_unit = {u.name: u.module_name for u in structure.units}
         unit_of_module = {u.module_name: u.name for u in structure.units}
@@ -143,6 +145,16 @@ class Simulator:
         self.shard_numel = {n: self._shard_numel(n) for n in self.numel}
         self.full_padded_bytes = {n: world_size * self.shard_numel[n] * self._compute_itemsize(n) for n in self.numel}
         self._time_cache: dict[tuple[str, int], float] = {}
+        self._slowdown_cache: dict[tuple[str, int, bool], tuple[float, float, float]] = {}
+        self._orders: StepOrders | None = None
+        self._block_units: dict[str, list[str]] | None = None  # block -> its units the plan can recompute
+
+    def orders(self) -> StepOrders:
+        """The orders backward passes begin and end in and forwards finish in, and where each
+        gradient arrives: the same for every plan of this model, computed once."""
+        if self._orders is None:
+            self._orders = StepOrders.of(self)
+        return self._orders
 
     def _time(self, op: str, nbytes: int) -> float:
         key = (op, nbytes)
@@ -172,6 +184,22 @@ class Simulator:
         (on the CPU) waited for by the compute thread; on an accelerator it completes off the step."""
         n = ORDER_CHECK_BYTES
         return self._host("all_reduce", n) + (self._time("all_reduce", n) if self.comm.device == "cpu" else 0.0)
+
+    def _first_touch(self, nbytes: int) -> float:
+        """``comm.first_touch_s``, cached by size."""
+        key = ("first touch", nbytes)
+        t = self._time_cache.get(key)
+        if t is None:
+            t = self._time_cache[key] = self.comm.first_touch_s(nbytes)
+        return t
+
+    def _memcpy(self, nbytes: int) -> float:
+        """``comm.memcpy``, cached by size."""
+        key = ("memcpy", nbytes)
+        t = self._time_cache.get(key)
+        if t is None:
+            t = self._time_cache[key] = self.comm.memcpy(nbytes)
+        return t
 
     def _host(self, op: str, nbytes: int) -> float:
         """The compute thread's own time to issue and collect one collective."""
@@ -237,7 +265,15 @@ class Simulator:
     def _execute(self, prog: list[Instruction], ops: list[CommOp], static: list[int], record: bool) -> SimResult:
         """``prog`` timed (:func:`~autodist.cost.sim.execute.execute`) on this simulator's machine."""
         return execute(prog, ops, static, comm=self.comm, sensitivity=self._compute_sensitivity(),
-                       budget=self.budget, record=record)
+                       budget=self.budget, record=record, slowdowns=self._slowdowns)
+
+    def _slowdowns(self, op: str, nbytes: int, *, scaled: bool = True) -> tuple[float, float, float]:
+        """``comm.slowdowns``, cached by operation and size."""
+        key = (op, nbytes, scaled)
+        s = self._slowdown_cache.get(key)
+        if s is None:
+            s = self._slowdown_cache[key] = self.comm.slowdowns(op, nbytes, scaled=scaled)
+        return s
 
     def _memory_windows(self, plan: Plan) -> list[int]:
         """The windows ``"memory"`` prefetches get, by the runtime's rule ([Note: memory windows] in
@@ -261,9 +297,10 @@ class Simulator:
     def _recomputed_blocks(self, plan: Plan) -> dict[str, list[str]]:
         """The plan's recomputed blocks and their units in forward order (blocks the model already
         checkpoints itself are measured as such by the profile and not recomputed twice)."""
-        out: dict[str, list[str]] = {}
-        for b in plan.recompute:
-            units = [u for u in self.order if self.block_of.get(u) == b and u not in self.profile.recompute_anchor]
-            if units:
-                out[b] = units
-        return out
+        if self._block_units is None:
+            self._block_units = {}
+            for u in self.order:
+                b = self.block_of.get(u)
+                if b is not None and u not in self.profile.recompute_anchor:
+                    self._block_units.setdefault(b, []).append(u)
+        return {b: self._block_units[b] for b in plan.recompute if b in self._block_units}

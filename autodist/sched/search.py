@@ -117,6 +117,7 @@ class Searcher:
         self.sim = simulator
         self.cfg = config
         self._memo: dict[Genome, SimResult] = {}
+        self._normal: dict[Genome, Genome] = {}  # genome -> space.normalize(genome)
         self.evaluated = 0
         self.smallest_peak: tuple[int, Genome] | None = None
         self.smallest_peak_result: SimResult | None = None
@@ -131,11 +132,18 @@ class Searcher:
             self.time_limited = True
         return left
 
+    def normalize(self, g: Genome) -> Genome:
+        """``space.normalize(g)``, remembered: the search meets the same genomes again and again."""
+        n = self._normal.get(g)
+        if n is None:
+            n = self._normal[g] = self.space.normalize(g)
+        return n
+
     def evaluate(self, g: Genome) -> SimResult:
-        g = self.space.normalize(g)
+        g = self.normalize(g)
         r = self._memo.get(g)
         if r is None:
-            r = self.sim.run(self.space.to_plan(g))
+            r = self.sim.run(self.space.to_plan(g, normalized=True))
             self._memo[g] = r
             self.evaluated += 1
             if self.smallest_peak is None or r.peak_bytes < self.smallest_peak[0]:
@@ -154,7 +162,7 @@ class Searcher:
     def widen_windows(self, g: Genome) -> Genome:
         """Memory-aware prefetch: for each gather group in order, the widest window (forward, then
         backward) that lowers the step time and stays within the budget."""
-        g = self.space.normalize(g)
+        g = self.normalize(g)
         best = self.cost(g)
         groups = self.space.groups(g)
         # every group at once first (cheap), then group by group while time allows
@@ -162,7 +170,7 @@ class Searcher:
             win = list(g.window)
             for members in groups:
                 win[members[0]] = (w, w)
-            cand = self.space.normalize(replace(g, window=tuple(win)))
+            cand = self.normalize(replace(g, window=tuple(win)))
             c = self.cost(cand)
             if c < best:
                 g, best = cand, c
@@ -177,7 +185,7 @@ class Searcher:
                     if w <= (fwd, bwd)[axis]:
                         continue
                     win[first] = (w, bwd) if axis == 0 else (fwd, w)
-                    cand = self.space.normalize(replace(g, window=tuple(win)))
+                    cand = self.normalize(replace(g, window=tuple(win)))
                     c = self.cost(cand)
                     if c < best:
                         g, best = cand, c
@@ -187,7 +195,7 @@ class Searcher:
         """Selective unsharding: make groups persistent (no re-gather, one refresh per step), the
         ones with the most communication time per byte of memory first, while the budget allows
         and the step gets faster."""
-        g = self.space.normalize(g)
+        g = self.normalize(g)
         comm = self.sim.comm
         best = self.cost(g)
         groups = self.space.groups(g)
@@ -202,7 +210,7 @@ class Searcher:
             res = list(g.residency)
             for i in members:
                 res[i] = 2
-            cand = self.space.normalize(replace(g, residency=tuple(res)))
+            cand = self.normalize(replace(g, residency=tuple(res)))
             c = self.cost(cand)
             if c < best:
                 g, best = cand, c
@@ -213,7 +221,7 @@ class Searcher:
         per second of recomputation first, until the plan fits; then give back recomputation that is
         not needed (the least efficient first) while it still fits."""
         sp = self.space
-        g = sp.normalize(g)
+        g = self.normalize(g)
         if self.evaluate(g).feasible or not sp.recompute_blocks:
             return g
 
@@ -229,13 +237,13 @@ class Searcher:
             chosen.add(b)
             if self.evaluate(sp.with_recompute(g, chosen)).feasible:
                 break
-        g = sp.normalize(sp.with_recompute(g, chosen))
+        g = self.normalize(sp.with_recompute(g, chosen))
         if not self.evaluate(g).feasible:
             return g
         for b in sorted(chosen, key=efficiency):
             if not self._time_left(0.5):
                 break
-            cand = sp.normalize(sp.with_recompute(g, chosen - {b}))
+            cand = self.normalize(sp.with_recompute(g, chosen - {b}))
             if self.evaluate(cand).feasible:
                 chosen.discard(b)
                 g = cand
@@ -248,7 +256,7 @@ class Searcher:
         drop fragments (smallest first: they save least) while the plan still fits, then start each
         remaining copy-back earlier in the backward (hiding the copy behind compute) while the plan
         fits and gets no slower."""
-        g = self.space.normalize(g)
+        g = self.normalize(g)
         if self.evaluate(g).feasible:
             return g
         candidates = sorted(self.space.offload_candidates(g), key=lambda c: c[2])
@@ -289,19 +297,19 @@ class Searcher:
             out[f"{seed}+prefetch"] = self.widen_windows(out[seed])
             out[f"{seed}+unshard"] = self.unshard_selectively(out[f"{seed}+prefetch"])
         if sp.fixed is not None and not out:
-            out["fixed"] = sp.normalize(sp.ddp())
+            out["fixed"] = self.normalize(sp.ddp())
         if sp.accum_steps > 1:  # FSDP2's default: reduce-scatter in every micro-batch
             for seed in [n for n in ("fsdp", "zero2") if n in out]:
                 g = out[seed]
-                out[f"{seed}+sharded-accumulation"] = sp.normalize(replace(g, accumulate=tuple(int(s_) for s_ in g.shard)))
+                out[f"{seed}+sharded-accumulation"] = self.normalize(replace(g, accumulate=tuple(int(s_) for s_ in g.shard)))
         if sp.recompute_blocks:
             every = range(len(sp.recompute_blocks))
             for name in list(out):
                 if self.evaluate(out[name]).feasible:
                     continue
                 # the hand-tuned choices (checkpoint every block, every other block), and the greedy pass
-                out[f"{name}+recompute-all"] = sp.normalize(sp.with_recompute(out[name], every))
-                out[f"{name}+recompute-alternate"] = sp.normalize(sp.with_recompute(out[name], every[::2]))
+                out[f"{name}+recompute-all"] = self.normalize(sp.with_recompute(out[name], every))
+                out[f"{name}+recompute-alternate"] = self.normalize(sp.with_recompute(out[name], every[::2]))
                 out[f"{name}+recompute"] = self.recompute_greedily(out[name])
         if sp.state_names:
             for name in list(out):
@@ -320,10 +328,10 @@ class Searcher:
         best_g, best_c = None, math.inf
         for g in seeds.values():
             c = self.cost(g)
-            heapq.heappush(heap, (c, tie, self.space.normalize(g)))
+            heapq.heappush(heap, (c, tie, self.normalize(g)))
             tie += 1
             if c < best_c:
-                best_g, best_c = self.space.normalize(g), c
+                best_g, best_c = self.normalize(g), c
         expanded: set[Genome] = set()
         since_improved = 0
         history = [(self.evaluated, best_c)]
@@ -348,7 +356,7 @@ class Searcher:
                 child = g
                 for _ in range(rng.randint(1, cfg.beta)):
                     child = self.space._move_kind(child, rng.choice(MOVE_KINDS), rng)
-                child = self.space.normalize(child)
+                child = self.normalize(child)
                 if child in self._memo:
                     continue
                 before = self.evaluated
@@ -369,8 +377,8 @@ class Searcher:
             known = [(c, n) for c, n in known if c < math.inf]
             if known:
                 c, n = min(known)
-                if c <= best_c * (1 + cfg.prefer_seed_within) and self.space.normalize(seeds[n]) != best_g:
-                    best_g, preferred = self.space.normalize(seeds[n]), n
+                if c <= best_c * (1 + cfg.prefer_seed_within) and self.normalize(seeds[n]) != best_g:
+                    best_g, preferred = self.normalize(seeds[n]), n
         result = self.evaluate(best_g)
         plan = self.space.to_plan(best_g)
         return SearchResult(
@@ -392,7 +400,7 @@ class Searcher:
             raise RuntimeError("Searcher.refine ranks the plans a search evaluated: call run() first")
         feasible = [(self.cost(g), i, g) for i, g in enumerate(self._memo) if math.isfinite(self.cost(g))]
         chosen = [g for _, _, g in sorted(feasible)[:finalists]]
-        seeds = {name: self.space.normalize(g) for name, g in self._seeds.items()}
+        seeds = {name: self.normalize(g) for name, g in self._seeds.items()}
         again: dict[Genome, SimResult] = {}
         for g in [result.genome, *chosen, *seeds.values()]:
             if g not in again:

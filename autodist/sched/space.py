@@ -92,8 +92,11 @@ class PlanSpace:
         trainable = structure.trainable
         seen = set(ready_order)
         self.ready = [p for p in ready_order if p in set(trainable)] + [p for p in reversed(trainable) if p not in seen]
-        unit_of = structure.unit_of_param
+        unit_of = self.unit_of_param = structure.unit_of_param
+        self.fingerprint = structure.fingerprint()
         self.unit_of_ready = [self.index[unit_of[p]] for p in self.ready]
+        self.ready_nbytes = [structure.params[p].nbytes for p in self.ready]
+        self.ready_dtype = [structure.params[p].dtype for p in self.ready]
         self.shardable = tuple(
             all(len(structure.params[p].shape) > 0 for p in self.unit_params[u]) for u in self.units
         )
@@ -164,7 +167,7 @@ class PlanSpace:
 
     def _bucket_key(self, shard: Sequence[bool], acc: Sequence[int], k: int) -> tuple:
         i = self.unit_of_ready[k]
-        return (shard[i], self.structure.params[self.ready[k]].dtype, acc[i] if acc else 0)
+        return (shard[i], self.ready_dtype[k], acc[i] if acc else 0)
 
     def groups(self, g: Genome) -> list[list[int]]:
         out: list[list[int]] = []
@@ -190,8 +193,10 @@ class PlanSpace:
             prev_key = key
         return out
 
-    def to_plan(self, g: Genome, *, provenance: dict | None = None) -> Plan:
-        g = self.normalize(g)
+    def to_plan(self, g: Genome, *, provenance: dict | None = None, normalized: bool = False) -> Plan:
+        """The plan of ``g`` (``normalized``: ``g`` is :meth:`normalize`'s output already)."""
+        if not normalized:
+            g = self.normalize(g)
         units = [
             UnitPlan(
                 u, list(self.unit_params[u]), "shard" if g.shard[i] else "replicate", RESIDENCIES[g.residency[i]],
@@ -212,7 +217,7 @@ class PlanSpace:
             Bucket(
                 [self.ready[k] for k in ks],
                 "reduce_scatter" if g.shard[self.unit_of_ready[ks[0]]] else "all_reduce",
-                nbytes=sum(self.structure.params[self.ready[k]].nbytes for k in ks),
+                nbytes=sum(self.ready_nbytes[k] for k in ks),
             )
             for ks in self.buckets(g)
         ]
@@ -229,7 +234,7 @@ class PlanSpace:
             max_inflight_buckets=None if g.inflight < 0 else g.inflight,
             recompute=[self.recompute_blocks[b] for b in sorted(g.recompute)],
             grad_accum_steps=self.accum_steps,
-            fingerprint=self.structure.fingerprint(),
+            fingerprint=self.fingerprint,
             provenance=dict(provenance or {}),
         )
 
@@ -268,7 +273,7 @@ class PlanSpace:
     def _state_numel(self, shard: Sequence[bool], p: str) -> int:
         """Elements of ``p``'s optimizer state a rank holds under the placement ``shard``."""
         info = self.structure.params[p]
-        if shard[self.index[self.structure.unit_of_param[p]]] and info.shape:
+        if shard[self.index[self.unit_of_param[p]]] and info.shape:
             rows = info.shape[0]
             return -(-rows // self.world) * (info.numel // rows if rows else 1)
         return info.numel
@@ -286,7 +291,7 @@ class PlanSpace:
     def with_offload(self, g: Genome, p: str, state: str, *, back_unit: int | None = None) -> Genome:
         """Offload a whole state tensor, copied back when its unit's backward starts (or at
         ``back_unit``; -1: at the step)."""
-        unit = self.index[self.structure.unit_of_param[p]] if back_unit is None else back_unit
+        unit = self.index[self.unit_of_param[p]] if back_unit is None else back_unit
         frag = (p, state, 0, self._state_numel(g.shard, p), unit)
         return replace(g, offload=tuple(sorted(g.offload + (frag,))))
 

@@ -14,6 +14,7 @@ offload copy-outs the previous step's optimizer issued are in flight at its star
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...plan import Plan
@@ -40,6 +41,35 @@ if TYPE_CHECKING:
     from ..simulator import Simulator
 
 
+@dataclass(frozen=True)
+class StepOrders:
+    """Backward passes begin in ``bstart`` order and end in ``bend`` order, forwards finish in
+    ``finishing`` order ([Note: nested units]). Gradients the profile saw arrive during a unit's
+    backward (``ready_at_start``): those of an enclosing unit's parameters arrive when that
+    backward has ended (``ready_at_end``). None of it depends on the plan."""
+
+    bstart: list[str]
+    bend: list[str]
+    finishing: list[str]
+    ready_at_start: dict[str, list[str]]
+    ready_at_end: dict[str, list[str]]
+
+    @classmethod
+    def of(cls, sim: Simulator) -> StepOrders:
+        ready_at_start: dict[str, list[str]] = {}
+        ready_at_end: dict[str, list[str]] = {}
+        for u in sim.order:
+            up = sim.uprof.get(u)
+            for p in up.ready if up is not None else ():
+                if p not in sim.trainable:
+                    continue
+                owner = sim.unit_of_param[p]
+                late = owner != u and encloses(sim.module_of.get(owner, owner), sim.module_of.get(u, u))
+                (ready_at_end if late else ready_at_start).setdefault(u, []).append(p)
+        return cls(backward_order(sim.order, sim.module_of), list(reversed(sim.order)),
+                   finish_order(sim.order, sim.module_of), ready_at_start, ready_at_end)
+
+
 class StepEmitter:
     """The program of one step of ``plan``: :meth:`program` emits it once, through the gather
     groups, the buckets, the recomputations and the offload copies, each holding its own state."""
@@ -48,7 +78,7 @@ class StepEmitter:
         self.sim = sim
         self.plan = plan
         self.out = ProgramBuilder()
-        self.trainable = {n for n, p in sim.structure.params.items() if p.requires_grad}
+        self.trainable = sim.trainable
         self.micro_batches = max(1, plan.grad_accum_steps)
         self.gathers = Gathers(sim, plan, self.out, self.trainable)
         self.reductions = Reductions(sim, plan, self.out, self.trainable)
@@ -89,23 +119,13 @@ class StepEmitter:
         static[LIBRARIES] += sim.profile.library_bytes  # [Note: what the allocator holds for libraries]
 
     def _backward_order(self) -> None:
-        """Backward passes begin in ``bstart`` order and end in ``bend`` order, forwards finish in
-        ``finishing`` order ([Note: nested units]). Gradients the profile saw arrive during a unit's
-        backward: those of an enclosing unit's parameters arrive when that backward has ended."""
-        sim = self.sim
-        self.bstart = backward_order(sim.order, sim.module_of)
-        self.bend = list(reversed(sim.order))
-        self.finishing = finish_order(sim.order, sim.module_of)
-        self.ready_at_start: dict[str, list[str]] = {}
-        self.ready_at_end: dict[str, list[str]] = {}
-        for u in sim.order:
-            up = sim.uprof.get(u)
-            for p in up.ready if up is not None else ():
-                if p not in self.trainable:
-                    continue
-                owner = sim.structure.unit_of_param[p]
-                late = owner != u and encloses(sim.module_of.get(owner, owner), sim.module_of.get(u, u))
-                (self.ready_at_end if late else self.ready_at_start).setdefault(u, []).append(p)
+        """The simulator's :class:`StepOrders` (the same for every plan)."""
+        orders = self.sim.orders()
+        self.bstart = orders.bstart
+        self.bend = orders.bend
+        self.finishing = orders.finishing
+        self.ready_at_start = orders.ready_at_start
+        self.ready_at_end = orders.ready_at_end
 
     def _step_costs(self) -> None:
         """The optimizer step's time and transient memory, and each unit's hook time: module hooks

@@ -19,6 +19,8 @@ category.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..comm import CommModel
 from .program import (
     ACTIVATIONS,
@@ -35,6 +37,7 @@ from .program import (
 )
 
 MemoryLog = list[tuple[float, int, int]]  # (time, bytes, category)
+Slowdowns = Callable[..., tuple[float, float, float]]  # CommModel.slowdowns(op, nbytes, *, scaled=True)
 
 # [Note: what a blocked wait costs] On a CPU host a training step loses time at every wait on a
 # collective that has not completed, beyond the collective's own time: the compute thread sleeps and
@@ -87,18 +90,20 @@ class Timeline:
     """The compute thread's clock and the two background queues (0: communication, 1: offload
     copies; each runs one operation at a time) while a program runs."""
 
-    def __init__(self, ops: list[CommOp], comm: CommModel, sensitivity: float, record: bool) -> None:
+    def __init__(self, ops: list[CommOp], comm: CommModel, sensitivity: float, record: bool,
+                 slowdowns: Slowdowns | None = None) -> None:
         self.ops = ops
         self.record = record
+        slowdowns = slowdowns or comm.slowdowns
         copy_slow = (comm.compute_slowdown, comm.comm_slowdown, 1.0)
-        slow = [comm.slowdowns(op.kind, op.nbytes) if op.stream == 0 else copy_slow for op in ops]
+        slow = [slowdowns(op.kind, op.nbytes) if op.stream == 0 else copy_slow for op in ops]
         # per op: how much slower compute runs beside it, how much slower it runs beside compute,
         # and how much slower it runs while the compute thread waits for it
         self.op_rc = [max(1.0, s[0] * sensitivity) if op.stream == 0 else s[0] for s, op in zip(slow, ops)]
         self.op_rm = [s[1] for s in slow]
         # a collective the queue takes up as the one before it finishes: its wait figure unscaled
         # ([Note: what a blocked wait costs])
-        self.op_rw_queued = [comm.slowdowns(op.kind, op.nbytes, scaled=False)[2] if op.stream == 0 else s[2]
+        self.op_rw_queued = [slowdowns(op.kind, op.nbytes, scaled=False)[2] if op.stream == 0 else s[2]
                              for s, op in zip(slow, ops)]
         self.rate_w = [s[2] for s in slow]  # each op's rate while the compute thread waits, once it has started
         self.blocked_wait_s = comm.blocked_wait_s
@@ -160,13 +165,18 @@ class Timeline:
         the scheduling of the other rank's threads; a large one runs at nearly full speed)."""
         cur, rem, rate_w = self.cur, self.rem, self.rate_w
         while until_op.end < 0:
-            active = [s for s in (0, 1) if cur[s] >= 0]
-            if not active:
+            c0, c1 = cur
+            if c0 >= 0 and c1 >= 0:
+                # the one that finishes first (the communication queue on a tie)
+                d0, d1 = rem[0] * rate_w[c0], rem[1] * rate_w[c1]
+                s, dt = (0, d0) if d0 <= d1 else (1, d1)
+                rem[0] -= dt / rate_w[c0]
+                rem[1] -= dt / rate_w[c1]
+            elif c0 >= 0 or c1 >= 0:
+                s = 0 if c0 >= 0 else 1
+                dt = rem[s] * rate_w[cur[s]]
+            else:
                 break
-            s = min(active, key=lambda k: rem[k] * rate_w[cur[k]])
-            dt = rem[s] * rate_w[cur[s]]
-            for k in active:
-                rem[k] -= dt / rate_w[cur[k]]
             rem[s] = 0.0
             self.t += dt
             self.end_current(s, self.t)
@@ -186,25 +196,34 @@ class Timeline:
             mem_log.append((t, spike, ACTIVATIONS))
         remaining = dur
         while remaining > 0:
-            active = [s for s in (0, 1) if cur[s] >= 0]
-            if not active:
+            c0, c1 = cur
+            # compute runs at the rate the most demanding running op leaves it; each op at its own;
+            # ``s``: the op that finishes first (the communication queue on a tie)
+            if c0 >= 0 and c1 >= 0:
+                rc = max(op_rc[c0], op_rc[c1])
+                s = 0 if rem[0] * op_rm[c0] <= rem[1] * op_rm[c1] else 1
+            elif c0 >= 0 or c1 >= 0:
+                s = 0 if c0 >= 0 else 1
+                rc = op_rc[cur[s]]
+            else:
                 t += remaining
                 break
-            # compute runs at the rate the most demanding running op leaves it; each op at its own
-            rc = max(op_rc[cur[k]] for k in active)
             t_c = t + remaining * rc
-            s = min(active, key=lambda k: rem[k] * op_rm[cur[k]])
             t_m = t + rem[s] * op_rm[cur[s]]
             if t_c <= t_m:
                 dt = t_c - t
-                for k in active:
-                    rem[k] -= dt / op_rm[cur[k]]
+                if c0 >= 0:
+                    rem[0] -= dt / op_rm[c0]
+                if c1 >= 0:
+                    rem[1] -= dt / op_rm[c1]
                 t = t_c
                 break
             dt = t_m - t
             remaining -= dt / rc
-            for k in active:
-                rem[k] -= dt / op_rm[cur[k]]
+            if c0 >= 0:
+                rem[0] -= dt / op_rm[c0]
+            if c1 >= 0:
+                rem[1] -= dt / op_rm[c1]
             t = t_m
             rem[s] = 0.0
             self.end_current(s, t)
@@ -238,16 +257,18 @@ class Timeline:
             self.mem_log.append((self.t, 0, WAITED))
 
     def run(self, prog: list[Instruction]) -> None:
+        mem_append = self.mem_log.append
+        compute, issue, wait = self.compute, self.issue, self.wait
         for ins in prog:
             code = ins[0]
             if code == MEM:
-                self.mem_log.append((self.t, ins[1], ins[2]))
+                mem_append((self.t, ins[1], ins[2]))
             elif code == COMPUTE:
-                self.compute(ins[1], ins[2], ins[3])
+                compute(ins[1], ins[2], ins[3])
             elif code == ISSUE:
-                self.issue(ins[1])
+                issue(ins[1])
             else:  # WAIT
-                self.wait(ins[1])
+                wait(ins[1])
 
 
 def merged_memory(mem_log: MemoryLog, timed: MemoryLog) -> MemoryLog:
@@ -276,10 +297,11 @@ def merged_memory(mem_log: MemoryLog, timed: MemoryLog) -> MemoryLog:
 
 
 def execute(prog: list[Instruction], ops: list[CommOp], static: list[int], *, comm: CommModel,
-            sensitivity: float, budget: int | None, record: bool) -> SimResult:
+            sensitivity: float, budget: int | None, record: bool, slowdowns: Slowdowns | None = None) -> SimResult:
     """Time ``prog`` (issuing ``ops``) from the ``static`` memory by category (``sensitivity``: the
-    model's compute slowdown under communication relative to the comm model's reference)."""
-    tl = Timeline(ops, comm, sensitivity, record)
+    model's compute slowdown under communication relative to the comm model's reference;
+    ``slowdowns``: ``comm.slowdowns``, or a cache of it)."""
+    tl = Timeline(ops, comm, sensitivity, record, slowdowns)
     tl.run(prog)
     step_s = tl.t
     start_bytes = sum(static)

@@ -5,6 +5,7 @@ rules, and the persistent groups' refresh after the optimizer step."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -58,7 +59,7 @@ class Gathers:
     triggers] in ``autodist/schedule.py``: own group before prefetch, free after the group's last
     unit)."""
 
-    def __init__(self, sim: Simulator, plan: Plan, out: ProgramBuilder, trainable: set[str]) -> None:
+    def __init__(self, sim: Simulator, plan: Plan, out: ProgramBuilder, trainable: AbstractSet[str]) -> None:
         self.sim = sim
         self.out = out
         self.per_gather = sim.comm.overhead.get("per_gather_s", 0.0)
@@ -79,9 +80,9 @@ class Gathers:
             )
             # [Note: fresh memory] (measure/sweep.py): the receive buffer (several parameters) or
             # the full tensor (one) the backend writes, and each full tensor the copy-out writes
-            grp.landing_s = sim.comm.first_touch_s(full)
+            grp.landing_s = sim._first_touch(full)
             if len(params) > 1:
-                grp.copy_out_fresh_s = sum(sim.comm.first_touch_s(sim.full_padded_bytes[p]) for p in params)
+                grp.copy_out_fresh_s = sum(sim._first_touch(sim.full_padded_bytes[p]) for p in params)
             self.groups.append(grp)
             for un in g.units:
                 self.group_of_unit[un] = grp
@@ -134,7 +135,7 @@ class Gathers:
                 # the full tensors are allocated, filled from the receive buffer, and only then
                 # is the buffer dropped: both are held during the copy-out
                 out.emit((MEM, 0 if grp.refreshing else grp.full_bytes, GATHERED))
-                out.emit((COMPUTE, self.sim.comm.memcpy(grp.full_bytes) + grp.copy_out_fresh_s, "copy-out", 0))
+                out.emit((COMPUTE, self.sim._memcpy(grp.full_bytes) + grp.copy_out_fresh_s, "copy-out", 0))
                 out.emit((MEM, -grp.recv_bytes, GATHERED))
             grp.state = "gathered"
             grp.refreshing = False
@@ -174,11 +175,19 @@ class Gathers:
             grp.untokened = grp.untokened_open = False
             grp.fwd_done = set()
 
+    def groups_used(self, u: str) -> list[Group]:
+        """The distinct groups of the units whose parameters unit ``u`` uses, in order."""
+        uses = self.sim.uses[u]
+        if len(uses) == 1:  # its own alone
+            grp = self.group_of_unit.get(uses[0])
+            return [grp] if grp is not None else []
+        return distinct(self.group_of_unit.get(o) for o in uses)
+
     def forward_uses(self, u: str, up: UnitProfile | None) -> list[Group]:
         """Unit ``u``'s forward: the groups it uses are gathered, and each will wait for this
         forward's backward to end (its post-backward signal, or, when its inputs need no gradient,
         its parameters' gradients)."""
-        used = distinct(self.group_of_unit.get(o) for o in self.sim.uses[u])
+        used = self.groups_used(u)
         for grp in used:
             self.ensure(grp)
             if up is None or up.input_requires_grad:
@@ -189,7 +198,7 @@ class Gathers:
 
     def forward_finished(self, f: str, used: Sequence[Group]) -> None:
         """Unit ``f``'s forward has finished: a group freed after forward goes once its units' have."""
-        every = set(self.sim.order)
+        every = self.sim.unit_set
         for grp in used:
             grp.fwd_done.update(self.sim.uses[f])
             if grp.residency == "after_forward" and freed_after_forward(grp.units, grp.fwd_done, every):
@@ -197,7 +206,7 @@ class Gathers:
 
     def backward_ended(self, e: str, ep: UnitProfile | None) -> None:
         """Unit ``e``'s backward has ended: groups no later backward reads are freed."""
-        for grp in distinct(self.group_of_unit.get(o) for o in self.sim.uses[e]):
+        for grp in self.groups_used(e):
             if ep is None or ep.input_requires_grad:
                 grp.pending_bwd -= 1
                 if not grp.untokened:

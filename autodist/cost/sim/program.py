@@ -4,6 +4,7 @@ categories a byte is counted under."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -132,9 +133,11 @@ class ProgramBuilder:
     ops: list[CommOp] = field(default_factory=list)
     log: ActionLog = field(default_factory=ActionLog)  # autodist/schedule.py
     sections: list[tuple[int, str]] = field(default_factory=list)
+    # ``emit(instruction)`` appends to ``prog`` (bound once: compiling a step calls it per instruction)
+    emit: Callable[[Instruction], None] = field(init=False, repr=False)
 
-    def emit(self, instruction: Instruction) -> None:
-        self.prog.append(instruction)
+    def __post_init__(self) -> None:
+        self.emit = self.prog.append
 
     def add_op(self, op: CommOp) -> int:
         """Append a background operation; its index (what ``ISSUE`` and ``WAIT`` name)."""

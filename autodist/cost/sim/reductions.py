@@ -4,6 +4,7 @@ at the end of backward."""
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,7 +38,7 @@ class Reductions:
     """The plan's buckets and the compute thread's part in reducing them: buckets launch in index
     order once all their gradients are in, at most ``max_inflight_buckets`` in flight."""
 
-    def __init__(self, sim: Simulator, plan: Plan, out: ProgramBuilder, trainable: set[str]) -> None:
+    def __init__(self, sim: Simulator, plan: Plan, out: ProgramBuilder, trainable: AbstractSet[str]) -> None:
         self.sim = sim
         self.out = out
         self.trainable = trainable
@@ -105,11 +106,10 @@ class Reductions:
     # are paid as in the profile's backward, which frees its gradients as they arrive.
     def launch(self, bk: Bucket) -> None:
         sim, out = self.sim, self.out
-        comm = sim.comm
         # copy-in of the gradients and the pre-division, both a pass over the message
         host = sim._host(bk.op, bk.msg_bytes)
-        fresh = comm.first_touch_s(bk.in_bytes) if bk.op == "reduce_scatter" else 0.0  # its input, new each time
-        out.emit((COMPUTE, self.per_bucket + host + fresh + 2 * comm.memcpy(bk.msg_bytes), "bucket copy-in", 0))
+        fresh = sim._first_touch(bk.in_bytes) if bk.op == "reduce_scatter" else 0.0  # its input, new each time
+        out.emit((COMPUTE, self.per_bucket + host + fresh + 2 * sim._memcpy(bk.msg_bytes), "bucket copy-in", 0))
         if bk.op == "reduce_scatter" and not bk.allocated:
             # the gradients held so far are copied into the input, then dropped
             out.emit((MEM, bk.in_bytes, COMM))
