@@ -2,10 +2,14 @@
 
     python tools/plantime.py            # 2 CPU ranks
 
-1. Search time: profile an MLP of N layers (N = 50, 100, 200 units) on one rank, time one
-   simulation of each seed plan (median of 20), then run the same search ``plan="auto"`` runs
-   (seeds, greedy passes, backtracking) against the measured comm model; reports seconds, plans
-   evaluated and why the search stopped.
+1. Search time: profile an MLP of N layers (N = 50, 100, 200, 400, 800 units; ``--units``) on one
+   rank, time one simulation of each seed plan (median of 20; 5 from 400 units), then run the same
+   search ``plan="auto"`` runs (seeds, greedy passes, backtracking) against the measured comm model
+   on one core; reports seconds (wall clock, which the search's 10 s budget counts, and the
+   process's CPU time, which a loaded machine does not inflate), plans evaluated, simulations per
+   second, why the search stopped and whether it converged (``converged``: no time limit cut it,
+   neither the budget nor the greedy passes' shares of it). The host's load average is recorded
+   beside the figures.
 2. Start-up: wrapping the GPT workload with ``plan="ddp"`` vs ``plan="auto"`` when the cache already
    holds its plan (median of 3 wraps each); the difference is what a cache hit costs.
 """
@@ -37,15 +41,18 @@ from autodist.sched.space import PlanSpace  # noqa: E402
 from autodist.structure import discover  # noqa: E402
 from autodist.zoo import MLP, zoo  # noqa: E402
 
+UNITS = (50, 100, 200, 400, 800)
 
-def worker(json_path: str | None = None) -> None:
+
+def worker(json_path: str | None = None, units: tuple[int, ...] = UNITS) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     comm = sweep(dist.group.WORLD, torch.device("cpu"))
     lines = []
-    figures: dict[str, object] = {"world_size": dist.get_world_size(), "torch": torch.__version__, "units": {}}
-    for n in (50, 100, 200):
+    figures: dict[str, object] = {"world_size": dist.get_world_size(), "torch": torch.__version__,
+                                  "load_average_1min_at_start": os.getloadavg()[0], "units": {}}
+    for n in units:
         model = MLP([64] * (n + 1))
         structure = discover(model)
         prof = profile_model(model, structure, (torch.randn(16, 64),), device=torch.device("cpu"), repeats=1, memory=False)
@@ -57,19 +64,24 @@ def worker(json_path: str | None = None) -> None:
             for seed in ("ddp", "fsdp", "zero2"):
                 plan = space.to_plan(getattr(space, seed)())
                 runs = []
-                for _ in range(20):
+                for _ in range(20 if n < 400 else 5):
                     t0 = time.perf_counter()
                     sim.run(plan)
                     runs.append(time.perf_counter() - t0)
                 sim_ms[seed] = 1e3 * statistics.median(runs)
             lines.append(f"simulate one plan, {n} units: " + ", ".join(f"{k} {v:.2f} ms" for k, v in sim_ms.items()))
-            t0 = time.perf_counter()
-            res = Searcher(space, sim, SearchConfig()).run()
-            figures["units"][n] = {"simulate_ms": sim_ms, "search_s": time.perf_counter() - t0,
-                                   "evaluated": res.evaluated, "stopped_by": res.stopped_by}
+            searcher = Searcher(space, sim, SearchConfig())
+            t0, c0 = time.perf_counter(), time.process_time()
+            res = searcher.run()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            converged = not searcher.time_limited
+            figures["units"][n] = {"simulate_ms": sim_ms, "search_s": wall, "search_cpu_s": cpu,
+                                   "evaluated": res.evaluated, "simulations_per_s": res.evaluated / wall,
+                                   "stopped_by": res.stopped_by, "converged": converged}
             lines.append(
-                f"search, {n} units: {time.perf_counter() - t0:.2f} s, {res.evaluated} plans evaluated, "
-                f"stopped by {res.stopped_by}"
+                f"search, {n} units: {wall:.2f} s ({cpu:.2f} s CPU), {res.evaluated} plans evaluated "
+                f"({res.evaluated / wall:.0f}/s), stopped by {res.stopped_by}: "
+                + ("converged" if converged else "cut by the time budget")
             )
     wl = zoo()["gpt"]
     x, _ = wl.batch(wl.default_batch, torch.Generator().manual_seed(rank))
@@ -108,16 +120,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--json", help="also write the figures as JSON here")
+    ap.add_argument("--units", default=",".join(map(str, UNITS)), help="model sizes (units), comma-separated")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
 def main() -> int:
     args = parse_args()
+    units = tuple(int(u) for u in args.units.split(","))
     if args.worker:
-        worker(args.json)
+        worker(args.json, units)
         return 0
-    return relaunch(os.path.abspath(__file__), args.nproc, ["--worker", *(["--json", os.path.abspath(args.json)] if args.json else [])])
+    return relaunch(os.path.abspath(__file__), args.nproc,
+                    ["--worker", "--units", args.units, *(["--json", os.path.abspath(args.json)] if args.json else [])])
 
 
 if __name__ == "__main__":

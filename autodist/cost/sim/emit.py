@@ -53,6 +53,8 @@ class StepOrders:
     finishing: list[str]
     ready_at_start: dict[str, list[str]]
     ready_at_end: dict[str, list[str]]
+    fwd_name: dict[str, str]  # unit -> "fwd <unit>" (its forward's section and compute name)
+    bwd_name: dict[str, str]  # unit -> "bwd <unit>"
 
     @classmethod
     def of(cls, sim: Simulator) -> StepOrders:
@@ -67,7 +69,8 @@ class StepOrders:
                 late = owner != u and encloses(sim.module_of.get(owner, owner), sim.module_of.get(u, u))
                 (ready_at_end if late else ready_at_start).setdefault(u, []).append(p)
         return cls(backward_order(sim.order, sim.module_of), list(reversed(sim.order)),
-                   finish_order(sim.order, sim.module_of), ready_at_start, ready_at_end)
+                   finish_order(sim.order, sim.module_of), ready_at_start, ready_at_end,
+                   {u: f"fwd {u}" for u in sim.order}, {u: f"bwd {u}" for u in sim.order})
 
 
 class StepEmitter:
@@ -126,6 +129,8 @@ class StepEmitter:
         self.finishing = orders.finishing
         self.ready_at_start = orders.ready_at_start
         self.ready_at_end = orders.ready_at_end
+        self.fwd_name = orders.fwd_name
+        self.bwd_name = orders.bwd_name
 
     def _step_costs(self) -> None:
         """The optimizer step's time and transient memory, and each unit's hook time: module hooks
@@ -193,17 +198,19 @@ class StepEmitter:
         used_by: dict[str, list[Group]] = {}
         started: set[str] = set()
         nfinished = 0
+        out_at = self.offload.out_at if micro == 0 else {}
         for u in sim.order:
-            out.section(f"fwd {u}{at}")
+            name = self.fwd_name[u]
+            out.section(name + at if at else name)
             up = sim.uprof.get(u)
-            if f"forward:{u}" in self.offload.out_at and micro == 0:
-                self.offload.copy_out(self.offload.out_at[f"forward:{u}"])
+            if out_at and f"forward:{u}" in out_at:
+                self.offload.copy_out(out_at[f"forward:{u}"])
             if u in rc.block_first:  # a recomputed block keeps only its input until its backward
                 out.emit((MEM, prof.block_input_bytes.get(rc.block_first[u], 0), ACTIVATIONS))
             used = gathers.forward_uses(u, up)
             gathers.fire(fcur, gathers.pos[u])
             if up is not None:
-                out.emit((COMPUTE, up.fwd_s + self.hook_s.get(u, 0.0), f"fwd {u}", up.fwd_peak_bytes))
+                out.emit((COMPUTE, up.fwd_s + self.hook_s.get(u, 0.0), name, up.fwd_peak_bytes))
                 if u not in rc.in_recomputed:
                     out.emit((MEM, up.act_bytes, ACTIVATIONS))
             used_by[u] = used
@@ -233,17 +240,19 @@ class StepEmitter:
         gathers.fire(bcur, -1)
         begun: set[str] = set()
         nended = 0
+        back_at = self.offload.back_at if sync else {}
         for u in self.bstart:
-            out.section(f"bwd {u}{at}")
+            name = self.bwd_name[u]
+            out.section(name + at if at else name)
             up = sim.uprof.get(u)
-            if f"backward:{u}" in self.offload.back_at and sync:
-                self.offload.copy_back(self.offload.back_at[f"backward:{u}"])
+            if back_at and f"backward:{u}" in back_at:
+                self.offload.copy_back(back_at[f"backward:{u}"])
             gathers.ensure_owners(sim.site_uses.get(u, ()))
             gathers.ensure_owners(sim.uses[u])
             gathers.fire(bcur, rc.need[u])
             rc.run(rc.before, u, bcur)
             if up is not None:
-                out.emit((COMPUTE, max(0.0, up.bwd_s + self.hook_s.get(u, 0.0) + self.grad_hook_s.get(u, 0.0)), f"bwd {u}", up.bwd_peak_bytes))
+                out.emit((COMPUTE, max(0.0, up.bwd_s + self.hook_s.get(u, 0.0) + self.grad_hook_s.get(u, 0.0)), name, up.bwd_peak_bytes))
                 out.emit((MEM, -up.act_bytes, ACTIVATIONS))
             for p in self.ready_at_start.get(u, ()):
                 self._grad_ready(p, sync)

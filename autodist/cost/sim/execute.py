@@ -19,7 +19,10 @@ category.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from itertools import accumulate
+from operator import itemgetter
 
 from ..comm import CommModel
 from .program import (
@@ -276,22 +279,27 @@ def merged_memory(mem_log: MemoryLog, timed: MemoryLog) -> MemoryLog:
     by time."""
     if not timed:
         return mem_log
-    timed.sort(key=lambda e: e[0])
+    timed.sort(key=itemgetter(0))
     merged: MemoryLog = []
-    i = 0
+    append = merged.append
+    i, n = 0, len(timed)
+    nt = timed[0][0]  # the time of the next background change (inf once all are merged)
     for entry in mem_log:
+        t = entry[0]
         if entry[2] == WAITED:
             # [Note: what a wait returns after] the compute thread goes on once the op it
             # waited for is done: what background ops released by then (a finished gather's
             # staging buffer) is gone before its next change, though both fall at one time
-            while i < len(timed) and timed[i][0] <= entry[0]:
-                merged.append(timed[i])
+            while nt <= t:
+                append(timed[i])
                 i += 1
+                nt = timed[i][0] if i < n else math.inf
             continue
-        while i < len(timed) and timed[i][0] < entry[0]:
-            merged.append(timed[i])
+        while nt < t:
+            append(timed[i])
             i += 1
-        merged.append(entry)
+            nt = timed[i][0] if i < n else math.inf
+        append(entry)
     merged.extend(timed[i:])
     return merged
 
@@ -305,19 +313,14 @@ def execute(prog: list[Instruction], ops: list[CommOp], static: list[int], *, co
     tl.run(prog)
     step_s = tl.t
     start_bytes = sum(static)
-    live = start_bytes
-    peak = live
-    by_cat = list(static)
+    merged = merged_memory(tl.mem_log, tl.timed)
+    live = list(accumulate([e[1] for e in merged], initial=start_bytes))  # after each change
+    peak = max(live)
+    # the breakdown when the peak is first reached (before any change: the static memory)
     peak_cat = list(static)
-    curve: list[tuple[float, int]] = [(0.0, live)] if record else []
-    for tt, d, cat in merged_memory(tl.mem_log, tl.timed):
-        live += d
-        by_cat[cat] += d
-        if live > peak:
-            peak = live
-            peak_cat = list(by_cat)
-        if record:
-            curve.append((tt, live))
+    for _, d, cat in merged[:live.index(peak)]:
+        peak_cat[cat] += d
+    curve = [(0.0, start_bytes), *((e[0], b) for e, b in zip(merged, live[1:]))] if record else []
     return SimResult(
         step_s=step_s,
         peak_bytes=int(peak),

@@ -41,6 +41,7 @@ class Group:
     untokened: bool = False  # used by a forward whose inputs need no gradient
     untokened_open: bool = False  # ... whose parameters' gradients are not all in yet
     fwd_done: set[str] = field(default_factory=set)
+    label: str = ""  # its units, as the action log names them (schedule.group_label)
 
 
 def distinct(groups: Iterable[Group | None]) -> list[Group]:
@@ -78,6 +79,7 @@ class Gathers:
                 full_bytes=full, recv_bytes=full if len(params) > 1 else 0, msg_bytes=full,
                 trainable=sum(p in trainable for p in params), all_trainable=all(p in trainable for p in params),
             )
+            grp.label = group_label(grp.units)
             # [Note: fresh memory] (measure/sweep.py): the receive buffer (several parameters) or
             # the full tensor (one) the backend writes, and each full tensor the copy-out writes
             grp.landing_s = sim._first_touch(full)
@@ -121,7 +123,7 @@ class Gathers:
         secs = sim._time("all_gather", grp.msg_bytes) + grp.landing_s
         grp.op = out.add_op(CommOp("all_gather", f"gather {grp.units[0]}", grp.msg_bytes, secs, int(self.t_ag * grp.msg_bytes)))
         grp.state = "issued"
-        out.log.add("gather", group_label(grp.units))
+        out.log.add("gather", grp.label)
         out.emit((MEM, grp.full_bytes if not grp.recv_bytes else grp.recv_bytes, GATHERED))
         out.emit((ISSUE, grp.op))
 
@@ -153,7 +155,7 @@ class Gathers:
         if grp.state == "gathered":
             self.out.emit((MEM, -grp.full_bytes, GATHERED))
             grp.state = "sharded"
-            self.out.log.add("free", group_label(grp.units))
+            self.out.log.add("free", grp.label)
 
     def post_backward(self, grp: Group) -> None:
         """Free ``grp`` when no backward computation reads it any more (the runtime's rule:
@@ -242,7 +244,7 @@ class Gathers:
                                        end_bytes=-staging, end_category=COMM))
             grp.state = "issued"
             grp.refreshing = True
-            out.log.add("gather", group_label(grp.units))
+            out.log.add("gather", grp.label)
             persistent_full += grp.full_bytes
             if grp.recv_bytes:
                 out.emit((MEM, grp.recv_bytes, GATHERED))
