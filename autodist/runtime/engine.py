@@ -188,6 +188,10 @@ class Engine:
             id(p): weakref.ref(p) for name, p in original.items() if self.params[name].visible is not p
         }
         self._visible_map = {id(mp.visible): mp for mp in self.params.values()}
+        # the per-step loops touch only the parameters they concern (a loop over every parameter is
+        # per-step CPU time on a model of many small layers)
+        self._swapping = [mp for mp in self.params.values() if mp.needs_swap]
+        self._cast_copies = [mp for mp in self.params.values() if mp.has_cast_copy]
 
         self.unit_order = [u.name for u in plan.units]
         self.reducer = Reducer([])
@@ -426,7 +430,7 @@ class Engine:
             gen=self._next_gen(), sync=self.sync_enabled and grad, grad=grad,
             fwd_schedule=TriggerCursor(self._fwd_triggers),
         )
-        for mp in self.params.values():
+        for mp in self._swapping:
             mp.reset_swaps()
         for g in self.groups:
             g.recheck()
@@ -460,9 +464,8 @@ class Engine:
             if bufs:
                 self.comm.broadcast_tensors(bufs, "buffers")
         self._buffers_due = self._step.sync
-        for mp in self.params.values():
-            if not mp.sharded:
-                mp.refresh_cast()
+        for mp in self._cast_copies:
+            mp.refresh_cast()
 
     def _end_forward(self, out: object) -> None:
         step = self._step
@@ -700,6 +703,8 @@ class Engine:
         # checkpointing), accumulate their gradient once per recomputed region: reduce them at the
         # end of backward, when their gradient is final.
         step.deferred = {i for i in step.nograd_uses if step.uses.get(i, 0) > 1}
+        if step.sync:
+            self.reducer.attach_views(step.deferred)
 
     def _make_grad_hook(self, mp: ManagedParam):
         group = self.group_of_param.get(id(mp))
@@ -763,7 +768,7 @@ class Engine:
             if g.residency != "persistent":
                 g.free()
             g.reset_step()
-        for mp in self.params.values():
+        for mp in self._swapping:
             mp.reset_swaps()
 
     def held_tensors(self) -> list[torch.Tensor]:

@@ -281,6 +281,11 @@ class ManagedParam:
         return self._full_padded.data.view(self.world_size, self.shard_numel)
 
     # -- replicated compute-dtype copy -------------------------------------------------------
+    @property
+    def has_cast_copy(self) -> bool:
+        """A replicated parameter computed in another dtype: ``full`` is its cast copy."""
+        return self._cast_version is not None
+
     def mark_stale(self) -> None:
         if self._cast_version is not None:
             self._cast_version = -1

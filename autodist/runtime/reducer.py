@@ -20,6 +20,19 @@ simulator's accounting — gradients are the bucket — holds). A later accumula
 checkpointing) then adds into the view in place, before the bucket launches. A gradient the user kept is already reduced and identical on all ranks, so averaging
 ``old + new_r`` over ranks yields ``old + mean(new)`` — the accumulation DDP gives. A sharded bucket
 reduce-scatters into a fresh output buffer each step; existing local gradients are added to.
+
+[Note: views attached before backward] Copying each gradient into its bucket costs a tensor operation
+issued from Python per parameter, in the hook, on the issuing thread: on a model of many small
+layers that is a large part of the step (DDP does it in C++). So when a backward that synchronises
+begins, a replicated parameter whose ``.grad`` is ``None`` (the user called ``zero_grad()``) gets its
+zeroed slot view as ``.grad`` (one ``_foreach_zero_`` per bucket), and autograd's AccumulateGrad adds
+the gradient into it in place (in C++): the hook then only counts it. The views are attached at the
+start of backward, not of forward, so a ``zero_grad()`` between forward and backward does not undo
+them, and the user never sees ``.grad`` change before backward. Not attached: parameters whose
+gradient dtype differs from the bucket's (a cast is needed), DTensor parameters (an in-place add on a
+DTensor gradient is dispatched in Python), and parameters reduced at the end of backward (reentrant
+checkpointing of a shared parameter). A slot attached and unused on every rank gets ``None`` back
+after the reduction, as if nothing had been attached.
 """
 
 from __future__ import annotations
@@ -84,6 +97,13 @@ class BucketRuntime:
             self.buffer.untyped_storage().resize_(0)
         self._grad_objs: list[torch.Tensor | None] = [None] * self.n
         self._saved: dict[int, torch.Tensor] = {}
+        # the slots that may hold their view as ``.grad`` before backward (see [Note: views attached
+        # before backward])
+        self._attachable = [
+            i for i, mp in enumerate(params)
+            if op == "all_reduce" and not mp.needs_swap and not mp.is_dtensor and mp.dtype == reduce_dtype
+            and mp.requires_grad
+        ]
         self.reset()
 
     def release_if_unused(self) -> None:
@@ -117,7 +137,25 @@ class BucketRuntime:
             obj = self._grad_objs[slot] = mp.wrap_local_grad(self.views[slot])
         return obj
 
+    def attach_views(self, skip: set[int]) -> None:
+        """Make the zeroed slot view the ``.grad`` of every attachable parameter that has none
+        (``skip``: ids of parameters not to attach). See [Note: views attached before backward]."""
+        todo = [i for i in self._attachable if self.params[i].visible.grad is None and id(self.params[i]) not in skip]
+        if not todo:
+            return
+        views = self.views
+        with torch.no_grad():
+            torch._foreach_zero_([views[i] for i in todo])
+        objs = self._grad_objs
+        for i in todo:
+            obj = objs[i]
+            if obj is None:
+                obj = objs[i] = views[i]
+            self.params[i].visible.grad = obj
+            self.attached[i] = True
+
     def reset(self) -> None:
+        self.attached = [False] * self.n
         self.ready = [False] * self.n
         self.action = [_SET] * self.n
         self.pending = self.n
@@ -177,7 +215,7 @@ class BucketRuntime:
             view = self.views[slot]
             if not mp.needs_swap:
                 g = mp.visible.grad  # autograd accumulated straight into the visible parameter
-                if self._is_slot_view(g, slot):
+                if (g is not None and g is self._grad_objs[slot]) or self._is_slot_view(g, slot):
                     self.action[slot] = _KEEP
                 else:
                     view.copy_(self._arrived(g, mp))
@@ -325,7 +363,11 @@ class BucketRuntime:
                 if act == _RESTORE:
                     views[slot].add_(self._saved.pop(slot))
                     continue
-                if not used[slot] or act == _KEEP:
+                if not used[slot]:
+                    if self.attached[slot] and mp.visible.grad is self._grad_objs[slot]:
+                        mp.visible.grad = None  # unused on every rank: as if nothing had been attached
+                    continue
+                if act == _KEEP:
                     continue
                 if act == _SET:
                     obj = self.grad_obj(slot)
@@ -375,6 +417,12 @@ class Reducer:
         self._active = {id(b) for b in self.active}
         self.next_launch = 0
         self.next_finish = 0
+
+    def attach_views(self, skip: set[int]) -> None:
+        """At the start of a backward that synchronises: see [Note: views attached before backward]."""
+        for b in self.active:
+            if b._attachable:
+                b.attach_views(skip)
 
     def takes(self, mp: ManagedParam) -> bool:
         """Whether ``mp``'s gradient is reduced in this backward."""
