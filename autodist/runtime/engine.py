@@ -190,8 +190,18 @@ class Engine:
         self._visible_map = {id(mp.visible): mp for mp in self.params.values()}
         # the per-step loops touch only the parameters they concern (a loop over every parameter is
         # per-step CPU time on a model of many small layers)
-        self._swapping = [mp for mp in self.params.values() if mp.needs_swap]
+        self._swapping = [mp for mp in self.params.values() if mp.needs_swap and mp.sharded]
         self._cast_copies = [mp for mp in self.params.values() if mp.has_cast_copy]
+        # [Note: replicated parameters swap at the root] A replicated parameter whose autograd leaf is
+        # not the visible one (a compute-dtype copy under mixed precision, the plain tensor behind a
+        # DTensor) is registered at its sites for the whole root forward and for the whole backward
+        # (a recomputation reads it there), not around each module's forward: per-module hooks on a
+        # model of many small layers cost more CPU per step than the layers. A module called
+        # directly, outside the wrapper's forward, reads the visible parameter (the master weights,
+        # in their dtype). Sharded parameters still swap per module: their full values exist only
+        # while their group is gathered.
+        self._root_swaps = [mp for mp in self.params.values() if mp.needs_swap and not mp.sharded]
+        self._root_swapped = False
 
         self.unit_order = [u.name for u in plan.units]
         self.reducer = Reducer([])
@@ -357,7 +367,7 @@ class Engine:
                 if u not in units and module_of_unit.get(u) is not None:
                     units.append(u)
             params = [mp for u in units for mp in unit_params[u]]
-            swaps = [mp for mp in params if mp.needs_swap]
+            swaps = [mp for mp in params if mp.needs_swap and mp.sharded]
             groups: list[GatherGroupRuntime] = []
             for mp in params:
                 g = self.group_of_param.get(id(mp))
@@ -387,6 +397,7 @@ class Engine:
     def close(self) -> None:
         """Remove all hooks; wait for anything in flight; bring offloaded state back."""
         self.comm.finish_sequence_check()
+        self._swap_root(False)
         self.recompute.remove()
         self.offload.close()
         self.reducer.reset()
@@ -407,17 +418,34 @@ class Engine:
             args, kwargs = cast_floats(args, self.mp.param_dtype), cast_floats(kwargs, self.mp.param_dtype)
         if in_backward():  # the whole model is checkpointed and recomputed: the module hooks cope
             self.stats.recomputations += 1
+            self._on_backward_start()
             return self.module(*args, **kwargs)
         self._begin_step()
         self._fire(self._step.fwd_schedule, -1)
-        if self.observer is not None:
-            with self.observer.forward_context():
+        self._swap_root(True)
+        try:
+            if self.observer is not None:
+                with self.observer.forward_context():
+                    out = self.module(*args, **kwargs)
+                self.observer.forward_end(out)
+            else:
                 out = self.module(*args, **kwargs)
-            self.observer.forward_end(out)
-        else:
-            out = self.module(*args, **kwargs)
+        finally:
+            self._swap_root(False)
         self._end_forward(out)
         return out
+
+    def _swap_root(self, on: bool) -> None:
+        """Register the replicated parameters' autograd leaves (``on``) or the visible parameters at
+        their sites (see [Note: replicated parameters swap at the root])."""
+        if on == self._root_swapped:
+            return
+        for mp in self._root_swaps:
+            if on:
+                mp.register_full()
+            else:
+                mp.register_visible()
+        self._root_swapped = on
 
     def _begin_step(self) -> None:
         self.comm.finish_sequence_check()
@@ -432,6 +460,7 @@ class Engine:
         )
         for mp in self._swapping:
             mp.reset_swaps()
+        self._swap_root(False)
         for g in self.groups:
             g.recheck()
         self.reducer.begin(sync=self._step.sync)
@@ -691,6 +720,7 @@ class Engine:
             return
         step.in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._swap_root(True)
         # Backward order: reverse of the order this step's forwards finished in; recomputed units
         # are first needed at their anchor (see [Note: prefetch triggers] and [Note: nested units]
         # in autodist/schedule.py).
@@ -734,6 +764,7 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     def _end_backward(self) -> None:
         step = self._step
+        self._swap_root(False)
         if self.observer is not None:
             self.observer.backward_end()
         with record_function("autodist::end_backward"):
