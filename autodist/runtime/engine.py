@@ -90,7 +90,7 @@ from .comm import Comm
 from .gather import GatherGroupRuntime, GroupState
 from .offload import OffloadManager
 from .optimizers import adopt_optimizer, weak_optimizer_hook
-from .params import ManagedParam, allocate_shard_storage
+from .params import ManagedParam, allocate_shard_storage, refresh_casts
 from .precision import MixedPrecision, cast_floats
 from .recompute import BlockRecompute
 from .reducer import Reducer
@@ -493,8 +493,7 @@ class Engine:
             if bufs:
                 self.comm.broadcast_tensors(bufs, "buffers")
         self._buffers_due = self._step.sync
-        for mp in self._cast_copies:
-            mp.refresh_cast()
+        refresh_casts(self._cast_copies)
 
     def _end_forward(self, out: object) -> None:
         step = self._step

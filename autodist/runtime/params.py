@@ -292,16 +292,7 @@ class ManagedParam:
 
     def refresh_cast(self) -> None:
         """Re-cast the replicated master into the low-precision compute copy if it changed."""
-        if self._cast_version is None or self.sharded:
-            return
-        v = self.version()
-        if v != self._cast_version:
-            storage = self.full.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(self.full.numel() * self.full.element_size())
-            with torch.no_grad():
-                self.full.data.copy_(self._master)
-            self._cast_version = v
+        refresh_casts([self])
 
     def release_cast(self) -> None:
         """Drop the replicated compute copy before the optimizer step makes it stale: between steps
@@ -353,3 +344,22 @@ class ManagedParam:
         the DTensor wrapper's counter, not its local tensor's, so staleness is read here.
         """
         return self.visible._version
+
+
+def refresh_casts(params: list[ManagedParam]) -> None:
+    """Re-cast every stale compute copy among ``params`` (replicated parameters with a cast copy)
+    from its master, in one ``_foreach_copy_``: a model of many small layers would otherwise issue
+    one copy from Python per parameter per step."""
+    stale = [mp for mp in params if mp._cast_version is not None and not mp.sharded and mp.version() != mp._cast_version]
+    if not stale:
+        return
+    for mp in stale:
+        storage = mp.full.untyped_storage()
+        if storage.nbytes() == 0:  # released before the last optimizer step (``release_cast``)
+            storage.resize_(mp.full.numel() * mp.full.element_size())
+    with torch.no_grad():
+        # ``.data``: the cast copy's own version counter is not bumped (no graph reads it yet)
+        torch._foreach_copy_([mp.full.data for mp in stale], [mp._master for mp in stale])
+    for mp in stale:
+        mp._cast_version = mp.version()
+
