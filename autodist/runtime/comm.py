@@ -184,7 +184,7 @@ class InFlight:
         if self.waited or work is None:  # waited for already, or nothing was issued
             return
         t0 = time.perf_counter()
-        with record_function(f"autodist::wait({self.label})"):
+        with profiled_range(f"autodist::wait({self.label})"):
             try:
                 work.wait()
             except RuntimeError as e:  # a peer died or the group timed out (DistBackendError too)
@@ -211,14 +211,30 @@ class InFlight:
         )
 
 
-@contextlib.contextmanager
-def _issuing(label: str) -> Iterator[None]:
+_NO_RANGE = contextlib.nullcontext()
+
+
+def profiled_range(label: str) -> contextlib.AbstractContextManager:
+    """A ``record_function`` range while a profiler records, else nothing: entering a range costs a
+    dispatcher call even with no profiler, and the runtime opens a few hundred a step on a model of
+    many small layers."""
+    return record_function(label) if torch.autograd._profiler_enabled() else _NO_RANGE
+
+
+def _issuing(label: str) -> contextlib.AbstractContextManager:
     """A profiler range around the backend call that issues a collective, and nothing else: what is
     allocated on this thread inside it is the backend's, owned by the work handle (see [Note: a
     backend's buffer freed out of sight] in ``autodist/measure/memory.py``). The wait carries the
     duration; see [Note: collectives issued under the profiler]. The work handle keeps no Python
     object alive; see [Note: a collective issued in backward outliving the interpreter]."""
-    with record_function(label), _untraced(), _without_python_tls():
+    if torch.autograd._profiler_enabled():
+        return _profiled_issuing(label)
+    return _WithoutPythonTLS()
+
+
+@contextlib.contextmanager
+def _profiled_issuing(label: str) -> Iterator[None]:
+    with record_function(label), _untraced(), _WithoutPythonTLS():
         yield
 
 
@@ -226,8 +242,7 @@ _TLS_KEYS = ("context",)
 _in_tls = getattr(torch._C, "_is_key_in_tls", None)
 
 
-@contextlib.contextmanager
-def _without_python_tls() -> Iterator[None]:
+class _WithoutPythonTLS:
     """Issue an asynchronous collective without the Python objects torch stashes in thread-local
     state.
 
@@ -245,16 +260,16 @@ def _without_python_tls() -> Iterator[None]:
     nothing from that object, so it is removed for the call and put back. Where these torch
     internals are absent, collectives are issued as they are.
     """
-    if _in_tls is None:
-        yield
-        return
-    held = [(k, torch._C._get_obj_in_tls(k)) for k in _TLS_KEYS if _in_tls(k)]
-    for k, _ in held:
-        torch._C._remove_obj_from_tls(k)
-    try:
-        yield
-    finally:
-        for k, obj in held:
+
+    __slots__ = ("held",)
+
+    def __enter__(self) -> None:
+        self.held = [(k, torch._C._get_obj_in_tls(k)) for k in _TLS_KEYS if _in_tls is not None and _in_tls(k)]
+        for k, _ in self.held:
+            torch._C._remove_obj_from_tls(k)
+
+    def __exit__(self, *exc: object) -> None:
+        for k, obj in self.held:
             torch._C._stash_obj_in_tls(k, obj)
 
 
@@ -505,7 +520,7 @@ class Comm:
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
         src_global = dist.get_global_rank(self.reduce_pg, src) if self.reduce_pg is not dist.group.WORLD else src
-        with record_function(f"autodist::broadcast({label})"):
+        with profiled_range(f"autodist::broadcast({label})"):
             for group in by_dtype.values():
                 if len(group) == 1 and group[0].is_contiguous():  # no flat copy of a lone tensor
                     self.stats.broadcasts += 1
@@ -538,7 +553,7 @@ class Comm:
             return
         streams = CollectiveSequence.STREAMS if interleaving else CollectiveSequence.STREAMS[:2]
         t = torch.tensor(seq.digest(streams), dtype=torch.int64)
-        with _without_python_tls():
+        with _WithoutPythonTLS():
             work = dist.all_reduce(t, group=self.check_pg, async_op=True)
         self._check = (work, t, list(seq.entries), interleaving)
         seq.reset()

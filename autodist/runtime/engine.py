@@ -66,7 +66,6 @@ import torch.optim.optimizer as optim_hooks
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
-from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
 from .._log import OnceLogger
@@ -86,7 +85,7 @@ from ..schedule import (
 from ..structure import ModelStructure
 from .backward import attach_post_backward, in_backward, outside_dispatch_modes
 from .buckets import install_reducer, maybe_rebuild_buckets
-from .comm import Comm
+from .comm import Comm, profiled_range
 from .gather import GatherGroupRuntime, GroupState
 from .offload import OffloadManager
 from .optimizers import adopt_optimizer, weak_optimizer_hook
@@ -766,7 +765,7 @@ class Engine:
         self._swap_root(False)
         if self.observer is not None:
             self.observer.backward_end()
-        with record_function("autodist::end_backward"):
+        with profiled_range("autodist::end_backward"):
             if step.sync:
                 missing = self.reducer.flush()
                 if missing:
