@@ -1,0 +1,229 @@
+"""Hybrid sharding (issue 44, FSDP2's HSDP): sharded units split within shard groups and replicated
+across them, on 4 gloo ranks as a 2 x 2 mesh, against the single-process reference (tests/parity.py)
+under every residency, with gradient accumulation (both modes) and recomputation; asked for by a
+2-D DeviceMesh, by ``shard_size=``, by ``shard_size="node"`` (torchrun's ``LOCAL_WORLD_SIZE``) or by
+the plan itself; refused with one clear error where it cannot hold; checkpoints saved and loaded
+across shard sizes and world sizes; the simulator's collectives in the runtime's order.
+
+Tolerance: float32 as test_shard (2e-5). The MLP's 37-, 29- and 7-row layers split unevenly over a
+shard group of 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from parity import Case, check_cases, run_case
+
+ATOL = 2e-5
+
+
+def _on_mesh(cases: list[Case], shape: tuple[int, int], how: str) -> list[dict]:
+    """Run ``cases`` on this rank, hybrid sharding over a mesh of ``shape`` asked for ``how``:
+    ``"mesh"`` (a 2-D DeviceMesh) or ``"shard_size"`` (the keyword)."""
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")) if how == "mesh" else None
+    out = []
+    for c in cases:
+        extra = dict(c.extra)
+        if mesh is not None:
+            extra["mesh"] = mesh
+        else:
+            extra["shard_size"] = shape[1]
+        out.append(run_case(replace(c, extra=extra)))
+    return out
+
+
+PARITY = {
+    "after_forward": Case(model="mlp", plan={"residency": "after_forward"}),
+    "after_backward": Case(model="mlp", plan={"residency": "after_backward", "grouping": "all", "buckets": "one"}),
+    "persistent-adamw": Case(model="mlp", plan={"residency": "persistent"}, optim="adamw"),
+    "fsdp-builtin": Case(model="mlp", plan="fsdp"),
+    "zero2-builtin-adamw-clip": Case(model="mlp", plan="zero2", optim="adamw", clip=0.05),
+    "mixed-placement": Case(model="mlp", plan={"placement": "mixed", "window": 2}),
+    "accumulate-unsharded-af": Case(model="mlp", plan={"residency": "after_forward", "accumulate": "unsharded"}, accumulate=3),
+    "accumulate-sharded-ab": Case(model="mlp", plan={"residency": "after_backward", "accumulate": "sharded"}, accumulate=2),
+    "accumulate-sharded-persistent": Case(model="mlp", plan={"residency": "persistent", "accumulate": "sharded"}, accumulate=2),
+    "gpt-recompute-af": Case(model="gpt", plan={"grouping": "block", "recompute": "all"}, per_rank=2),
+    "gpt-recompute-persistent-accumulate": Case(
+        model="gpt", plan={"grouping": "block", "residency": "persistent", "recompute": "all", "accumulate": "sharded"},
+        per_rank=2, accumulate=2,
+    ),
+    "gpt-ckpt-reentrant-fsdp": Case(model="gpt-ckpt-reentrant", plan="fsdp", per_rank=2),
+}
+
+
+@pytest.mark.parametrize("how", ["mesh", "shard_size"])
+def test_hybrid_matches_single_process_on_2x2(world4, how):
+    names = list(PARITY)
+    results = world4.run(_on_mesh, [PARITY[n] for n in names], (2, 2), how, timeout=600)
+    check_cases(results, names, atol=ATOL)
+    for rank_results in results:
+        for name, r in zip(names, rank_results):
+            # the shards are all-reduced across the 2 replicas: hybrid sharding was in force
+            assert r["stats"]["all_reduces"] > 0, (name, r["stats"])
+
+
+def _layout(how: str) -> dict:
+    """What a hybrid fsdp plan puts on this rank: the mesh, each parameter's placements and local
+    shape, the shard group's collectives' sizes."""
+    import os
+
+    import models
+    from autodist import AutoDist
+
+    kwargs: dict = {}
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    if how == "mesh":
+        kwargs["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    elif how == "node":
+        os.environ["LOCAL_WORLD_SIZE"] = "2"  # as torchrun sets it for 2 nodes of 2 ranks
+        kwargs["shard_size"] = "node"
+    elif how == "plan":
+        from parity import make_plan
+
+        plan = make_plan(models.make("mlp"), 4, residency="after_backward")
+        kwargs["plan"] = replace(plan, shard_size=2)
+    try:
+        m = AutoDist(models.make("mlp"), **{"plan": "fsdp", **kwargs})
+    finally:
+        if saved is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(dist.get_rank()))
+    models.loss_fn("mlp", m(x), y).backward()
+    out = {
+        "shard_size": m.plan.shard_size,
+        "mesh": tuple(m.mesh.shape),
+        "mesh_rows": m.mesh.mesh.tolist(),
+        "params": {n: ([str(pl) for pl in p.placements], tuple(p.to_local().shape), tuple(p.grad.to_local().shape))
+                   for n, p in m.named_parameters()},
+        "gathered_bytes": m.runtime.comm.stats.gathered_bytes,
+        "all_gathers": m.runtime.comm.stats.all_gathers,
+    }
+    m.close()
+    return out
+
+
+@pytest.mark.parametrize("how", ["mesh", "node", "plan"])
+def test_parameters_are_dtensors_sharded_within_the_group_and_replicated_across(world4, how):
+    layouts = world4.run(_layout, how, timeout=300)
+    for rank, lay in enumerate(layouts):
+        assert lay["shard_size"] == 2 and lay["mesh"] == (2, 2) and lay["mesh_rows"] == [[0, 1], [2, 3]], lay
+        shard_index = rank % 2
+        for name, (placements, local, grad_local) in lay["params"].items():
+            assert placements == ["R", "S(0)"], (name, placements)
+            rows = {"layers.0.weight": 37, "layers.0.bias": 37}.get(name)
+            if rows is not None:  # 37 rows over a shard group of 2: 19 and 18
+                assert local[0] == (19 if shard_index == 0 else 18), (name, rank, local)
+            assert grad_local == local, (name, grad_local, local)
+    # ranks at the same place of their groups hold the same shard; each gathers its group's rows only
+    assert layouts[0]["params"] == layouts[2]["params"] and layouts[1]["params"] == layouts[3]["params"]
+    assert layouts[0]["params"] != layouts[1]["params"]
+
+
+# ---- the plan field and the errors --------------------------------------------------------------
+
+
+def test_shard_size_round_trips_and_leaves_whole_world_plans_as_they_were():
+    import models
+    from autodist.plan import Plan, validate_plan
+    from autodist.structure import discover
+    from parity import make_plan
+
+    plan = make_plan(models.make("mlp"), 4)
+    assert "shard_size" not in plan.to_dict()  # a whole-world plan is written (and hashed) as before
+    hybrid = replace(plan, shard_size=2)
+    again = Plan.from_json(hybrid.to_json())
+    assert again.shard_size == 2 and again.shard_ranks == 2 and again.hybrid
+    assert again.hash() == hybrid.hash() != plan.hash()
+    validate_plan(again, discover(models.make("mlp")), world_size=4)
+
+
+@pytest.mark.parametrize(
+    "value,says",
+    [
+        (3, "shard_size = 3 does not divide world_size = 4: the ranks are split into shard groups of shard_size "
+            "ranks that replicate each other; use one of [1, 2, 4]"),
+        (0, "shard_size: expected a positive number of ranks or null (the whole world), got 0"),
+        ("node", 'shard_size: expected a positive number of ranks or null (the whole world), got "node"'),
+    ],
+)
+def test_a_bad_shard_size_in_a_plan_is_refused_naming_the_fix(value, says):
+    import models
+    from autodist.errors import PlanError
+    from autodist.plan import Plan, validate_plan
+    from autodist.structure import discover
+    from parity import make_plan
+
+    d = make_plan(models.make("mlp"), 4).to_dict()
+    d["shard_size"] = value
+    with pytest.raises(PlanError) as e:
+        validate_plan(Plan.from_dict(d), discover(models.make("mlp")), world_size=4)
+    assert says in str(e.value)
+
+
+def _refusals() -> dict:
+    import os
+
+    import models
+    from autodist import AutoDist
+    from parity import make_plan
+
+    plan2 = replace(make_plan(models.make("mlp"), 4), shard_size=2)
+    attempts = {
+        "shard_size does not divide": lambda: AutoDist(models.make("mlp"), plan="fsdp", shard_size=3),
+        "shard_size not a number": lambda: AutoDist(models.make("mlp"), plan="fsdp", shard_size="half"),
+        "mesh and shard_size differ": lambda: AutoDist(
+            models.make("mlp"), plan="fsdp", shard_size=4, mesh=init_device_mesh("cpu", (2, 2))),
+        "plan and mesh differ": lambda: AutoDist(models.make("mlp"), plan=plan2, mesh=init_device_mesh("cpu", (1, 4))),
+        "plan and shard_size differ": lambda: AutoDist(models.make("mlp"), plan=plan2, shard_size=1),
+        "auto with a 2-D mesh": lambda: AutoDist(models.make("mlp"), mesh=init_device_mesh("cpu", (2, 2))),
+        "3-D mesh": lambda: AutoDist(models.make("mlp"), plan="fsdp", mesh=init_device_mesh("cpu", (1, 2, 2))),
+    }
+    out = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            out[name] = None
+        except Exception as e:
+            out[name] = {"type": type(e).__name__, "code": getattr(e, "code", None)}
+    saved = os.environ.pop("LOCAL_WORLD_SIZE")
+    try:
+        AutoDist(models.make("mlp"), plan="fsdp", shard_size="node")
+        out["node without torchrun"] = None
+    except Exception as e:
+        out["node without torchrun"] = {"type": type(e).__name__, "code": getattr(e, "code", None)}
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = saved
+    return out
+
+
+REFUSALS = {
+    "shard_size does not divide": "ValueError: shard_size=3 does not divide the world size 4: shard groups must tile "
+                                  "the ranks; pass a divisor of 4, or a 2-D mesh",
+    "shard_size not a number": "ValueError: shard_size must be a positive number of ranks, 'node' or None; got 'half'",
+    "mesh and shard_size differ": "ValueError: shard_size=4 but the 2-D mesh (2, 2) shards over its last dimension, "
+                                  "of 2 ranks; drop shard_size (the mesh decides) or pass a mesh of shape (replicas, 4)",
+    "plan and mesh differ": "autodist.errors.PlanError: invalid plan: shard_size: the plan shards over groups of 2 "
+                            "ranks but the 2-D mesh's shard dimension has 4",
+    "plan and shard_size differ": "autodist.errors.PlanError: invalid plan: shard_size: the plan shards over groups "
+                                  "of 2 ranks but shard_size=1 was asked for",
+    "auto with a 2-D mesh": "autodist.errors.PlanError: invalid plan: plan='auto' does not search hybrid sharding yet",
+    "3-D mesh": "ValueError: AutoDist runs on a 1-D DeviceMesh, or a 2-D one of shape (replicas, shard group) for "
+                "hybrid sharding; got a 3-D mesh",
+    "node without torchrun": "ValueError: shard_size='node' shards within the ranks of one node, which torchrun "
+                             "gives as LOCAL_WORLD_SIZE; it is not set here",
+}
+
+
+def test_hybrid_arguments_that_cannot_hold_are_one_error_on_every_rank(world4):
+    results = world4.run(_refusals, timeout=300)
+    for name, says in REFUSALS.items():
+        got0 = results[0][name]
+        assert got0 is not None and str(got0["code"]).startswith(says), (name, got0)
+        for r in results[1:]:  # the other ranks exit quietly with the same error type
+            assert r[name] is not None and r[name]["type"] == got0["type"] and r[name]["code"] == 1, (name, r[name])
