@@ -227,3 +227,83 @@ def test_hybrid_arguments_that_cannot_hold_are_one_error_on_every_rank(world4):
         assert got0 is not None and str(got0["code"]).startswith(says), (name, got0)
         for r in results[1:]:  # the other ranks exit quietly with the same error type
             assert r[name] is not None and r[name]["type"] == got0["type"] and r[name]["code"] == 1, (name, r[name])
+
+
+# ---- the simulator prices a hybrid plan with the one-level comm model ---------------------------
+
+
+def test_the_simulator_prices_hybrid_collectives_at_the_shard_group_and_across_replicas():
+    """On 4 ranks as 2 x 2: each all-gather and reduce-scatter costs what it costs over 2 ranks, the
+    shard's all-reduce across the 2 replicas is added to its reduction, and a rank holds half of each
+    parameter (not a quarter). With the analytic (ring) model both are exact, to the byte the
+    scaled message is rounded to."""
+    import models
+    from autodist.cost.comm import CommModel
+    from autodist.cost.profile import static_profile
+    from autodist.cost.simulator import Simulator
+    from autodist.structure import discover
+    from parity import make_plan
+
+    structure = discover(models.make("mlp"))
+    link = {"bandwidth_bytes_s": 1e9, "latency_s": 1e-4}
+    on4, on2 = CommModel.analytic(4, **link), CommModel.analytic(2, **link)
+    sim = Simulator(static_profile(structure), structure, on4, world_size=4)
+    plan = make_plan(models.make("mlp"), 4, buckets="per_param")
+    full, hybrid = sim.compile(plan), sim.compile(replace(plan, shard_size=2))
+    gathers = [op for op in hybrid.ops if op.kind == "all_gather"]
+    scatters = [op for op in hybrid.ops if op.kind == "reduce_scatter"]
+    assert gathers and scatters
+    for op in gathers:
+        assert op.seconds == pytest.approx(on2.time("all_gather", op.nbytes), abs=1e-9)  # a byte: rounding
+    sim2 = sim.sharded_over(2)
+    for op in scatters:
+        b = plan.buckets[int(op.label.removeprefix("bucket"))]
+        shard = sum(sim2.shard_numel[p] * 4 for p in b.params) + 4 * len(b.params)
+        assert op.nbytes == 2 * shard
+        want = on2.time("reduce_scatter", op.nbytes) + on2.time("all_reduce", shard)
+        assert op.seconds == pytest.approx(want, abs=2e-9)
+    # the 37-row layer: 19 rows of 13 per rank in groups of 2, 10 over the whole world of 4
+    assert sim2.shard_numel["layers.0.weight"] == 19 * 13 and sim.shard_numel["layers.0.weight"] == 10 * 13
+    assert sum(op.nbytes for op in gathers) > sum(op.nbytes for op in full.ops if op.kind == "all_gather") * 0.9
+    assert hybrid.static[0] > full.static[0]  # parameters: half of each rather than a quarter
+
+
+# ---- one schedule: the runtime carries out what the simulator compiled ---------------------------
+
+AGREEMENT = {
+    "fsdp": ("gpt", "fsdp", 1),
+    "persistent": ("gpt", {"residency": "persistent", "grouping": "block"}, 1),
+    "after-backward-per-unit": ("mlp", {"residency": "after_backward", "grouping": "unit", "buckets": "per_param"}, 1),
+    "mixed": ("mlp", {"placement": "mixed", "grouping": "unit"}, 1),
+    "recompute-accumulate-sharded": ("gpt", {"grouping": "block", "recompute": "all", "accumulate": "sharded"}, 2),
+    "random1": ("gpt", {"random": 1}, 1),
+}
+
+
+def _hybrid_plan(model_name: str, spec, world: int, shard_size: int):
+    import models
+    from autodist.builtins import builtin_plan
+    from autodist.structure import discover
+    from parity import make_plan, random_plan
+
+    base = models.make(model_name)
+    if isinstance(spec, str):
+        plan = builtin_plan(spec, discover(base), world)
+    elif "random" in spec:
+        plan = random_plan(base, world, spec["random"])
+    else:
+        plan = make_plan(base, world, **spec)
+    return replace(plan, shard_size=shard_size)
+
+
+@pytest.mark.parametrize("name", list(AGREEMENT))
+def test_the_runtime_carries_out_the_simulated_hybrid_schedule(world4, name):
+    from test_schedule import runtime_and_simulated_actions
+
+    model_name, spec, micro = AGREEMENT[name]
+    plan = _hybrid_plan(model_name, spec, 4, 2)
+    for ran, simulated, deviations, _ in world4.run(runtime_and_simulated_actions, model_name, plan, micro, timeout=300):
+        assert not deviations
+        assert ran == simulated, "\n".join(
+            f"{i}: ran {a} simulated {b}" for i, (a, b) in enumerate(zip(ran + [None] * 99, simulated + [None] * 99)) if a != b
+        )[:2000]
