@@ -54,18 +54,27 @@ PARITY = {
         per_rank=2, accumulate=2,
     ),
     "gpt-ckpt-reentrant-fsdp": Case(model="gpt-ckpt-reentrant", plan="fsdp", per_rank=2),
+    "unused-parameters": Case(model="unused", plan="fsdp"),
+    "frozen-parameters": Case(model="frozen", plan={"residency": "after_backward"}),
+    "batchnorm-mixed": Case(model="convbn", plan={"placement": "mixed"}),
+    "meta-device-fsdp": Case(model="gpt", plan="fsdp", per_rank=2, meta=True),
 }
+BF16 = {"bf16-fsdp": Case(model="mlp", plan="fsdp", bf16=True), "bf16-persistent": Case(model="mlp", plan={"residency": "persistent"}, bf16=True)}
 
 
 @pytest.mark.parametrize("how", ["mesh", "shard_size"])
 def test_hybrid_matches_single_process_on_2x2(world4, how):
-    names = list(PARITY)
-    results = world4.run(_on_mesh, [PARITY[n] for n in names], (2, 2), how, timeout=600)
-    check_cases(results, names, atol=ATOL)
+    names = list(PARITY) + list(BF16)
+    results = world4.run(_on_mesh, [{**PARITY, **BF16}[n] for n in names], (2, 2), how, timeout=900)
+    check_cases([r[: len(PARITY)] for r in results], list(PARITY), atol=ATOL)
+    # bf16 compute, float32 reduction: as test_shard's bf16 tolerance
+    check_cases([r[len(PARITY) :] for r in results], list(BF16), atol=3e-2)
     for rank_results in results:
         for name, r in zip(names, rank_results):
             # the shards are all-reduced across the 2 replicas: hybrid sharding was in force
             assert r["stats"]["all_reduces"] > 0, (name, r["stats"])
+            if name.startswith("meta"):  # materialised as the CPU build
+                assert r["initial"] == {"differing": [], "rng_as_after_cpu_build": True}, r["initial"]
 
 
 def _layout(how: str) -> dict:
