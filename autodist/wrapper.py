@@ -157,7 +157,8 @@ class AutoDist(nn.Module):
         if refused is not None and not _in_multi_rank_job():
             raise refused  # a plain process: no process group is created for an error
         device = init_distributed(torch.device(mesh.device_type) if refused is None and mesh is not None and mesh.device_type == "cpu" else None)
-        _agree_on_arguments(refused, _mesh_group(mesh) if refused is None and mesh is not None else None)
+        group = _mesh_group(mesh) if refused is None and mesh is not None else None
+        _agree_on_arguments(refused, group)
         self.grad_accum_steps = grad_accum_steps
         self._mixed_precision = mixed_precision
         self._explicit_budget = memory_limit is not None
@@ -167,7 +168,7 @@ class AutoDist(nn.Module):
         self.module = module
         self.device = device
         self.mesh = mesh
-        self._comm = Comm(_mesh_group(mesh))
+        self._comm = Comm(group if group is not None else mesh.get_group())
         # shard groups asked for by the mesh or shard_size (None: whatever the plan says)
         requested = self._agree(lambda: _requested_shard_size(mesh, shard_size, self._comm.world_size),
                                 "choose its shard groups", "every rank must shard over groups of one size")

@@ -16,7 +16,7 @@ import pytest
 from test_hybrid import _check_loaded, _ckpt_load, _ckpt_save, _on_mesh
 
 from harness import RankPool
-from parity import Case, check_cases
+from parity import Case, check_cases, run_cases
 
 ATOL = 2e-5
 
@@ -47,6 +47,21 @@ def test_hybrid_matches_single_process_on_8_ranks(world8, shape, how):
     for rank_results in results:
         for name, r in zip(names, rank_results):
             assert r["stats"]["all_reduces"] > 0, (name, r["stats"])  # shards all-reduced across replicas
+
+
+def test_two_meshes_of_four_ranks_each_shard_within_pairs(world8):
+    """``shard_size`` over a 1-D mesh that is part of the job (``new_subgroups``): each mesh of 4
+    ranks makes its own 2 x 2 shard and replica groups, at the same time as the other."""
+    names = ["fsdp", "persistent-accumulate"]
+    cases = [
+        Case(model="mlp", plan="fsdp", mesh_size=4, extra={"shard_size": 2}),
+        Case(model="mlp", plan={"residency": "persistent", "accumulate": "sharded"}, accumulate=2, mesh_size=4,
+             extra={"shard_size": 2}),
+    ]
+    results = world8.run(run_cases, cases, timeout=600)
+    check_cases(results, names, atol=ATOL)
+    for rank_results in results:
+        assert all(r["stats"]["all_reduces"] > 0 for r in rank_results)
 
 
 def test_dcp_checkpoint_saved_as_2x4_loads_as_4x2_and_over_all_8(world8):
