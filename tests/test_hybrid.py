@@ -38,6 +38,23 @@ def _on_mesh(cases: list[Case], shape: tuple[int, int], how: str) -> list[dict]:
     return out
 
 
+def _offload_plan():
+    """fsdp over 2 x 2 with every parameter's AdamW ``exp_avg`` (its shard in a group of 2) on the host."""
+    import models
+    from autodist.builtins import fsdp_plan
+    from autodist.plan import OffloadFragment
+    from autodist.structure import discover
+
+    s = discover(models.make("mlp"))
+
+    def shard(p: str) -> int:
+        rows = s.params[p].shape[0]
+        return -(-rows // 2) * (s.params[p].numel // rows)
+
+    frags = [OffloadFragment(p, "exp_avg", (0, shard(p)), "step", "step") for p in s.trainable]
+    return replace(fsdp_plan(s, 4), shard_size=2, offload=frags)
+
+
 PARITY = {
     "after_forward": Case(model="mlp", plan={"residency": "after_forward"}),
     "after_backward": Case(model="mlp", plan={"residency": "after_backward", "grouping": "all", "buckets": "one"}),
@@ -58,6 +75,7 @@ PARITY = {
     "frozen-parameters": Case(model="frozen", plan={"residency": "after_backward"}),
     "batchnorm-mixed": Case(model="convbn", plan={"placement": "mixed"}),
     "meta-device-fsdp": Case(model="gpt", plan="fsdp", per_rank=2, meta=True),
+    "offload-adamw": Case(model="mlp", plan=_offload_plan(), optim="adamw"),
 }
 BF16 = {"bf16-fsdp": Case(model="mlp", plan="fsdp", bf16=True), "bf16-persistent": Case(model="mlp", plan={"residency": "persistent"}, bf16=True)}
 
@@ -430,3 +448,73 @@ def test_dcp_checkpoints_load_across_shard_sizes_and_world_sizes(world2, world4,
     with tempfile.TemporaryDirectory() as d:
         world4.run(_ckpt_save, d, {"placement": "mixed", "residency": "persistent"}, 2, via_module, timeout=300)
         _check_loaded(world2.run(_ckpt_load, d, "zero2", None, via_module, timeout=300))
+
+
+# ---- shard_size="node" under torchrun, two emulated nodes of two ranks ---------------------------
+
+NODE_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed as dist
+from torch import nn
+from autodist import AutoDist
+
+torch.manual_seed(0)
+build = lambda: nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 7))
+ref = build()
+torch.manual_seed(0)
+model = AutoDist(build(), plan="fsdp", shard_size="node")
+opt, ropt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+rank, world = dist.get_rank(), dist.get_world_size()
+gen = torch.Generator().manual_seed(5)
+for _ in range(3):
+    x, y = torch.randn(4 * world, 13, generator=gen), torch.randn(4 * world, 7, generator=gen)
+    nn.functional.mse_loss(model(x[4 * rank : 4 * rank + 4]), y[4 * rank : 4 * rank + 4]).backward()
+    nn.functional.mse_loss(ref(x), y).backward()
+    for o in (opt, ropt):
+        o.step()
+        o.zero_grad()
+sd = model.state_dict()
+diff = max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+w = dict(model.named_parameters())["0.weight"]
+out = {"rank": rank, "shard_size": model.plan.shard_size, "mesh": list(model.mesh.shape),
+       "local_rows": w.to_local().shape[0], "diff": diff, "all_reduces": model.runtime.comm.stats.all_reduces}
+model.close()
+with open(sys.argv[1] + f".{rank}", "w") as f:
+    json.dump(out, f)
+"""
+
+
+def test_shard_size_node_shards_within_each_torchrun_node(tmp_path):
+    """Two torchrun launchers of two ranks each (``--nnodes 2``, static rendezvous on this host):
+    ``shard_size="node"`` reads ``LOCAL_WORLD_SIZE`` (2), shards within each node and replicates
+    across the two, and trains as the single-process reference does."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(NODE_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
+               OMP_NUM_THREADS="1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launchers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2", "--node_rank",
+             str(node), "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(tmp_path / "out")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for node in range(2)
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in launchers]
+    assert all(p.returncode == 0 for p in launchers), "\n".join(outputs)[-4000:]
+    results = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(4)]
+    for r in results:
+        assert r["shard_size"] == 2 and r["mesh"] == [2, 2] and r["all_reduces"] > 0, r
+        assert r["local_rows"] == (19 if r["rank"] % 2 == 0 else 18), r  # 37 rows over a node of 2
+        assert r["diff"] < ATOL, r
