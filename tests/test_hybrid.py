@@ -168,6 +168,10 @@ def test_shard_size_round_trips_and_leaves_whole_world_plans_as_they_were():
     assert again.shard_size == 2 and again.shard_ranks == 2 and again.hybrid
     assert again.hash() == hybrid.hash() != plan.hash()
     validate_plan(again, discover(models.make("mlp")), world_size=4)
+    from autodist.report import render_plan
+
+    assert "shard groups            2 of 2 ranks (sharded within each, replicated across)" in render_plan(again, "p.json")
+    assert "shard groups" not in render_plan(plan, "p.json")
 
 
 @pytest.mark.parametrize(
