@@ -172,6 +172,13 @@ class AutoDist(nn.Module):
         # shard groups asked for by the mesh or shard_size (None: whatever the plan says)
         requested = self._agree(lambda: _requested_shard_size(mesh, shard_size, self._comm.world_size),
                                 "choose its shard groups", "every rank must shard over groups of one size")
+        sizes = self._comm.all_gather_object(requested)
+        if len(set(sizes)) > 1:  # e.g. nodes of different sizes under shard_size="node"
+            raise mark_raised_on_every_rank(ValueError(
+                f"ranks asked for shard groups of different sizes ({', '.join(f'rank {r}: {s}' for r, s in enumerate(sizes))}); "
+                "shard groups must be of one size: pass one shard_size (or mesh) on every rank, or launch the same "
+                "number of ranks on every node"
+            ))
         if requested is not None and requested < self._comm.world_size and isinstance(plan, str) and plan == "auto":
             self._agree(lambda: _refuse_auto_hybrid(requested))
         # One budget for every rank: the tightest one's. The default (what each device has free)

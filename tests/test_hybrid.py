@@ -222,6 +222,11 @@ def _refusals() -> dict:
             out[name] = None
         except Exception as e:
             out[name] = {"type": type(e).__name__, "code": getattr(e, "code", None)}
+    try:
+        AutoDist(models.make("mlp"), plan="fsdp", shard_size=4 if dist.get_rank() == 3 else 2)
+        out["ranks differ"] = None
+    except Exception as e:
+        out["ranks differ"] = {"type": type(e).__name__, "code": getattr(e, "code", None)}
     saved = os.environ.pop("LOCAL_WORLD_SIZE")
     try:
         AutoDist(models.make("mlp"), plan="fsdp", shard_size="node")
@@ -246,6 +251,8 @@ REFUSALS = {
     "auto with a 2-D mesh": "autodist.errors.PlanError: invalid plan: plan='auto' does not search hybrid sharding yet",
     "3-D mesh": "ValueError: AutoDist runs on a 1-D DeviceMesh, or a 2-D one of shape (replicas, shard group) for "
                 "hybrid sharding; got a 3-D mesh",
+    "ranks differ": "ValueError: ranks asked for shard groups of different sizes (rank 0: 2, rank 1: 2, rank 2: 2, "
+                    "rank 3: 4); shard groups must be of one size",
     "node without torchrun": "ValueError: shard_size='node' shards within the ranks of one node, which torchrun "
                              "gives as LOCAL_WORLD_SIZE; it is not set here",
 }
