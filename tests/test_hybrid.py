@@ -97,7 +97,7 @@ def test_hybrid_matches_single_process_on_2x2(world4, how):
 
 def _layout(how: str) -> dict:
     """What a hybrid fsdp plan puts on this rank: the mesh, each parameter's placements and local
-    shape, the shard group's collectives' sizes."""
+    shape, and the reductions of one backward."""
     import os
 
     import models
@@ -121,15 +121,15 @@ def _layout(how: str) -> dict:
         if saved is not None:
             os.environ["LOCAL_WORLD_SIZE"] = saved
     x, y = models.batch("mlp", 4, torch.Generator().manual_seed(dist.get_rank()))
+    m.runtime.comm.stats.log = log = []
     models.loss_fn("mlp", m(x), y).backward()
     out = {
+        "reductions": [(kind, label) for kind, label in log if kind != "all_gather"],
         "shard_size": m.plan.shard_size,
         "mesh": tuple(m.mesh.shape),
         "mesh_rows": m.mesh.mesh.tolist(),
         "params": {n: ([str(pl) for pl in p.placements], tuple(p.to_local().shape), tuple(p.grad.to_local().shape))
                    for n, p in m.named_parameters()},
-        "gathered_bytes": m.runtime.comm.stats.gathered_bytes,
-        "all_gathers": m.runtime.comm.stats.all_gathers,
     }
     m.close()
     return out
@@ -147,7 +147,13 @@ def test_parameters_are_dtensors_sharded_within_the_group_and_replicated_across(
             if rows is not None:  # 37 rows over a shard group of 2: 19 and 18
                 assert local[0] == (19 if shard_index == 0 else 18), (name, rank, local)
             assert grad_local == local, (name, grad_local, local)
-    # ranks at the same place of their groups hold the same shard; each gathers its group's rows only
+        # each bucket's shard is all-reduced across the replicas after its reduce-scatter, in bucket order
+        scatters = [label for kind, label in lay["reductions"] if kind == "reduce_scatter"]
+        replicas = [label.removesuffix(":replicas") for kind, label in lay["reductions"] if kind == "all_reduce"]
+        assert scatters and replicas == scatters, lay["reductions"]
+        for b in scatters:
+            assert lay["reductions"].index(("reduce_scatter", b)) < lay["reductions"].index(("all_reduce", f"{b}:replicas"))
+    # ranks at the same place of their groups hold the same shard, the two places different ones
     assert layouts[0]["params"] == layouts[2]["params"] and layouts[1]["params"] == layouts[3]["params"]
     assert layouts[0]["params"] != layouts[1]["params"]
 
