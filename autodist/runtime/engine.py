@@ -157,7 +157,13 @@ class Engine:
         self._drop_global_hooks = False
         self.step_listeners: list = []  # called with the optimizer after each step over these parameters
 
-        world, rank = comm.world_size, comm.rank
+        if plan.world_size != comm.world_size or plan.shard_ranks != comm.shard_size:
+            raise ValueError(
+                f"the plan shards over {plan.shard_ranks} of {plan.world_size} ranks, but the process groups "
+                f"shard over {comm.shard_size} of {comm.world_size}; split them with Comm.shard_within first"
+            )
+        # a sharded parameter is split over this rank's shard group ([Note: hybrid sharding] in comm.py)
+        world, rank = comm.shard_size, comm.shard_rank
         placement = plan.placement_of_param
         self.use_dtensor = any(u.placement == "shard" for u in plan.units)
         compute_dtype = self.mp.param_dtype if self.mp else None
@@ -279,6 +285,11 @@ class Engine:
         buckets, in-flight bound. Placement must stay as it is. Call between steps."""
         placement = {p: mp.placement for p, mp in self.params.items()}
         changed = [p for p, pl in plan.placement_of_param.items() if placement.get(p) != pl]
+        if plan.shard_ranks != self.plan.shard_ranks:
+            raise ValueError(
+                f"switch_plan cannot change shard_size ({self.plan.shard_size} to {plan.shard_size}); the shard "
+                "groups are fixed at wrap time"
+            )
         if changed:
             raise ValueError(
                 f"switch_plan cannot change placement (e.g. {changed[0]!r}); placement is fixed at wrap time"

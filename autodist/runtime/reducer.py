@@ -69,7 +69,10 @@ class BucketRuntime:
         self.dtype = reduce_dtype
         self.comm = comm
         self.device = device
-        self.world = comm.world_size
+        # the ranks a reduce-scatter spans (the shard group) and the ranks every gradient is averaged
+        # over (all of them; see [Note: hybrid sharding] in comm.py)
+        self.world = comm.shard_size if op == "reduce_scatter" else comm.world_size
+        self.divisor = comm.world_size
         self.n = len(params)
         self.label = f"bucket{index}"
         if op == "all_reduce":
@@ -162,6 +165,7 @@ class BucketRuntime:
         self.launched = False
         self.all_local = True
         self.inflight: InFlight | None = None
+        self.replicas_due = False  # a reduce-scatter in flight whose shard is still to be all-reduced
         self._input: torch.Tensor | None = None
         self._deferred: list[tuple[int, torch.Tensor]] = []
         self._deferred_bytes = 0
@@ -335,25 +339,38 @@ class BucketRuntime:
             self.inflight = self.comm.all_reduce(self.buffer, self.label)
         else:
             inp = self._rs_input()
-            if self.world > 1:
-                inp.div_(self.world)
+            if self.divisor > 1:
+                inp.div_(self.divisor)
             for slot, mp in enumerate(self.params):
                 if not self.ready[slot] and self._is_slot_view(mp.local_grad(), slot):
                     self._saved[slot] = self.views[slot].clone()  # a kept gradient of an unused parameter
                     self.action[slot] = _RESTORE
             self._ensure_buffer()
             self.inflight = self.comm.reduce_scatter(self.buffer, inp.view(-1), self.label)
+            self.replicas_due = self.comm.replicas > 1
             self._input = None  # the InFlight owns it now
         self.launched = True
         if self.record is not None:
             self.record("reduce", self.index)
         return missing
 
+    def advance(self) -> None:
+        """Under hybrid sharding: once the reduce-scatter is done, all-reduce the shard across the
+        replicas (see [Note: hybrid sharding] in comm.py). Buckets advance in bucket order on every
+        rank, so the all-reduces pair across ranks. Nothing to do otherwise."""
+        if not self.replicas_due or self.inflight is None:
+            return
+        self.replicas_due = False
+        self.inflight.wait()
+        release(self.inflight.buffers[1])  # the input, this launch's own
+        self.inflight = self.comm.all_reduce_replicas(self.buffer, self.label)
+
     def finish(self) -> None:
         """Wait for the collective and hand each parameter its reduced gradient."""
         assert self.inflight is not None, "finish() before launch()"
+        self.advance()
         self.inflight.wait()
-        if self.op == "reduce_scatter":
+        if self.op == "reduce_scatter" and self.comm.replicas == 1:  # (with replicas, advance() released it)
             release(self.inflight.buffers[1])  # the input, this launch's own
         views = self.views
         used = [True] * self.n if self.all_local else (self.buffer[self.total :] > 0).tolist()
@@ -482,6 +499,8 @@ class Reducer:
         while self.next_launch < len(self.active):
             missing.extend(self.active[self.next_launch].launch())
             self.next_launch += 1
+        for b in self.active[self.next_finish :]:
+            b.advance()  # hybrid sharding: every all-reduce across replicas in flight before waiting for one
         for b in self.active[self.next_finish :]:
             b.finish()
         self.reset()
