@@ -129,6 +129,11 @@ class Plan:
     recompute: list[str] = field(default_factory=list)
     # micro-batches per optimizer step the plan was made for (a loop with another count stays correct)
     grad_accum_steps: int = 1
+    # Over how many ranks every sharded unit is sharded: null = the whole world (FSDP's full
+    # sharding); otherwise groups of this many consecutive ranks of the mesh (typically a node), the
+    # groups replicating each other (FSDP2's HSDP): gathers and reduce-scatters stay within a group,
+    # and the sharded gradients are then all-reduced across groups. Divides ``world_size``.
+    shard_size: int | None = None
     schema_version: int = SCHEMA_VERSION
     fingerprint: str = ""
     device: str = "cpu"
@@ -157,6 +162,16 @@ class Plan:
         return [u for u in self.units if u.placement == "shard"]
 
     @property
+    def shard_ranks(self) -> int:
+        """How many ranks a sharded unit is split over (the shard group's size)."""
+        return self.shard_size or self.world_size
+
+    @property
+    def hybrid(self) -> bool:
+        """Sharded within groups smaller than the world and replicated across them."""
+        return self.shard_ranks < self.world_size
+
+    @property
     def label(self) -> str:
         return str(self.provenance.get("source", "custom"))
 
@@ -165,6 +180,8 @@ class Plan:
         d = asdict(self)
         for o in d["offload"]:
             o["fragment"] = list(o["fragment"])
+        if d["shard_size"] is None:  # the whole world: written as before hybrid sharding (same hash)
+            del d["shard_size"]
         return d
 
     def to_json(self) -> str:
@@ -323,6 +340,7 @@ _TOP_REQUIRED = {"schema_version", "world_size", "units"}
 _TOP_OPTIONAL = {
     "gather_groups", "buckets", "offload", "rebuild_buckets", "max_inflight_buckets", "fingerprint", "device",
     "budget_bytes", "param_shapes", "optimizer_states", "predicted", "provenance", "recompute", "grad_accum_steps",
+    "shard_size",
 }
 
 
@@ -351,9 +369,15 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
     if len(set(recompute)) != len(recompute):
         r.fail("recompute", "lists a block more than once; list each block once")
     accum = _read_grad_accum_steps(r, d)
+    shard_size = d.get("shard_size")
+    if shard_size is not None:
+        shard_size = r.typed(shard_size, "shard_size", int, "a positive number of ranks or null (the whole world)")
+        if isinstance(shard_size, int) and shard_size < 1:
+            r.fail("shard_size", f"expected a positive number of ranks or null (the whole world), got {shard_size}")
     if r.problems:
         raise PlanError(r.problems, source=source)
     return Plan(
+        shard_size=shard_size,
         schema_version=d["schema_version"],
         recompute=list(recompute),
         grad_accum_steps=accum,
@@ -597,6 +621,7 @@ def validate_plan(
     """Raise :class:`PlanError` listing every way ``plan`` does not fit ``structure``."""
     problems = [
         *_check_header(plan, world_size),
+        *_check_shard_size(plan),
         *_check_param_shapes(plan, structure),
         *_check_units(plan, structure),
         *_check_gather_groups(plan),
@@ -624,6 +649,23 @@ def _check_header(plan: Plan, world_size: int | None) -> list[str]:
             "regenerate the plan for this world size or launch with the matching --nproc_per_node"
         )
     return problems
+
+
+def _check_shard_size(plan: Plan) -> list[str]:
+    """Shard groups tile the world: ``shard_size`` divides ``world_size``."""
+    s = plan.shard_size
+    if s is None:
+        return []
+    if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+        return [f"shard_size = {s!r}: expected a positive number of ranks, or null to shard over the whole world"]
+    if plan.world_size % s:
+        divisors = [d for d in range(1, plan.world_size + 1) if plan.world_size % d == 0]
+        return [
+            f"shard_size = {s} does not divide world_size = {plan.world_size}: the ranks are split into shard "
+            f"groups of shard_size ranks that replicate each other; use one of {divisors} (e.g. the ranks per "
+            "node), or null to shard over the whole world"
+        ]
+    return []
 
 
 def _check_param_shapes(plan: Plan, structure: ModelStructure) -> list[str]:
@@ -801,7 +843,7 @@ def _check_offload(plan: Plan, structure: ModelStructure) -> list[str]:
         if o.param not in params:
             problems.append(f"offload[{oi}] names parameter {o.param!r}, which this model does not have")
         else:
-            limit, held = _state_elements(params[o.param], pplace.get(o.param), plan.world_size)
+            limit, held = _state_elements(params[o.param], pplace.get(o.param), plan.shard_ranks)
             start, end = o.fragment
             if end > limit:
                 problems.append(
@@ -817,10 +859,10 @@ def _check_offload(plan: Plan, structure: ModelStructure) -> list[str]:
     return problems
 
 
-def _state_elements(info: Any, placement: str | None, world_size: int) -> tuple[int, str]:
+def _state_elements(info: Any, placement: str | None, shard_ranks: int) -> tuple[int, str]:
     """How many elements of a parameter's optimizer state one rank holds at most, and why."""
     if placement == "shard" and info.shape:
         rows = info.shape[0]
-        most = -(-rows // world_size) * (info.numel // rows if rows else 0)
-        return most, f"a rank holds at most {most} elements of it (dim-0 shards of {rows} rows over {world_size} ranks)"
+        most = -(-rows // shard_ranks) * (info.numel // rows if rows else 0)
+        return most, f"a rank holds at most {most} elements of it (dim-0 shards of {rows} rows over {shard_ranks} ranks)"
     return info.numel, f"it has {info.numel} elements"

@@ -60,6 +60,9 @@ def render_plan(plan: Plan, path: str) -> str:
         ("fingerprint", plan.fingerprint or "-"),
         ("source", plan.provenance.get("source", "-")),
     ]
+    if plan.shard_size is not None:
+        header.insert(1, ("shard groups", f"{plan.world_size // plan.shard_ranks} of {plan.shard_ranks} ranks"
+                          + (" (sharded within each, replicated across)" if plan.hybrid else "")))
     if pred:
         header.append(("prediction", describe_prediction(plan)))
     out = [f"plan {path}", format_fields(header)]

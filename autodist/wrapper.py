@@ -21,7 +21,7 @@ from .builtins import BUILTIN_PLANS, builtin_plan
 from .cost.budget import format_bytes, parse_memory_limit
 from .errors import AutoDistError, InitError, PlanError, RankMismatchError, mark_raised_on_every_rank, reported_once
 from .plan import Plan, validate_plan
-from .runtime.comm import Comm, init_distributed
+from .runtime.comm import Comm, _new_group, group_timeout, init_distributed
 from .runtime.engine import Engine
 from .runtime.materialize import Materializer, is_meta_model
 from .runtime.precision import MixedPrecision
@@ -77,7 +77,10 @@ class AutoDist(nn.Module):
         plan: ``"auto"`` (profile, search, cache), a built-in baseline (``"ddp"``, ``"fsdp"``,
             ``"zero2"``), a :class:`Plan`, or the path of a plan JSON file (it must exist on rank 0;
             ranks where it does not exist use rank 0's copy).
-        mesh: a 1-D ``DeviceMesh`` to run on (default: every rank of the default process group).
+        mesh: the ``DeviceMesh`` to run on (default: every rank of the default process group): 1-D,
+            or 2-D of shape (replicas, shard group) for hybrid sharding as FSDP2's HSDP (sharded units
+            are sharded within each row and replicated across rows; the parameters are DTensors on
+            this mesh, ``(Replicate(), Shard(0))``).
         memory_limit: budget per rank — bytes, ``"24GiB"`` or ``"80%"``. Default: what the device has
             free, minus a margin.
         example_inputs: a tuple of positional inputs for one forward call; lets ``plan="auto"``
@@ -104,6 +107,11 @@ class AutoDist(nn.Module):
             module's ``reset_parameters()``. Every rank initialises on the host and keeps rank 0's
             values, so the result after ``torch.manual_seed(s)`` is that of building the model on the
             CPU after the same seed (see ``autodist/runtime/materialize.py`` for when that cannot hold).
+        shard_size: shard within groups of this many consecutive ranks and replicate across them
+            (hybrid sharding, FSDP2's HSDP): an integer dividing the world size, or ``"node"`` for the
+            ranks of one node (torchrun's ``LOCAL_WORLD_SIZE``). Default: a 2-D mesh's last
+            dimension, else the plan's ``shard_size`` (``null``: the whole world). Built-in plans
+            and plans without a ``shard_size`` take it; a plan with another one is refused.
 
     The wrapper behaves like the wrapped module: ``named_parameters()`` and ``state_dict()`` use the
     wrapped module's names (no ``module.`` prefix). ``state_dict()`` returns full tensors;
@@ -127,6 +135,7 @@ class AutoDist(nn.Module):
         broadcast_buffers: bool = True,
         log_every: int | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
+        shard_size: int | str | None = None,
     ) -> None:
         super().__init__()
         self._closed = False
@@ -140,7 +149,7 @@ class AutoDist(nn.Module):
             meta, mixed_precision = _check_arguments(
                 module, plan, mesh=mesh, example_inputs=example_inputs, example_kwargs=example_kwargs,
                 grad_accum_steps=grad_accum_steps, cache_dir=cache_dir, mixed_precision=mixed_precision,
-                log_every=log_every, param_init_fn=param_init_fn,
+                log_every=log_every, param_init_fn=param_init_fn, shard_size=shard_size,
             )
             refused: BaseException | None = None
         except (AutoDistError, ValueError, TypeError) as e:
@@ -148,7 +157,8 @@ class AutoDist(nn.Module):
         if refused is not None and not _in_multi_rank_job():
             raise refused  # a plain process: no process group is created for an error
         device = init_distributed(torch.device(mesh.device_type) if refused is None and mesh is not None and mesh.device_type == "cpu" else None)
-        _agree_on_arguments(refused, mesh.get_group() if refused is None and mesh is not None else None)
+        group = _mesh_group(mesh) if refused is None and mesh is not None else None
+        _agree_on_arguments(refused, group)
         self.grad_accum_steps = grad_accum_steps
         self._mixed_precision = mixed_precision
         self._explicit_budget = memory_limit is not None
@@ -158,7 +168,19 @@ class AutoDist(nn.Module):
         self.module = module
         self.device = device
         self.mesh = mesh
-        self._comm = Comm(mesh.get_group())
+        self._comm = Comm(group if group is not None else mesh.get_group())
+        # shard groups asked for by the mesh or shard_size (None: whatever the plan says)
+        requested = self._agree(lambda: _requested_shard_size(mesh, shard_size, self._comm.world_size),
+                                "choose its shard groups", "every rank must shard over groups of one size")
+        sizes = self._comm.all_gather_object(requested)
+        if len(set(sizes)) > 1:  # e.g. nodes of different sizes under shard_size="node"
+            raise mark_raised_on_every_rank(ValueError(
+                f"ranks asked for shard groups of different sizes ({', '.join(f'rank {r}: {s}' for r, s in enumerate(sizes))}); "
+                "shard groups must be of one size: pass one shard_size (or mesh) on every rank, or launch the same "
+                "number of ranks on every node"
+            ))
+        if requested is not None and requested < self._comm.world_size and isinstance(plan, str) and plan == "auto":
+            self._agree(lambda: _refuse_auto_hybrid(requested))
         # One budget for every rank: the tightest one's. The default (what each device has free)
         # differs between ranks, and every rank must derive the same plan and prefetch windows.
         self.budget_bytes = min(self._comm.all_gather_object(self._agree(lambda: parse_memory_limit(memory_limit, device))))
@@ -180,7 +202,9 @@ class AutoDist(nn.Module):
             resolved = self._agree(
                 lambda: self._resolve_plan(plan, example_inputs=example_inputs, example_kwargs=example_kwargs, cache_dir=cache_dir)
             )
+        resolved = self._agree(lambda: self._apply_shard_size(resolved, requested, mesh.ndim == 2))
         self._check_rank_agreement(resolved)
+        self.mesh = mesh = self._shard_groups(resolved, mesh)
         if self._explicit_budget and self._auto is None:
             self._warn_if_over_budget(resolved)
         if not resolved.param_shapes:  # so that a saved copy of the plan in force is checked when loaded
@@ -246,6 +270,40 @@ class AutoDist(nn.Module):
             self._auto = AutoPlanner(_AutoRuntime(self), cache_dir, explicit_budget=self._explicit_budget)
             return self._auto.resolve(example_inputs, example_kwargs, meta=self._meta)
         return self._load_plan_file(os.fspath(plan))
+
+    def _apply_shard_size(self, plan: Plan, requested: int | None, from_mesh: bool) -> Plan:
+        """``plan`` sharding over the groups asked for: a plan without a ``shard_size`` (built-in
+        ones included) takes it; one with another is refused."""
+        world = self._comm.world_size
+        if requested is None or plan.shard_ranks == requested:
+            return plan
+        if plan.shard_size is not None and plan.shard_size != world:
+            asked = f"the 2-D mesh's shard dimension has {requested}" if from_mesh else f"shard_size={requested} was asked for"
+            raise PlanError(
+                f"shard_size: the plan shards over groups of {plan.shard_size} ranks but {asked}; pass a mesh and "
+                "shard_size matching the plan, or regenerate the plan for these shard groups",
+                source=None,
+            )
+        hybrid = replace(plan, shard_size=requested if requested < world else None)
+        validate_plan(hybrid, self._structure, world_size=world, source="(plan with the mesh's shard_size)")
+        return hybrid
+
+    def _shard_groups(self, plan: Plan, mesh: DeviceMesh) -> DeviceMesh:
+        """Split the process groups for a hybrid plan ([Note: hybrid sharding] in runtime/comm.py)
+        and return the mesh the parameters live on: the user's 2-D mesh, or one made of the shard
+        groups (rows) and replica groups (columns), consecutive ranks of ``mesh`` to a row."""
+        if mesh.ndim == 2:
+            rows = [[int(r) for r in row] for row in mesh.mesh.tolist()]
+        elif plan.hybrid:
+            ranks = [int(r) for r in mesh.mesh.tolist()]
+            s = plan.shard_ranks
+            rows = [ranks[i : i + s] for i in range(0, len(ranks), s)]
+        else:
+            return mesh
+        self._comm.shard_within(rows)
+        if mesh.ndim == 2:
+            return mesh
+        return _hybrid_mesh(rows, self.device.type)
 
     def _load_plan_file(self, path: str) -> Plan:
         """Read, parse and validate a plan file (a collective: see [Note: plan files]).
@@ -553,7 +611,7 @@ _MANAGED = "_autodist_managed"  # set on a module while an AutoDist instance man
 
 def _check_arguments(
     module: Any, plan: Any, *, mesh: Any, example_inputs: Any, example_kwargs: Any, grad_accum_steps: Any,
-    cache_dir: Any, mixed_precision: Any, log_every: Any, param_init_fn: Any,
+    cache_dir: Any, mixed_precision: Any, log_every: Any, param_init_fn: Any, shard_size: Any = None,
 ) -> tuple[bool, MixedPrecision | None]:
     """Every check of ``AutoDist``'s arguments that needs no other rank (what the memory limit and a
     plan file resolve to is agreed later): raises the first problem as a ``ValueError`` or
@@ -582,9 +640,13 @@ def _check_arguments(
     if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
         raise ValueError(f"log_every must be a positive number of steps or None, got {log_every!r}")
     if mesh is not None and not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a 1-D DeviceMesh or None, got {type(mesh).__name__}")
-    if mesh is not None and mesh.ndim != 1:
-        raise ValueError(f"AutoDist runs on a 1-D DeviceMesh; got a {mesh.ndim}-D mesh {mesh}")
+        raise TypeError(f"mesh must be a 1-D or 2-D DeviceMesh or None, got {type(mesh).__name__}")
+    if mesh is not None and mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"AutoDist runs on a 1-D DeviceMesh, or a 2-D one of shape (replicas, shard group) for hybrid "
+            f"sharding; got a {mesh.ndim}-D mesh {mesh}"
+        )
+    _check_shard_size_argument(shard_size, mesh)
     devices = {p.device for p in module.parameters()} | {b.device for b in module.buffers()}
     if len(devices) > 1:
         hint = " (a model built on the meta device must be built there whole)" if meta else ""
@@ -592,6 +654,84 @@ def _check_arguments(
             f"all parameters and buffers must be on one device before wrapping{hint}; found {sorted(map(str, devices))}"
         )
     return meta, mixed_precision
+
+
+def _check_shard_size_argument(shard_size: Any, mesh: DeviceMesh | None) -> None:
+    """``shard_size``: ``None``, a positive integer or ``"node"`` (with torchrun's environment), and
+    the 2-D mesh's shard dimension when both are given."""
+    if shard_size is None:
+        return
+    if shard_size == "node":
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if local is None or not local.isdigit() or int(local) < 1:
+            raise ValueError(
+                "shard_size='node' shards within the ranks of one node, which torchrun gives as LOCAL_WORLD_SIZE; "
+                f"it is {'not set' if local is None else repr(local)} here: launch with torchrun, or pass the "
+                "number of ranks per shard group"
+            )
+        shard_size = int(local)
+    elif isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+        raise ValueError(f"shard_size must be a positive number of ranks, 'node' or None; got {shard_size!r}")
+    if mesh is not None and mesh.ndim == 2 and mesh.shape[1] != shard_size:
+        raise ValueError(
+            f"shard_size={shard_size} but the 2-D mesh {tuple(mesh.shape)} shards over its last dimension, of "
+            f"{mesh.shape[1]} ranks; drop shard_size (the mesh decides) or pass a mesh of shape "
+            f"(replicas, {shard_size})"
+        )
+
+
+def _requested_shard_size(mesh: DeviceMesh, shard_size: int | str | None, world: int) -> int | None:
+    """The shard group size the mesh or ``shard_size`` asks for (checked by ``_check_arguments``),
+    ``None`` when neither does; it must divide the world."""
+    if mesh.ndim == 2:
+        return int(mesh.shape[1])
+    if shard_size is None:
+        return None
+    size = int(os.environ["LOCAL_WORLD_SIZE"]) if shard_size == "node" else int(shard_size)
+    if world % size:
+        what = f"shard_size='node' (LOCAL_WORLD_SIZE={size})" if shard_size == "node" else f"shard_size={size}"
+        raise ValueError(
+            f"{what} does not divide the world size {world}: shard groups must tile the ranks; pass a divisor "
+            f"of {world}, or a 2-D mesh"
+        )
+    return size
+
+
+def _refuse_auto_hybrid(shard_size: int) -> None:
+    raise PlanError(
+        f"plan='auto' does not search hybrid sharding yet, and shard groups of {shard_size} ranks were asked for "
+        "(a 2-D mesh or shard_size); pass plan='fsdp' or 'zero2' (sharded within each group, replicated across), a "
+        "Plan or plan file, or drop the 2-D mesh / shard_size to let plan='auto' shard over the whole world",
+        source=None,
+    )
+
+
+def _mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """A process group of every rank of ``mesh``: its own for a 1-D mesh; for a 2-D mesh the default
+    group when the mesh spans it, else a group of the mesh's ranks (made by them alone)."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    world = dist.group.WORLD
+    if world is not None and ranks == list(range(dist.get_world_size())):
+        return world
+    return _new_group(ranks, _default_timeout())
+
+
+def _default_timeout() -> Any:
+    """The default group's timeout, for the groups made here (see [Note: inherited timeout])."""
+    world = dist.group.WORLD
+    return group_timeout(world) if world is not None else None
+
+
+def _hybrid_mesh(rows: list[list[int]], device_type: str) -> DeviceMesh:
+    """A 2-D mesh (replicas, shard group) of ``rows``, on process groups of its own: the parameters
+    keep it after ``close()`` releases AutoDist's groups."""
+    me = dist.get_rank()
+    row = next(r for r in rows if me in r)
+    column = [r[row.index(me)] for r in rows]
+    groups = [_new_group(column, _default_timeout()), _new_group(row, _default_timeout())]
+    return DeviceMesh.from_group(groups, device_type, mesh=torch.tensor(rows), mesh_dim_names=("replicate", "shard"))
 
 
 def _positional_message(misplaced: tuple[Any, ...]) -> str:

@@ -33,6 +33,9 @@ class Case:
     per_rank: int = 4
     accumulate: int = 1
     zero_grad: str = "none"  # "none": set_to_none; "zeros": set_to_none=False; "never": accumulate across steps
+    # "before_backward": zero_grad(set_to_none=True) between the step's first forward and its
+    # backward (a common loop), checking that no gradient shows before backward
+    zero_grad_at: str = "after_step"
     bf16: bool = False
     clip: float | None = None
     extra: dict = field(default_factory=dict)
@@ -206,6 +209,11 @@ def run_case(case: Case) -> dict[str, float]:
             with ctx:
                 out = model(x[lo:hi])
                 loss = models.loss_fn(case.model, out.float(), y[lo:hi]) / case.accumulate
+                if case.zero_grad_at == "before_backward" and micro == 0:
+                    opt.zero_grad(set_to_none=True)
+                    ropt.zero_grad(set_to_none=True)
+                    shown = [n for n, p in model.named_parameters() if p.grad is not None]
+                    assert not shown, f"gradients before backward: {shown[:3]}"
                 loss.backward()
             total_loss += loss.detach().float()
             # reference: concatenated batch (per-rank chunks when BatchNorm must see each rank's batch)
@@ -237,7 +245,9 @@ def run_case(case: Case) -> dict[str, float]:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), case.clip)
         opt.step()
         ropt.step()
-        if case.zero_grad == "none":
+        if case.zero_grad_at == "before_backward":
+            pass
+        elif case.zero_grad == "none":
             opt.zero_grad(set_to_none=True)
             ropt.zero_grad(set_to_none=True)
         elif case.zero_grad == "zeros":

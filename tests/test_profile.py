@@ -307,3 +307,51 @@ def test_the_profile_records_blocks_whose_own_code_saves_after_their_last_unit()
     structure = discover(gpt)
     prof = profile_model(gpt, structure, (torch.randint(0, 53, (2, 8)),), device=CPU, repeats=1)
     assert structure.blocks and prof.block_tail_saves == []
+
+
+class _FakeClock:
+    """A clock the test advances: marks are its readings (see [Note: the profiler's own time])."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def mark(self) -> float:
+        return self.now
+
+    def seconds(self, a: float, b: float) -> float:
+        return b - a
+
+
+def test_the_profilers_own_time_is_scaled_out_of_the_units_times():
+    """Traced passes whose forward took 10 and backward 20 (time units) where the same passes with
+    the tracer not recording take 4 and 15: every interval is scaled by 0.4 (forward) and 0.75
+    (backward), so each unit keeps its share and the sums are the bare passes' times."""
+    from autodist.measure.trace import _attribute, _Pass, _tracer_scale
+
+    clock = _FakeClock()
+    p = _Pass(fwd=[(1.0, "enter", "a"), (7.0, "exit", "a"), (7.0, "enter", "b"), (9.0, "exit", "b")],
+              bwd=[(12.0, "pre", "b"), (20.0, "ready", "b.w"), (21.0, "pre", "a"), (29.0, "ready", "a.w")])
+    raw = [(p, 0.0, 10.0, 30.0)]
+
+    class _Loss:
+        def backward(self) -> None:
+            clock.now += 15.0
+
+    def forward_loss() -> _Loss:
+        clock.now += 4.0
+        return _Loss()
+
+    scale = _tracer_scale(raw, clock, forward_loss, repeats=3)
+    assert scale == pytest.approx((0.4, 0.75))
+    attr = _attribute(p, clock, 0.0, 10.0, 30.0, ["a", "b"], scale)
+    assert attr["fwd"] == pytest.approx({"a": 0.4 * 6, "b": 0.4 * 2})
+    assert attr["pre_fwd"] + attr["post_fwd"] + sum(attr["fwd"].values()) == pytest.approx(4.0)
+    assert attr["pre_bwd"] + sum(attr["bwd"].values()) == pytest.approx(15.0)
+    # bare passes slower than the traced ones (a disturbance): nothing is scaled up
+    clock.now = 0.0
+
+    def slow_forward() -> _Loss:
+        clock.now += 12.0
+        return _Loss()
+
+    assert _tracer_scale([(p, 0.0, 10.0, 25.0)], clock, slow_forward, repeats=3) == (1.0, 1.0)

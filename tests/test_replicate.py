@@ -24,6 +24,9 @@ CASES = {
     "no-sync-accumulation": Case(model="mlp", plan="ddp", accumulate=3),
     "no-sync-accumulation-bn": Case(model="convbn", plan={"placement": "replicate", "buckets": "per_param"}, accumulate=2),
     "grads-kept-across-steps": Case(model="mlp", plan="ddp", zero_grad="never"),
+    # the bucket views become the gradients at the start of backward, not of forward
+    "zero-grad-before-backward": Case(model="mlp", plan="ddp", zero_grad_at="before_backward", steps=4),
+    "zero-grad-before-backward-unused": Case(model="unused", plan="ddp", zero_grad_at="before_backward", steps=4),
     "grads-zeroed-in-place": Case(model="mlp", plan={"placement": "replicate", "buckets": "one"}, zero_grad="zeros"),
     "clip-grad-norm": Case(model="mlp", plan="ddp", clip=0.05),
     "tied-embeddings": Case(model="gpt", plan="ddp"),

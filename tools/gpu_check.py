@@ -351,7 +351,8 @@ def _bench(args: argparse.Namespace, nproc: int, d: str) -> tuple[dict, list[str
         cmd = [sys.executable, os.path.join(HERE, "bench.py"), "--device", args.device, "--size", size,
                "--models", "gpt,gpt-deep", "--mixed-precision", precision, "--nproc", str(nproc),
                "--contenders", "compute,ddp,autodist:ddp,fsdp2,autodist:fsdp,autodist:auto",
-               "--steps", "3" if args.quick else "5", "--warmup", "2", "--passes", "1", "--json", path]
+               "--steps", "3" if args.quick else "8", "--warmup", "2", "--passes", "1" if args.quick else "2",
+               "--json", path]
         left = args.deadline - time.time() if args.deadline else None
         if left is not None and left < 30:
             out[precision] = {"error": "not run: out of time (--minutes)"}

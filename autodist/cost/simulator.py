@@ -27,6 +27,7 @@ wait costs], [Note: collectives taken up at once] and [Note: what a wait returns
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -93,6 +94,7 @@ class Simulator:
         self.structure = structure
         self.comm = comm
         self.world = world_size
+        self.shard_world = world_size  # the ranks a sharded parameter is split over (see sharded_over)
         self.budget = budget_bytes
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
@@ -148,6 +150,7 @@ class Simulator:
         self._slowdown_cache: dict[tuple[str, int, bool], tuple[float, float, float]] = {}
         self._orders: StepOrders | None = None
         self._block_units: dict[str, list[str]] | None = None  # block -> its units the plan can recompute
+        self._sharded_over: dict[int, Simulator] = {world_size: self}
 
     def orders(self) -> StepOrders:
         """The orders backward passes begin and end in and forwards finish in, and where each
@@ -155,6 +158,30 @@ class Simulator:
         if self._orders is None:
             self._orders = StepOrders.of(self)
         return self._orders
+
+    def sharded_over(self, ranks: int) -> Simulator:
+        """This simulator for plans that shard over groups of ``ranks`` (``Plan.shard_ranks``):
+        shard and gathered sizes for that group (hybrid sharding: replicated across the groups)."""
+        sim = self._sharded_over.get(ranks)
+        if sim is None:
+            sim = copy.copy(self)
+            sim.shard_world = ranks
+            sim.shard_numel = {n: sim._shard_numel(n) for n in self.numel}
+            sim.full_padded_bytes = {n: ranks * sim.shard_numel[n] * self._compute_itemsize(n) for n in self.numel}
+            self._sharded_over[ranks] = sim
+        return sim
+
+    def _time_at(self, op: str, nbytes: int, ranks: int) -> float:
+        """``op`` of ``nbytes`` over ``ranks`` of the world, priced with the one-level comm model
+        (measured over the whole world) as the bytes each rank sends in a ring of ``ranks``: the
+        message scaled by ``(ranks-1)/ranks`` against ``(world-1)/world`` (twice both for an
+        all-reduce, which cancels). Nothing on one rank."""
+        if ranks == self.world:
+            return self._time(op, nbytes)
+        if ranks <= 1:
+            return 0.0
+        share = (ranks - 1) / ranks / ((self.world - 1) / self.world)
+        return self._time(op, round(nbytes * share))
 
     def _time(self, op: str, nbytes: int) -> float:
         key = (op, nbytes)
@@ -233,10 +260,10 @@ class Simulator:
         return self.itemsize[p]
 
     def _shard_numel(self, p: str) -> int:
-        return -(-self.rows[p] // self.world) * self.row_numel[p]
+        return -(-self.rows[p] // self.shard_world) * self.row_numel[p]
 
     def _local_numel(self, p: str, rank: int = 0) -> int:
-        c = -(-self.rows[p] // self.world)
+        c = -(-self.rows[p] // self.shard_world)
         start = min(rank * c, self.rows[p])
         return (min(start + c, self.rows[p]) - start) * self.row_numel[p]
 
@@ -260,7 +287,7 @@ class Simulator:
 
     def compile(self, plan: Plan) -> Program:
         """The program of one steady-state step of ``plan`` (:class:`~autodist.cost.sim.emit.StepEmitter`)."""
-        return StepEmitter(self, plan).program()
+        return StepEmitter(self.sharded_over(plan.shard_ranks), plan).program()
 
     def _execute(self, prog: list[Instruction], ops: list[CommOp], static: list[int], record: bool) -> SimResult:
         """``prog`` timed (:func:`~autodist.cost.sim.execute.execute`) on this simulator's machine."""

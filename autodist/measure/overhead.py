@@ -39,6 +39,7 @@ class RuntimeOverhead:
     per_bucket_s: float = 0.0  # copy-in + launch + finish of one bucket, beyond the transfer
     dtensor_opt_per_tensor_s: float = 0.0  # extra optimizer time per DTensor parameter
     per_param_s: float = 0.0  # a replicated parameter's gradient-ready hook and copy into its bucket
+    per_step_s: float = 0.0  # the runtime's fixed work per step: root forward, start and end of backward
 
 
 ROUNDS = 8  # interleaved rounds over the configurations (see [Note: stable overhead figures])
@@ -123,8 +124,10 @@ def measure_runtime_overhead(device: torch.device, comm: Comm) -> RuntimeOverhea
     values = torch.tensor(figures, dtype=torch.float64, device=device)
     if comm.world_size > 1:
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=comm.group)
-    u, g, b, d, r = values.tolist()
-    return RuntimeOverhead(per_unit_s=u, per_gather_s=g, per_bucket_s=b, dtensor_opt_per_tensor_s=d, per_param_s=r)
+    u, g, b, d, r, f = values.tolist()
+    return RuntimeOverhead(
+        per_unit_s=u, per_gather_s=g, per_bucket_s=b, dtensor_opt_per_tensor_s=d, per_param_s=r, per_step_s=f
+    )
 
 
 CHILD_TIMEOUT_S = 300.0
@@ -132,7 +135,7 @@ _LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GR
 
 
 def _in_a_child(device: torch.device) -> tuple[str | None, list[float]]:
-    """(None, the four figures) measured in a child process, or (what went wrong, [])."""
+    """(None, the six figures) measured in a child process, or (what went wrong, [])."""
     import autodist
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(autodist.__file__)))
@@ -153,28 +156,29 @@ def _in_a_child(device: torch.device) -> tuple[str | None, list[float]]:
         figures = [float(v) for v in json.loads(lines[-1])]
     except (ValueError, TypeError) as e:
         return f"the child's answer was unreadable: {e}", []
-    if len(figures) != 5 or not all(math.isfinite(v) and v >= 0 for v in figures):
-        return f"the child's answer was not five figures: {lines[-1]!r}", []
+    if len(figures) != 6 or not all(math.isfinite(v) and v >= 0 for v in figures):
+        return f"the child's answer was not six figures: {lines[-1]!r}", []
     return None, figures
 
 
 def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12) -> list[float]:
-    """[per unit, per gather, per bucket, DTensor optimizer per tensor, per replicated parameter]
-    in seconds, on ``comm``."""
+    """[per unit, per gather, per bucket, DTensor optimizer per tensor, per replicated parameter,
+    per step] in seconds, on ``comm``."""
     from ..plan import Bucket, GatherGroup, Plan, Prefetch, UnitPlan
     from ..runtime.engine import Engine
     from ..structure import discover
 
-    def make() -> nn.Module:
+    def make(n: int = units) -> nn.Module:
         torch.manual_seed(0)
-        return nn.Sequential(*[nn.Linear(8, 8) for _ in range(units)]).to(device)
+        return nn.Sequential(*[nn.Linear(8, 8) for _ in range(n)]).to(device)
 
     structure = discover(make())
     names = [u.name for u in structure.units]
 
-    def replicated() -> Plan:
-        ups = [UnitPlan(u.name, list(u.params), "replicate", "after_backward") for u in structure.units]
-        order = [p for u in reversed(structure.units) for p in u.params]
+    def replicated(n: int) -> Plan:
+        s = discover(make(n))
+        ups = [UnitPlan(u.name, list(u.params), "replicate", "after_backward") for u in s.units]
+        order = [p for u in reversed(s.units) for p in u.params]
         return Plan(world_size=comm.world_size, units=ups, gather_groups=[], buckets=[Bucket(order, "all_reduce")])
 
     def plan(per_unit_groups: bool, per_unit_buckets: bool) -> Plan:
@@ -188,12 +192,15 @@ def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12
         return Plan(world_size=comm.world_size, units=ups, gather_groups=groups, buckets=buckets)
 
     x = torch.randn(4, 8, device=device)
-    plain = make()
-    steps = {"plain": _train_step(plain, plain, x)}
+    plain, plain2 = make(), make(2 * units)
+    steps = {"plain": _train_step(plain, plain, x), "plain2": _train_step(plain2, plain2, x)}
     engines = []
-    configurations = {"A": plan(True, True), "B": plan(False, False), "C": plan(True, False), "D": replicated()}
+    configurations = {
+        "A": plan(True, True), "B": plan(False, False), "C": plan(True, False),
+        "D": replicated(units), "D2": replicated(2 * units),
+    }
     for key, the_plan in configurations.items():
-        module = make()
+        module = make(2 * units if key == "D2" else units)
         engine = Engine(
             module, the_plan, discover(module), comm=comm, mesh=mesh, device=device,
             mixed_precision=None, broadcast_buffers=False,
@@ -212,10 +219,13 @@ def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12
     k = units
     gather = max(0.0, (timings["C"] - timings["B"]) / (k - 1))
     bucket = max(0.0, (timings["A"] - timings["C"]) / (k - 1))
-    unit = max(0.0, (timings["B"] - timings["plain"] - gather - bucket) / k)
-    # a replicated plan hooks no module: what it adds is each parameter's gradient-ready hook and
-    # copy into the bucket (its one bucket's launch is counted in with them)
-    per_param = max(0.0, (timings["D"] - timings["plain"]) / (2 * k))
+    # a replicated plan hooks no module: what it adds is each parameter's gradient-ready hook, and
+    # the runtime's fixed work per step (root forward, start and end of backward, its one bucket's
+    # launch); twice the units tell the two apart
+    d1, d2 = timings["D"] - timings["plain"], timings["D2"] - timings["plain2"]
+    per_param = max(0.0, (d2 - d1) / (2 * k))
+    per_step = max(0.0, d1 - 2 * k * per_param)
+    unit = max(0.0, (timings["B"] - timings["plain"] - gather - bucket - per_step) / k)
 
     # optimizer over DTensor parameters vs plain tensors
     from torch.distributed.tensor import DTensor, Replicate
@@ -232,7 +242,7 @@ def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12
     opt_dts = torch.optim.AdamW(dts, lr=1e-3)
     opt = _interleaved({"plain": opt_plain.step, "dtensor": opt_dts.step}, device, warmup=1)
     dt_extra = max(0.0, (opt["dtensor"] - opt["plain"]) / n)
-    return [unit, gather, bucket, dt_extra, per_param]
+    return [unit, gather, bucket, dt_extra, per_param, per_step]
 
 
 def _child(argv: list[str] | None = None) -> None:

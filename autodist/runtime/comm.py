@@ -184,7 +184,7 @@ class InFlight:
         if self.waited or work is None:  # waited for already, or nothing was issued
             return
         t0 = time.perf_counter()
-        with record_function(f"autodist::wait({self.label})"):
+        with profiled_range(f"autodist::wait({self.label})"):
             try:
                 work.wait()
             except RuntimeError as e:  # a peer died or the group timed out (DistBackendError too)
@@ -211,14 +211,30 @@ class InFlight:
         )
 
 
-@contextlib.contextmanager
-def _issuing(label: str) -> Iterator[None]:
+_NO_RANGE = contextlib.nullcontext()
+
+
+def profiled_range(label: str) -> contextlib.AbstractContextManager:
+    """A ``record_function`` range while a profiler records, else nothing: entering a range costs a
+    dispatcher call even with no profiler, and the runtime opens a few hundred a step on a model of
+    many small layers."""
+    return record_function(label) if torch.autograd._profiler_enabled() else _NO_RANGE
+
+
+def _issuing(label: str) -> contextlib.AbstractContextManager:
     """A profiler range around the backend call that issues a collective, and nothing else: what is
     allocated on this thread inside it is the backend's, owned by the work handle (see [Note: a
     backend's buffer freed out of sight] in ``autodist/measure/memory.py``). The wait carries the
     duration; see [Note: collectives issued under the profiler]. The work handle keeps no Python
     object alive; see [Note: a collective issued in backward outliving the interpreter]."""
-    with record_function(label), _untraced(), _without_python_tls():
+    if torch.autograd._profiler_enabled():
+        return _profiled_issuing(label)
+    return _WithoutPythonTLS()
+
+
+@contextlib.contextmanager
+def _profiled_issuing(label: str) -> Iterator[None]:
+    with record_function(label), _untraced(), _WithoutPythonTLS():
         yield
 
 
@@ -226,8 +242,7 @@ _TLS_KEYS = ("context",)
 _in_tls = getattr(torch._C, "_is_key_in_tls", None)
 
 
-@contextlib.contextmanager
-def _without_python_tls() -> Iterator[None]:
+class _WithoutPythonTLS:
     """Issue an asynchronous collective without the Python objects torch stashes in thread-local
     state.
 
@@ -245,16 +260,16 @@ def _without_python_tls() -> Iterator[None]:
     nothing from that object, so it is removed for the call and put back. Where these torch
     internals are absent, collectives are issued as they are.
     """
-    if _in_tls is None:
-        yield
-        return
-    held = [(k, torch._C._get_obj_in_tls(k)) for k in _TLS_KEYS if _in_tls(k)]
-    for k, _ in held:
-        torch._C._remove_obj_from_tls(k)
-    try:
-        yield
-    finally:
-        for k, obj in held:
+
+    __slots__ = ("held",)
+
+    def __enter__(self) -> None:
+        self.held = [(k, torch._C._get_obj_in_tls(k)) for k in _TLS_KEYS if _in_tls is not None and _in_tls(k)]
+        for k, _ in self.held:
+            torch._C._remove_obj_from_tls(k)
+
+    def __exit__(self, *exc: object) -> None:
+        for k, obj in self.held:
             torch._C._stash_obj_in_tls(k, obj)
 
 
@@ -426,6 +441,11 @@ class Comm:
             self.check_pg = _new_group(ranks, timeout, backend="gloo")
         else:
             self.gather_pg = self.reduce_pg = self.check_pg = self.group
+        # sharding over the whole group until shard_within() splits it (see [Note: hybrid sharding])
+        self.shard_size, self.shard_rank, self.replicas = self.world_size, self.rank, 1
+        self.scatter_pg: dist.ProcessGroup = self.reduce_pg
+        self.replicate_pg: dist.ProcessGroup | None = None
+        self._hybrid_pgs: list[dist.ProcessGroup] = []
         self._owns_groups = True
         self.stats = CommStats()
         self.sequence = CollectiveSequence()
@@ -436,13 +456,56 @@ class Comm:
         """A ``Comm`` on this one's process groups with statistics and a collective sequence of its
         own: it makes no group, and its :meth:`destroy` leaves the groups to this one."""
         twin = object.__new__(Comm)
-        for name in ("group", "backend", "rank", "world_size", "gather_pg", "reduce_pg", "check_pg"):
+        for name in (
+            "group", "backend", "rank", "world_size", "gather_pg", "reduce_pg", "check_pg",
+            "shard_size", "shard_rank", "replicas", "scatter_pg", "replicate_pg",
+        ):
             setattr(twin, name, getattr(self, name))
+        twin._hybrid_pgs = []
         twin._owns_groups = False
         twin.stats = CommStats()
         twin.sequence = CollectiveSequence()
         twin._check = None
         return twin
+
+    def shard_within(self, rows: list[list[int]]) -> None:
+        """Shard within groups of ranks and replicate across them (FSDP2's HSDP).
+
+        [Note: hybrid sharding] ``rows`` are the shard groups, global ranks, every one of the same
+        size and together the ranks of this ``Comm``'s group: row ``i``, column ``j`` of a 2-D
+        mesh of shape (replicas, shard_size). A sharded parameter is split over the ranks of this
+        rank's row only (its position in the row is its shard index, as DTensor's ``Shard(0)`` on
+        the mesh's last dimension has it). Gathers run over the row (``gather_pg``), gradients are
+        reduce-scattered over the row (``scatter_pg``, a group of its own so that the two streams
+        stay matched, see [Note: two process groups]) and the reduced shard is then all-reduced
+        over this rank's column (``replicate_pg``): every rank of a column holds the same shard.
+        Each gradient is divided by the whole world once, before the reduce-scatter, so the
+        result is the mean over every rank. Replicated buckets and everything else still run on
+        the whole group. A collective: every rank of the group calls it with the same rows."""
+        size = len(rows[0]) if rows else 0
+        members = sorted(r for row in rows for r in row)
+        if not rows or any(len(row) != size for row in rows) or members != sorted(dist.get_process_group_ranks(self.group)):
+            raise ValueError(
+                f"autodist: shard groups {rows} do not tile the ranks of the process group "
+                f"({dist.get_process_group_ranks(self.group)}) into groups of one size"
+            )
+        if size == self.world_size:
+            return
+        me = dist.get_rank()
+        row = next(r for r in rows if me in r)
+        j = row.index(me)
+        column = [r[j] for r in rows]
+        timeout = group_timeout(self.group)
+        if size > 1:
+            self.gather_pg = _new_group(row, timeout)
+            self.scatter_pg = _new_group(row, timeout)
+            self._hybrid_pgs += [self.gather_pg, self.scatter_pg]
+        else:
+            # a shard group of one rank gathers and scatters by a copy (no group needed)
+            self.gather_pg = self.scatter_pg = self.check_pg
+        self.replicate_pg = _new_group(column, timeout)
+        self._hybrid_pgs.append(self.replicate_pg)
+        self.shard_size, self.shard_rank, self.replicas = size, j, len(rows)
 
     def _record(self, kind: str, label: str) -> None:
         self.stats.record(kind, label)
@@ -454,7 +517,7 @@ class Comm:
         self.stats.on_demand_gathers += int(on_demand)
         self.stats.gathered_bytes += out.numel() * out.element_size()
         self._record("all_gather", label)
-        if self.world_size == 1:
+        if self.shard_size == 1:
             with _issuing(f"autodist::all_gather({label})"):
                 out.copy_(inp)
             return InFlight(None, (out, inp), label)
@@ -467,7 +530,7 @@ class Comm:
         self.stats.reduce_scatters += 1
         self.stats.reduced_bytes += inp.numel() * inp.element_size()
         self._record("reduce_scatter", label)
-        if self.world_size == 1:
+        if self.shard_size == 1:
             with _issuing(f"autodist::reduce_scatter({label})"):
                 out.copy_(inp.view(-1)[: out.numel()])
             return InFlight(None, (out, inp), label)
@@ -476,13 +539,25 @@ class Comm:
             # the list form reduces in place from views (measured: half the transient memory and
             # ~30% faster for 16 MiB shards on 2 ranks). It still allocates one output-sized buffer
             # of its own when issued, freed with the work handle.
-            chunks = list(inp.view(self.world_size, -1).unbind(0))
+            chunks = list(inp.view(self.shard_size, -1).unbind(0))
             with _issuing(f"autodist::reduce_scatter({label})"):
-                work: dist.Work | None = dist.reduce_scatter(out, chunks, group=self.reduce_pg, async_op=True)
+                work: dist.Work | None = dist.reduce_scatter(out, chunks, group=self.scatter_pg, async_op=True)
         else:
             with _issuing(f"autodist::reduce_scatter({label})"):
-                work = _reduce_scatter_flat(out, inp, group=self.reduce_pg, async_op=True)
+                work = _reduce_scatter_flat(out, inp, group=self.scatter_pg, async_op=True)
         return InFlight(work, (out, inp), f"reduce_scatter({label})", self.stats, self)
+
+    def all_reduce_replicas(self, buf: torch.Tensor, label: str) -> InFlight:
+        """All-reduce a reduce-scattered shard over the ranks holding the same shard (see [Note:
+        hybrid sharding]); nothing to do when there is one replica."""
+        if self.replicate_pg is None or self.replicas == 1:
+            return InFlight(None, (buf,), label)
+        self.stats.all_reduces += 1
+        self.stats.reduced_bytes += buf.numel() * buf.element_size()
+        self._record("all_reduce", f"{label}:replicas")
+        with _issuing(f"autodist::all_reduce({label}:replicas)"):
+            work = dist.all_reduce(buf, group=self.replicate_pg, async_op=True)
+        return InFlight(work, (buf,), f"all_reduce({label}:replicas)", self.stats, self)
 
     def all_reduce(self, buf: torch.Tensor, label: str) -> InFlight:
         self.stats.all_reduces += 1
@@ -505,7 +580,7 @@ class Comm:
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
         src_global = dist.get_global_rank(self.reduce_pg, src) if self.reduce_pg is not dist.group.WORLD else src
-        with record_function(f"autodist::broadcast({label})"):
+        with profiled_range(f"autodist::broadcast({label})"):
             for group in by_dtype.values():
                 if len(group) == 1 and group[0].is_contiguous():  # no flat copy of a lone tensor
                     self.stats.broadcasts += 1
@@ -538,7 +613,7 @@ class Comm:
             return
         streams = CollectiveSequence.STREAMS if interleaving else CollectiveSequence.STREAMS[:2]
         t = torch.tensor(seq.digest(streams), dtype=torch.int64)
-        with _without_python_tls():
+        with _WithoutPythonTLS():
             work = dist.all_reduce(t, group=self.check_pg, async_op=True)
         self._check = (work, t, list(seq.entries), interleaving)
         seq.reset()
@@ -642,10 +717,11 @@ class Comm:
         """Destroy the groups this ``Comm`` made and let go of them, ending their backend threads
         (see [Note: object exchanges and interpreter exit]); the ``Comm`` is not used afterwards."""
         if self.world_size > 1 and self._owns_groups:
-            for pg in (self.gather_pg, self.reduce_pg, self.check_pg):
+            for pg in dict.fromkeys([*self._hybrid_pgs, self.gather_pg, self.reduce_pg, self.check_pg]):
                 try:
                     dist.destroy_process_group(pg)
                 except (ValueError, RuntimeError):  # already destroyed with the default group
                     pass
-            del self.gather_pg, self.reduce_pg, self.check_pg
+            del self.gather_pg, self.reduce_pg, self.check_pg, self.scatter_pg, self.replicate_pg
+            self._hybrid_pgs = []
             self._owns_groups = False

@@ -66,7 +66,6 @@ import torch.optim.optimizer as optim_hooks
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
-from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
 from .._log import OnceLogger
@@ -86,11 +85,11 @@ from ..schedule import (
 from ..structure import ModelStructure
 from .backward import attach_post_backward, in_backward, outside_dispatch_modes
 from .buckets import install_reducer, maybe_rebuild_buckets
-from .comm import Comm
+from .comm import Comm, profiled_range
 from .gather import GatherGroupRuntime, GroupState
 from .offload import OffloadManager
 from .optimizers import adopt_optimizer, weak_optimizer_hook
-from .params import ManagedParam, allocate_shard_storage
+from .params import ManagedParam, allocate_shard_storage, refresh_casts
 from .precision import MixedPrecision, cast_floats
 from .recompute import BlockRecompute
 from .reducer import Reducer
@@ -158,7 +157,13 @@ class Engine:
         self._drop_global_hooks = False
         self.step_listeners: list = []  # called with the optimizer after each step over these parameters
 
-        world, rank = comm.world_size, comm.rank
+        if plan.world_size != comm.world_size or plan.shard_ranks != comm.shard_size:
+            raise ValueError(
+                f"the plan shards over {plan.shard_ranks} of {plan.world_size} ranks, but the process groups "
+                f"shard over {comm.shard_size} of {comm.world_size}; split them with Comm.shard_within first"
+            )
+        # a sharded parameter is split over this rank's shard group ([Note: hybrid sharding] in comm.py)
+        world, rank = comm.shard_size, comm.shard_rank
         placement = plan.placement_of_param
         self.use_dtensor = any(u.placement == "shard" for u in plan.units)
         compute_dtype = self.mp.param_dtype if self.mp else None
@@ -188,6 +193,20 @@ class Engine:
             id(p): weakref.ref(p) for name, p in original.items() if self.params[name].visible is not p
         }
         self._visible_map = {id(mp.visible): mp for mp in self.params.values()}
+        # the per-step loops touch only the parameters they concern (a loop over every parameter is
+        # per-step CPU time on a model of many small layers)
+        self._swapping = [mp for mp in self.params.values() if mp.needs_swap and mp.sharded]
+        self._cast_copies = [mp for mp in self.params.values() if mp.has_cast_copy]
+        # [Note: replicated parameters swap at the root] A replicated parameter whose autograd leaf is
+        # not the visible one (a compute-dtype copy under mixed precision, the plain tensor behind a
+        # DTensor) is registered at its sites for the whole root forward and for the whole backward
+        # (a recomputation reads it there), not around each module's forward: per-module hooks on a
+        # model of many small layers cost more CPU per step than the layers. A module called
+        # directly, outside the wrapper's forward, reads the visible parameter (the master weights,
+        # in their dtype). Sharded parameters still swap per module: their full values exist only
+        # while their group is gathered.
+        self._root_swaps = [mp for mp in self.params.values() if mp.needs_swap and not mp.sharded]
+        self._root_swapped = False
 
         self.unit_order = [u.name for u in plan.units]
         self.reducer = Reducer([])
@@ -266,6 +285,11 @@ class Engine:
         buckets, in-flight bound. Placement must stay as it is. Call between steps."""
         placement = {p: mp.placement for p, mp in self.params.items()}
         changed = [p for p, pl in plan.placement_of_param.items() if placement.get(p) != pl]
+        if plan.shard_ranks != self.plan.shard_ranks:
+            raise ValueError(
+                f"switch_plan cannot change shard_size ({self.plan.shard_size} to {plan.shard_size}); the shard "
+                "groups are fixed at wrap time"
+            )
         if changed:
             raise ValueError(
                 f"switch_plan cannot change placement (e.g. {changed[0]!r}); placement is fixed at wrap time"
@@ -353,7 +377,7 @@ class Engine:
                 if u not in units and module_of_unit.get(u) is not None:
                     units.append(u)
             params = [mp for u in units for mp in unit_params[u]]
-            swaps = [mp for mp in params if mp.needs_swap]
+            swaps = [mp for mp in params if mp.needs_swap and mp.sharded]
             groups: list[GatherGroupRuntime] = []
             for mp in params:
                 g = self.group_of_param.get(id(mp))
@@ -383,6 +407,7 @@ class Engine:
     def close(self) -> None:
         """Remove all hooks; wait for anything in flight; bring offloaded state back."""
         self.comm.finish_sequence_check()
+        self._swap_root(False)
         self.recompute.remove()
         self.offload.close()
         self.reducer.reset()
@@ -403,17 +428,34 @@ class Engine:
             args, kwargs = cast_floats(args, self.mp.param_dtype), cast_floats(kwargs, self.mp.param_dtype)
         if in_backward():  # the whole model is checkpointed and recomputed: the module hooks cope
             self.stats.recomputations += 1
+            self._on_backward_start()
             return self.module(*args, **kwargs)
         self._begin_step()
         self._fire(self._step.fwd_schedule, -1)
-        if self.observer is not None:
-            with self.observer.forward_context():
+        self._swap_root(True)
+        try:
+            if self.observer is not None:
+                with self.observer.forward_context():
+                    out = self.module(*args, **kwargs)
+                self.observer.forward_end(out)
+            else:
                 out = self.module(*args, **kwargs)
-            self.observer.forward_end(out)
-        else:
-            out = self.module(*args, **kwargs)
+        finally:
+            self._swap_root(False)
         self._end_forward(out)
         return out
+
+    def _swap_root(self, on: bool) -> None:
+        """Register the replicated parameters' autograd leaves (``on``) or the visible parameters at
+        their sites (see [Note: replicated parameters swap at the root])."""
+        if on == self._root_swapped:
+            return
+        for mp in self._root_swaps:
+            if on:
+                mp.register_full()
+            else:
+                mp.register_visible()
+        self._root_swapped = on
 
     def _begin_step(self) -> None:
         self.comm.finish_sequence_check()
@@ -426,8 +468,9 @@ class Engine:
             gen=self._next_gen(), sync=self.sync_enabled and grad, grad=grad,
             fwd_schedule=TriggerCursor(self._fwd_triggers),
         )
-        for mp in self.params.values():
+        for mp in self._swapping:
             mp.reset_swaps()
+        self._swap_root(False)
         for g in self.groups:
             g.recheck()
         self.reducer.begin(sync=self._step.sync)
@@ -460,9 +503,7 @@ class Engine:
             if bufs:
                 self.comm.broadcast_tensors(bufs, "buffers")
         self._buffers_due = self._step.sync
-        for mp in self.params.values():
-            if not mp.sharded:
-                mp.refresh_cast()
+        refresh_casts(self._cast_copies)
 
     def _end_forward(self, out: object) -> None:
         step = self._step
@@ -688,6 +729,7 @@ class Engine:
             return
         step.in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._swap_root(True)
         # Backward order: reverse of the order this step's forwards finished in; recomputed units
         # are first needed at their anchor (see [Note: prefetch triggers] and [Note: nested units]
         # in autodist/schedule.py).
@@ -700,6 +742,8 @@ class Engine:
         # checkpointing), accumulate their gradient once per recomputed region: reduce them at the
         # end of backward, when their gradient is final.
         step.deferred = {i for i in step.nograd_uses if step.uses.get(i, 0) > 1}
+        if step.sync:
+            self.reducer.attach_views(step.deferred)
 
     def _make_grad_hook(self, mp: ManagedParam):
         group = self.group_of_param.get(id(mp))
@@ -729,9 +773,10 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     def _end_backward(self) -> None:
         step = self._step
+        self._swap_root(False)
         if self.observer is not None:
             self.observer.backward_end()
-        with record_function("autodist::end_backward"):
+        with profiled_range("autodist::end_backward"):
             if step.sync:
                 missing = self.reducer.flush()
                 if missing:
@@ -763,7 +808,7 @@ class Engine:
             if g.residency != "persistent":
                 g.free()
             g.reset_step()
-        for mp in self.params.values():
+        for mp in self._swapping:
             mp.reset_swaps()
 
     def held_tensors(self) -> list[torch.Tensor]:

@@ -155,7 +155,7 @@ class GatherGroupRuntime:
             self.wait()
         if not force and not self.needs_gather():
             return False
-        world = self.comm.world_size
+        world = self.comm.shard_size  # the ranks a parameter is sharded over
         overwrite = self.state is GroupState.GATHERED  # see [Note: overwriting gathered parameters]
         self._versions = tuple(mp.version() for mp in self.params)
         self._fresh = False  # a write while the gather is in flight shows at the next check
@@ -190,7 +190,7 @@ class GatherGroupRuntime:
         """Finish an in-flight gather: copy each parameter's rows out of the gathered buffer."""
         if self.state is not GroupState.GATHERING:
             return
-        world = self.comm.world_size
+        world = self.comm.shard_size  # the ranks a parameter is sharded over
         for lay, inflight in zip(self.layouts, self._inflight):
             inflight.wait()
             if len(lay.params) == 1:

@@ -6,6 +6,9 @@ Each managed parameter has two faces:
   optimizer, ``clip_grad_norm_`` and checkpoints see. A plain tensor when every parameter of the
   model is replicated (exactly as under DDP); otherwise a DTensor (``Replicate()`` or ``Shard(0)``)
   on a 1-D mesh, as under FSDP2, so that norms and checkpoints over mixed placements are correct.
+  Under hybrid sharding the mesh is 2-D (replicas, shard group) and the placements are
+  ``(Replicate(), Shard(0))`` or ``(Replicate(), Replicate())``, as under FSDP2's HSDP; ``rank``
+  and ``world_size`` are then this rank's position in its shard group and that group's size.
 * ``full`` — the leaf tensor the forward computes with. For a replicated parameter without a
   compute-dtype cast it *is* ``visible`` (or shares its storage); for a sharded one it is a separate
   leaf whose storage is allocated when its gather group is gathered and released when it is freed.
@@ -35,6 +38,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from ..structure import ModelStructure, ParamInfo
 
@@ -52,7 +56,8 @@ def shard_geometry(shape: tuple[int, ...], world_size: int) -> tuple[int, int, i
 def allocate_shard_storage(
     plan: Plan, structure: ModelStructure, world: int, device: torch.device
 ) -> dict[str, torch.Tensor]:
-    """One flat buffer per dtype for all local shards, in plan unit order (see params.py)."""
+    """One flat buffer per dtype for all local shards, in plan unit order (see params.py);
+    ``world``: the ranks a parameter is sharded over (the shard group's size)."""
     order = [p for u in plan.units if u.placement == "shard" for p in u.params]
     sizes: dict[torch.dtype, int] = {}
     spans: dict[str, tuple[torch.dtype, int, int]] = {}
@@ -103,6 +108,9 @@ class ManagedParam:
         self.rank = rank
         self.mesh = mesh
         self.is_dtensor = use_dtensor
+        ndim = mesh.ndim if mesh is not None else 1
+        # a replicated dimension for the replicas of a hybrid mesh, then the shard dimension
+        self.placements: list[Placement] = [Replicate()] * (ndim - 1) + [Shard(0) if placement == "shard" else Replicate()]
         self.sites: list[tuple[nn.Module, str]] = []
         self._swaps = 0
         self.accum: torch.Tensor | None = None  # unsharded gradient accumulated in the reduce dtype
@@ -126,7 +134,7 @@ class ManagedParam:
                 self._master: torch.Tensor = self.visible
             else:
                 self.visible = nn.Parameter(
-                    DTensor.from_local(data, mesh, [Replicate()], run_check=False),
+                    DTensor.from_local(data, mesh, self.placements, run_check=False),
                     requires_grad=original.requires_grad,
                 )
                 self._master = data  # shares storage (and version counter) with visible's local tensor
@@ -164,7 +172,7 @@ class ManagedParam:
         self.local = local
         self.visible = nn.Parameter(
             DTensor.from_local(
-                local, mesh, [Shard(0)], run_check=False, shape=torch.Size(self.shape),
+                local, mesh, self.placements, run_check=False, shape=torch.Size(self.shape),
                 stride=_contiguous_stride(self.shape),
             ),
             requires_grad=original.requires_grad,
@@ -210,9 +218,8 @@ class ManagedParam:
         """``grad`` (this rank's part) as the visible gradient type: a DTensor like the parameter."""
         if not self.is_dtensor:
             return grad
-        placements = [Shard(0)] if self.sharded else [Replicate()]
         return DTensor.from_local(
-            grad, self.mesh, placements, run_check=False, shape=torch.Size(self.shape), stride=_contiguous_stride(self.shape)
+            grad, self.mesh, self.placements, run_check=False, shape=torch.Size(self.shape), stride=_contiguous_stride(self.shape)
         )
 
     def stash_full_grad(self, dtype: torch.dtype) -> None:
@@ -281,22 +288,18 @@ class ManagedParam:
         return self._full_padded.data.view(self.world_size, self.shard_numel)
 
     # -- replicated compute-dtype copy -------------------------------------------------------
+    @property
+    def has_cast_copy(self) -> bool:
+        """A replicated parameter computed in another dtype: ``full`` is its cast copy."""
+        return self._cast_version is not None
+
     def mark_stale(self) -> None:
         if self._cast_version is not None:
             self._cast_version = -1
 
     def refresh_cast(self) -> None:
         """Re-cast the replicated master into the low-precision compute copy if it changed."""
-        if self._cast_version is None or self.sharded:
-            return
-        v = self.version()
-        if v != self._cast_version:
-            storage = self.full.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(self.full.numel() * self.full.element_size())
-            with torch.no_grad():
-                self.full.data.copy_(self._master)
-            self._cast_version = v
+        refresh_casts([self])
 
     def release_cast(self) -> None:
         """Drop the replicated compute copy before the optimizer step makes it stale: between steps
@@ -348,3 +351,22 @@ class ManagedParam:
         the DTensor wrapper's counter, not its local tensor's, so staleness is read here.
         """
         return self.visible._version
+
+
+def refresh_casts(params: list[ManagedParam]) -> None:
+    """Re-cast every stale compute copy among ``params`` (replicated parameters with a cast copy)
+    from its master, in one ``_foreach_copy_``: a model of many small layers would otherwise issue
+    one copy from Python per parameter per step."""
+    stale = [mp for mp in params if mp._cast_version is not None and not mp.sharded and mp.version() != mp._cast_version]
+    if not stale:
+        return
+    for mp in stale:
+        storage = mp.full.untyped_storage()
+        if storage.nbytes() == 0:  # released before the last optimizer step (``release_cast``)
+            storage.resize_(mp.full.numel() * mp.full.element_size())
+    with torch.no_grad():
+        # ``.data``: the cast copy's own version counter is not bumped (no graph reads it yet)
+        torch._foreach_copy_([mp.full.data for mp in stale], [mp._master for mp in stale])
+    for mp in stale:
+        mp._cast_version = mp.version()
+

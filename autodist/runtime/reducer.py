@@ -20,6 +20,19 @@ simulator's accounting — gradients are the bucket — holds). A later accumula
 checkpointing) then adds into the view in place, before the bucket launches. A gradient the user kept is already reduced and identical on all ranks, so averaging
 ``old + new_r`` over ranks yields ``old + mean(new)`` — the accumulation DDP gives. A sharded bucket
 reduce-scatters into a fresh output buffer each step; existing local gradients are added to.
+
+[Note: views attached before backward] Copying each gradient into its bucket costs a tensor operation
+issued from Python per parameter, in the hook, on the issuing thread: on a model of many small
+layers that is a large part of the step (DDP does it in C++). So when a backward that synchronises
+begins, a replicated parameter whose ``.grad`` is ``None`` (the user called ``zero_grad()``) gets its
+zeroed slot view as ``.grad`` (one ``_foreach_zero_`` per bucket), and autograd's AccumulateGrad adds
+the gradient into it in place (in C++): the hook then only counts it. The views are attached at the
+start of backward, not of forward, so a ``zero_grad()`` between forward and backward does not undo
+them, and the user never sees ``.grad`` change before backward. Not attached: parameters whose
+gradient dtype differs from the bucket's (a cast is needed), DTensor parameters (an in-place add on a
+DTensor gradient is dispatched in Python), and parameters reduced at the end of backward (reentrant
+checkpointing of a shared parameter). A slot attached and unused on every rank gets ``None`` back
+after the reduction, as if nothing had been attached.
 """
 
 from __future__ import annotations
@@ -56,7 +69,10 @@ class BucketRuntime:
         self.dtype = reduce_dtype
         self.comm = comm
         self.device = device
-        self.world = comm.world_size
+        # the ranks a reduce-scatter spans (the shard group) and the ranks every gradient is averaged
+        # over (all of them; see [Note: hybrid sharding] in comm.py)
+        self.world = comm.shard_size if op == "reduce_scatter" else comm.world_size
+        self.divisor = comm.world_size
         self.n = len(params)
         self.label = f"bucket{index}"
         if op == "all_reduce":
@@ -84,6 +100,13 @@ class BucketRuntime:
             self.buffer.untyped_storage().resize_(0)
         self._grad_objs: list[torch.Tensor | None] = [None] * self.n
         self._saved: dict[int, torch.Tensor] = {}
+        # the slots that may hold their view as ``.grad`` before backward (see [Note: views attached
+        # before backward])
+        self._attachable = [
+            i for i, mp in enumerate(params)
+            if op == "all_reduce" and not mp.needs_swap and not mp.is_dtensor and mp.dtype == reduce_dtype
+            and mp.requires_grad
+        ]
         self.reset()
 
     def release_if_unused(self) -> None:
@@ -117,13 +140,32 @@ class BucketRuntime:
             obj = self._grad_objs[slot] = mp.wrap_local_grad(self.views[slot])
         return obj
 
+    def attach_views(self, skip: set[int]) -> None:
+        """Make the zeroed slot view the ``.grad`` of every attachable parameter that has none
+        (``skip``: ids of parameters not to attach). See [Note: views attached before backward]."""
+        todo = [i for i in self._attachable if self.params[i].visible.grad is None and id(self.params[i]) not in skip]
+        if not todo:
+            return
+        views = self.views
+        with torch.no_grad():
+            torch._foreach_zero_([views[i] for i in todo])
+        objs = self._grad_objs
+        for i in todo:
+            obj = objs[i]
+            if obj is None:
+                obj = objs[i] = views[i]
+            self.params[i].visible.grad = obj
+            self.attached[i] = True
+
     def reset(self) -> None:
+        self.attached = [False] * self.n
         self.ready = [False] * self.n
         self.action = [_SET] * self.n
         self.pending = self.n
         self.launched = False
         self.all_local = True
         self.inflight: InFlight | None = None
+        self.replicas_due = False  # a reduce-scatter in flight whose shard is still to be all-reduced
         self._input: torch.Tensor | None = None
         self._deferred: list[tuple[int, torch.Tensor]] = []
         self._deferred_bytes = 0
@@ -177,7 +219,7 @@ class BucketRuntime:
             view = self.views[slot]
             if not mp.needs_swap:
                 g = mp.visible.grad  # autograd accumulated straight into the visible parameter
-                if self._is_slot_view(g, slot):
+                if (g is not None and g is self._grad_objs[slot]) or self._is_slot_view(g, slot):
                     self.action[slot] = _KEEP
                 else:
                     view.copy_(self._arrived(g, mp))
@@ -297,25 +339,38 @@ class BucketRuntime:
             self.inflight = self.comm.all_reduce(self.buffer, self.label)
         else:
             inp = self._rs_input()
-            if self.world > 1:
-                inp.div_(self.world)
+            if self.divisor > 1:
+                inp.div_(self.divisor)
             for slot, mp in enumerate(self.params):
                 if not self.ready[slot] and self._is_slot_view(mp.local_grad(), slot):
                     self._saved[slot] = self.views[slot].clone()  # a kept gradient of an unused parameter
                     self.action[slot] = _RESTORE
             self._ensure_buffer()
             self.inflight = self.comm.reduce_scatter(self.buffer, inp.view(-1), self.label)
+            self.replicas_due = self.comm.replicas > 1
             self._input = None  # the InFlight owns it now
         self.launched = True
         if self.record is not None:
             self.record("reduce", self.index)
         return missing
 
+    def advance(self) -> None:
+        """Under hybrid sharding: once the reduce-scatter is done, all-reduce the shard across the
+        replicas (see [Note: hybrid sharding] in comm.py). Buckets advance in bucket order on every
+        rank, so the all-reduces pair across ranks. Nothing to do otherwise."""
+        if not self.replicas_due or self.inflight is None:
+            return
+        self.replicas_due = False
+        self.inflight.wait()
+        release(self.inflight.buffers[1])  # the input, this launch's own
+        self.inflight = self.comm.all_reduce_replicas(self.buffer, self.label)
+
     def finish(self) -> None:
         """Wait for the collective and hand each parameter its reduced gradient."""
         assert self.inflight is not None, "finish() before launch()"
+        self.advance()
         self.inflight.wait()
-        if self.op == "reduce_scatter":
+        if self.op == "reduce_scatter" and self.comm.replicas == 1:  # (with replicas, advance() released it)
             release(self.inflight.buffers[1])  # the input, this launch's own
         views = self.views
         used = [True] * self.n if self.all_local else (self.buffer[self.total :] > 0).tolist()
@@ -325,7 +380,11 @@ class BucketRuntime:
                 if act == _RESTORE:
                     views[slot].add_(self._saved.pop(slot))
                     continue
-                if not used[slot] or act == _KEEP:
+                if not used[slot]:
+                    if self.attached[slot] and mp.visible.grad is self._grad_objs[slot]:
+                        mp.visible.grad = None  # unused on every rank: as if nothing had been attached
+                    continue
+                if act == _KEEP:
                     continue
                 if act == _SET:
                     obj = self.grad_obj(slot)
@@ -375,6 +434,12 @@ class Reducer:
         self._active = {id(b) for b in self.active}
         self.next_launch = 0
         self.next_finish = 0
+
+    def attach_views(self, skip: set[int]) -> None:
+        """At the start of a backward that synchronises: see [Note: views attached before backward]."""
+        for b in self.active:
+            if b._attachable:
+                b.attach_views(skip)
 
     def takes(self, mp: ManagedParam) -> bool:
         """Whether ``mp``'s gradient is reduced in this backward."""
@@ -434,6 +499,8 @@ class Reducer:
         while self.next_launch < len(self.active):
             missing.extend(self.active[self.next_launch].launch())
             self.next_launch += 1
+        for b in self.active[self.next_finish :]:
+            b.advance()  # hybrid sharding: every all-reduce across replicas in flight before waiting for one
         for b in self.active[self.next_finish :]:
             b.finish()
         self.reset()

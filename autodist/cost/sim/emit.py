@@ -192,7 +192,8 @@ class StepEmitter:
         if micro == 0:
             self.reductions.release_carried()
         self.offload.finish_out()
-        out.emit((COMPUTE, prof.pre_fwd_s, "forward", 0))
+        # the runtime's fixed work per step (a comm model measured before this figure existed has none)
+        out.emit((COMPUTE, prof.pre_fwd_s + self.sim.comm.overhead.get("per_step_s", 0.0), "forward", 0))
         fcur = TriggerCursor(self.fwd_trig)
         gathers.fire(fcur, -1)
         used_by: dict[str, list[Group]] = {}

@@ -120,7 +120,7 @@ class Gathers:
         if cost:
             out.emit((COMPUTE, cost, "gather bookkeeping", 0))
         # the backend writes the gathered tensor into memory allocated for it now
-        secs = sim._time("all_gather", grp.msg_bytes) + grp.landing_s
+        secs = sim._time_at("all_gather", grp.msg_bytes, sim.shard_world) + grp.landing_s
         grp.op = out.add_op(CommOp("all_gather", f"gather {grp.units[0]}", grp.msg_bytes, secs, int(self.t_ag * grp.msg_bytes)))
         grp.state = "issued"
         out.log.add("gather", grp.label)
@@ -238,7 +238,7 @@ class Gathers:
         out = self.out
         persistent_full = 0
         for grp in (g for g in self.groups if g.residency == "persistent"):  # in plan order, as the runtime issues them
-            secs = self.sim._time("all_gather", grp.msg_bytes)
+            secs = self.sim._time_at("all_gather", grp.msg_bytes, self.sim.shard_world)
             staging = int(self.t_ag * grp.msg_bytes)
             grp.op = out.add_op(CommOp("all_gather", f"refresh {grp.units[0]}", grp.msg_bytes, secs, 0,
                                        end_bytes=-staging, end_category=COMM))

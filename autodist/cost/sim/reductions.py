@@ -53,7 +53,7 @@ class Reductions:
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[str, Bucket] = {}
         self.static_bytes = 0  # the persistent all-reduce buffers (gradients are views of them)
-        world = sim.world
+        world = sim.shard_world  # a reduce-scatter spans the shard group
         for bi, b in enumerate(plan.buckets):
             n = len(b.params)
             if b.op == "all_reduce":
@@ -126,7 +126,9 @@ class Reductions:
             else:
                 out.emit((MEM, bk.out_bytes, GRADIENTS))
                 bk.out_live = True
-            secs = sim._time("reduce_scatter", bk.msg_bytes)
+            secs = sim._time_at("reduce_scatter", bk.msg_bytes, sim.shard_world)
+            if sim.shard_world < sim.world:  # hybrid sharding: then the shard is all-reduced across the replicas
+                secs += sim._time_at("all_reduce", bk.out_bytes, sim.world // sim.shard_world)
             # [Note: reduce-scatter staging] the backend's own buffer (gloo: one shard-sized
             # message, allocated when the collective is issued) belongs to its work object, which
             # the runtime drops at the wait, not when the collective completes: it is held from

@@ -1,0 +1,537 @@
+"""Hybrid sharding (issue 44, FSDP2's HSDP): sharded units split within shard groups and replicated
+across them, on 4 gloo ranks as a 2 x 2 mesh, against the single-process reference (tests/parity.py)
+under every residency, with gradient accumulation (both modes) and recomputation; asked for by a
+2-D DeviceMesh, by ``shard_size=``, by ``shard_size="node"`` (torchrun's ``LOCAL_WORLD_SIZE``) or by
+the plan itself; refused with one clear error where it cannot hold; checkpoints saved and loaded
+across shard sizes and world sizes; the simulator's collectives in the runtime's order.
+
+Tolerance: float32 as test_shard (2e-5). The MLP's 37-, 29- and 7-row layers split unevenly over a
+shard group of 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from parity import Case, check_cases, run_case
+
+ATOL = 2e-5
+
+
+def _on_mesh(cases: list[Case], shape: tuple[int, int], how: str) -> list[dict]:
+    """Run ``cases`` on this rank, hybrid sharding over a mesh of ``shape`` asked for ``how``:
+    ``"mesh"`` (a 2-D DeviceMesh) or ``"shard_size"`` (the keyword)."""
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")) if how == "mesh" else None
+    out = []
+    for c in cases:
+        extra = dict(c.extra)
+        if mesh is not None:
+            extra["mesh"] = mesh
+        else:
+            extra["shard_size"] = shape[1]
+        out.append(run_case(replace(c, extra=extra)))
+    return out
+
+
+def _offload_plan():
+    """fsdp over 2 x 2 with every parameter's AdamW ``exp_avg`` (its shard in a group of 2) on the host."""
+    import models
+    from autodist.builtins import fsdp_plan
+    from autodist.plan import OffloadFragment
+    from autodist.structure import discover
+
+    s = discover(models.make("mlp"))
+
+    def shard(p: str) -> int:
+        rows = s.params[p].shape[0]
+        return -(-rows // 2) * (s.params[p].numel // rows)
+
+    frags = [OffloadFragment(p, "exp_avg", (0, shard(p)), "step", "step") for p in s.trainable]
+    return replace(fsdp_plan(s, 4), shard_size=2, offload=frags)
+
+
+PARITY = {
+    "after_forward": Case(model="mlp", plan={"residency": "after_forward"}),
+    "after_backward": Case(model="mlp", plan={"residency": "after_backward", "grouping": "all", "buckets": "one"}),
+    "persistent-adamw": Case(model="mlp", plan={"residency": "persistent"}, optim="adamw"),
+    "fsdp-builtin": Case(model="mlp", plan="fsdp"),
+    "zero2-builtin-adamw-clip": Case(model="mlp", plan="zero2", optim="adamw", clip=0.05),
+    "mixed-placement": Case(model="mlp", plan={"placement": "mixed", "window": 2}),
+    "accumulate-unsharded-af": Case(model="mlp", plan={"residency": "after_forward", "accumulate": "unsharded"}, accumulate=3),
+    "accumulate-sharded-ab": Case(model="mlp", plan={"residency": "after_backward", "accumulate": "sharded"}, accumulate=2),
+    "accumulate-sharded-persistent": Case(model="mlp", plan={"residency": "persistent", "accumulate": "sharded"}, accumulate=2),
+    "gpt-recompute-af": Case(model="gpt", plan={"grouping": "block", "recompute": "all"}, per_rank=2),
+    "gpt-recompute-persistent-accumulate": Case(
+        model="gpt", plan={"grouping": "block", "residency": "persistent", "recompute": "all", "accumulate": "sharded"},
+        per_rank=2, accumulate=2,
+    ),
+    "gpt-ckpt-reentrant-fsdp": Case(model="gpt-ckpt-reentrant", plan="fsdp", per_rank=2),
+    "unused-parameters": Case(model="unused", plan="fsdp"),
+    "frozen-parameters": Case(model="frozen", plan={"residency": "after_backward"}),
+    "batchnorm-mixed": Case(model="convbn", plan={"placement": "mixed"}),
+    "meta-device-fsdp": Case(model="gpt", plan="fsdp", per_rank=2, meta=True),
+    "offload-adamw": Case(model="mlp", plan=_offload_plan(), optim="adamw"),
+}
+BF16 = {"bf16-fsdp": Case(model="mlp", plan="fsdp", bf16=True), "bf16-persistent": Case(model="mlp", plan={"residency": "persistent"}, bf16=True)}
+
+
+@pytest.mark.parametrize("how", ["mesh", "shard_size"])
+def test_hybrid_matches_single_process_on_2x2(world4, how):
+    names = list(PARITY) + list(BF16)
+    results = world4.run(_on_mesh, [{**PARITY, **BF16}[n] for n in names], (2, 2), how, timeout=900)
+    check_cases([r[: len(PARITY)] for r in results], list(PARITY), atol=ATOL)
+    # bf16 compute, float32 reduction: as test_shard's bf16 tolerance
+    check_cases([r[len(PARITY) :] for r in results], list(BF16), atol=3e-2)
+    for rank_results in results:
+        for name, r in zip(names, rank_results):
+            # the shards are all-reduced across the 2 replicas: hybrid sharding was in force
+            assert r["stats"]["all_reduces"] > 0, (name, r["stats"])
+            if name.startswith("meta"):  # materialised as the CPU build
+                assert r["initial"] == {"differing": [], "rng_as_after_cpu_build": True}, r["initial"]
+
+
+def _layout(how: str) -> dict:
+    """What a hybrid fsdp plan puts on this rank: the mesh, each parameter's placements and local
+    shape, and the reductions of one backward."""
+    import os
+
+    import models
+    from autodist import AutoDist
+
+    kwargs: dict = {}
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    if how == "mesh":
+        kwargs["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    elif how == "node":
+        os.environ["LOCAL_WORLD_SIZE"] = "2"  # as torchrun sets it for 2 nodes of 2 ranks
+        kwargs["shard_size"] = "node"
+    elif how == "plan":
+        from parity import make_plan
+
+        plan = make_plan(models.make("mlp"), 4, residency="after_backward")
+        kwargs["plan"] = replace(plan, shard_size=2)
+    try:
+        m = AutoDist(models.make("mlp"), **{"plan": "fsdp", **kwargs})
+    finally:
+        if saved is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(dist.get_rank()))
+    m.runtime.comm.stats.log = log = []
+    models.loss_fn("mlp", m(x), y).backward()
+    out = {
+        "reductions": [(kind, label) for kind, label in log if kind != "all_gather"],
+        "shard_size": m.plan.shard_size,
+        "mesh": tuple(m.mesh.shape),
+        "mesh_rows": m.mesh.mesh.tolist(),
+        "params": {n: ([str(pl) for pl in p.placements], tuple(p.to_local().shape), tuple(p.grad.to_local().shape))
+                   for n, p in m.named_parameters()},
+    }
+    m.close()
+    return out
+
+
+@pytest.mark.parametrize("how", ["mesh", "node", "plan"])
+def test_parameters_are_dtensors_sharded_within_the_group_and_replicated_across(world4, how):
+    layouts = world4.run(_layout, how, timeout=300)
+    for rank, lay in enumerate(layouts):
+        assert lay["shard_size"] == 2 and lay["mesh"] == (2, 2) and lay["mesh_rows"] == [[0, 1], [2, 3]], lay
+        shard_index = rank % 2
+        for name, (placements, local, grad_local) in lay["params"].items():
+            assert placements == ["R", "S(0)"], (name, placements)
+            rows = {"layers.0.weight": 37, "layers.0.bias": 37}.get(name)
+            if rows is not None:  # 37 rows over a shard group of 2: 19 and 18
+                assert local[0] == (19 if shard_index == 0 else 18), (name, rank, local)
+            assert grad_local == local, (name, grad_local, local)
+        # each bucket's shard is all-reduced across the replicas after its reduce-scatter, in bucket order
+        scatters = [label for kind, label in lay["reductions"] if kind == "reduce_scatter"]
+        replicas = [label.removesuffix(":replicas") for kind, label in lay["reductions"] if kind == "all_reduce"]
+        assert scatters and replicas == scatters, lay["reductions"]
+        for b in scatters:
+            assert lay["reductions"].index(("reduce_scatter", b)) < lay["reductions"].index(("all_reduce", f"{b}:replicas"))
+    # ranks at the same place of their groups hold the same shard, the two places different ones
+    assert layouts[0]["params"] == layouts[2]["params"] and layouts[1]["params"] == layouts[3]["params"]
+    assert layouts[0]["params"] != layouts[1]["params"]
+
+
+# ---- the plan field and the errors --------------------------------------------------------------
+
+
+def test_shard_size_round_trips_and_leaves_whole_world_plans_as_they_were():
+    import models
+    from autodist.plan import Plan, validate_plan
+    from autodist.structure import discover
+    from parity import make_plan
+
+    plan = make_plan(models.make("mlp"), 4)
+    assert "shard_size" not in plan.to_dict()  # a whole-world plan is written (and hashed) as before
+    hybrid = replace(plan, shard_size=2)
+    again = Plan.from_json(hybrid.to_json())
+    assert again.shard_size == 2 and again.shard_ranks == 2 and again.hybrid
+    assert again.hash() == hybrid.hash() != plan.hash()
+    validate_plan(again, discover(models.make("mlp")), world_size=4)
+    from autodist.report import render_plan
+
+    assert "shard groups            2 of 2 ranks (sharded within each, replicated across)" in render_plan(again, "p.json")
+    assert "shard groups" not in render_plan(plan, "p.json")
+
+
+@pytest.mark.parametrize(
+    "value,says",
+    [
+        (3, "shard_size = 3 does not divide world_size = 4: the ranks are split into shard groups of shard_size "
+            "ranks that replicate each other; use one of [1, 2, 4]"),
+        (0, "shard_size: expected a positive number of ranks or null (the whole world), got 0"),
+        ("node", 'shard_size: expected a positive number of ranks or null (the whole world), got "node"'),
+    ],
+)
+def test_a_bad_shard_size_in_a_plan_is_refused_naming_the_fix(value, says):
+    import models
+    from autodist.errors import PlanError
+    from autodist.plan import Plan, validate_plan
+    from autodist.structure import discover
+    from parity import make_plan
+
+    d = make_plan(models.make("mlp"), 4).to_dict()
+    d["shard_size"] = value
+    with pytest.raises(PlanError) as e:
+        validate_plan(Plan.from_dict(d), discover(models.make("mlp")), world_size=4)
+    assert says in str(e.value)
+
+
+def _refusals() -> dict:
+    import os
+
+    import models
+    from autodist import AutoDist
+    from parity import make_plan
+
+    plan2 = replace(make_plan(models.make("mlp"), 4), shard_size=2)
+    attempts = {
+        "shard_size does not divide": lambda: AutoDist(models.make("mlp"), plan="fsdp", shard_size=3),
+        "shard_size not a number": lambda: AutoDist(models.make("mlp"), plan="fsdp", shard_size="half"),
+        "mesh and shard_size differ": lambda: AutoDist(
+            models.make("mlp"), plan="fsdp", shard_size=4, mesh=init_device_mesh("cpu", (2, 2))),
+        "plan and mesh differ": lambda: AutoDist(models.make("mlp"), plan=plan2, mesh=init_device_mesh("cpu", (1, 4))),
+        "plan and shard_size differ": lambda: AutoDist(models.make("mlp"), plan=plan2, shard_size=1),
+        "auto with a 2-D mesh": lambda: AutoDist(models.make("mlp"), mesh=init_device_mesh("cpu", (2, 2))),
+        "3-D mesh": lambda: AutoDist(models.make("mlp"), plan="fsdp", mesh=init_device_mesh("cpu", (1, 2, 2))),
+    }
+    out = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            out[name] = None
+        except Exception as e:
+            out[name] = {"type": type(e).__name__, "code": getattr(e, "code", None)}
+    try:
+        AutoDist(models.make("mlp"), plan="fsdp", shard_size=4 if dist.get_rank() == 3 else 2)
+        out["ranks differ"] = None
+    except Exception as e:
+        out["ranks differ"] = {"type": type(e).__name__, "code": getattr(e, "code", None)}
+    saved = os.environ.pop("LOCAL_WORLD_SIZE")
+    try:
+        AutoDist(models.make("mlp"), plan="fsdp", shard_size="node")
+        out["node without torchrun"] = None
+    except Exception as e:
+        out["node without torchrun"] = {"type": type(e).__name__, "code": getattr(e, "code", None)}
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = saved
+    return out
+
+
+REFUSALS = {
+    "shard_size does not divide": "ValueError: shard_size=3 does not divide the world size 4: shard groups must tile "
+                                  "the ranks; pass a divisor of 4, or a 2-D mesh",
+    "shard_size not a number": "ValueError: shard_size must be a positive number of ranks, 'node' or None; got 'half'",
+    "mesh and shard_size differ": "ValueError: shard_size=4 but the 2-D mesh (2, 2) shards over its last dimension, "
+                                  "of 2 ranks; drop shard_size (the mesh decides) or pass a mesh of shape (replicas, 4)",
+    "plan and mesh differ": "autodist.errors.PlanError: invalid plan: shard_size: the plan shards over groups of 2 "
+                            "ranks but the 2-D mesh's shard dimension has 4",
+    "plan and shard_size differ": "autodist.errors.PlanError: invalid plan: shard_size: the plan shards over groups "
+                                  "of 2 ranks but shard_size=1 was asked for",
+    "auto with a 2-D mesh": "autodist.errors.PlanError: invalid plan: plan='auto' does not search hybrid sharding yet",
+    "3-D mesh": "ValueError: AutoDist runs on a 1-D DeviceMesh, or a 2-D one of shape (replicas, shard group) for "
+                "hybrid sharding; got a 3-D mesh",
+    "ranks differ": "ValueError: ranks asked for shard groups of different sizes (rank 0: 2, rank 1: 2, rank 2: 2, "
+                    "rank 3: 4); shard groups must be of one size",
+    "node without torchrun": "ValueError: shard_size='node' shards within the ranks of one node, which torchrun "
+                             "gives as LOCAL_WORLD_SIZE; it is not set here",
+}
+
+
+def test_hybrid_arguments_that_cannot_hold_are_one_error_on_every_rank(world4):
+    results = world4.run(_refusals, timeout=300)
+    for name, says in REFUSALS.items():
+        got0 = results[0][name]
+        assert got0 is not None and str(got0["code"]).startswith(says), (name, got0)
+        for r in results[1:]:  # the other ranks exit quietly with the same error type
+            assert r[name] is not None and r[name]["type"] == got0["type"] and r[name]["code"] == 1, (name, r[name])
+
+
+# ---- the simulator prices a hybrid plan with the one-level comm model ---------------------------
+
+
+def test_the_simulator_prices_hybrid_collectives_at_the_shard_group_and_across_replicas():
+    """On 4 ranks as 2 x 2: each all-gather and reduce-scatter costs what it costs over 2 ranks, the
+    shard's all-reduce across the 2 replicas is added to its reduction, and a rank holds half of each
+    parameter (not a quarter). With the analytic (ring) model both are exact, to the byte the
+    scaled message is rounded to."""
+    import models
+    from autodist.cost.comm import CommModel
+    from autodist.cost.profile import static_profile
+    from autodist.cost.simulator import Simulator
+    from autodist.structure import discover
+    from parity import make_plan
+
+    structure = discover(models.make("mlp"))
+    link = {"bandwidth_bytes_s": 1e9, "latency_s": 1e-4}
+    on4, on2 = CommModel.analytic(4, **link), CommModel.analytic(2, **link)
+    sim = Simulator(static_profile(structure), structure, on4, world_size=4)
+    plan = make_plan(models.make("mlp"), 4, buckets="per_param")
+    full, hybrid = sim.compile(plan), sim.compile(replace(plan, shard_size=2))
+    gathers = [op for op in hybrid.ops if op.kind == "all_gather"]
+    scatters = [op for op in hybrid.ops if op.kind == "reduce_scatter"]
+    assert gathers and scatters
+    for op in gathers:
+        assert op.seconds == pytest.approx(on2.time("all_gather", op.nbytes), abs=1e-9)  # a byte: rounding
+    sim2 = sim.sharded_over(2)
+    for op in scatters:
+        b = plan.buckets[int(op.label.removeprefix("bucket"))]
+        shard = sum(sim2.shard_numel[p] * 4 for p in b.params) + 4 * len(b.params)
+        assert op.nbytes == 2 * shard
+        want = on2.time("reduce_scatter", op.nbytes) + on2.time("all_reduce", shard)
+        assert op.seconds == pytest.approx(want, abs=2e-9)
+    # the 37-row layer: 19 rows of 13 per rank in groups of 2, 10 over the whole world of 4
+    assert sim2.shard_numel["layers.0.weight"] == 19 * 13 and sim.shard_numel["layers.0.weight"] == 10 * 13
+    assert sum(op.nbytes for op in gathers) > sum(op.nbytes for op in full.ops if op.kind == "all_gather") * 0.9
+    assert hybrid.static[0] > full.static[0]  # parameters: half of each rather than a quarter
+
+
+# ---- one schedule: the runtime carries out what the simulator compiled ---------------------------
+
+AGREEMENT = {
+    "fsdp": ("gpt", "fsdp", 1),
+    "persistent": ("gpt", {"residency": "persistent", "grouping": "block"}, 1),
+    "after-backward-per-unit": ("mlp", {"residency": "after_backward", "grouping": "unit", "buckets": "per_param"}, 1),
+    "mixed": ("mlp", {"placement": "mixed", "grouping": "unit"}, 1),
+    "recompute-accumulate-sharded": ("gpt", {"grouping": "block", "recompute": "all", "accumulate": "sharded"}, 2),
+    "random1": ("gpt", {"random": 1}, 1),
+}
+
+
+def _hybrid_plan(model_name: str, spec, world: int, shard_size: int):
+    import models
+    from autodist.builtins import builtin_plan
+    from autodist.structure import discover
+    from parity import make_plan, random_plan
+
+    base = models.make(model_name)
+    if isinstance(spec, str):
+        plan = builtin_plan(spec, discover(base), world)
+    elif "random" in spec:
+        plan = random_plan(base, world, spec["random"])
+    else:
+        plan = make_plan(base, world, **spec)
+    return replace(plan, shard_size=shard_size)
+
+
+@pytest.mark.parametrize("name", list(AGREEMENT))
+def test_the_runtime_carries_out_the_simulated_hybrid_schedule(world4, name):
+    from test_schedule import runtime_and_simulated_actions
+
+    model_name, spec, micro = AGREEMENT[name]
+    plan = _hybrid_plan(model_name, spec, 4, 2)
+    for ran, simulated, deviations, _ in world4.run(runtime_and_simulated_actions, model_name, plan, micro, timeout=300):
+        assert not deviations
+        assert ran == simulated, "\n".join(
+            f"{i}: ran {a} simulated {b}" for i, (a, b) in enumerate(zip(ran + [None] * 99, simulated + [None] * 99)) if a != b
+        )[:2000]
+
+
+# ---- checkpoints across shard sizes and world sizes ----------------------------------------------
+
+GLOBAL_BATCH = 8
+
+
+def _ckpt_build(plan, shard_size, seed):
+    import models
+    from autodist import AutoDist
+    from parity import make_plan
+
+    world = dist.get_world_size()
+    spec = make_plan(models.make("mlp"), world, **plan) if isinstance(plan, dict) else plan
+    m = AutoDist(models.make("mlp", seed=seed), plan=spec, shard_size=shard_size)
+    assert m.plan.shard_ranks == (shard_size or world)
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _ckpt_train(m, opt, gen, steps):
+    import models
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = GLOBAL_BATCH // world
+    for _ in range(steps):
+        x, y = models.batch("mlp", GLOBAL_BATCH, gen)
+        models.loss_fn("mlp", m(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _ckpt_targets(m, opt, via_module):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(m.module if via_module else m), "optim": get_optimizer_state_dict(m, opt)}
+
+
+def _ckpt_full_optim(m, opt):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    sd = get_optimizer_state_dict(m, opt, options=StateDictOptions(full_state_dict=True))
+    return {k: {s: v.clone() for s, v in st.items()} for k, st in sd["state"].items()}
+
+
+def _ckpt_save(path, plan, shard_size, via_module):
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    m, opt = _ckpt_build(plan, shard_size, seed=0)
+    gen = torch.Generator().manual_seed(7)
+    _ckpt_train(m, opt, gen, 3)
+    dcp.save(_ckpt_targets(m, opt, via_module), checkpoint_id=path)
+    saved = {"params": {k: v.clone() for k, v in m.state_dict().items()}, "optim": _ckpt_full_optim(m, opt)}
+    _ckpt_train(m, opt, gen, 2)
+    saved["final"] = m.state_dict()
+    m.close()
+    if dist.get_rank() == 0:
+        torch.save(saved, os.path.join(path, "expected.pt"))
+    dist.barrier()
+
+
+def _ckpt_load(path, plan, shard_size, via_module):
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    import models
+
+    m, opt = _ckpt_build(plan, shard_size, seed=123)
+    sd = _ckpt_targets(m, opt, via_module)
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(m.module if via_module else m, sd["model"])
+    set_optimizer_state_dict(m, opt, sd["optim"])
+    expected = torch.load(os.path.join(path, "expected.pt"), weights_only=False)
+    got = m.state_dict()
+    err = {"params": max((got[k] - v).abs().max().item() for k, v in expected["params"].items())}
+    optim = _ckpt_full_optim(m, opt)
+    err["optim"] = max(
+        (optim[k][s].float() - v.float()).abs().max().item() for k, st in expected["optim"].items() for s, v in st.items()
+    )
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        models.batch("mlp", GLOBAL_BATCH, gen)  # the saving run's data stream
+    _ckpt_train(m, opt, gen, 2)
+    final = m.state_dict()
+    err["continued"] = max((final[k] - v).abs().max().item() for k, v in expected["final"].items())
+    m.close()
+    return err
+
+
+def _check_loaded(errors):
+    for err in errors:
+        assert err["params"] == 0.0 and err["optim"] == 0.0, err
+        assert err["continued"] < 1e-5, err
+
+
+@pytest.mark.parametrize("via_module", [False, True], ids=["full", "sharded"])
+def test_dcp_checkpoints_load_across_shard_sizes_and_world_sizes(world2, world4, via_module):
+    import tempfile
+
+    # 2 x 2 -> 4 ranks sharded over the world, and -> 4 ranks as 4 x 1 (replicated, sharded over one rank)
+    with tempfile.TemporaryDirectory() as d:
+        world4.run(_ckpt_save, d, "fsdp", 2, via_module, timeout=300)
+        _check_loaded(world4.run(_ckpt_load, d, {"residency": "after_backward", "grouping": "all"}, None, via_module, timeout=300))
+        _check_loaded(world4.run(_ckpt_load, d, {"residency": "persistent"}, 1, via_module, timeout=300))
+    # 2 ranks, fully sharded -> 2 x 2, mixed placement; and 2 x 2 -> 2 ranks
+    with tempfile.TemporaryDirectory() as d:
+        world2.run(_ckpt_save, d, "fsdp", None, via_module, timeout=300)
+        _check_loaded(world4.run(_ckpt_load, d, {"placement": "mixed"}, 2, via_module, timeout=300))
+    with tempfile.TemporaryDirectory() as d:
+        world4.run(_ckpt_save, d, {"placement": "mixed", "residency": "persistent"}, 2, via_module, timeout=300)
+        _check_loaded(world2.run(_ckpt_load, d, "zero2", None, via_module, timeout=300))
+
+
+# ---- shard_size="node" under torchrun, two emulated nodes of two ranks ---------------------------
+
+NODE_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed as dist
+from torch import nn
+from autodist import AutoDist
+
+torch.manual_seed(0)
+build = lambda: nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 7))
+ref = build()
+torch.manual_seed(0)
+model = AutoDist(build(), plan="fsdp", shard_size="node")
+opt, ropt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+rank, world = dist.get_rank(), dist.get_world_size()
+gen = torch.Generator().manual_seed(5)
+for _ in range(3):
+    x, y = torch.randn(4 * world, 13, generator=gen), torch.randn(4 * world, 7, generator=gen)
+    nn.functional.mse_loss(model(x[4 * rank : 4 * rank + 4]), y[4 * rank : 4 * rank + 4]).backward()
+    nn.functional.mse_loss(ref(x), y).backward()
+    for o in (opt, ropt):
+        o.step()
+        o.zero_grad()
+sd = model.state_dict()
+diff = max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+w = dict(model.named_parameters())["0.weight"]
+out = {"rank": rank, "shard_size": model.plan.shard_size, "mesh": list(model.mesh.shape),
+       "local_rows": w.to_local().shape[0], "diff": diff, "all_reduces": model.runtime.comm.stats.all_reduces}
+model.close()
+with open(sys.argv[1] + f".{rank}", "w") as f:
+    json.dump(out, f)
+"""
+
+
+def test_shard_size_node_shards_within_each_torchrun_node(tmp_path):
+    """Two torchrun launchers of two ranks each (``--nnodes 2``, static rendezvous on this host):
+    ``shard_size="node"`` reads ``LOCAL_WORLD_SIZE`` (2), shards within each node and replicates
+    across the two, and trains as the single-process reference does."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(NODE_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
+               OMP_NUM_THREADS="1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launchers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2", "--node_rank",
+             str(node), "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(tmp_path / "out")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for node in range(2)
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in launchers]
+    assert all(p.returncode == 0 for p in launchers), "\n".join(outputs)[-4000:]
+    results = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(4)]
+    for r in results:
+        assert r["shard_size"] == 2 and r["mesh"] == [2, 2] and r["all_reduces"] > 0, r
+        assert r["local_rows"] == (19 if r["rank"] % 2 == 0 else 18), r  # 37 rows over a node of 2
+        assert r["diff"] < ATOL, r
