@@ -4,7 +4,7 @@ A :class:`Simulator` keeps what every plan of its model shares (the backward ord
 recomputable units, the comm model's figures by operation and size) and the search keeps each
 genome's normal form. Here one simulator, warm from many plans, predicts random plans of a GPT with
 blocks — sharded, replicated, mixed precision, under budgets, with micro-batches, offloaded state,
-recomputation and memory-sized prefetch windows — exactly as a simulator that keeps nothing (every
+recomputation, memory-sized prefetch windows and hybrid sharding — exactly as a simulator that keeps nothing (every
 figure asked of the comm model and the profile afresh) predicts each alone: every reported figure,
 the timeline's events and the memory curve. The comm model is the one the
 committed gpt simcheck record measured (contention tables, first-touch costs, overheads), so every
@@ -104,6 +104,8 @@ def test_a_warm_simulator_predicts_every_plan_as_one_that_keeps_nothing(model, w
     assert space.recompute_blocks and space.state_names  # the paths this test means to cover exist
     rng = random.Random(world * 10 + accum)
     plans = [space.to_plan(g) for g in _genomes(space, rng, 30)]
+    if world == 4:  # hybrid sharding: sharded within groups of 2 ranks, replicated across them
+        plans += [replace(p, shard_size=2) for p in plans[1:12]]
     fsdp_peak = Simulator(prof, structure, comm, world_size=world).run(plans[1]).peak_bytes
     settings = [
         {}, {"budget_bytes": int(fsdp_peak * 1.1)}, {"budget_bytes": int(fsdp_peak * 0.9)},
