@@ -189,6 +189,11 @@ def _add_reprofile(p: argparse.ArgumentParser) -> None:
         help="profile the model again rather than use the profile cached for this model, input and machine "
         "(the first run caches it: the same command then plans from the same measurement)",
     )
+    p.add_argument(
+        "--profile", metavar="PROFILE.json", dest="profile_file",
+        help="plan from this profile of the model instead of profiling it here: a file from the profiles/ "
+        "directory of an AutoDist cache on the machine the plan is for (a GPU's compute times come from a GPU)",
+    )
 
 
 def _add_cache_dir(p: argparse.ArgumentParser | Any) -> None:
@@ -464,16 +469,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .planner.offline import offline_search_config, plan_offline
 
     _check_comm_options(args)
-    budget = parse_memory_limit(args.memory_limit, torch.device("cpu"))
     comm, comm_source = _comm_model(args, args.world_size)
     model = _build_model(args.model)
     x = _example_input(model, args)
     config = offline_search_config(args.cache_dir, args.world_size)
     profile, profile_source = _profile(args, model, x)
+    if profile.device != "cpu" and args.memory_limit is None:
+        raise CommandError(
+            f"the profile was measured on {profile.device}: this machine's memory says nothing about that device's; "
+            "pass --memory-limit, the budget per rank there (e.g. 70GiB)"
+        )
+    budget = parse_memory_limit(args.memory_limit, torch.device("cpu"))
     try:
         plan, result, _ = plan_offline(
             model, (x,), world_size=args.world_size, budget_bytes=budget, comm=comm, config=config,
-            example_kwargs=_input_kwargs(x, args), profile=profile,
+            example_kwargs=_input_kwargs(x, args), profile=profile, device=torch.device(profile.device),
         )
     except BudgetError as e:
         raise CommandError(f"{_budget_line(e)}; raise --memory-limit or plan for more ranks") from None
@@ -493,10 +503,58 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _profile(args: argparse.Namespace, model: nn.Module, x: torch.Tensor) -> tuple[Any, str]:
     """The model's profile for ``autodist plan`` and ``autodist timeline`` and where it came from
-    (cached, or measured here: ``planner/offline.py`` [Note: planning twice])."""
+    (``--profile``, cached, or measured here: ``planner/offline.py`` [Note: planning twice])."""
     from .planner.offline import offline_profile
 
-    return offline_profile(model, (x,), _input_kwargs(x, args), cache_dir=args.cache_dir, reprofile=args.reprofile)
+    if getattr(args, "profile_file", None):
+        from .planner.keys import input_signature
+
+        return _profile_from_file(args.profile_file, model, input_signature(((x,), _input_kwargs(x, args))))
+    profile, source = offline_profile(model, (x,), _input_kwargs(x, args), cache_dir=args.cache_dir, reprofile=args.reprofile)
+    return profile, f"{source} (compute times of this machine's {profile.device})"
+
+
+def _profile_from_file(path: str, model: nn.Module, signature: str) -> tuple[Any, str]:
+    """A profile read from ``path`` and checked against ``model``'s units and the example input's
+    ``signature`` (shapes and dtypes)."""
+    import json
+
+    from .cost.profile import PROFILE_SCHEMA_VERSION, Profile
+    from .structure import discover
+
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise CommandError(f"cannot read the profile {path}: {e.strerror or e}") from None
+    try:
+        profile = Profile.from_dict(json.loads(text))
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise CommandError(f"{path} is not a profile this version reads ({e}); take it again with plan=\"auto\" "
+                           "or `autodist plan` on that machine") from None
+    units = [u.name for u in discover(model).units]
+    have = [u.name for u in profile.units]
+    if sorted(units) != sorted(have):
+        missing = sorted(set(units) - set(have))[:3]
+        extra = sorted(set(have) - set(units))[:3]
+        raise CommandError(
+            f"the profile {path} is of another model: its units differ from this model's "
+            f"(missing {missing or 'none'}, not in the model {extra or 'none'}); pass the profile of the same model "
+            "and example input"
+        )
+    if profile.batch_signature and profile.batch_signature != signature:
+        raise CommandError(
+            f"the profile {path} was measured on an input of {profile.batch_signature}, this command's is {signature}: "
+            "give --input-shape and --input-dtype as the profile was taken"
+        )
+    meta = profile.meta or {}
+    taken = f" with torch {meta['torch']}" if meta.get("torch") else ""
+    older = (
+        f"; of schema {profile.schema_version}, before {PROFILE_SCHEMA_VERSION}: its unit times still hold the "
+        "profiler's own time, which overstates many small layers"
+        if profile.schema_version != PROFILE_SCHEMA_VERSION else ""
+    )
+    return profile, f"the profile {path} (compute times measured on {profile.device}{taken}{older})"
 
 
 # ------------------------------------------------------------------------------------------------
