@@ -114,6 +114,17 @@ def make_plan(
     )
 
 
+def train_mlp(m: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator, steps: int, global_batch: int) -> None:
+    """``steps`` optimizer steps of the ``mlp`` model on this rank's share of ``global_batch``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = global_batch // world
+    for _ in range(steps):
+        x, y = models.batch("mlp", global_batch, gen)
+        models.loss_fn("mlp", m(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def random_plan(model: torch.nn.Module, world: int, seed: int) -> Plan:
     """A random point of the search's plan space (placement, residency, groups, windows, buckets,
     in-flight bound), the same on every rank."""

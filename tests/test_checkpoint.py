@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 import models
 from autodist import AutoDist
-from parity import make_plan
+from parity import make_plan, train_mlp
 
 GLOBAL_BATCH = 8
 
@@ -30,13 +30,7 @@ def _build(plan, seed):
 
 
 def _train(m, opt, gen, steps):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per = GLOBAL_BATCH // world
-    for _ in range(steps):
-        x, y = models.batch("mlp", GLOBAL_BATCH, gen)
-        models.loss_fn("mlp", m(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per]).backward()
-        opt.step()
-        opt.zero_grad()
+    train_mlp(m, opt, gen, steps, GLOBAL_BATCH)
 
 
 def _full_optim(m, opt):

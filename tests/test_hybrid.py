@@ -371,15 +371,9 @@ def _ckpt_build(plan, shard_size, seed):
 
 
 def _ckpt_train(m, opt, gen, steps):
-    import models
+    from parity import train_mlp
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per = GLOBAL_BATCH // world
-    for _ in range(steps):
-        x, y = models.batch("mlp", GLOBAL_BATCH, gen)
-        models.loss_fn("mlp", m(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per]).backward()
-        opt.step()
-        opt.zero_grad()
+    train_mlp(m, opt, gen, steps, GLOBAL_BATCH)
 
 
 def _ckpt_targets(m, opt, via_module):
