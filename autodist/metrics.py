@@ -238,10 +238,11 @@ class StepMeter:
             predicted = self.predicted_peak()
             self.once.warning(
                 "over budget",
-                "autodist: measured peak tensor memory %s at step %d on rank %d is above the budget %s (%.0f%%%s%s). "
+                "autodist: measured peak tensor memory %s at step %d on rank %d is above the budget %s (%s%s%s). "
                 "To fit: a smaller batch, more ranks, or a plan that shards or offloads more (plan='auto' plans "
                 "within memory_limit)",
-                format_bytes(on_device), self.step, self.rank, format_bytes(self.budget), 100 * on_device / self.budget,
+                format_bytes(on_device), self.step, self.rank, format_bytes(self.budget),
+                f"{100 * on_device / self.budget:.0f}%" if self.budget > 0 else "no budget at all",
                 "; the process's peak so far" if reading.scope == "process" else "",
                 f"; the plan predicted {format_bytes(predicted)}" if predicted else "",
             )
