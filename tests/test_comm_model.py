@@ -182,6 +182,26 @@ def test_a_sweep_in_passes_keeps_each_figure_s_median_so_one_pass_read_high_is_l
     assert _pass_spread(passes[:1]) == 0 and _combine(passes[:1]).contention == passes[0].contention
 
 
+def test_a_third_pass_measures_again_only_what_the_first_two_disagree_on_and_the_median_keeps_every_pass():
+    from autodist.measure.sweep import PASSES_AGREE, _combine, _Pass, _unsettled
+
+    def one(small, large, wait, touch):
+        samples = {"all_gather": [(1024.0, small), (4096.0, 2e-4)], "h2d": [(1024.0, 1e-5)]}
+        host = {"all_gather": [(1024.0, 1e-5), (4096.0, 1e-5)]}
+        return _Pass(samples, host, {"reduce_scatter": [[1024.0, 1.2, large, wait]]}, 1.0, [[float(32 << 20), touch]])
+
+    first, second = one(1e-4, 3.0, 1.5, 0.010), one(1e-4 * (1 + PASSES_AGREE / 2), 3.0, 1.5 * (1 + 2 * PASSES_AGREE), 0.010)
+    # the 1 KiB all-gather agrees within the margin, the reduce-scatter's wait figure does not
+    assert _unsettled([first, second]) == {("reduce_scatter", 1024.0)}
+    assert _unsettled([first, one(1e-4, 3.0, 1.5, 0.02)]) == {("first_touch", 0.0)}
+    # a third pass of the one unsettled figure: it alone gets a median of three
+    third = _Pass({}, {}, {"reduce_scatter": [[1024.0, 1.3, 3.3, 1.6]]}, 2.0, [])
+    c = _combine([first, second, third])
+    assert c.contention == {"reduce_scatter": [[1024.0, 1.2, 3.0, 1.6]]}
+    assert c.samples["all_gather"][0] == (1024.0, pytest.approx(1e-4 * (1 + PASSES_AGREE / 4)))
+    assert c.first_touch == [[float(32 << 20), 0.010]] and c.spread == 1.0
+
+
 def test_the_sweep_s_passes_come_from_the_environment_with_a_clear_error_for_a_bad_value(monkeypatch):
     from autodist.measure.sweep import SWEEP_PASSES, sweep_passes
 
@@ -560,6 +580,7 @@ def _grown_and_damaged(cache_dir):
     return out
 
 
+@pytest.mark.sweeps
 def test_plan_auto_measures_only_what_the_model_can_issue_then_only_what_a_later_model_or_a_damaged_entry_lacks(world2, tmp_path):
     out = world2.run(_grown_and_damaged, str(tmp_path), timeout=900)[0]  # rank 0 logs
     # a partly frozen model training 1 KiB of parameters (4 KiB in all): the two smallest sizes of each
@@ -625,3 +646,49 @@ def test_the_sweep_plan_follows_the_model_s_largest_messages_and_estimates_from_
     rates = {"timing_s": 0.5, "contention_round_s": 2.0, "overhead_s": 3.0}
     rounds = 5 * CONTENTION_ROUNDS + CONTENTION_LONG_ROUNDS
     assert everything.estimate_seconds(2, rates) == pytest.approx(2 * (30 * 0.5 + 3 * rounds * 2.0) + 3.0)
+
+
+def _launches_from_a_seed(root):
+    """Three fresh caches beside one seed (``AUTODIST_COMM_SEED``), and a fourth holding an entry of
+    its own: what each launch swept, and the seed's entry after each."""
+    from comm_seed import set_seed
+
+    from autodist.cost.comm import CommModel as Model
+    from autodist.planner.cache import Cache
+    from autodist.planner.keys import comm_cache_key
+
+    key = comm_cache_key(dist.get_world_size(), "cpu", "cpu", "gloo")
+    seed = os.path.join(root, "seed")
+
+    def seeded():
+        path = Cache(seed).path("comm", key)
+        return path.read_text() if path.exists() else None
+
+    set_seed(seed)
+    try:
+        out = {}
+        for name, widths in (("first", [16, 32, 8]), ("same", [16, 32, 8]), ("larger", [64, 256, 256, 64])):
+            sweeps, text, _ = _launch_and_read_comm(os.path.join(root, name), widths)
+            out[name] = (sweeps, text, seeded())
+        own = os.path.join(root, "own")
+        if dist.get_rank() == 0:
+            Cache(own).put("comm", key, Model.analytic(2, bandwidth_bytes_s=1e9, latency_s=1e-4, backend="gloo").to_json())
+        dist.barrier()
+        sweeps, text, _ = _launch_and_read_comm(own, [16, 32, 8])
+        out["own"] = (sweeps, text, seeded())
+        return out
+    finally:
+        set_seed(None)
+
+
+@pytest.mark.sweeps
+def test_a_fresh_cache_starts_from_the_seed_and_what_it_measures_beyond_it_is_added_to_the_seed(world2, tmp_path):
+    out = world2.run(_launches_from_a_seed, str(tmp_path), timeout=900)[0]
+    sweeps, text, seed = out["first"]
+    assert sweeps == 1 and seed == text  # nothing in the seed: measured, stored in both
+    sweeps, text, seed = out["same"]
+    assert sweeps == 0 and text == seed == out["first"][1]  # another fresh cache: the seed's, copied in
+    sweeps, text, seed = out["larger"]
+    assert sweeps == 1 and seed == text and _measured(text)["timings"]["all_reduce"] == [262144, 1048576]
+    sweeps, text, seed = out["own"]  # a cache's own entry is used, and never written to the seed
+    assert seed == out["larger"][2] and CommModel.from_json(text).meta.get("source") == "analytic"

@@ -186,8 +186,12 @@ def plan_sweep(needs: CommNeeds, base: CommModel | None, world: int, cfg: SweepC
     time and tells the search nothing (the simulator prices a message between measured sizes, or
     at the nearest one). So ``plan="auto"`` measures only those (:class:`CommNeeds`), stores what
     it measured, and a later model that needs more measures only what is missing and adds it; a
-    stored model missing a part (or holding a part it cannot read) is completed the same way."""
+    stored model missing a part (or holding a part it cannot read) is completed the same way. A
+    stored model without a single sample was described, not measured (``CommModel.analytic``, put
+    there by a user or a test): it is used as it is."""
     cfg = cfg or SweepConfig()
+    if base is not None and not any(fit.samples for fit in base.ops.values()):
+        return SweepPlan({}, {}, first_touch=False, overhead=False)  # given, not measured (an analytic model): used as it is
     have_times = {op: {x for x, _ in fit.samples} for op, fit in (base.ops.items() if base else ())}
     have_host = {op: {x for x, _ in fit.samples} for op, fit in (base.host.items() if base else ())}
     have_rows = {op: {row[0] for row in rows} for op, rows in (base.contention.items() if base else ())}
@@ -406,44 +410,70 @@ def _monotone(pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
+def _by_figure(passes: list[_Pass]) -> dict[tuple[str, str, float, int], list[float]]:
+    """Every figure the passes measured, by (part, operation, bytes, column), with its value in each
+    pass that measured it, in pass order: the times (``time``), the caller's shares (``host``), the
+    contention figures (``contention``, columns 1-3) and the first-touch costs (``first_touch``)."""
+    out: dict[tuple[str, str, float, int], list[float]] = {}
+    for p in passes:
+        for part, table in (("time", p.samples), ("host", p.host_samples)):
+            for op, pts in table.items():
+                for nb, t in pts:
+                    out.setdefault((part, op, nb, 0), []).append(t)
+        for kind, rows in p.contention.items():
+            for row in rows:
+                for j in (1, 2, 3):
+                    out.setdefault(("contention", kind, row[0], j), []).append(row[j])
+        for nb, sec in p.first_touch:
+            out.setdefault(("first_touch", "", nb, 0), []).append(sec)
+    return out
+
+
 def _combine(passes: list[_Pass]) -> _Pass:
     """The passes as one ([Note: a sweep in passes]): each (operation, size)'s time, each
-    contention figure and the host's spread, the median over the passes."""
-
-    def samples(per_pass: list[dict[str, list[tuple[float, float]]]]) -> dict[str, list[tuple[float, float]]]:
-        return {op: [(nb, statistics.median(dict(p[op])[nb] for p in per_pass)) for nb, _ in pts]
-                for op, pts in per_pass[0].items()}
-
-    contention = {
-        kind: [[row[0], *(statistics.median(p.contention[kind][i][j] for p in passes) for j in (1, 2, 3))]
-               for i, row in enumerate(rows)]
-        for kind, rows in passes[0].contention.items()
-    }
-    first_touch = [[row[0], statistics.median(p.first_touch[i][1] for p in passes)]
-                   for i, row in enumerate(passes[0].first_touch)]
-    return _Pass(samples([p.samples for p in passes]), samples([p.host_samples for p in passes]), contention,
-                 statistics.median(p.spread for p in passes), first_touch)
+    contention figure and the host's spread, the median over the passes that measured it."""
+    figures = {key: statistics.median(values) for key, values in _by_figure(passes).items()}
+    samples: dict[str, list[tuple[float, float]]] = {}
+    host: dict[str, list[tuple[float, float]]] = {}
+    contention: dict[str, dict[float, list[float]]] = {}
+    first_touch: list[list[float]] = []
+    for (part, op, nb, j), value in sorted(figures.items()):
+        if part == "time":
+            samples.setdefault(op, []).append((nb, value))
+        elif part == "host":
+            host.setdefault(op, []).append((nb, value))
+        elif part == "contention":
+            contention.setdefault(op, {}).setdefault(nb, [nb, 0.0, 0.0, 0.0])[j] = value
+        else:
+            first_touch.append([nb, value])
+    rows = {kind: [by_size[nb] for nb in sorted(by_size)] for kind, by_size in contention.items()}
+    return _Pass(samples, host, rows, statistics.median(p.spread for p in passes), first_touch)
 
 
 def _pass_spread(passes: list[_Pass]) -> float:
-    """How far the passes disagreed: over every collective's time and contention figure, the median
-    of its range over the passes as a fraction of its median (0 with one pass)."""
-    if len(passes) < 2:
-        return 0.0
-    figures: list[list[float]] = []
-    for op, pts in passes[0].samples.items():
-        for nb, _ in pts:
-            figures.append([dict(p.samples[op])[nb] for p in passes])
-    for kind, rows in passes[0].contention.items():
-        for i in range(len(rows)):
-            for j in (1, 2, 3):
-                figures.append([p.contention[kind][i][j] for p in passes])
+    """How far the passes disagreed: over every collective's time and contention figure measured
+    more than once, the median of its range over the passes as a fraction of its median (0 with one
+    pass)."""
+    figures = [values for (part, op, _, _), values in _by_figure(passes).items()
+               if len(values) > 1 and (part == "contention" or part == "time" and op in COLLECTIVES)]
     if not figures:
         return 0.0
     return statistics.median((max(f) - min(f)) / max(statistics.median(f), 1e-12) for f in figures)
 
 
-PASSES_AGREE = 0.1  # two passes whose figures lie this close (pass_spread) end the sweep early
+def _unsettled(passes: list[_Pass]) -> set[tuple[str, float]]:
+    """The (operation, bytes) whose figures the passes so far disagree on by more than
+    ``PASSES_AGREE`` (a time, the caller's share, or a contention figure: range over median), and
+    ("first_touch", 0) when a first-touch figure does: what the next pass measures again
+    ([Note: passes that agree])."""
+    out = set()
+    for (part, op, nb, _), values in _by_figure(passes).items():
+        if len(values) > 1 and (max(values) - min(values)) / max(statistics.median(values), 1e-12) > PASSES_AGREE:
+            out.add(("first_touch", 0.0) if part == "first_touch" else (op, nb))
+    return out
+
+
+PASSES_AGREE = 0.1  # figures two passes agree on this closely are not measured in a third (_unsettled)
 
 
 def sweep(
@@ -458,11 +488,13 @@ def sweep(
     whose parts are kept, only what it lacks being measured and added (:func:`plan_sweep`; every
     rank must pass the same one).
 
-    [Note: passes that agree] A sweep takes up to ``passes`` passes and keeps each figure's median;
-    it stops after two when they agree (``pass_spread`` at most ``PASSES_AGREE``). For each figure,
-    the median of three passes lies between the two values of any two of them, or is the third
-    inside that range; so two close passes say within their distance what a third would keep. The
-    figures are the slowest rank's, the same on every rank, so every rank stops at the same pass."""
+    [Note: passes that agree] A sweep takes up to ``passes`` passes and keeps each figure's median
+    over the passes that measured it. The first two measure everything; each later pass measures
+    again only the operations and sizes whose figures the passes so far disagree on by more than
+    ``PASSES_AGREE`` (their range over their median; :func:`_unsettled`). The median of three values
+    lies within the range of any two of them, so where two passes agree within 10%, a third could
+    move the figure kept by 10% of it at most: it is not measured. The figures are the slowest
+    rank's, the same on every rank, so every rank measures the same again."""
     cfg = cfg or SweepConfig()
     from ..runtime.comm import Comm, backend_workers  # the same collective calls the runtime issues
 
@@ -499,10 +531,18 @@ def sweep(
     t0 = time.perf_counter()
     calls = [_calls_for(issue, group, device, cfg) for _, _, issue in cases]
     passes: list[_Pass] = []
-    for _ in range(n_passes):
-        passes.append(_measure_pass(comm, group, device, cfg, cases, calls, cells, probes, base_samples, todo.first_touch))
-        if 2 <= len(passes) < n_passes and _pass_spread(passes) <= PASSES_AGREE:  # [Note: passes that agree]
-            break
+    again = {(op, float(nb)) for op, nb, _ in cases + cells} | ({("first_touch", 0.0)} if todo.first_touch else set())
+    while len(passes) < n_passes and again:
+        keep = [i for i, (op, nb, _) in enumerate(cases) if (op, float(nb)) in again]
+        # a pass after the first two measures again only what they disagree on ([Note: passes that agree]),
+        # its contention figures against the base times of the passes so far
+        known = _merged(base_samples, _combine(passes).samples) if passes else base_samples
+        passes.append(_measure_pass(
+            comm, group, device, cfg, [cases[i] for i in keep], [calls[i] for i in keep],
+            [c for c in cells if (c[0], float(c[1])) in again], probes, known, ("first_touch", 0.0) in again,
+        ))
+        if len(passes) >= 2:
+            again = _unsettled(passes)
     measuring = time.perf_counter() - t0
     combined = _combine(passes)
     samples = _merged(base_samples, combined.samples)

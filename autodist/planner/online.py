@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -304,8 +305,16 @@ class AutoPlanner:
         key = self.comm_key()
         needs = comm_needs(self.structure)
         payload: tuple[str | None, bool] | None = None
+        seed = self._seed()
+        from_seed = False
+        self._warned_remeasure = False
         if self.rank == 0:
-            payload = self._stored_comm_model(key, needs)
+            payload = self._stored_comm_model(self.cache, key, needs)
+            if payload[0] is None and seed is not None:  # [Note: a seed of comm models]
+                payload = self._stored_comm_model(seed, key, needs)
+                from_seed = payload[0] is not None
+                if from_seed and payload[1]:
+                    self.cache.put("comm", key, str(payload[0]))
         got = self.comm.broadcast_object(payload)
         text, complete = got if got is not None else (None, False)
         stored = CommModel.from_json(text) if text is not None else None
@@ -331,32 +340,46 @@ class AutoPlanner:
             )
         self.stats.sweeps += 1
         self.cache.put("comm", key, model.to_json())
+        if seed is not None and (stored is None or from_seed):  # what the seed lacked, added to it
+            seed.put("comm", key, model.to_json())
         return model
 
-    def _stored_comm_model(self, key: str, needs: CommNeeds) -> tuple[str | None, bool]:
+    def _seed(self) -> Cache | None:
+        """The cache of comm models ``AUTODIST_COMM_SEED`` names, if any.
+
+        [Note: a seed of comm models] A comm model belongs to the machine, not to a cache: a cache
+        directory that holds none for this machine (a fresh one: a test's, a container's) can start
+        from the comm models another directory holds (``AUTODIST_COMM_SEED``, a cache directory).
+        ``plan="auto"`` reads its own cache first; on a miss, the seed's entry for this machine, copied
+        into its own cache when it holds what the model needs; what it then measures (what the
+        seed's entry lacked, or all) is stored in both. An entry of its own cache (one a user or a
+        test put there) is never written to the seed. The test suite measures into one seed per
+        session (tests/conftest.py), so that only tests whose subject is the sweep sweep."""
+        where = os.environ.get("AUTODIST_COMM_SEED")
+        return Cache(where, writer=self.rank == 0) if where else None
+
+    def _stored_comm_model(self, cache: Cache, key: str, needs: CommNeeds) -> tuple[str | None, bool]:
         """Rank 0: (the stored comm model's JSON or None, whether it holds everything ``needs``
         names). A stored entry partly unreadable gives its usable parts, and the report of it says
         what will be measured again and for about how long; one wholly unreadable is reported with
         the full measurement's estimate, removed, and is a miss."""
-        self._warned_remeasure = False
-
         def replaced_by() -> str:
             self._warned_remeasure = True
             todo = plan_sweep(needs, None, self.world)
             return f"measuring {todo.describe()} ({_about(todo, None)})"
 
-        parts = self.cache.get("comm", key, lambda text: comm_parts(text, self.machine), replaced_by=replaced_by)
+        parts = cache.get("comm", key, lambda text: comm_parts(text, self.machine), replaced_by=replaced_by)
         if parts is None:
             return None, False
         model, problem = parts
         todo = plan_sweep(needs, model, self.world)
         if problem is not None:
             self._warned_remeasure = True
-            self.cache.once.warning(
+            cache.once.warning(
                 f"partial{key}",
                 "autodist: cache entry %s is partly corrupt (%s); it will be replaced: its readable parts are kept and "
                 "only %s measured again (%s)",
-                self.cache.path("comm", key), problem, todo.describe() if not todo.empty() else "nothing", _about(todo, model),
+                cache.path("comm", key), problem, todo.describe() if not todo.empty() else "nothing", _about(todo, model),
             )
         # a stored model with an unreadable part is measured again even when this model needs no
         # more of it: the sweep keeps every readable part and derives the rest
