@@ -692,3 +692,14 @@ def test_a_fresh_cache_starts_from_the_seed_and_what_it_measures_beyond_it_is_ad
     assert sweeps == 1 and seed == text and _measured(text)["timings"]["all_reduce"] == [262144, 1048576]
     sweeps, text, seed = out["own"]  # a cache's own entry is used, and never written to the seed
     assert seed == out["larger"][2] and CommModel.from_json(text).meta.get("source") == "analytic"
+
+
+def test_a_contention_train_after_the_first_round_lasts_no_longer_than_its_bound_at_the_measured_slowdown():
+    from autodist.measure.sweep import CONTENTION_MAX_CALLS, CONTENTION_TRAIN_S, train_calls
+
+    assert train_calls(0.33e-3) == CONTENTION_MAX_CALLS and train_calls(0.05) == 1  # base time alone
+    assert train_calls(0.33e-3, 10.0) == CONTENTION_MAX_CALLS  # 24 x 3.3 ms: within the bound, as before
+    slow = 200.0  # a busy host: 24 calls would take 1.6 s
+    k = train_calls(0.33e-3, slow)
+    assert k * 0.33e-3 * slow >= CONTENTION_TRAIN_S > (k - 1) * 0.33e-3 * slow
+    assert train_calls(0.33e-3, 1e6) == 3 and train_calls(0.05, 30.0) == 1  # never under 3, never over the base count

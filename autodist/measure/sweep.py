@@ -640,7 +640,8 @@ CONTENTION_ROUNDS = 5  # each (kind, size) is measured this many times, in inter
 CONTENTION_LONG_BYTES = 64 << 20  # ... but messages of this size and more ...
 CONTENTION_LONG_ROUNDS = 3  # ... this many times (their median; see [Note: stable contention figures])
 CONTENTION_BUSY_S = 0.01  # each full-overlap measurement runs collectives of at least this much base time ...
-CONTENTION_MAX_CALLS = 24  # ... in at most this many calls (small ones are slowed ~10x)
+CONTENTION_MAX_CALLS = 24  # ... in at most this many calls (small ones are slowed ~10x) ...
+CONTENTION_TRAIN_S = 0.25  # ... and after the first round, in no more than fill this long at its slowdown (3 at least)
 CONTENTION_WAIT_S = 0.02  # each wait measurement runs collectives of at least this much base time ...
 CONTENTION_MAX_WAIT_CALLS = 48  # ... in at most this many calls (see [Note: the wait figure])
 
@@ -716,14 +717,20 @@ def _contention(
     """
     one = reference_product(device)
     ratios: list[list[tuple[float, float, float]]] = [[] for _ in cells]
+    # ops, hence each train's calls, agree across ranks; after the first round, the slowest rank's
+    # slowdowns of that round do too (see [Note: a train of bounded length])
+    t_ops = [max(ops[kind](nbytes), 1e-6) for kind, nbytes, _ in cells]  # a fit may read 0: the calls divide by it
+    calls = [train_calls(t_op) for t_op in t_ops]
     with _completion_waiter() as work_q:
         for r in range(CONTENTION_ROUNDS):
+            if r == 1:
+                first = _max_over_ranks([rs[0][1] for rs in ratios], group, device)
+                calls = [train_calls(t_op, slow) for t_op, slow in zip(t_ops, first)]
             for i in range(len(cells)) if r % 2 == 0 else reversed(range(len(cells))):
                 kind, nbytes, issue = cells[i]
                 if r >= contention_rounds(nbytes):
                     continue
-                t_op = max(ops[kind](nbytes), 1e-6)  # a fit may read 0: the calls below divide by it
-                ratios[i].append(_contention_round(issue, t_op, one, work_q, group, device, collect.get(kind, 0.0)))
+                ratios[i].append(_contention_round(issue, t_ops[i], calls[i], one, work_q, group, device, collect.get(kind, 0.0)))
     values = [trimmed_mean([x[j] for x in rs]) for rs in ratios for j in (0, 1, 2)]
     values = _max_over_ranks(values, group, device)
     out_rows: dict[str, list[list[float]]] = {}
@@ -756,19 +763,36 @@ def _completion_waiter() -> Iterator[queue.Queue]:
         thread.join()
 
 
+def train_calls(t_op: float, slowdown: float | None = None) -> int:
+    """How many collectives of base time ``t_op`` a full-overlap train runs: enough for
+    ``CONTENTION_BUSY_S`` of base time, at most ``CONTENTION_MAX_CALLS``; given the ``slowdown``
+    the first round measured, no more than fill ``CONTENTION_TRAIN_S`` at it, and 3 at least.
+
+    [Note: a train of bounded length] A train's calls run at the collective's contended speed: a
+    64 KiB all-reduce of 0.33 ms base time read slowdowns of 18-270 on a busy 2-core host, and its
+    train of 24 calls took 0.2-2.3 s a round, most of a sweep's time. A quarter of a second spans
+    dozens of the scheduler's slices, which is what the train's length is for; so after the first
+    round a train runs no longer than that at the slowdown the first round measured. The bound is
+    reached only at slowdowns over about 30 (24 calls of 0.33 ms); below, the train is as before."""
+    k = min(CONTENTION_MAX_CALLS, max(1, math.ceil(CONTENTION_BUSY_S / t_op)))
+    if slowdown is None:
+        return k
+    return min(k, max(3, math.ceil(CONTENTION_TRAIN_S / (t_op * max(slowdown, 1.0)))))
+
+
 def _contention_round(
     issue: Any,
     t_op: float,
+    k: int,
     one: Callable[[], None],
     work_q: queue.Queue,
     group: dist.ProcessGroup,
     device: torch.device,
     collect_s: float,
 ) -> tuple[float, float, float]:
-    """One round of one (kind, size) of base time ``t_op``: [compute slowdown while it runs, its
-    slowdown while compute runs, its wait figure]."""
-    # ops, hence k, agree across ranks
-    k = min(CONTENTION_MAX_CALLS, max(1, math.ceil(CONTENTION_BUSY_S / t_op)))
+    """One round of one (kind, size) of base time ``t_op``, its full-overlap train ``k`` calls long
+    (:func:`train_calls`): [compute slowdown while it runs, its slowdown while compute runs, its wait
+    figure]."""
     _once(issue)  # wake the backend's threads
     dist.barrier(group=group)
     alone = product_rate(one, 0.015, device)

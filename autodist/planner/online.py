@@ -4,7 +4,8 @@
   torch version, optimizer kind, budget and mixed precision is used: no profiling, no search.
 * **Miss with example inputs** — profile now (a few forward/backward passes of the plain module,
   no optimizer step, nothing left changed), get the comm model (cached per machine, else a sweep of
-  about 50 s on 2 CPU ranks, three passes), search on rank 0, broadcast, store.
+  what the model's plans can issue, :func:`comm_needs`; the up-front message says what and for about
+  how long), search on rank 0, broadcast, store.
 * **Miss without example inputs** — wrap with a safe plan (the placement stored for this model if
   any; else replicate everything when parameters, gradients and optimizer state fit in half the
   budget, shard everything otherwise). At the first forward, look the full plan up by the input
@@ -476,11 +477,11 @@ class AutoPlanner:
         if self.nothing_to_communicate(fixed):
             # [Note: a model with nothing to communicate] No parameter is trained, so no gradient is
             # reduced; with every unit replicated nothing is gathered either, and the comm model
-            # would price no collective of the plan: it is not measured (a sweep takes about 50 s
-            # a pass). The search runs with the placement fixed to replicate and a comm model that
-            # prices nothing it is asked about; if replicating does not fit the budget and the
-            # placement may change, units must be sharded, which gathers, and the comm model is
-            # measured as for any model.
+            # would price no collective of the plan: it is not measured. The search runs with the
+            # placement fixed to replicate and a comm model that prices nothing it is asked about;
+            # if replicating does not fit the budget and the placement may change, units must be
+            # sharded, which gathers, and the comm model is measured for the gathers alone
+            # (comm_needs: nothing is reduced).
             replicated = {u.name: "replicate" for u in self.structure.units}
             payload = self.comm.broadcast_object(
                 self._search_payload(profile, sig, _silent_comm_model(self.world, self.device), fixed=replicated, free=replicated)
