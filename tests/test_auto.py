@@ -221,6 +221,7 @@ def _meshes_then_a_group_over_every_rank(case):
     return out
 
 
+@pytest.mark.sweeps
 @pytest.mark.parametrize(
     "plans, model, accumulate",
     [(("auto", "ddp"), "mlp", 1), (("fsdp", "fsdp"), "mlp", 1), (({"random": 3}, {"random": 8}), "torch-transformer", 2)],

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from autodist.cost.comm import CommModel, fit_op
 from autodist.cost.fidelity import DEFAULT_CPU_BLOCKED_WAIT_S, DEFAULT_CPU_WAIT_SCALE
-from autodist.measure.sweep import sweep
+from autodist.measure.sweep import COLLECTIVES, sweep
 
 
 def test_two_piece_fit_recovers_a_known_curve():
@@ -180,6 +180,26 @@ def test_a_sweep_in_passes_keeps_each_figure_s_median_so_one_pass_read_high_is_l
     # times, the 1 KiB comm slowdown), two at 1.2/1.6 (the waits), three at 0
     assert _pass_spread(passes) == pytest.approx(0.5 / 1.1)
     assert _pass_spread(passes[:1]) == 0 and _combine(passes[:1]).contention == passes[0].contention
+
+
+def test_a_third_pass_measures_again_only_what_the_first_two_disagree_on_and_the_median_keeps_every_pass():
+    from autodist.measure.sweep import PASSES_AGREE, _combine, _Pass, _unsettled
+
+    def one(small, large, wait, touch):
+        samples = {"all_gather": [(1024.0, small), (4096.0, 2e-4)], "h2d": [(1024.0, 1e-5)]}
+        host = {"all_gather": [(1024.0, 1e-5), (4096.0, 1e-5)]}
+        return _Pass(samples, host, {"reduce_scatter": [[1024.0, 1.2, large, wait]]}, 1.0, [[float(32 << 20), touch]])
+
+    first, second = one(1e-4, 3.0, 1.5, 0.010), one(1e-4 * (1 + PASSES_AGREE / 2), 3.0, 1.5 * (1 + 2 * PASSES_AGREE), 0.010)
+    # the 1 KiB all-gather agrees within the margin, the reduce-scatter's wait figure does not
+    assert _unsettled([first, second]) == {("reduce_scatter", 1024.0)}
+    assert _unsettled([first, one(1e-4, 3.0, 1.5, 0.02)]) == {("first_touch", 0.0)}
+    # a third pass of the one unsettled figure: it alone gets a median of three
+    third = _Pass({}, {}, {"reduce_scatter": [[1024.0, 1.3, 3.3, 1.6]]}, 2.0, [])
+    c = _combine([first, second, third])
+    assert c.contention == {"reduce_scatter": [[1024.0, 1.2, 3.0, 1.6]]}
+    assert c.samples["all_gather"][0] == (1024.0, pytest.approx(1e-4 * (1 + PASSES_AGREE / 4)))
+    assert c.first_touch == [[float(32 << 20), 0.010]] and c.spread == 1.0
 
 
 def test_the_sweep_s_passes_come_from_the_environment_with_a_clear_error_for_a_bad_value(monkeypatch):
@@ -486,3 +506,200 @@ def test_contention_figures_are_the_mean_of_their_middle_rounds_and_the_largest_
     assert trimmed_mean([1.0, 2.0]) == 1.5 and trimmed_mean([7.0]) == 7.0
     assert CONTENTION_ROUNDS == 5
     assert [contention_rounds(n) for n in (64 << 10, 16 << 20, 64 << 20, 256 << 20)] == [5, 5, 3, 3]
+
+
+# ---- what plan="auto" measures: what the model's plans can issue, and only what is missing ----------
+
+
+def _mlp(widths, frozen_first):
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])]
+    if frozen_first:
+        layers[0].requires_grad_(False)
+    return torch.nn.Sequential(*layers)
+
+
+def _launch_and_read_comm(cache_dir, widths, frozen_first=True, batch=4):
+    """``plan="auto"`` with example inputs of ``batch`` rows on ``cache_dir`` (another batch: no
+    cached plan, so the comm model is looked up): (sweeps taken, the stored comm model's JSON, the
+    messages logged)."""
+    import logging
+
+    from autodist import AutoDist
+    from autodist.planner.cache import Cache
+
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler = Keep(level=logging.INFO)
+    log = logging.getLogger("autodist")
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        x = torch.randn(batch, widths[0], generator=torch.Generator().manual_seed(dist.get_rank()))
+        m = AutoDist(_mlp(widths, frozen_first), plan="auto", example_inputs=(x,), cache_dir=cache_dir)
+        sweeps = m._auto.stats.sweeps
+        m.close()
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    dist.barrier()
+    [entry] = [e for e in Cache(cache_dir).entries() if e.kind == "comm"]
+    return sweeps, entry.path.read_text(), seen
+
+
+def _measured(text):
+    return json.loads(text)["meta"]["measured"]
+
+
+def _grown_and_damaged(cache_dir):
+    """A partly frozen small model, then a larger one on the same cache, then the stored entry damaged
+    in two parts, then wholly unreadable: what each launch measured and said."""
+    out = {"small": _launch_and_read_comm(cache_dir, [16, 32, 8])}
+    out["larger"] = _launch_and_read_comm(cache_dir, [64, 256, 256, 64], frozen_first=False)
+    out["again"] = _launch_and_read_comm(cache_dir, [64, 256, 256, 64], frozen_first=False, batch=5)
+    from autodist.planner.cache import Cache
+
+    [entry] = [e for e in Cache(cache_dir).entries() if e.kind == "comm"]
+    if dist.get_rank() == 0:
+        d = json.loads(entry.path.read_text())
+        d["ops"]["all_gather"]["samples"][1][1] = "NaN"  # one sample of one collective unreadable
+        d["contention"]["reduce_scatter"][0] = [1.0, 2.0]  # one contention row of another
+        d["meta"]["contention_measured"]["reduce_scatter"][0] = "a row"
+        entry.path.write_text(json.dumps(d))
+    dist.barrier()
+    out["damaged"] = _launch_and_read_comm(cache_dir, [64, 256, 256, 64], frozen_first=False, batch=6)
+    if dist.get_rank() == 0:
+        entry.path.write_text(entry.path.read_text()[:300])
+    dist.barrier()
+    out["unreadable"] = _launch_and_read_comm(cache_dir, [16, 32, 8], batch=7)
+    return out
+
+
+@pytest.mark.sweeps
+def test_plan_auto_measures_only_what_the_model_can_issue_then_only_what_a_later_model_or_a_damaged_entry_lacks(world2, tmp_path):
+    out = world2.run(_grown_and_damaged, str(tmp_path), timeout=900)[0]  # rank 0 logs
+    # a partly frozen model training 1 KiB of parameters (4 KiB in all): the two smallest sizes of each
+    # collective, contention at the smallest size, no first-touch figures (its messages stay far below
+    # the mmap threshold); host copies up to its parameters' bytes
+    sweeps, text, said = out["small"]
+    small = CommModel.from_json(text)
+    assert sweeps == 1 and _measured(text) == {
+        "timings": {op: [16384, 65536] for op in ("all_reduce", "all_gather", "reduce_scatter", "d2h", "h2d")},
+        "contention": {op: [65536] for op in ("all_reduce", "all_gather", "reduce_scatter")},
+    }
+    assert small.first_touch == [] and [r[0] for r in small.contention["all_gather"]] == [65536.0]
+    [up_front] = [s for s in said if "measuring the communication cost model" in s]
+    assert "all-gather, all-reduce, reduce-scatter and host copies, 16 KiB to 64 KiB" in up_front and "about " in up_front
+    # a model of 350 KiB trained: the sizes up to 1 MiB it adds, and nothing measured before
+    sweeps, text, _ = out["larger"]
+    larger = CommModel.from_json(text)
+    assert _measured(text) == {
+        "timings": {op: [262144, 1048576] for op in ("all_reduce", "all_gather", "reduce_scatter", "d2h", "h2d")},
+        "contention": {op: [262144, 1048576] for op in ("all_reduce", "all_gather", "reduce_scatter")},
+    }
+    from autodist.measure.sweep import _monotone
+
+    for op, fit in small.ops.items():  # what the first launch measured is kept (no message cheaper than a smaller one)
+        added = larger.ops[op].samples[2:]
+        assert [x for x, _ in added] == [262144.0, 1048576.0], op
+        assert larger.ops[op].samples == (_monotone(fit.samples + added) if op in ("d2h", "h2d", *COLLECTIVES) else None), op
+    assert [r[0] for r in larger.meta["contention_measured"]["all_gather"]] == [65536.0, 262144.0, 1048576.0]
+    assert larger.meta["contention_measured"]["all_gather"][0] == small.meta["contention_measured"]["all_gather"][0]
+    # the same model again: nothing to measure
+    assert out["again"][0] == 0 and out["again"][1] == text
+    # two parts damaged: only they are measured again, the warning says how long that takes
+    sweeps, text, said = out["damaged"]
+    assert sweeps == 1 and _measured(text) == {"timings": {"all_gather": [65536]}, "contention": {"reduce_scatter": [65536]}}
+    [warned] = [s for s in said if "partly corrupt" in s]
+    assert "it will be replaced" in warned and "only all-gather and reduce-scatter, 64 KiB measured again" in warned
+    assert "about " in warned and " s " in warned, warned
+    repaired = CommModel.from_json(text)
+    assert repaired.ops["all_reduce"].samples == larger.ops["all_reduce"].samples
+    assert len(repaired.ops["all_gather"].samples) == 4
+    # wholly unreadable: reported with the whole measurement's estimate, and measured again
+    sweeps, text, said = out["unreadable"]
+    [warned] = [s for s in said if "it will be replaced" in s]
+    assert "measuring all-gather, all-reduce, reduce-scatter and host copies, 16 KiB to 64 KiB (about " in warned, warned
+    assert sweeps == 1 and not [s for s in said if "measuring the communication cost model" in s]  # said once
+
+
+def test_the_sweep_plan_follows_the_model_s_largest_messages_and_estimates_from_its_rates():
+    from autodist.measure.sweep import CONTENTION_LONG_ROUNDS, CONTENTION_ROUNDS, CommNeeds, plan_sweep
+
+    everything = plan_sweep(CommNeeds.everything(), None, 2)
+    assert everything.timings["all_reduce"] == [16 << 10 << 2 * i for i in range(6)]
+    assert everything.contention["all_gather"] == [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+    assert everything.first_touch and everything.overhead
+    # gradients of 5 MiB: timed up to 16 MiB (the first size at or above), contention up to 16 MiB;
+    # nothing reduced: no all-reduce or reduce-scatter; gathers up to 20 MiB
+    plan = plan_sweep(CommNeeds({"all_gather": 20 << 20, "d2h": 20 << 20, "h2d": 20 << 20}), None, 2)
+    assert set(plan.timings) == {"all_gather", "d2h", "h2d"} and set(plan.contention) == {"all_gather"}
+    assert plan.timings["all_gather"][-1] == 16 << 20 and plan.contention["all_gather"][-1] == 64 << 20
+    # one rank: copies only
+    assert set(plan_sweep(CommNeeds.everything(), None, 1).timings) == {"d2h", "h2d"}
+    # the estimate: passes x (timed samples x their rate + contention rounds x theirs) + the overhead
+    rates = {"timing_s": 0.5, "contention_round_s": 2.0, "overhead_s": 3.0}
+    rounds = 5 * CONTENTION_ROUNDS + CONTENTION_LONG_ROUNDS
+    assert everything.estimate_seconds(2, rates) == pytest.approx(2 * (30 * 0.5 + 3 * rounds * 2.0) + 3.0)
+
+
+def _launches_from_a_seed(root):
+    """Three fresh caches beside one seed (``AUTODIST_COMM_SEED``), and a fourth holding an entry of
+    its own: what each launch swept, and the seed's entry after each."""
+    from comm_seed import set_seed
+
+    from autodist.cost.comm import CommModel as Model
+    from autodist.planner.cache import Cache
+    from autodist.planner.keys import comm_cache_key
+
+    key = comm_cache_key(dist.get_world_size(), "cpu", "cpu", "gloo")
+    seed = os.path.join(root, "seed")
+
+    def seeded():
+        path = Cache(seed).path("comm", key)
+        return path.read_text() if path.exists() else None
+
+    set_seed(seed)
+    try:
+        out = {}
+        for name, widths in (("first", [16, 32, 8]), ("same", [16, 32, 8]), ("larger", [64, 256, 256, 64])):
+            sweeps, text, _ = _launch_and_read_comm(os.path.join(root, name), widths)
+            out[name] = (sweeps, text, seeded())
+        own = os.path.join(root, "own")
+        if dist.get_rank() == 0:
+            Cache(own).put("comm", key, Model.analytic(2, bandwidth_bytes_s=1e9, latency_s=1e-4, backend="gloo").to_json())
+        dist.barrier()
+        sweeps, text, _ = _launch_and_read_comm(own, [16, 32, 8])
+        out["own"] = (sweeps, text, seeded())
+        return out
+    finally:
+        set_seed(None)
+
+
+@pytest.mark.sweeps
+def test_a_fresh_cache_starts_from_the_seed_and_what_it_measures_beyond_it_is_added_to_the_seed(world2, tmp_path):
+    out = world2.run(_launches_from_a_seed, str(tmp_path), timeout=900)[0]
+    sweeps, text, seed = out["first"]
+    assert sweeps == 1 and seed == text  # nothing in the seed: measured, stored in both
+    sweeps, text, seed = out["same"]
+    assert sweeps == 0 and text == seed == out["first"][1]  # another fresh cache: the seed's, copied in
+    sweeps, text, seed = out["larger"]
+    assert sweeps == 1 and seed == text and _measured(text)["timings"]["all_reduce"] == [262144, 1048576]
+    sweeps, text, seed = out["own"]  # a cache's own entry is used, and never written to the seed
+    assert seed == out["larger"][2] and CommModel.from_json(text).meta.get("source") == "analytic"
+
+
+def test_a_contention_train_after_the_first_round_lasts_no_longer_than_its_bound_at_the_measured_slowdown():
+    from autodist.measure.sweep import CONTENTION_MAX_CALLS, CONTENTION_TRAIN_S, train_calls
+
+    assert train_calls(0.33e-3) == CONTENTION_MAX_CALLS and train_calls(0.05) == 1  # base time alone
+    assert train_calls(0.33e-3, 10.0) == CONTENTION_MAX_CALLS  # 24 x 3.3 ms: within the bound, as before
+    slow = 200.0  # a busy host: 24 calls would take 1.6 s
+    k = train_calls(0.33e-3, slow)
+    assert k * 0.33e-3 * slow >= CONTENTION_TRAIN_S > (k - 1) * 0.33e-3 * slow
+    assert train_calls(0.33e-3, 1e6) == 3 and train_calls(0.05, 30.0) == 1  # never under 3, never over the base count

@@ -118,6 +118,7 @@ def test_the_compute_rate_of_a_rank_descheduled_for_its_whole_window_is_positive
     assert len(calls) == 1 and 0 < rate < 1.0 / 0.015
 
 
+@pytest.mark.sweeps
 @pytest.mark.parametrize("world", ["world2", "world4"])
 def test_a_one_byte_budget_without_example_inputs_raises_budget_error_on_every_rank(world, request, tmp_path):
     pool = request.getfixturevalue(world)
@@ -183,6 +184,7 @@ def _nothing_to_communicate(kind, cache_dir):
     return out
 
 
+@pytest.mark.sweeps
 @pytest.mark.parametrize("kind", ["parameterless", "frozen"])
 def test_a_model_with_nothing_to_communicate_is_planned_without_a_sweep(world2, kind, tmp_path):
     results = world2.run(_nothing_to_communicate, kind, str(tmp_path))

@@ -93,6 +93,124 @@ def agreed_passes(passes: int | None, group: dist.ProcessGroup, device: torch.de
 
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+COPIES = ("d2h", "h2d")
+
+
+@dataclass(frozen=True)
+class CommNeeds:
+    """What a model's plans can communicate: for each operation they can issue (a collective, a
+    host copy), its largest message (bytes; ``math.inf``: any size). An operation not named is never
+    issued, and nothing is measured for it (see [Note: measuring what the model can use])."""
+
+    largest: dict[str, float]
+
+    @classmethod
+    def everything(cls) -> CommNeeds:
+        """Every operation at every size: the full sweep (``autodist check``, the tools)."""
+        return cls({op: math.inf for op in (*COLLECTIVES, *COPIES)})
+
+
+def _up_to(grid: tuple[int, ...], largest: float, at_least: int) -> list[int]:
+    """The sizes of ``grid`` (increasing) up to the first one at or above ``largest`` (so that
+    ``largest`` lies within what is measured), and at least the ``at_least`` smallest."""
+    out: list[int] = []
+    for size in grid:
+        out.append(size)
+        if size >= largest:
+            break
+    return out if len(out) >= at_least else list(grid[:at_least])
+
+
+def message_bytes(nbytes: int, world: int) -> int:
+    """The bytes of the float32 message of about ``nbytes`` the sweep measures on ``world`` ranks
+    (a whole number of elements per rank): the size its samples and contention rows carry."""
+    return max(world, nbytes // 4 // world * world) * 4
+
+
+@dataclass
+class SweepPlan:
+    """What a sweep will measure: each operation's timed sizes (message bytes before the world's
+    padding), each collective's contention sizes, and whether the first-touch figures and the
+    runtime's overhead are measured. Empty: the comm model at hand already holds everything."""
+
+    timings: dict[str, list[int]]
+    contention: dict[str, list[int]]
+    first_touch: bool
+    overhead: bool
+
+    def empty(self) -> bool:
+        return not any(self.timings.values()) and not any(self.contention.values()) and not self.first_touch and not self.overhead
+
+    def estimate_seconds(self, passes: int, rates: dict[str, float] | None = None) -> float:
+        """About how long measuring this takes over ``passes`` passes, at ``rates`` (seconds per
+        timed sample and pass, per contention round of one collective and size, and the fixed
+        cost of the runtime's overhead; a previous sweep's own, else ``SWEEP_RATES``)."""
+        r = dict(SWEEP_RATES, **(rates or {}))
+        cases = sum(len(v) for v in self.timings.values())
+        rounds = sum(contention_rounds(size) for sizes in self.contention.values() for size in sizes)
+        return passes * (cases * r["timing_s"] + rounds * r["contention_round_s"]) + (r["overhead_s"] if self.overhead else 0.0)
+
+    def describe(self) -> str:
+        """What is measured, in a few words (the up-front message)."""
+        names = [op.replace("_", "-") for op in sorted(COLLECTIVES) if self.timings.get(op) or self.contention.get(op)]
+        names += ["host copies"] if any(self.timings.get(op) for op in COPIES) else []
+        sizes = [s for v in (*self.timings.values(), *self.contention.values()) for s in v]
+        if not sizes:
+            return "the runtime's own costs" if self.overhead else "the fresh-memory cost" if self.first_touch else "nothing"
+        what = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+        lo, hi = _size_text(min(sizes)), _size_text(max(sizes))
+        return f"{what}, {lo}" if lo == hi else f"{what}, {lo} to {hi}"
+
+
+def _size_text(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+# Seconds per timed sample and pass, per contention round of one (collective, size), and for the
+# runtime's overhead, measured on 2 CPU ranks of a 2-core host (gpt's first launch: 30 samples and
+# 84 contention rounds a pass in 3.1 and 26.3 s; the overhead 0.9 s). An estimate only where no
+# sweep of this machine left its own (``meta["rates"]``).
+SWEEP_RATES = {"timing_s": 0.1, "contention_round_s": 0.31, "overhead_s": 1.0}
+
+
+def plan_sweep(needs: CommNeeds, base: CommModel | None, world: int, cfg: SweepConfig | None = None) -> SweepPlan:
+    """What a sweep must measure so that the comm model prices every message ``needs`` names: the
+    grid's sizes up to the first at or above each collective's largest message (two at least, for
+    a fit; host copies at every size), less what ``base`` (a stored comm model of this machine,
+    possibly partial) already holds.
+
+    [Note: measuring what the model can use] A comm model is priced at the messages a plan issues:
+    a model's gradients are reduced in buckets of at most its trainable bytes, and its units are
+    gathered in groups of at most its parameter bytes; a model that trains nothing reduces nothing.
+    Measuring larger messages, or a collective the model never issues, costs the first launch
+    time and tells the search nothing (the simulator prices a message between measured sizes, or
+    at the nearest one). So ``plan="auto"`` measures only those (:class:`CommNeeds`), stores what
+    it measured, and a later model that needs more measures only what is missing and adds it; a
+    stored model missing a part (or holding a part it cannot read) is completed the same way. A
+    stored model without a single sample was described, not measured (``CommModel.analytic``, put
+    there by a user or a test): it is used as it is."""
+    cfg = cfg or SweepConfig()
+    if base is not None and not any(fit.samples for fit in base.ops.values()):
+        return SweepPlan({}, {}, first_touch=False, overhead=False)  # given, not measured (an analytic model): used as it is
+    have_times = {op: {x for x, _ in fit.samples} for op, fit in (base.ops.items() if base else ())}
+    have_host = {op: {x for x, _ in fit.samples} for op, fit in (base.host.items() if base else ())}
+    have_rows = {op: {row[0] for row in rows} for op, rows in (base.contention.items() if base else ())}
+    timings: dict[str, list[int]] = {}
+    contention: dict[str, list[int]] = {}
+    for op, largest in needs.largest.items():
+        if op in COPIES:
+            timings[op] = [s for s in _up_to(cfg.sizes, largest, 2) if message_bytes(s, world) not in have_times.get(op, set())]
+        elif world > 1:
+            timings[op] = [s for s in _up_to(cfg.sizes, largest, 2)
+                           if not {message_bytes(s, world)} <= have_times.get(op, set()) & have_host.get(op, set())]
+            contention[op] = [s for s in _up_to(CONTENTION_SIZES, largest, 1)
+                              if float(message_bytes(s, world)) not in have_rows.get(op, set())]
+    # fresh memory costs nothing below glibc's mmap threshold: measured once a message reaches it
+    fresh = max(needs.largest.values(), default=0) >= FIRST_TOUCH_MIB[0] << 20
+    return SweepPlan(
+        timings={op: v for op, v in timings.items() if v}, contention={op: v for op, v in contention.items() if v},
+        first_touch=fresh and (base is None or not base.first_touch), overhead=base is None or not base.overhead,
+    )
 
 
 def _collectives(comm: Any, buf: torch.Tensor, shard: torch.Tensor, out: torch.Tensor) -> list[tuple[str, Any]]:
@@ -205,8 +323,13 @@ class _Pass:
 
 def _measure_pass(
     comm: Any, group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig, cases: list[tuple[str, int, Any]],
-    calls: list[int],
+    calls: list[int], cells: list[tuple[str, int, Any]], probes: dict[str, Any],
+    base_samples: dict[str, list[tuple[float, float]]], first_touch_wanted: bool,
 ) -> _Pass:
+    """One pass: the timings of ``cases`` (``calls`` calls each), the contention figures of
+    ``cells`` (against base times fitted to this pass's samples, and ``base_samples`` for the sizes
+    it does not time), and the first-touch figures when ``first_touch_wanted``. ``probes``: a small
+    message of each collective the pass measures, to time collecting one that is done."""
     world = dist.get_world_size(group)
     # Samples are collected in interleaved rounds, so a disturbance of the host (another process,
     # the scheduler) touches a few calls of many samples instead of all calls of one; the median
@@ -214,8 +337,8 @@ def _measure_pass(
     per_round = [max(1, -(-c // cfg.rounds)) for c in calls]
     issued: list[list[float]] = [[] for _ in cases]
     durations: list[list[float]] = [[] for _ in cases]
-    fresh = _FreshMemory(device)
-    fresh_tries: list[list[float]] = [[] for _ in FIRST_TOUCH_MIB]
+    fresh = _FreshMemory(device) if first_touch_wanted else None
+    fresh_tries: list[list[float]] = [[] for _ in FIRST_TOUCH_MIB] if first_touch_wanted else []
     for _ in range(cfg.rounds):
         dist.barrier(group=group)
         for _, _, issue in cases[:3]:  # wake the backend's threads before the first timed call
@@ -224,7 +347,7 @@ def _measure_pass(
             a, b = _time_calls(issue, per_round[i], device, group)
             issued[i] += a
             durations[i] += b
-        for tries, t in zip(fresh_tries, fresh.tries()):
+        for tries, t in zip(fresh_tries, fresh.tries() if fresh is not None else []):
             tries.append(t)
     del fresh
     first_touch = [max(0.0, lower_quartile(tries)) for tries in fresh_tries]
@@ -245,12 +368,8 @@ def _measure_pass(
     # how disturbed the host was: the median call against the 10th percentile, over the samples
     spreads = sorted(_quantile(d, 0.5) / max(_quantile(d, 0.1), 1e-9) for d in durations)
     spread = spreads[len(spreads) // 2] if spreads else 1.0
-    collected = {}
-    if world > 1:  # waiting for a collective that is already done (sizes do not matter)
-        probe = min(cfg.sizes)
-        for op, nb, issue in cases:
-            if nb >= probe and op not in collected and op in COLLECTIVES:
-                collected[op] = _quantile(_wait_when_done(issue, 10, group), 0.25)
+    # waiting for a collective that is already done (sizes do not matter)
+    collected = {op: _quantile(_wait_when_done(issue, 10, group), 0.25) for op, issue in probes.items()} if world > 1 else {}
     n = len(cases)
     times = _max_over_ranks(times + issue_times + [collected.get(op, 0.0) for op in COLLECTIVES] + first_touch, group, device)
     times, issue_times, collected_times, first_touch = (
@@ -262,11 +381,21 @@ def _measure_pass(
         samples.setdefault(op, []).append((float(nb), t))
         if op in COLLECTIVES:
             host_samples.setdefault(op, []).append((float(nb), issue_t + collected[op]))
-    # the contention figures are relative to this pass's own base times (what the pass measured)
-    ops = {op: fit_op(_monotone(pts)) for op, pts in samples.items()}
-    contention = _contention(comm, group, device, ops, collected) if world > 1 else {}
+    # the contention figures are relative to this pass's own base times (what the pass measured,
+    # and the stored samples of the sizes it did not time)
+    ops = {op: fit_op(_monotone(pts)) for op, pts in _merged(base_samples, samples).items()}
+    contention = _contention(group, device, ops, collected, cells) if world > 1 and cells else {}
     return _Pass(samples, host_samples, contention, spread,
                  [[float(mib << 20), s] for mib, s in zip(FIRST_TOUCH_MIB, first_touch)])
+
+
+def _merged(base: dict[str, list[tuple[float, float]]], new: dict[str, list[tuple[float, float]]]) -> dict[str, list[tuple[float, float]]]:
+    """Each operation's samples: ``new``'s, and ``base``'s at the sizes ``new`` did not measure, by size."""
+    out = {}
+    for op in {*base, *new}:
+        fresh = dict(new.get(op, []))
+        out[op] = sorted([(x, t) for x, t in base.get(op, []) if x not in fresh] + list(fresh.items()))
+    return out
 
 
 def _monotone(pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -281,85 +410,175 @@ def _monotone(pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
+def _by_figure(passes: list[_Pass]) -> dict[tuple[str, str, float, int], list[float]]:
+    """Every figure the passes measured, by (part, operation, bytes, column), with its value in each
+    pass that measured it, in pass order: the times (``time``), the caller's shares (``host``), the
+    contention figures (``contention``, columns 1-3) and the first-touch costs (``first_touch``)."""
+    out: dict[tuple[str, str, float, int], list[float]] = {}
+    for p in passes:
+        for part, table in (("time", p.samples), ("host", p.host_samples)):
+            for op, pts in table.items():
+                for nb, t in pts:
+                    out.setdefault((part, op, nb, 0), []).append(t)
+        for kind, rows in p.contention.items():
+            for row in rows:
+                for j in (1, 2, 3):
+                    out.setdefault(("contention", kind, row[0], j), []).append(row[j])
+        for nb, sec in p.first_touch:
+            out.setdefault(("first_touch", "", nb, 0), []).append(sec)
+    return out
+
+
 def _combine(passes: list[_Pass]) -> _Pass:
     """The passes as one ([Note: a sweep in passes]): each (operation, size)'s time, each
-    contention figure and the host's spread, the median over the passes."""
-
-    def samples(per_pass: list[dict[str, list[tuple[float, float]]]]) -> dict[str, list[tuple[float, float]]]:
-        return {op: [(nb, statistics.median(dict(p[op])[nb] for p in per_pass)) for nb, _ in pts]
-                for op, pts in per_pass[0].items()}
-
-    contention = {
-        kind: [[row[0], *(statistics.median(p.contention[kind][i][j] for p in passes) for j in (1, 2, 3))]
-               for i, row in enumerate(rows)]
-        for kind, rows in passes[0].contention.items()
-    }
-    first_touch = [[row[0], statistics.median(p.first_touch[i][1] for p in passes)]
-                   for i, row in enumerate(passes[0].first_touch)]
-    return _Pass(samples([p.samples for p in passes]), samples([p.host_samples for p in passes]), contention,
-                 statistics.median(p.spread for p in passes), first_touch)
+    contention figure and the host's spread, the median over the passes that measured it."""
+    figures = {key: statistics.median(values) for key, values in _by_figure(passes).items()}
+    samples: dict[str, list[tuple[float, float]]] = {}
+    host: dict[str, list[tuple[float, float]]] = {}
+    contention: dict[str, dict[float, list[float]]] = {}
+    first_touch: list[list[float]] = []
+    for (part, op, nb, j), value in sorted(figures.items()):
+        if part == "time":
+            samples.setdefault(op, []).append((nb, value))
+        elif part == "host":
+            host.setdefault(op, []).append((nb, value))
+        elif part == "contention":
+            contention.setdefault(op, {}).setdefault(nb, [nb, 0.0, 0.0, 0.0])[j] = value
+        else:
+            first_touch.append([nb, value])
+    rows = {kind: [by_size[nb] for nb in sorted(by_size)] for kind, by_size in contention.items()}
+    return _Pass(samples, host, rows, statistics.median(p.spread for p in passes), first_touch)
 
 
 def _pass_spread(passes: list[_Pass]) -> float:
-    """How far the passes disagreed: over every collective's time and contention figure, the median
-    of its range over the passes as a fraction of its median (0 with one pass)."""
-    if len(passes) < 2:
+    """How far the passes disagreed: over every collective's time and contention figure measured
+    more than once, the median of its range over the passes as a fraction of its median (0 with one
+    pass)."""
+    figures = [values for (part, op, _, _), values in _by_figure(passes).items()
+               if len(values) > 1 and (part == "contention" or part == "time" and op in COLLECTIVES)]
+    if not figures:
         return 0.0
-    figures: list[list[float]] = []
-    for op, pts in passes[0].samples.items():
-        for nb, _ in pts:
-            figures.append([dict(p.samples[op])[nb] for p in passes])
-    for kind, rows in passes[0].contention.items():
-        for i in range(len(rows)):
-            for j in (1, 2, 3):
-                figures.append([p.contention[kind][i][j] for p in passes])
     return statistics.median((max(f) - min(f)) / max(statistics.median(f), 1e-12) for f in figures)
 
 
-def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | None = None, *, comm: Any = None) -> CommModel:
+def _unsettled(passes: list[_Pass]) -> set[tuple[str, float]]:
+    """The (operation, bytes) whose figures the passes so far disagree on by more than
+    ``PASSES_AGREE`` (a time, the caller's share, or a contention figure: range over median), and
+    ("first_touch", 0) when a first-touch figure does: what the next pass measures again
+    ([Note: passes that agree])."""
+    out = set()
+    for (part, op, nb, _), values in _by_figure(passes).items():
+        if len(values) > 1 and (max(values) - min(values)) / max(statistics.median(values), 1e-12) > PASSES_AGREE:
+            out.add(("first_touch", 0.0) if part == "first_touch" else (op, nb))
+    return out
+
+
+PASSES_AGREE = 0.1  # figures two passes agree on this closely are not measured in a third (_unsettled)
+
+
+def sweep(
+    group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | None = None, *, comm: Any = None,
+    needs: CommNeeds | None = None, base: CommModel | None = None,
+) -> CommModel:
     """Measure and fit the comm model on ``group`` (a collective: call on every rank); ``cfg``
     defaults to ``SweepConfig()``. Given ``comm`` (an AutoDist instance's :class:`Comm` on
     ``group``), the sweep measures on its process groups and makes none (see [Note: AutoDist's own
-    process groups]); else it makes its own and destroys them at the end."""
+    process groups]); else it makes its own and destroys them at the end. ``needs``: what to
+    measure (default: every collective at every size); ``base``: a comm model of this machine
+    whose parts are kept, only what it lacks being measured and added (:func:`plan_sweep`; every
+    rank must pass the same one).
+
+    [Note: passes that agree] A sweep takes up to ``passes`` passes and keeps each figure's median
+    over the passes that measured it. The first two measure everything; each later pass measures
+    again only the operations and sizes whose figures the passes so far disagree on by more than
+    ``PASSES_AGREE`` (their range over their median; :func:`_unsettled`). The median of three values
+    lies within the range of any two of them, so where two passes agree within 10%, a third could
+    move the figure kept by 10% of it at most: it is not measured. The figures are the slowest
+    rank's, the same on every rank, so every rank measures the same again."""
     cfg = cfg or SweepConfig()
     from ..runtime.comm import Comm, backend_workers  # the same collective calls the runtime issues
 
     world = dist.get_world_size(group)
     n_passes = agreed_passes(cfg.passes, group, device)
+    todo = plan_sweep(needs if needs is not None else CommNeeds.everything(), base, world, cfg)
     comm = Comm(group) if comm is None else comm.sharing_groups()
     t_start = time.perf_counter()
-    fdt = torch.float32
-    cases: list[tuple[str, int, Any]] = []  # (op, message bytes, issue: returns the work or None)
-    keep: list[torch.Tensor] = []
-    for nbytes in cfg.sizes:
-        n = max(world, nbytes // 4 // world * world)
-        buf = torch.zeros(n, dtype=fdt, device=device)
-        shard = torch.zeros(n // world, dtype=fdt, device=device)
-        out = torch.empty(n, dtype=fdt, device=device)
-        host = torch.empty(n, dtype=fdt, pin_memory=device.type == "cuda")
-        keep += [buf, shard, out, host]
-        nb = n * 4
-        if world > 1:
-            cases += [(op, nb, issue) for op, issue in _collectives(comm, buf, shard, out)]
+    buffers: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def buffers_of(nbytes: int) -> tuple[torch.Tensor, ...]:
+        """(buf, shard, out, host) of a message of about ``nbytes``, made once per size."""
+        if nbytes not in buffers:
+            n = message_bytes(nbytes, world) // 4
+            buffers[nbytes] = (torch.zeros(n, device=device), torch.zeros(n // world, device=device),
+                               torch.empty(n, device=device), torch.empty(n, pin_memory=device.type == "cuda"))
+        return buffers[nbytes]
+
+    def issues(nbytes: int) -> dict[str, Any]:
+        buf, shard, out, host = buffers_of(nbytes)
         nonblock = device.type == "cuda"
-        cases.append(("d2h", nb, lambda host=host, buf=buf, nonblock=nonblock: _copy(host, buf, nonblock)))
-        cases.append(("h2d", nb, lambda host=host, buf=buf, nonblock=nonblock: _copy(buf, host, nonblock)))
+        return {
+            **(dict(_collectives(comm, buf, shard, out)) if world > 1 else {}),
+            "d2h": lambda: _copy(host, buf, nonblock),
+            "h2d": lambda: _copy(buf, host, nonblock),
+        }
+
+    order = (*COLLECTIVES, *COPIES)
+    cases = [(op, message_bytes(nb, world), issues(nb)[op]) for nb in cfg.sizes for op in order if nb in todo.timings.get(op, ())]
+    cells = [(op, message_bytes(nb, world), issues(nb)[op]) for nb in CONTENTION_SIZES for op in COLLECTIVES
+             if nb in todo.contention.get(op, ())]
+    probes = {op: issues(min(cfg.sizes))[op] for op in COLLECTIVES if todo.timings.get(op) or todo.contention.get(op)}
+    base_samples = {op: list(fit.samples) for op, fit in base.ops.items()} if base is not None else {}
+    t0 = time.perf_counter()
     calls = [_calls_for(issue, group, device, cfg) for _, _, issue in cases]
-    passes = [_measure_pass(comm, group, device, cfg, cases, calls) for _ in range(n_passes)]
+    passes: list[_Pass] = []
+    again = {(op, float(nb)) for op, nb, _ in cases + cells} | ({("first_touch", 0.0)} if todo.first_touch else set())
+    while len(passes) < n_passes and again:
+        keep = [i for i, (op, nb, _) in enumerate(cases) if (op, float(nb)) in again]
+        # a pass after the first two measures again only what they disagree on ([Note: passes that agree]),
+        # its contention figures against the base times of the passes so far
+        known = _merged(base_samples, _combine(passes).samples) if passes else base_samples
+        passes.append(_measure_pass(
+            comm, group, device, cfg, [cases[i] for i in keep], [calls[i] for i in keep],
+            [c for c in cells if (c[0], float(c[1])) in again], probes, known, ("first_touch", 0.0) in again,
+        ))
+        if len(passes) >= 2:
+            again = _unsettled(passes)
+    measuring = time.perf_counter() - t0
     combined = _combine(passes)
-    ops = {op: fit_op(_monotone(pts)) for op, pts in combined.samples.items()}
-    host_ops = {op: fit_op(pts) for op, pts in combined.host_samples.items()}
+    samples = _merged(base_samples, combined.samples)
+    host_samples = _merged({op: list(fit.samples) for op, fit in base.host.items()} if base is not None else {},
+                           combined.host_samples)
+    ops = {op: fit_op(_monotone(pts)) for op, pts in samples.items() if pts}
+    host_ops = {op: fit_op(pts) for op, pts in host_samples.items() if pts}
     if world == 1:
         zero = OpModel(Piece(0.0, 0.0), Piece(0.0, 0.0), float("inf"))
-        for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        for op in COLLECTIVES:
             ops[op] = zero
-    contention, spread = combined.contention, combined.spread
-    slow_compute, slow_comm = contention["all_reduce"][-1][1:3] if contention else (1.0, 1.0)
-    transient = _transient_bytes(comm, device) if world > 1 else {}
-    from .overhead import measure_runtime_overhead
+    # the contention rows as measured, this sweep's and the stored ones at other sizes, then smoothed
+    measured_rows = _stored_rows(base)
+    for kind, rows in combined.contention.items():
+        fresh = {row[0] for row in rows}
+        measured_rows[kind] = sorted([r for r in measured_rows.get(kind, []) if r[0] not in fresh] + rows)
+    contention = _smoothed(measured_rows)
+    largest_rows = [contention[k][-1] for k in COLLECTIVES if contention.get(k)]
+    if largest_rows:
+        slow_compute, slow_comm = largest_rows[0][1:3]
+    elif base is not None:
+        slow_compute, slow_comm = base.compute_slowdown, base.comm_slowdown
+    else:
+        slow_compute, slow_comm = 1.0, 1.0
+    measured_ops = sorted({op for op, _, _ in cells} | set(probes))
+    transient = dict(base.transient) if base is not None else {}
+    transient.update(_transient_bytes(comm, device, measured_ops) if world > 1 and measured_ops else {})
+    if todo.overhead or base is None:
+        from .overhead import measure_runtime_overhead
 
-    overhead = asdict(measure_runtime_overhead(device, comm))
-    first_touch = combined.first_touch  # the slowest rank's (every rank derives the same plan from the same model)
+        overhead = asdict(measure_runtime_overhead(device, comm))
+    else:
+        overhead = dict(base.overhead)
+    first_touch = combined.first_touch if todo.first_touch else list(base.first_touch if base is not None else [])
+    n_rounds = sum(contention_rounds(nb) for _, nb, _ in cells)
+    rates = _rates(len(cases), n_rounds, len(passes), measuring, base)
     model = CommModel(
         # the wait figures' calibration for the machine class (see [Note: the wait calibration])
         wait_scale=DEFAULT_CPU_WAIT_SCALE if device.type == "cpu" else 1.0,
@@ -379,9 +598,13 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
         meta={
             "sweep_seconds": time.perf_counter() - t_start, "torch": torch.__version__,
             # median over samples of (median call / 10th percentile): ~1 on a quiet host (the median pass)
-            "spread": round(spread, 3), "disturbed": spread > DISTURBED_SPREAD, "passes": len(passes),
+            "spread": round(combined.spread, 3), "disturbed": combined.spread > DISTURBED_SPREAD, "passes": len(passes),
             # how far the passes disagreed: a figure's range over its median, the median over the figures
             "pass_spread": round(_pass_spread(passes), 3),
+            # what this sweep measured (the rest came from ``base``), and how fast, for the next estimate
+            "measured": {"timings": {op: sorted(v) for op, v in todo.timings.items()},
+                         "contention": {op: sorted(v) for op, v in todo.contention.items()}},
+            "contention_measured": measured_rows, "rates": rates,
         },
     )
     comm.destroy()
@@ -390,12 +613,35 @@ def sweep(group: dist.ProcessGroup, device: torch.device, cfg: SweepConfig | Non
     return box[0]
 
 
+def _stored_rows(base: CommModel | None) -> dict[str, list[list[float]]]:
+    """The contention rows ``base`` was smoothed from (its own where it has no record of them)."""
+    if base is None:
+        return {}
+    stored = base.meta.get("contention_measured")
+    rows = stored if isinstance(stored, dict) and set(stored) == set(base.contention) else base.contention
+    return {kind: [list(r) for r in rs] for kind, rs in rows.items()}
+
+
+def _rates(cases: int, rounds: int, passes: int, seconds: float, base: CommModel | None) -> dict[str, float]:
+    """``SweepPlan.estimate_seconds``'s rates as this sweep measured them: its measuring time shared
+    between its timed samples and contention rounds in the proportion of the default rates (a sweep
+    that measured neither keeps ``base``'s)."""
+    weight = passes * (cases * SWEEP_RATES["timing_s"] + rounds * SWEEP_RATES["contention_round_s"])
+    if weight <= 0:
+        old = base.meta.get("rates") if base is not None else None
+        return dict(old) if isinstance(old, dict) else dict(SWEEP_RATES)
+    scale = seconds / weight
+    return {"timing_s": SWEEP_RATES["timing_s"] * scale, "contention_round_s": SWEEP_RATES["contention_round_s"] * scale,
+            "overhead_s": SWEEP_RATES["overhead_s"]}
+
+
 CONTENTION_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)  # message bytes measured at
 CONTENTION_ROUNDS = 5  # each (kind, size) is measured this many times, in interleaved rounds (trimmed_mean) ...
 CONTENTION_LONG_BYTES = 64 << 20  # ... but messages of this size and more ...
 CONTENTION_LONG_ROUNDS = 3  # ... this many times (their median; see [Note: stable contention figures])
 CONTENTION_BUSY_S = 0.01  # each full-overlap measurement runs collectives of at least this much base time ...
-CONTENTION_MAX_CALLS = 24  # ... in at most this many calls (small ones are slowed ~10x)
+CONTENTION_MAX_CALLS = 24  # ... in at most this many calls (small ones are slowed ~10x) ...
+CONTENTION_TRAIN_S = 0.25  # ... and after the first round, in no more than fill this long at its slowdown (3 at least)
 CONTENTION_WAIT_S = 0.02  # each wait measurement runs collectives of at least this much base time ...
 CONTENTION_MAX_WAIT_CALLS = 48  # ... in at most this many calls (see [Note: the wait figure])
 
@@ -436,10 +682,12 @@ def product_rate(one: Callable[[], None], seconds: float, device: torch.device) 
 
 
 def _contention(
-    comm: Any, group: dist.ProcessGroup, device: torch.device, ops: dict[str, OpModel], collect: dict[str, float]
+    group: dist.ProcessGroup, device: torch.device, ops: dict[str, OpModel], collect: dict[str, float],
+    cells: list[tuple[str, int, Any]],
 ) -> dict[str, list[list[float]]]:
-    """Per collective kind and message size: [bytes, compute slowdown while it runs, its slowdown
-    while compute runs].
+    """Per collective kind and message size of ``cells`` ((kind, message bytes, issue)): [bytes,
+    compute slowdown while it runs, its slowdown while compute runs, its wait figure], as measured
+    (:func:`_smoothed` smooths them over sizes once every size is at hand).
 
     Each is measured under full overlap, as the runtime overlaps: the compute thread issues a
     collective, computes (small matrix products, ~0.15 ms each on a CPU core) until it has completed,
@@ -468,32 +716,27 @@ def _contention(
     notices it within one product.
     """
     one = reference_product(device)
-    cells = _contention_cells(comm, device)
     ratios: list[list[tuple[float, float, float]]] = [[] for _ in cells]
+    # ops, hence each train's calls, agree across ranks; after the first round, the slowest rank's
+    # slowdowns of that round do too (see [Note: a train of bounded length])
+    t_ops = [max(ops[kind](nbytes), 1e-6) for kind, nbytes, _ in cells]  # a fit may read 0: the calls divide by it
+    calls = [train_calls(t_op) for t_op in t_ops]
     with _completion_waiter() as work_q:
         for r in range(CONTENTION_ROUNDS):
+            if r == 1:
+                first = _max_over_ranks([rs[0][1] for rs in ratios], group, device)
+                calls = [train_calls(t_op, slow) for t_op, slow in zip(t_ops, first)]
             for i in range(len(cells)) if r % 2 == 0 else reversed(range(len(cells))):
                 kind, nbytes, issue = cells[i]
                 if r >= contention_rounds(nbytes):
                     continue
-                t_op = max(ops[kind](nbytes), 1e-6)  # a fit may read 0: the calls below divide by it
-                ratios[i].append(_contention_round(issue, t_op, one, work_q, group, device, collect.get(kind, 0.0)))
+                ratios[i].append(_contention_round(issue, t_ops[i], calls[i], one, work_q, group, device, collect.get(kind, 0.0)))
     values = [trimmed_mean([x[j] for x in rs]) for rs in ratios for j in (0, 1, 2)]
     values = _max_over_ranks(values, group, device)
-    return _contention_rows(cells, values)
-
-
-def _contention_cells(comm: Any, device: torch.device) -> list[tuple[str, int, Any]]:
-    """Every (kind, message bytes, issue) the contention figures are measured for."""
-    world = comm.world_size
-    cells: list[tuple[str, int, Any]] = []
-    for size in CONTENTION_SIZES:
-        n_el = size // 4 // world * world
-        buf = torch.zeros(n_el, device=device)
-        shard = torch.zeros(n_el // world, device=device)
-        out = torch.empty(n_el, device=device)
-        cells += [(kind, n_el * 4, issue) for kind, issue in _collectives(comm, buf, shard, out)]
-    return cells
+    out_rows: dict[str, list[list[float]]] = {}
+    for i, (kind, nbytes, _) in enumerate(cells):
+        out_rows.setdefault(kind, []).append([float(nbytes), *values[3 * i : 3 * i + 3]])
+    return {kind: sorted(rows) for kind, rows in out_rows.items()}
 
 
 @contextmanager
@@ -520,19 +763,36 @@ def _completion_waiter() -> Iterator[queue.Queue]:
         thread.join()
 
 
+def train_calls(t_op: float, slowdown: float | None = None) -> int:
+    """How many collectives of base time ``t_op`` a full-overlap train runs: enough for
+    ``CONTENTION_BUSY_S`` of base time, at most ``CONTENTION_MAX_CALLS``; given the ``slowdown``
+    the first round measured, no more than fill ``CONTENTION_TRAIN_S`` at it, and 3 at least.
+
+    [Note: a train of bounded length] A train's calls run at the collective's contended speed: a
+    64 KiB all-reduce of 0.33 ms base time read slowdowns of 18-270 on a busy 2-core host, and its
+    train of 24 calls took 0.2-2.3 s a round, most of a sweep's time. A quarter of a second spans
+    dozens of the scheduler's slices, which is what the train's length is for; so after the first
+    round a train runs no longer than that at the slowdown the first round measured. The bound is
+    reached only at slowdowns over about 30 (24 calls of 0.33 ms); below, the train is as before."""
+    k = min(CONTENTION_MAX_CALLS, max(1, math.ceil(CONTENTION_BUSY_S / t_op)))
+    if slowdown is None:
+        return k
+    return min(k, max(3, math.ceil(CONTENTION_TRAIN_S / (t_op * max(slowdown, 1.0)))))
+
+
 def _contention_round(
     issue: Any,
     t_op: float,
+    k: int,
     one: Callable[[], None],
     work_q: queue.Queue,
     group: dist.ProcessGroup,
     device: torch.device,
     collect_s: float,
 ) -> tuple[float, float, float]:
-    """One round of one (kind, size) of base time ``t_op``: [compute slowdown while it runs, its
-    slowdown while compute runs, its wait figure]."""
-    # ops, hence k, agree across ranks
-    k = min(CONTENTION_MAX_CALLS, max(1, math.ceil(CONTENTION_BUSY_S / t_op)))
+    """One round of one (kind, size) of base time ``t_op``, its full-overlap train ``k`` calls long
+    (:func:`train_calls`): [compute slowdown while it runs, its slowdown while compute runs, its wait
+    figure]."""
     _once(issue)  # wake the backend's threads
     dist.barrier(group=group)
     alone = product_rate(one, 0.015, device)
@@ -614,16 +874,17 @@ def _wait_ratio(
     return max(1.0, waited / left)
 
 
-def _contention_rows(cells: list[tuple[str, int, Any]], values: list[float]) -> dict[str, list[list[float]]]:
-    """The figures per kind, one row per size: [bytes, slow_compute, slow_comm, wait]."""
+def _smoothed(measured: dict[str, list[list[float]]]) -> dict[str, list[list[float]]]:
+    """The figures per kind, one row per size ([bytes, slow_compute, slow_comm, wait]): neighbouring
+    sizes differ little, so each figure is the running median of three over the measured sizes."""
     out_rows: dict[str, list[list[float]]] = {}
-    for i, (kind, nbytes, _) in enumerate(cells):
-        out_rows.setdefault(kind, []).append([float(nbytes), *values[3 * i : 3 * i + 3]])
-    for rows in out_rows.values():  # neighbouring sizes differ little: a running median of three
+    for kind, measured_rows in measured.items():
+        rows = [list(row) for row in sorted(measured_rows)]
         for j in (1, 2, 3):
             column = [row[j] for row in rows]
             for i, row in enumerate(rows):
                 row[j] = statistics.median(column[max(0, i - 1) : i + 2])
+        out_rows[kind] = rows
     return out_rows
 
 
@@ -733,7 +994,7 @@ class _FreshMemory:
         return out
 
 
-def _transient_bytes(comm: Any, device: torch.device) -> dict[str, float]:
+def _transient_bytes(comm: Any, device: torch.device, ops: list[str]) -> dict[str, float]:
     """Extra bytes the backend allocates per message byte while a collective runs (measured on one
     4 MiB message of each kind: the CUDA allocator's peak, or the CPU profiler's allocations)."""
     world = comm.world_size
@@ -748,6 +1009,8 @@ def _transient_bytes(comm: Any, device: torch.device) -> dict[str, float]:
     }
     result = {}
     for op, fn in calls.items():
+        if op not in ops:
+            continue
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             base = torch.cuda.memory_allocated(device)

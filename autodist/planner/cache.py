@@ -91,9 +91,10 @@ class Cache:
                     pass
 
     # -- read / write -----------------------------------------------------------------------------
-    def get(self, kind: str, key: str, parse: Callable[[str], T]) -> T | None:
+    def get(self, kind: str, key: str, parse: Callable[[str], T], replaced_by: Callable[[], str] | None = None) -> T | None:
         """The parsed entry, or ``None`` on a miss. An entry that cannot be read, decoded or parsed
-        (``parse`` raising anything) is reported once, removed, and is a miss."""
+        (``parse`` raising anything) is reported once, removed, and is a miss; ``replaced_by`` says
+        in that report what replaces it (e.g. a measurement and how long it takes)."""
         p = self.path(kind, key)
         try:
             data = p.read_bytes()
@@ -112,8 +113,8 @@ class Cache:
             why = " ".join(str(e).split())
             self.once.warning(
                 f"corrupt{p}",
-                "autodist: cache entry %s is corrupt or stale (%s%s); it will be replaced",
-                p, type(e).__name__, f": {why[:200]}" if why else "",
+                "autodist: cache entry %s is corrupt or stale (%s%s); it will be replaced%s",
+                p, type(e).__name__, f": {why[:200]}" if why else "", f": {replaced_by()}" if replaced_by is not None else "",
             )
             if self.writer:
                 with contextlib.suppress(OSError):

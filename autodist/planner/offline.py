@@ -22,7 +22,7 @@ import torch
 
 from .._log import logger
 from ..cost.budget import format_bytes
-from ..cost.comm import CommModel
+from ..cost.comm import OPS, CommModel
 from ..cost.fidelity import FidelityRecord
 from ..cost.interconnect import INTERCONNECTS
 from ..cost.profile import Profile
@@ -86,6 +86,13 @@ def comm_model(
         )
     try:
         model = search_config(cache, facts).calibrated(CommModel.from_json(path.read_text()))
+        unmeasured = [op for op in OPS if op not in model.ops]
+        if unmeasured:  # plan="auto" measures only what its model can use (measure/sweep.py plan_sweep)
+            raise OfflineError(
+                f"the comm model cached in {path} was measured for a model that issues no {', '.join(unmeasured)}; "
+                "run a job with plan=\"auto\" and this model on this machine first (it measures what is missing), "
+                "or pass --interconnect NAME, or --bandwidth GBPS --latency US"
+            )
         return model, f"the comm model measured on this machine ({path})"
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise OfflineError(

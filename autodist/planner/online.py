@@ -4,7 +4,8 @@
   torch version, optimizer kind, budget and mixed precision is used: no profiling, no search.
 * **Miss with example inputs** — profile now (a few forward/backward passes of the plain module,
   no optimizer step, nothing left changed), get the comm model (cached per machine, else a sweep of
-  about 50 s on 2 CPU ranks, three passes), search on rank 0, broadcast, store.
+  what the model's plans can issue, :func:`comm_needs`; the up-front message says what and for about
+  how long), search on rank 0, broadcast, store.
 * **Miss without example inputs** — wrap with a safe plan (the placement stored for this model if
   any; else replicate everything when parameters, gradients and optimizer state fit in half the
   budget, shard everything otherwise). At the first forward, look the full plan up by the input
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -41,7 +43,7 @@ from ..cost.fidelity import FidelityRecord
 from ..cost.profile import Profile, slowest
 from ..cost.simulator import DurationEstimator, Simulator
 from ..errors import AutoDistError, BudgetError, mark_raised_on_every_rank, reported_once
-from ..measure.sweep import collective_train, sweep
+from ..measure.sweep import COLLECTIVES, COPIES, CommNeeds, SweepPlan, collective_train, plan_sweep, sweep, sweep_passes
 from ..measure.trace import _preserved, estimate_optimizer, model_loss, profile_model, surrogate_loss
 from ..plan import SCHEMA_VERSION, Plan
 from ..runtime.comm import Comm
@@ -50,7 +52,7 @@ from ..sched.space import PlanSpace, space_for
 from ..structure import ModelStructure
 from . import keys
 from .cache import Cache
-from .entries import comm_entry, placement_entry, plan_entry, profile_entry
+from .entries import comm_entry, comm_parts, placement_entry, plan_entry, profile_entry
 from .estimator import entry_parser, stored_estimator
 from .offline import annotate, budget_error, search_within_budget
 from .recorder import StepRecorder
@@ -138,6 +140,40 @@ def _silent_comm_model(world: int, device: torch.device) -> CommModel:
     return model
 
 
+def _about(todo: SweepPlan, stored: CommModel | None) -> str:
+    """How long measuring ``todo`` takes, in words: at the rates the stored model's sweep measured on
+    this machine, else the default ones, over the passes a sweep takes."""
+    try:
+        passes = sweep_passes()
+    except ValueError:  # the sweep itself reports it, on every rank
+        passes = 1
+    rates = stored.meta.get("rates") if stored is not None else None
+    seconds = todo.estimate_seconds(passes, rates if isinstance(rates, dict) else None)
+    where = "at this machine's last measured rate" if isinstance(rates, dict) else "on 2 CPU ranks"
+    return f"about {max(1, round(seconds))} s {where}"
+
+
+def comm_needs(structure: ModelStructure) -> CommNeeds:
+    """What a plan for this model can communicate ([Note: measuring what the model can use] in
+    autodist/measure/sweep.py): gradients reduced (all-reduce, reduce-scatter) in buckets of at most
+    the trained parameters' bytes, none when nothing is trained; units gathered in groups of at most
+    every parameter's bytes (a frozen unit may be sharded too); host and in-memory copies (offloaded
+    state, bucket copy-in, gather copy-out) of at most every parameter's bytes. Bytes at 4 per
+    element at least: gradients are reduced, and optimizer state kept, in float32 whatever the
+    parameters' dtype."""
+
+    def nbytes(names: Any) -> float:
+        return float(sum(p.numel * max(4, p.nbytes // max(p.numel, 1)) for p in (structure.params[n] for n in names)))
+
+    trained, every = nbytes(structure.trainable), nbytes(structure.params)
+    largest = {op: every for op in COPIES}
+    if every > 0:
+        largest["all_gather"] = every
+    if trained > 0:
+        largest.update(all_reduce=trained, reduce_scatter=trained)
+    return CommNeeds({op: largest[op] for op in (*COLLECTIVES, *COPIES) if op in largest})
+
+
 class AutoPlanner:
     """Everything ``plan="auto"`` needs, bound to one wrapped model (through ``runtime``)."""
 
@@ -159,6 +195,7 @@ class AutoPlanner:
         self._wrapped_inputs: tuple | None = None  # a meta-device model's example inputs (profile_wrapped)
         self._search_cfg: SearchConfig | None = None  # rank 0's (search_config)
         self._estimator: tuple[DurationEstimator | None, str | None] | None = None  # rank 0's (estimator)
+        self._warned_remeasure = False  # rank 0 reported a comm model entry it measures again, with the estimate
 
     # ---- keys ------------------------------------------------------------------------------
     def profile_key(self, sig: str) -> str:
@@ -262,21 +299,40 @@ class AutoPlanner:
         return plan
 
     def comm_model(self) -> CommModel:
+        """This machine's comm model, holding at least what this model's plans can issue
+        (:func:`comm_needs`): the stored one; else measured, only what the stored one lacks or holds
+        unreadably (see [Note: measuring what the model can use] in autodist/measure/sweep.py), and
+        stored with what it had."""
         key = self.comm_key()
-        model = self.read("comm", key)
-        text = self.comm.broadcast_object(model.to_json() if model is not None else None)
-        if text is not None:
-            return CommModel.from_json(text)
+        needs = comm_needs(self.structure)
+        payload: tuple[str | None, bool] | None = None
+        seed = self._seed()
+        from_seed = False
+        self._warned_remeasure = False
         if self.rank == 0:
-            logger.info("autodist: measuring the communication cost model (about 50 s on 2 CPU ranks, once per machine)")
+            payload = self._stored_comm_model(self.cache, key, needs)
+            if payload[0] is None and seed is not None:  # [Note: a seed of comm models]
+                payload = self._stored_comm_model(seed, key, needs)
+                from_seed = payload[0] is not None
+                if from_seed and payload[1]:
+                    self.cache.put("comm", key, str(payload[0]))
+        got = self.comm.broadcast_object(payload)
+        text, complete = got if got is not None else (None, False)
+        stored = CommModel.from_json(text) if text is not None else None
+        if stored is not None and complete:
+            return stored
+        todo = plan_sweep(needs, stored, self.world)
+        if self.rank == 0 and not self._warned_remeasure:
+            logger.info("autodist: measuring the communication cost model: %s (%s, once per machine)",
+                        todo.describe(), _about(todo, stored))
         # the sweep draws random tensors (and seeds its own overhead probe): the user's generator is kept
         rng_devices = [self.device] if self.device.type == "cuda" else []
         with progress("measuring the comm model", enabled=self.rank == 0), torch.random.fork_rng(devices=rng_devices):
-            model = sweep(self.comm.group, self.device, comm=self.comm)
+            model = sweep(self.comm.group, self.device, comm=self.comm, needs=needs, base=stored)
             if model.meta.get("disturbed"):  # retaken once; a second disturbed sweep is kept, flagged
                 if self.rank == 0:
                     logger.info("autodist: the host was busy during the comm sweep (spread %.1fx); measuring again", model.meta["spread"])
-                again = sweep(self.comm.group, self.device, comm=self.comm)
+                again = sweep(self.comm.group, self.device, comm=self.comm, needs=needs, base=stored)
                 model = again if again.meta.get("spread", 9e9) <= model.meta.get("spread", 9e9) else model
         if model.meta.get("disturbed") and self.rank == 0:
             logger.warning(
@@ -285,7 +341,50 @@ class AutoPlanner:
             )
         self.stats.sweeps += 1
         self.cache.put("comm", key, model.to_json())
+        if seed is not None and (stored is None or from_seed):  # what the seed lacked, added to it
+            seed.put("comm", key, model.to_json())
         return model
+
+    def _seed(self) -> Cache | None:
+        """The cache of comm models ``AUTODIST_COMM_SEED`` names, if any.
+
+        [Note: a seed of comm models] A comm model belongs to the machine, not to a cache: a cache
+        directory that holds none for this machine (a fresh one: a test's, a container's) can start
+        from the comm models another directory holds (``AUTODIST_COMM_SEED``, a cache directory).
+        ``plan="auto"`` reads its own cache first; on a miss, the seed's entry for this machine, copied
+        into its own cache when it holds what the model needs; what it then measures (what the
+        seed's entry lacked, or all) is stored in both. An entry of its own cache (one a user or a
+        test put there) is never written to the seed. The test suite measures into one seed per
+        session (tests/conftest.py), so that only tests whose subject is the sweep sweep."""
+        where = os.environ.get("AUTODIST_COMM_SEED")
+        return Cache(where, writer=self.rank == 0) if where else None
+
+    def _stored_comm_model(self, cache: Cache, key: str, needs: CommNeeds) -> tuple[str | None, bool]:
+        """Rank 0: (the stored comm model's JSON or None, whether it holds everything ``needs``
+        names). A stored entry partly unreadable gives its usable parts, and the report of it says
+        what will be measured again and for about how long; one wholly unreadable is reported with
+        the full measurement's estimate, removed, and is a miss."""
+        def replaced_by() -> str:
+            self._warned_remeasure = True
+            todo = plan_sweep(needs, None, self.world)
+            return f"measuring {todo.describe()} ({_about(todo, None)})"
+
+        parts = cache.get("comm", key, lambda text: comm_parts(text, self.machine), replaced_by=replaced_by)
+        if parts is None:
+            return None, False
+        model, problem = parts
+        todo = plan_sweep(needs, model, self.world)
+        if problem is not None:
+            self._warned_remeasure = True
+            cache.once.warning(
+                f"partial{key}",
+                "autodist: cache entry %s is partly corrupt (%s); it will be replaced: its readable parts are kept and "
+                "only %s measured again (%s)",
+                cache.path("comm", key), problem, todo.describe() if not todo.empty() else "nothing", _about(todo, model),
+            )
+        # a stored model with an unreadable part is measured again even when this model needs no
+        # more of it: the sweep keeps every readable part and derives the rest
+        return model.to_json(), todo.empty() and problem is None
 
     # ---- planning ------------------------------------------------------------------------------
     def safe_plan(self, *, sharded: bool = False, profiled: str = "the first steps are") -> Plan:
@@ -378,11 +477,11 @@ class AutoPlanner:
         if self.nothing_to_communicate(fixed):
             # [Note: a model with nothing to communicate] No parameter is trained, so no gradient is
             # reduced; with every unit replicated nothing is gathered either, and the comm model
-            # would price no collective of the plan: it is not measured (a sweep takes about 50 s
-            # a pass). The search runs with the placement fixed to replicate and a comm model that
-            # prices nothing it is asked about; if replicating does not fit the budget and the
-            # placement may change, units must be sharded, which gathers, and the comm model is
-            # measured as for any model.
+            # would price no collective of the plan: it is not measured. The search runs with the
+            # placement fixed to replicate and a comm model that prices nothing it is asked about;
+            # if replicating does not fit the budget and the placement may change, units must be
+            # sharded, which gathers, and the comm model is measured for the gathers alone
+            # (comm_needs: nothing is reduced).
             replicated = {u.name: "replicate" for u in self.structure.units}
             payload = self.comm.broadcast_object(
                 self._search_payload(profile, sig, _silent_comm_model(self.world, self.device), fixed=replicated, free=replicated)
