@@ -174,6 +174,13 @@ def _nothing_to_communicate(kind, cache_dir):
     again = AutoDist(reference, plan="auto", example_inputs=(x,), cache_dir=cache_dir)
     out["second"] = (again._auto.stats.cache_hits, again._auto.stats.sweeps)
     again.close()
+    # inputs that need no gradient either (a frozen model used for inference): there is no backward
+    # at all; it is profiled forward only
+    plain = x.detach()
+    inference = AutoDist(copy.deepcopy(reference), plan="auto", example_inputs=(plain,), cache_dir=os.path.join(cache_dir, "plain"))
+    with torch.no_grad():
+        out["plain"] = (inference._auto.stats.sweeps, max((inference(plain) - reference(plain)).abs().max().item() for _ in range(2)))
+    inference.close()
     # a model with a parameter to train may communicate: it is planned as every model is
     torch.manual_seed(0)
     partial = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
@@ -195,6 +202,7 @@ def test_a_model_with_nothing_to_communicate_is_planned_without_a_sweep(world2, 
         assert r["sharded"] == 0 and r["diff"] == 0.0, r
         assert r["second"] == (1, 0), r
         assert r["partial_communicates"], r
+        assert r["plain"] == (0, 0.0), r
 
 
 def test_the_search_over_a_model_without_units_finishes():

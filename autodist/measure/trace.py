@@ -279,18 +279,20 @@ class _OwnOrSurrogateLoss:
     def __init__(self) -> None:
         self.own = False
 
-    def __call__(self, out: object) -> torch.Tensor:
+    def __call__(self, out: object) -> torch.Tensor | None:
         loss = model_loss(out)
         self.own = loss is not None
         return loss if loss is not None else surrogate_loss(out)
 
 
-def surrogate_loss(out: object) -> torch.Tensor:
+def surrogate_loss(out: object) -> torch.Tensor | None:
     """A stand-in when the model returns no loss: the sum of the means of its floating-point outputs
-    that require grad (every output's backward runs, as a real loss's would)."""
+    that require grad (every output's backward runs, as a real loss's would); ``None`` when no
+    output requires grad (a frozen model fed inputs that need none: it has no backward, and is
+    profiled forward only)."""
     floats = [t for t in output_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
     if not floats:
-        raise ValueError("the model's output has no floating-point tensor that requires grad; cannot profile backward")
+        return None
     means = [t.float().mean() for t in floats]
     return sum(means[1:], start=means[0])
 
@@ -412,7 +414,7 @@ def _attribute(pass_: _Pass, clock: Clock, t0: Any, t_fwd_end: Any, t_bwd_end: A
     }
 
 
-def _tracer_scale(raw: list[tuple[_Pass, Any, Any, Any]], clock: Clock, forward_loss: Callable[[], torch.Tensor],
+def _tracer_scale(raw: list[tuple[_Pass, Any, Any, Any]], clock: Clock, forward_loss: Callable[[], torch.Tensor | None],
                   repeats: int) -> tuple[float, float]:
     """What the traced passes' forward and backward intervals are multiplied by so that they sum to
     the time of the same passes with the tracer not recording (its hooks return at once; the
@@ -436,7 +438,8 @@ def _tracer_scale(raw: list[tuple[_Pass, Any, Any, Any]], clock: Clock, forward_
         t0 = clock.mark()
         loss = forward_loss()
         t_fwd = clock.mark()
-        loss.backward()
+        if loss is not None:
+            loss.backward()
         t_bwd = clock.mark()
         del loss
         bare_f.append(clock.seconds(t0, t_fwd))
@@ -476,7 +479,7 @@ class _Passes:
 
 
 def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer, clock: Clock,
-                inputs: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor],
+                inputs: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor | None],
                 device: torch.device, compute_dtype: torch.dtype | None, *,
                 memory: bool, warmup: int, repeats: int) -> _Passes:
     """The memory pass and the traced passes of :func:`profile_model`, parameters, gradients,
@@ -505,7 +508,8 @@ def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer
                 out_fp32 = float_output_bytes(out)
                 del out
                 with tracer.recording(p, saved=saved):
-                    loss.backward()
+                    if loss is not None:  # None: nothing requires grad (see ``surrogate_loss``)
+                        loss.backward()
                     t_bwd = clock.mark()
                 del loss
                 raw.append((p, t0, t_fwd, t_bwd))
@@ -569,7 +573,7 @@ def profile_model(
     example_inputs: tuple[Any, ...],
     *,
     device: torch.device,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    loss_fn: Callable[[Any], torch.Tensor | None] | None = None,
     warmup: int = 1,
     repeats: int = 5,
     memory: bool = True,
@@ -611,7 +615,9 @@ def profile_model(
     def train_backward() -> None:
         for p in module.parameters():
             p.grad = None
-        loss_fn(module(*inputs, **kwargs)).backward()
+        loss = loss_fn(module(*inputs, **kwargs))
+        if loss is not None:
+            loss.backward()
 
     opt_profile, slowdown, sensitivity, contention_meta = _optimizer_and_contention(
         module, structure, train_backward, device, optimizer, contention, compute_dtype)

@@ -23,7 +23,7 @@ def memory_peaks(
     module: nn.Module,
     structure: ModelStructure,
     forward: Callable[[], Any],
-    loss_fn: Callable[[Any], torch.Tensor],
+    loss_fn: Callable[[Any], torch.Tensor | None],
     device: torch.device,
 ) -> dict[str, tuple[int, int]]:
     """Per unit: (forward, backward) transient peak above the live bytes at the segment's start;
@@ -79,7 +79,8 @@ def memory_peaks(
         loss = loss_fn(out)
         del out
         mark("bwd", LOSS)
-        loss.backward()
+        if loss is not None:  # None: nothing requires grad (a frozen model profiled forward only)
+            loss.backward()
         for q in module.parameters():
             q.grad = None
 

@@ -80,7 +80,13 @@ def check_on_ranks(req: CheckRequest, say: Callable[[str], None]) -> dict[str, A
 
 def _loss(out: Any, _target: Any) -> torch.Tensor:
     own = model_loss(out)  # the model's own loss (Hugging Face with labels), else the mean of its outputs
-    return own if own is not None else surrogate_loss(out)
+    loss = own if own is not None else surrogate_loss(out)
+    if loss is None:
+        raise ValueError(
+            "the model's output has no floating-point tensor that requires grad: there is no training step to check "
+            "(unfreeze a parameter, or return a loss)"
+        )
+    return loss
 
 
 def run_check(req: CheckRequest, device: torch.device, backend: str, say: Callable[[str], None]) -> dict[str, Any] | None:

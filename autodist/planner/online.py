@@ -584,7 +584,8 @@ class AutoPlanner:
                     loss = model_loss(out)
                     loss = loss if loss is not None else surrogate_loss(out)
                     del out
-                    loss.backward()
+                    if loss is not None:  # None: nothing requires grad (a frozen model has no backward)
+                        loss.backward()
                     del loss
                     recorder.finish_pass()
                     self.rt.clear_grads()
