@@ -68,8 +68,10 @@ def test_a_plan_from_a_carried_profile_uses_its_times_and_says_where_they_come_f
     assert rc == 0, text
     fast_plan, slow_plan = load_plan(tmp_path / "fast-plan.json"), load_plan(tmp_path / "slow-plan.json")
     assert fast_plan.device == slow_plan.device == "cuda"
-    # planned from the file's compute times, not from a measurement here
-    assert slow_plan.predicted["step_seconds"] > 20 * fast_plan.predicted["step_seconds"]
+    # planned from the file's compute times, not from a measurement here (which would give both
+    # commands the same prediction); the step also holds what the units' times do not scale
+    # (collectives, the optimizer), so it grows by less than the units' 100x
+    assert slow_plan.predicted["step_seconds"] > 5 * fast_plan.predicted["step_seconds"]
 
 
 def test_a_profile_of_another_model_or_input_is_refused_with_the_reason(carried, tmp_path, capsys):
