@@ -383,7 +383,8 @@ def _measure_pass(
             host_samples.setdefault(op, []).append((float(nb), issue_t + collected[op]))
     # the contention figures are relative to this pass's own base times (what the pass measured,
     # and the stored samples of the sizes it did not time)
-    ops = {op: fit_op(_monotone(pts)) for op, pts in _merged(base_samples, samples).items()}
+    # an operation with no sample at all (a world of one measures no collective) has no fit
+    ops = {op: fit_op(_monotone(pts)) for op, pts in _merged(base_samples, samples).items() if pts}
     contention = _contention(group, device, ops, collected, cells) if world > 1 and cells else {}
     return _Pass(samples, host_samples, contention, spread,
                  [[float(mib << 20), s] for mib, s in zip(FIRST_TOUCH_MIB, first_touch)])
