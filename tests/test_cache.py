@@ -173,3 +173,25 @@ def test_unusable_entries_of_every_kind_are_reported_once_and_replaced_while_tra
         assert r["finite"]
         # what was damaged is gone, and every kind was stored again
         assert all(r["readable"][kind] and all(r["readable"][kind]) for kind in KINDS), r["readable"]
+
+
+def test_a_comm_model_with_one_unreadable_sample_is_partly_corrupt_and_keeps_the_rest():
+    """A sample is what a later sweep extends and fits again: one that is not a number makes the
+    entry partly corrupt (its fits alone looked fine), and only that sample is dropped."""
+    from autodist.cost.comm import CommModel, OpModel, Piece
+    from autodist.planner.entries import comm_entry, comm_parts
+
+    samples = [(16384.0, 1e-4), (65536.0, 2e-4), (262144.0, 5e-4)]
+    fit = OpModel(Piece(1e-9, 1e-4), Piece(1e-9, 1e-4), float("inf"), samples=samples)
+    model = CommModel("gloo", 2, "cpu", {"all_gather": fit, "all_reduce": fit})
+    here = {"backend": "gloo", "world": 2, "device_name": "cpu"}
+    assert comm_entry(model.to_json(), here).ops["all_gather"].samples == samples
+    d = json.loads(model.to_json())
+    d["ops"]["all_gather"]["samples"][1][1] = "NaN"
+    text = json.dumps(d)
+    with pytest.raises(ValueError, match=r"all_gather\.samples\[1\]"):
+        comm_entry(text, here)
+    kept, problem = comm_parts(text, here)
+    assert problem is not None and "samples[1]" in problem
+    assert [x for x, _ in kept.ops["all_gather"].samples] == [16384.0, 262144.0]
+    assert kept.ops["all_reduce"].samples == samples

@@ -56,6 +56,11 @@ def comm_entry(text: str, machine: dict[str, Any]) -> CommModel:
             _check_fields(fit.small, f"comm model.{name}.{op}.small")
             _check_fields(fit.large, f"comm model.{name}.{op}.large")
             _number(fit.split_bytes, f"comm model.{name}.{op}.split_bytes", finite=False)
+            # the samples are what a later sweep extends and fits again: each must be a number
+            for i, sample in enumerate(fit.samples):
+                row = list(sample) if isinstance(sample, (list, tuple)) else sample
+                if not _finite_row(row, 2) or row[0] <= 0 or row[1] < 0:
+                    raise ValueError(f"comm model.{name}.{op}.samples[{i}] = {sample!r} is not [bytes, seconds]")
     for name in ("compute_slowdown", "comm_slowdown"):
         if getattr(model, name) <= 0:
             raise ValueError(f"comm model.{name} = {getattr(model, name)!r} is not positive")
