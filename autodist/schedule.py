@@ -62,6 +62,20 @@ unit's backward begins) or ``"step"`` (just before the step). A tensor with seve
 as one, its offloaded ranges those of all its fragments: at the first of their anchors the step
 reaches (an anchor lists it once; a later one finds it already moved). The runtime (``runtime/offload.py``) and the simulator take both from
 :func:`offload_anchors`.
+
+[Note: hooks per gather group] A gather group whose units are exactly the units under one module
+(the group's *root*: their deepest common ancestor — a transformer block the built-in ``fsdp``
+plan groups by) is enacted at that module alone, as FSDP2 enacts a ``fully_shard`` module: one
+forward pre/post hook pair, one pre-backward hook and one post-backward signal per group instead of
+per unit; the group's parameters are swapped in for the root's whole forward and again for its
+backward (so a recomputation inside it, of any kind, reads them). Per-unit hooks cost more host time
+per step than a small layer's kernels. A group qualifies when nothing outside the root reads its
+parameters (tied or functional uses), nothing inside reads another group's, the plan recomputes no
+block inside, at or around the root (its hooks would not see the recomputation of its units), and
+no offloaded state is anchored at its units. Such a group's prefetch triggers fire where the root's
+forward (backward) begins, at the last position of its units (:func:`group_fire_positions`): the
+prefetches planned inside the group start at its beginning. A module inside the root called from
+outside the root's forward finds the visible (sharded) parameters, as under FSDP2.
 """
 
 from __future__ import annotations
@@ -69,7 +83,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .plan import OffloadFragment
+from .plan import OffloadFragment, Plan
+from .structure import ModelStructure
 
 
 @dataclass(frozen=True)
@@ -211,6 +226,67 @@ def block_anchor(block_units: Sequence[str], module_of: dict[str, str], backward
     i = backward.index(first)
     return backward[i - 1] if i > 0 else first
 
+
+
+def _common_module(names: Sequence[str]) -> str:
+    """The deepest module enclosing every module of ``names`` ("" for the root)."""
+    parts = [n.split(".") if n else [] for n in names]
+    common: list[str] = []
+    for level in zip(*parts):
+        if any(x != level[0] for x in level):
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def collapsed_groups(plan: Plan, structure: ModelStructure) -> dict[int, str]:
+    """Gather group index -> its root module, for the groups enacted at one module (see [Note:
+    hooks per gather group])."""
+    module_of = {u.name: u.module_name for u in structure.units}
+    unit_of_param = structure.unit_of_param
+    anchored = {a.split(":", 1)[1] for f in plan.offload for a in (f.out_after, f.back_from) if ":" in a}
+    out: dict[int, str] = {}
+    for gi, g in enumerate(plan.gather_groups):
+        units = set(g.units)
+        if len(units) < 2 or units & anchored or any(u not in module_of for u in units):
+            continue
+        root = _common_module([module_of[u] for u in g.units])
+
+        def inside(m: str, root: str = root) -> bool:
+            return m == root or encloses(root, m)
+
+        if any(inside(m) != (u in units) for u, m in module_of.items()):
+            continue  # another group's unit lies under the root, or the root's units are not all here
+        if any(encloses(b, root) or inside(b) for b in plan.recompute):
+            continue
+        ok = True
+        for pname, info in structure.params.items():
+            ours = unit_of_param[pname] in units
+            if any(inside(m) != ours for m, _ in info.sites):
+                ok = False  # read through a module on the other side of the root's boundary
+                break
+        for m, used in structure.functional_uses.items():
+            if not ok:
+                break
+            if any(inside(m) != (u in units) for u in used):
+                ok = False
+        if ok:
+            out[gi] = root
+    return out
+
+
+def group_fire_positions(pos: Mapping[str, int], groups: Iterable[Sequence[str]]) -> dict[str, int]:
+    """``pos`` with every unit of each of ``groups`` (collapsed groups' units) at the group's last
+    position: where the group's root fires (see [Note: hooks per gather group])."""
+    out = dict(pos)
+    for units in groups:
+        known = [pos[u] for u in units if u in pos]
+        if known:
+            top = max(known)
+            for u in units:
+                if u in out:
+                    out[u] = top
+    return out
 
 def freed_after_forward(group_units: Sequence[str], done: set[str], expected: set[str]) -> bool:
     """An ``after_forward`` group is freed once every unit of it that runs this step has finished

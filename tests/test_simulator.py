@@ -21,6 +21,7 @@ from autodist.cost.comm import CommModel, OpModel, Piece
 from autodist.cost.profile import OptimizerProfile, Profile, UnitProfile
 from autodist.cost.simulator import Simulator
 from autodist.plan import Bucket, GatherGroup, Plan, Prefetch, UnitPlan
+from autodist.schedule import collapsed_groups
 from autodist.structure import discover
 
 MS = 1e-3
@@ -325,6 +326,22 @@ def test_runtime_overheads_and_copies_are_charged_to_compute():
     # bwd 27.5..49.5..71.5; bucket: 2 ms + two 0.5 ms passes = 3 ms -> 74.5; RS [74.5,77.5];
     # the order check 77.5..81.5
     assert r.step_s == pytest.approx(81.5 * MS)
+
+
+def test_a_group_hooked_at_its_root_is_charged_one_hooked_unit_and_each_units_own_share():
+    # the same step with the figure for a unit of a group hooked at its root (autodist/schedule.py
+    # [Note: hooks per gather group]): the group's two units are charged, per pass, 4/2 + 1/2 ms
+    # (the root's hooks and its own share) and 1/2 ms, instead of 2 ms each: 2 ms less over the
+    # four unit segments than the 81.5 ms above
+    plan = _one_group_sharded()
+    assert collapsed_groups(plan, STRUCTURE) == {0: ""}
+    costly = CommModel(
+        "test", 2, "cpu",
+        dict(COMM.ops, h2d=_const(0.5 * MS)),
+        overhead={"per_gather_s": 1 * MS, "per_bucket_s": 2 * MS, "per_unit_s": 4 * MS, "per_grouped_unit_s": 1 * MS},
+    )
+    r = Simulator(PROFILE, STRUCTURE, costly, world_size=2).run(plan)
+    assert r.step_s == pytest.approx(79.5 * MS)
 
 
 def test_each_replicated_parameters_gradient_hook_is_charged_to_its_units_backward():

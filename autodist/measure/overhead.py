@@ -3,7 +3,8 @@
 Measured, not assumed: ``measure_runtime_overhead`` runs AutoDist on one-rank groups (collectives
 become local copies, so only the runtime's own work remains; see [Note: a one-rank world of its
 own]) over a synthetic model of small units
-in three configurations and solves for the cost per hooked unit, per gather and per bucket; it also
+in several configurations and solves for the cost per hooked unit (and per unit of a group hooked at
+its root), per gather and per bucket; it also
 times an optimizer step over DTensor parameters against plain ones. On models with large layers
 these are small; on models of many small layers they decide whether sharding pays.
 """
@@ -40,6 +41,9 @@ class RuntimeOverhead:
     dtensor_opt_per_tensor_s: float = 0.0  # extra optimizer time per DTensor parameter
     per_param_s: float = 0.0  # a replicated parameter's gradient-ready hook and copy into its bucket
     per_step_s: float = 0.0  # the runtime's fixed work per step: root forward, start and end of backward
+    # a unit of a gather group enacted at its root module (autodist/schedule.py [Note: hooks per gather
+    # group]): its parameters' swaps and gradient hooks, and its share of the root's hooks
+    per_grouped_unit_s: float = 0.0
 
 
 ROUNDS = 8  # interleaved rounds over the configurations (see [Note: stable overhead figures])
@@ -124,18 +128,20 @@ def measure_runtime_overhead(device: torch.device, comm: Comm) -> RuntimeOverhea
     values = torch.tensor(figures, dtype=torch.float64, device=device)
     if comm.world_size > 1:
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=comm.group)
-    u, g, b, d, r, f = values.tolist()
+    u, g, b, d, r, f, c = values.tolist()
     return RuntimeOverhead(
-        per_unit_s=u, per_gather_s=g, per_bucket_s=b, dtensor_opt_per_tensor_s=d, per_param_s=r, per_step_s=f
+        per_unit_s=u, per_gather_s=g, per_bucket_s=b, dtensor_opt_per_tensor_s=d, per_param_s=r, per_step_s=f,
+        per_grouped_unit_s=c,
     )
 
 
 CHILD_TIMEOUT_S = 300.0
+FIGURES = 7  # what _measure returns
 _LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _in_a_child(device: torch.device) -> tuple[str | None, list[float]]:
-    """(None, the six figures) measured in a child process, or (what went wrong, [])."""
+    """(None, the seven figures) measured in a child process, or (what went wrong, [])."""
     import autodist
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(autodist.__file__)))
@@ -156,14 +162,14 @@ def _in_a_child(device: torch.device) -> tuple[str | None, list[float]]:
         figures = [float(v) for v in json.loads(lines[-1])]
     except (ValueError, TypeError) as e:
         return f"the child's answer was unreadable: {e}", []
-    if len(figures) != 6 or not all(math.isfinite(v) and v >= 0 for v in figures):
-        return f"the child's answer was not six figures: {lines[-1]!r}", []
+    if len(figures) != FIGURES or not all(math.isfinite(v) and v >= 0 for v in figures):
+        return f"the child's answer was not {FIGURES} figures: {lines[-1]!r}", []
     return None, figures
 
 
 def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12) -> list[float]:
     """[per unit, per gather, per bucket, DTensor optimizer per tensor, per replicated parameter,
-    per step] in seconds, on ``comm``."""
+    per step, per unit of a group hooked at its root] in seconds, on ``comm``."""
     from ..plan import Bucket, GatherGroup, Plan, Prefetch, UnitPlan
     from ..runtime.engine import Engine
     from ..structure import discover
@@ -195,15 +201,16 @@ def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12
     plain, plain2 = make(), make(2 * units)
     steps = {"plain": _train_step(plain, plain, x), "plain2": _train_step(plain2, plain2, x)}
     engines = []
+    # B: one group of every unit, hooked at the root (the model); B1: the same, every unit hooked
     configurations = {
-        "A": plan(True, True), "B": plan(False, False), "C": plan(True, False),
+        "A": plan(True, True), "B": plan(False, False), "B1": plan(False, False), "C": plan(True, False),
         "D": replicated(units), "D2": replicated(2 * units),
     }
     for key, the_plan in configurations.items():
         module = make(2 * units if key == "D2" else units)
         engine = Engine(
             module, the_plan, discover(module), comm=comm, mesh=mesh, device=device,
-            mixed_precision=None, broadcast_buffers=False,
+            mixed_precision=None, broadcast_buffers=False, collapse=key != "B1",
         )
         engines.append(engine)
 
@@ -217,7 +224,7 @@ def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12
         for engine in engines:
             engine.close()
     k = units
-    gather = max(0.0, (timings["C"] - timings["B"]) / (k - 1))
+    gather = max(0.0, (timings["C"] - timings["B1"]) / (k - 1))
     bucket = max(0.0, (timings["A"] - timings["C"]) / (k - 1))
     # a replicated plan hooks no module: what it adds is each parameter's gradient-ready hook, and
     # the runtime's fixed work per step (root forward, start and end of backward, its one bucket's
@@ -225,7 +232,8 @@ def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12
     d1, d2 = timings["D"] - timings["plain"], timings["D2"] - timings["plain2"]
     per_param = max(0.0, (d2 - d1) / (2 * k))
     per_step = max(0.0, d1 - 2 * k * per_param)
-    unit = max(0.0, (timings["B"] - timings["plain"] - gather - bucket - per_step) / k)
+    unit = max(0.0, (timings["B1"] - timings["plain"] - gather - bucket - per_step) / k)
+    grouped = max(0.0, (timings["B"] - timings["plain"] - gather - bucket - per_step) / k)
 
     # optimizer over DTensor parameters vs plain tensors
     from torch.distributed.tensor import DTensor, Replicate
@@ -242,7 +250,7 @@ def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12
     opt_dts = torch.optim.AdamW(dts, lr=1e-3)
     opt = _interleaved({"plain": opt_plain.step, "dtensor": opt_dts.step}, device, warmup=1)
     dt_extra = max(0.0, (opt["dtensor"] - opt["plain"]) / n)
-    return [unit, gather, bucket, dt_extra, per_param, per_step]
+    return [unit, gather, bucket, dt_extra, per_param, per_step, grouped]
 
 
 def _child(argv: list[str] | None = None) -> None:

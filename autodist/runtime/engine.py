@@ -74,9 +74,13 @@ from ..plan import Plan
 from ..schedule import (
     ActionLog,
     TriggerCursor,
+    backward_order,
     backward_positions,
+    collapsed_groups,
+    encloses,
     freed_after_forward,
     gathering_units,
+    group_fire_positions,
     memory_windows,
     positions,
     resident_state_bytes,
@@ -117,12 +121,16 @@ class Engine:
         budget_bytes: int | None = None,
         launch_policy: str | None = None,
         check_collectives: bool = True,
+        collapse: bool = True,
     ) -> None:
         """``launch_policy``: when buckets are launched — ``"ready"`` (as soon as their last
         gradient arrives) or ``"sampled"`` (only at sharded-unit backward events; see [Note: one
         issue order for NCCL]); default: ``"sampled"`` on NCCL, ``"ready"`` otherwise.
         ``check_collectives``: compare the collective sequence across ranks at the end of every
-        backward of a plan that gathers (one small all-reduce)."""
+        backward of a plan that gathers (one small all-reduce). ``collapse``: enact a gather group
+        whose units are exactly one module's at that module alone ([Note: hooks per gather group] in
+        autodist/schedule.py); ``False`` hooks every unit, issuing the same actions (the overhead
+        calibration compares both)."""
         if launch_policy is not None and launch_policy not in LAUNCH_POLICIES:
             raise ValueError(f"launch_policy must be one of {', '.join(LAUNCH_POLICIES)}; got {launch_policy!r}")
         self.module = module
@@ -140,7 +148,9 @@ class Engine:
         self.once = OnceLogger()
         self._launch_policy_arg = launch_policy
         self.check_collectives = check_collectives
+        self._collapse = collapse
         self._handles: list[RemovableHandle] = []
+        self._module_handles: list[RemovableHandle] = []  # module forward hooks (re-installed once probed)
         self._opt_global_handles: list[RemovableHandle] = []
         self._gen = 0
         self._step = StepState()
@@ -256,6 +266,22 @@ class Engine:
         for b in self.reducer.buckets:
             b.record = self._record
         self.offload.record = self._record
+        # [Note: probing the group roots] A candidate group's root (autodist/schedule.py [Note: hooks
+        # per gather group]) is collapsed only once a step has shown that its forward encloses its
+        # units' forwards: a container the model iterates (``for block in self.blocks``) or a
+        # module whose units the model calls from elsewhere has no forward of its own around
+        # them, and its units would find sharded parameters. Until the first backward ends, every
+        # unit is hooked and probes on the roots record what encloses what; the prefetch positions
+        # are the candidates' in both states (the simulator's), so what is issued is the same. A
+        # root whose units were recomputed inside its backward (the model checkpoints inside it)
+        # keeps a light pre-hook on each unit that records the recomputation; without one, a
+        # recomputation that appears later is still correct (the root's backward swaps its
+        # parameters in) but goes unrecorded.
+        self._candidates = {m: gi for gi, m in collapsed_groups(plan, self.structure).items()}
+        self._candidate_units = [self.groups[gi].units for gi in self._candidates.values()]
+        self._collapsed: dict[str, int] = {}
+        self._watched: set[str] = set()
+        self._probing = bool(self._candidates) and self._collapse
         self._compute_forward_triggers()
         self._install_hooks()
 
@@ -326,9 +352,10 @@ class Engine:
         return self.actions
 
     def _remove_hooks(self) -> None:
-        for h in self._handles + self._opt_global_handles:
+        for h in self._handles + self._module_handles + self._opt_global_handles:
             h.remove()
         self._handles.clear()
+        self._module_handles.clear()
         self._opt_global_handles.clear()
 
     def _next_gen(self) -> int:
@@ -346,6 +373,7 @@ class Engine:
     def _compute_forward_triggers(self) -> None:
         pos = positions(self.unit_order, self._gathering)
         self.unit_pos = pos
+        self._fire_pos = group_fire_positions(pos, self._candidate_units)
         self._fwd_triggers = triggers(
             [g.units for g in self.groups], [g.forward_window for g in self.groups], pos,
             missing=max(pos.values(), default=-1) + 1,
@@ -356,13 +384,46 @@ class Engine:
             self.groups[gi].issue()
 
     def _install_hooks(self) -> None:
+        self._install_module_hooks()
+        # Gradient-ready hooks.
+        for mp in self.params.values():
+            if mp.requires_grad:
+                self._handles.append(mp.full.register_post_accumulate_grad_hook(self._make_grad_hook(mp)))
+        # Optimizer hooks: process-wide until an optimizer over every trainable parameter has been
+        # seen, then only on those optimizers (see ``watch`` in optimizers.py).
+        self._opt_global_handles.append(optim_hooks.register_optimizer_step_pre_hook(weak_optimizer_hook(self, "pre")))
+        self._opt_global_handles.append(optim_hooks.register_optimizer_step_post_hook(weak_optimizer_hook(self, "post")))
+
+    def _install_module_hooks(self) -> None:
+        """Module forward hooks, only where something must happen: at the roots of the collapsed
+        groups, and while the candidates are still probed, at their units and probes at their roots
+        (see [Note: probing the group roots])."""
+        for h in self._module_handles:
+            h.remove()
+        self._module_handles.clear()
         self._sites_of_param: dict[int, list[ModuleSite]] = {}
-        # Module forward hooks, only where something must happen.
+        self._probe_depth: dict[str, int] = {}
+        self._probe_failed: set[str] = set()
+        self._probe_inner: set[str] = set()  # roots whose units were recomputed inside the root's backward
+        root_of_unit = {u: r for r, gi in self._candidates.items() for u in self.groups[gi].units} if self._probing else {}
         unit_of_module = {u.module_name: u.name for u in self.structure.units}
         module_of_unit = {u.name: u.module_name for u in self.structure.units}
         functional = self.structure.functional_uses
         unit_params = {u.name: [self.params[p] for p in u.params] for u in self.structure.units}
+        roots = self._collapsed
         for mname, module in self.module.named_modules():
+            if self._probing and mname in self._candidates:
+                self._module_handles.append(module.register_forward_pre_hook(self._make_probe(mname, 1)))
+                self._module_handles.append(module.register_forward_hook(self._make_probe(mname, -1), always_call=True))
+            if mname in roots:
+                self._install_collapsed(module, mname, self.groups[roots[mname]], unit_params)
+                continue
+            root = next((r for r in roots if encloses(r, mname)), None)
+            if root is not None:  # enacted at its group's root
+                own = unit_of_module.get(mname)
+                if own is not None and root in self._watched:  # checkpointing inside the root
+                    self._module_handles.append(module.register_forward_pre_hook(self._make_recompute_watch(own)))
+                continue
             units: list[str] = []
             own = unit_of_module.get(mname)
             if own is not None:
@@ -391,18 +452,56 @@ class Engine:
             if not groups and self.launch_policy == "sampled" and not params:
                 continue
             site = ModuleSite(module=module, name=mname, unit=own, swaps=swaps, groups=groups, units=units, params=params)
+            site.probe_root = root_of_unit.get(own) if own is not None else None
             for mp in params:
                 self._sites_of_param.setdefault(id(mp), []).append(site)
-            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(site), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._make_post_forward(site), always_call=True))
-        # Gradient-ready hooks.
-        for mp in self.params.values():
-            if mp.requires_grad:
-                self._handles.append(mp.full.register_post_accumulate_grad_hook(self._make_grad_hook(mp)))
-        # Optimizer hooks: process-wide until an optimizer over every trainable parameter has been
-        # seen, then only on those optimizers (see ``watch`` in optimizers.py).
-        self._opt_global_handles.append(optim_hooks.register_optimizer_step_pre_hook(weak_optimizer_hook(self, "pre")))
-        self._opt_global_handles.append(optim_hooks.register_optimizer_step_post_hook(weak_optimizer_hook(self, "post")))
+            self._module_handles.append(module.register_forward_pre_hook(self._make_pre_forward(site), with_kwargs=True))
+            self._module_handles.append(module.register_forward_hook(self._make_post_forward(site), always_call=True))
+
+    def _make_probe(self, root: str, delta: int):
+        def probe(module: nn.Module, *_: object) -> None:
+            self._probe_depth[root] = self._probe_depth.get(root, 0) + delta
+
+        return probe
+
+    def _settle_probes(self) -> None:
+        """After the first backward: collapse the candidate groups whose root's forward enclosed
+        every forward of their units (see [Note: probing the group roots])."""
+        self._probing = False
+        self._collapsed = {r: gi for r, gi in self._candidates.items() if r in self._probe_depth and r not in self._probe_failed}
+        self._watched = set(self._probe_inner)
+        self._install_module_hooks()
+
+    def _install_collapsed(
+        self, module: nn.Module, mname: str, g: GatherGroupRuntime, unit_params: dict[str, list[ManagedParam]]
+    ) -> None:
+        """The hooks of gather group ``g`` at its root ``module`` (see [Note: hooks per gather group]
+        in autodist/schedule.py)."""
+        params = [mp for u in g.units for mp in unit_params[u]]
+        site = ModuleSite(
+            module=module, name=mname, unit=g.units[0], swaps=[mp for mp in params if mp.needs_swap and mp.sharded],
+            groups=[g], units=list(g.units), params=params, collapsed=True,
+            bwd_first=backward_order(g.units, self._module_of_unit)[0],
+        )
+        for mp in params:
+            self._sites_of_param.setdefault(id(mp), []).append(site)
+        self._module_handles.append(module.register_forward_pre_hook(self._make_pre_forward(site), with_kwargs=True))
+        self._module_handles.append(module.register_forward_hook(self._make_post_forward(site), always_call=True))
+
+    def _make_recompute_watch(self, unit: str):
+        """A unit inside a collapsed group's root: its forward during backward is a recomputation
+        the root's hooks do not see (checkpointing inside the root), recorded as a hooked unit's is;
+        the root's pre-backward has gathered and swapped in its parameters."""
+
+        def watch(module: nn.Module, args: tuple) -> None:
+            if in_backward():
+                step = self._step
+                self.stats.recomputations += 1
+                if unit not in step.anchors:
+                    self._record("recompute", unit)
+                step.anchors.setdefault(unit, step.bwd_current)
+
+        return watch
 
     def close(self) -> None:
         """Remove all hooks; wait for anything in flight; bring offloaded state back."""
@@ -558,9 +657,12 @@ class Engine:
         recompute = in_backward()
         if recompute:
             self._on_backward_start()
-            self.stats.recomputations += site.unit is not None
-            if site.unit is not None and site.unit not in step.anchors:
-                self._record("recompute", site.unit)
+            if site.probe_root is not None and not self._probe_depth.get(site.probe_root):
+                self._probe_inner.add(site.probe_root)
+            for u in site.units if site.collapsed else [site.unit] if site.unit is not None else []:
+                self.stats.recomputations += 1
+                if u not in step.anchors:
+                    self._record("recompute", u)
             anchor_pos = -1
             for u in site.units:
                 step.anchors.setdefault(u, step.bwd_current)
@@ -571,6 +673,8 @@ class Engine:
                 keys = self.offload.out_at.get(f"forward:{site.unit}")
                 if keys:
                     self.offload.copy_out(keys)
+            if site.probe_root is not None and not self._probe_depth.get(site.probe_root):
+                self._probe_failed.add(site.probe_root)  # ran outside its group root's forward
             for u in site.units:
                 if u not in step.seen_units:
                     step.seen_units.add(u)
@@ -596,8 +700,8 @@ class Engine:
         if site.unit is not None:
             if recompute:
                 self._fire(step.bwd_schedule, anchor_pos)
-            else:
-                self._fire(step.fwd_schedule, self.unit_pos.get(site.unit, -1))
+            else:  # a candidate group's units fire at its last position ([Note: hooks per gather group])
+                self._fire(step.fwd_schedule, self._fire_pos.get(site.unit, -1))
         if recompute and site.sharded:
             self.reducer.poll()
         for mp in site.swaps:
@@ -664,7 +768,7 @@ class Engine:
             self._on_backward_start()
             step = self._step
             if site.unit is not None:
-                step.bwd_current = site.unit
+                step.bwd_current = site.bwd_first if site.collapsed else site.unit
             if self.offload.active and site.unit is not None and step.sync:
                 # only the synchronising backward brings state back for the step: under no_sync the
                 # state stays on the host through every earlier micro-batch (the simulator's rule)
@@ -674,8 +778,13 @@ class Engine:
             for g in site.groups:
                 if g.ensure():
                     self._count_on_demand(g, True)
+            if site.collapsed:
+                # a recomputation inside the root, whatever runs it, reads the full parameters
+                for mp in site.swaps:
+                    mp.swap_in()
+                step.bwd_swapped[id(site)] = step.bwd_swapped.get(id(site), 0) + 1
             if site.unit is not None:
-                self._fire(step.bwd_schedule, step.bwd_need.get(site.unit, -1))
+                self._fire(step.bwd_schedule, step.bwd_fire.get(site.unit, -1))
             if site.sharded:
                 self.reducer.poll()
 
@@ -687,6 +796,10 @@ class Engine:
         if gen != step.gen:
             return  # a graph from an earlier step, backpropagated late: its groups were released
         step.site_done[id(site)] = step.site_done.get(id(site), 0) + 1
+        if step.bwd_swapped.get(id(site)):
+            step.bwd_swapped[id(site)] -= 1
+            for mp in site.swaps:
+                mp.swap_out()
         for g in site.groups:
             g.tokens_pending -= 1
             g.tokens_fired += 1
@@ -734,6 +847,7 @@ class Engine:
         # are first needed at their anchor (see [Note: prefetch triggers] and [Note: nested units]
         # in autodist/schedule.py).
         step.bwd_need = backward_positions(step.fwd_sequence, self._anchors, self._gathering, self._module_of_unit)
+        step.bwd_fire = group_fire_positions(step.bwd_need, self._candidate_units)
         late = [g for g in self.groups if g.residency == "after_forward"]
         trig = triggers([g.units for g in late], [g.backward_window for g in late], step.bwd_need)
         step.bwd_schedule = TriggerCursor([replace(t, group=late[t.group].index) for t in trig])
@@ -792,6 +906,8 @@ class Engine:
                 self.reducer.flush()  # sharded units accumulating sharded gradients: every micro-batch
             self._release_after_step(drop_reductions=False)
             self._anchors = dict(step.anchors)
+        if self._probing:
+            self._settle_probes()
         self.stats.steps += 1
         self.stats.micro_batches += 1
         step.expects_backward = False

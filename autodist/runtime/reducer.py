@@ -168,7 +168,6 @@ class BucketRuntime:
         self.replicas_due = False  # a reduce-scatter in flight whose shard is still to be all-reduced
         self._input: torch.Tensor | None = None
         self._deferred: list[tuple[int, torch.Tensor]] = []
-        self._deferred_bytes = 0
 
     # ------------------------------------------------------------------------------------------
     def _is_slot_view(self, t: torch.Tensor | None, slot: int) -> bool:
@@ -182,25 +181,39 @@ class BucketRuntime:
             self._input = torch.empty(self.world, self.total + self.n, dtype=self.dtype, device=self.device)
         return self._input
 
-    def _rs_copy_in(self, slot: int, grad: torch.Tensor | None) -> None:
-        """Place a full gradient's dim-0 chunks into each rank's row (zero padding; ``None`` = zeros)."""
-        inp = self._rs_input()
-        off, k = self.offsets[slot], self.sizes[slot]
-        cols = inp[:, off : off + k]
-        if grad is None:
-            cols.zero_()
+    def _flags(self) -> torch.Tensor:
+        return torch.tensor([1.0 if r else 0.0 for r in self.ready], dtype=self.dtype).to(self.device)
+
+    def _rs_fill(self, missing: list[str]) -> None:
+        """Lay the held gradients (zeros for ``missing`` ones) and the used flags out in the input:
+        each rank's row holds its dim-0 chunk of every gradient, zero padded, then the flags (see
+        [Note: copy-in at launch])."""
+        held: list[torch.Tensor | None] = [None] * self.n
+        for slot, g in self._deferred:
+            held[slot] = g
+        self._deferred.clear()
+        dtypes = {g.dtype for g in held if g is not None}
+        dtype = dtypes.pop() if len(dtypes) == 1 else self.dtype  # the gradients' own, where they share one
+        parts = []
+        for slot, mp in enumerate(self.params):
+            got = held[slot]
+            held[slot] = None
+            if got is None:
+                got = torch.zeros(mp.shape, dtype=dtype, device=self.device)
+            elif got.dtype != dtype:
+                got = got.to(dtype)
+            parts.append(got)
+        flags = torch.ones(self.n, dtype=dtype, device=self.device) if not missing else self._flags().to(dtype)
+        parts.append(flags.expand(self.world, self.n))
+        if dtype == self.dtype:
+            torch._chunk_cat(parts, 0, self.world, out=self._rs_input())
             return
-        g = grad.reshape(-1)
-        q, rem = divmod(g.numel(), k)
-        if q:
-            cols[:q].copy_(g[: q * k].view(q, k))
-        if q < self.world:
-            if rem:
-                cols[q, :rem].copy_(g[q * k :])
-                cols[q, rem:].zero_()
-                cols[q + 1 :].zero_()
-            else:
-                cols[q:].zero_()
+        # gradients in the compute dtype, reduced in another: laid out in their own dtype, dropped,
+        # and only then converted into the input, so that the gradients, the layout and the input
+        # never coexist (the peak is the gradients and the input, as with one dtype)
+        laid = torch._chunk_cat(parts, 0, self.world)
+        parts.clear()
+        self._rs_input().copy_(laid)
 
     @staticmethod
     def _arrived(g: torch.Tensor | None, mp: ManagedParam) -> torch.Tensor:
@@ -250,19 +263,12 @@ class BucketRuntime:
                 self.action[slot] = _RESTORE
             else:
                 self.action[slot] = _ADD
-            if self._input is None:
-                # [Note: deferred copy-in] Small gradients wait (in ``_deferred``) until enough of the
-                # bucket has arrived to justify allocating its input buffer: a bias arriving before its
-                # weight must not make the buffer coexist with the weight's gradient and parameters.
-                self._deferred.append((slot, g))
-                self._deferred_bytes += g.numel() * g.element_size()
-                if self._deferred_bytes * 4 < self.nbytes * self.world:
-                    return
-                for s_, g_ in self._deferred:
-                    self._rs_copy_in(s_, g_)
-                self._deferred.clear()
-            else:
-                self._rs_copy_in(slot, g)
+            # [Note: copy-in at launch] A sharded bucket holds its gradients (in ``_deferred``) until
+            # it launches, then lays them out in its input with one ``torch._chunk_cat`` (each
+            # gradient's dim-0 chunks in its rank's row, zero padded): per-parameter slicing and
+            # copies issued from Python on the hook would cost more host time than small layers'
+            # kernels. The gradients and the input coexist only during that copy, as under FSDP2.
+            self._deferred.append((slot, g))
 
     def add_late(self, slot: int, mp: ManagedParam) -> None:
         """Fold a further accumulation of a gradient already taken this step into the bucket (a
@@ -284,15 +290,7 @@ class BucketRuntime:
             if s_ == slot:
                 self._deferred[i] = (s_, g_ + g)
                 return
-        inp = self._rs_input()
-        off, k = self.offsets[slot], self.sizes[slot]
-        cols = inp[:, off : off + k]
-        flat = g.reshape(-1)
-        q, rem = divmod(flat.numel(), k)
-        if q:
-            cols[:q].add_(flat[: q * k].view(q, k))
-        if rem:
-            cols[q, :rem].add_(flat[q * k :])
+        raise RuntimeError(f"autodist: a late gradient of {mp.name!r} came after its bucket took none")
 
     def has_pending_grad(self, mp: ManagedParam) -> bool:
         """A gradient accumulated earlier (e.g. under ``no_sync``) for a parameter unused this step."""
@@ -317,22 +315,19 @@ class BucketRuntime:
                     self.action[slot] = _KEEP  # an old, already-reduced gradient: keep it in the sum
                 else:
                     self.views[slot].zero_()
-            else:
-                self._rs_copy_in(slot, None)
-        if self.op == "reduce_scatter":
-            for s_, g_ in self._deferred:
-                self._rs_copy_in(s_, g_)
-            self._deferred.clear()
         # [Note: flags without host synchronisation] When every gradient arrived (the common case)
         # the flags are filled on the device and never read back: every parameter is then used on
         # at least this rank. Only a bucket with a locally missing gradient builds its flags on the
         # host and reads the reduced flags in finish(), as DDP's find_unused_parameters does.
         self.all_local = not missing
-        flag_dst = self.buffer[self.total :] if self.op == "all_reduce" else self._rs_input()[:, self.total :]
-        if self.all_local:
-            flag_dst.fill_(1.0)
+        if self.op == "all_reduce":
+            flag_dst = self.buffer[self.total :]
+            if self.all_local:
+                flag_dst.fill_(1.0)
+            else:
+                flag_dst.copy_(self._flags())
         else:
-            flag_dst.copy_(torch.tensor([1.0 if r else 0.0 for r in self.ready], dtype=self.dtype).to(self.device))
+            self._rs_fill(missing)
         if self.op == "all_reduce":
             if self.world > 1:
                 self.buffer.div_(self.world)

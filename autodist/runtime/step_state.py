@@ -24,6 +24,11 @@ class ModuleSite:
     groups: list[GatherGroupRuntime]
     units: list[str]  # units whose parameters this module uses (own first)
     params: list[ManagedParam]  # every managed parameter it uses (gradient multiplicity)
+    # the root of a gather group enacted at one module ([Note: hooks per gather group] in
+    # autodist/schedule.py): ``units`` are the group's, ``bwd_first`` the one whose backward begins first
+    collapsed: bool = False
+    bwd_first: str | None = None
+    probe_root: str | None = None  # a candidate group's root, while probed ([Note: probing the group roots])
 
     @property
     def sharded(self) -> bool:
@@ -43,6 +48,7 @@ class StepState:
     in_backward: bool = False
     bwd_schedule: TriggerCursor = field(default_factory=lambda: TriggerCursor([]))
     bwd_need: dict[str, int] = field(default_factory=dict)  # first backward use (recomputation anchors)
+    bwd_fire: dict[str, int] = field(default_factory=dict)  # where each unit's backward fires prefetch
     bwd_current: str | None = None  # the unit whose backward is running
     anchors: dict[str, str | None] = field(default_factory=dict)  # recomputed unit -> anchor, this step
     ready_order: list[str] = field(default_factory=list)
@@ -57,6 +63,7 @@ class StepState:
     # site id -> no-grad forwards ([Note: settled parameters] in engine.py)
     site_nograd: dict[int, int] = field(default_factory=dict)
     deferred: set[int] = field(default_factory=set)  # managed param ids reduced at the end of backward
+    bwd_swapped: dict[int, int] = field(default_factory=dict)  # collapsed site id -> backward swap-ins open
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...plan import Plan
-from ...schedule import TriggerCursor, backward_order, encloses, finish_order
+from ...schedule import TriggerCursor, backward_order, encloses, finish_order, group_fire_positions
 from .gathers import Gathers, Group
 from .offload import OffloadCopies
 from .program import (
@@ -92,6 +92,7 @@ class StepEmitter:
         self.recompute = Recomputation(sim, plan, self.out, self.gathers, self.bstart)
         self.fwd_trig = self.gathers.forward_triggers()
         self.bwd_trig = self.gathers.backward_triggers(self.recompute.need)
+        self.bwd_fire = group_fire_positions(self.recompute.need, [g.units for g in self.gathers.collapsed])
         self._step_costs()
         self.offload = OffloadCopies(sim, plan, self.out)
 
@@ -147,6 +148,14 @@ class StepEmitter:
             per_unit = ovh.get("per_unit_s", 0.0)
             for u in sim.order:
                 self.hook_s[u] = per_unit / 2 if placement_of_unit.get(u) == "shard" else per_unit / 4
+            # a group enacted at its root hooks the root once; each of its units costs its
+            # parameters' swaps and gradient hooks (a comm model measured before this figure existed
+            # has none: every unit is charged as if hooked)
+            if "per_grouped_unit_s" in ovh:
+                grouped = ovh["per_grouped_unit_s"]
+                for grp in self.gathers.collapsed:
+                    for u in grp.units:
+                        self.hook_s[u] = grouped / 2 + (per_unit / 2 if u == grp.root_unit else 0.0)
         # each replicated parameter's gradient-ready hook runs in its unit's backward (a comm model
         # measured before this figure existed has none: 0)
         per_param = ovh.get("per_param_s", 0.0)
@@ -209,7 +218,7 @@ class StepEmitter:
             if u in rc.block_first:  # a recomputed block keeps only its input until its backward
                 out.emit((MEM, prof.block_input_bytes.get(rc.block_first[u], 0), ACTIVATIONS))
             used = gathers.forward_uses(u, up)
-            gathers.fire(fcur, gathers.pos[u])
+            gathers.fire(fcur, gathers.fire_pos[u])
             if up is not None:
                 out.emit((COMPUTE, up.fwd_s + self.hook_s.get(u, 0.0), name, up.fwd_peak_bytes))
                 if u not in rc.in_recomputed:
@@ -250,7 +259,7 @@ class StepEmitter:
                 self.offload.copy_back(back_at[f"backward:{u}"])
             gathers.ensure_owners(sim.site_uses.get(u, ()))
             gathers.ensure_owners(sim.uses[u])
-            gathers.fire(bcur, rc.need[u])
+            gathers.fire(bcur, self.bwd_fire[u])
             rc.run(rc.before, u, bcur)
             if up is not None:
                 out.emit((COMPUTE, max(0.0, up.bwd_s + self.hook_s.get(u, 0.0) + self.grad_hook_s.get(u, 0.0)), name, up.bwd_peak_bytes))

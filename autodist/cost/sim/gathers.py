@@ -10,7 +10,17 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ...plan import Plan
-from ...schedule import Trigger, TriggerCursor, freed_after_forward, gathering_units, group_label, positions, triggers
+from ...schedule import (
+    Trigger,
+    TriggerCursor,
+    collapsed_groups,
+    freed_after_forward,
+    gathering_units,
+    group_fire_positions,
+    group_label,
+    positions,
+    triggers,
+)
 from ..profile import UnitProfile
 from .program import COMM, COMPUTE, GATHERED, ISSUE, MEM, WAIT, CommOp, ProgramBuilder
 
@@ -42,6 +52,9 @@ class Group:
     untokened_open: bool = False  # ... whose parameters' gradients are not all in yet
     fwd_done: set[str] = field(default_factory=set)
     label: str = ""  # its units, as the action log names them (schedule.group_label)
+    # enacted at its root module ([Note: hooks per gather group] in autodist/schedule.py): the unit
+    # whose forward is the root's (its first in forward order) carries the post-backward signal
+    root_unit: str | None = None
 
 
 def distinct(groups: Iterable[Group | None]) -> list[Group]:
@@ -91,6 +104,13 @@ class Gathers:
         self.group_of_param = {p: grp for grp in self.groups for p in grp.params}
         self.gathering = gathering_units([g.units for g in self.groups], [g.residency for g in self.groups])
         self.pos = positions(sim.order, self.gathering)
+        collapsed = collapsed_groups(plan, sim.structure)
+        order_index = {u: i for i, u in enumerate(sim.order)}
+        for gi in collapsed:
+            grp = self.groups[gi]
+            grp.root_unit = min(grp.units, key=lambda u: order_index.get(u, len(order_index)))
+        self.collapsed = [self.groups[gi] for gi in collapsed]
+        self.fire_pos = group_fire_positions(self.pos, [g.units for g in self.collapsed])
 
     # ---- triggers ----------------------------------------------------------------------------
     def forward_triggers(self) -> list[Trigger]:
@@ -192,6 +212,8 @@ class Gathers:
         used = self.groups_used(u)
         for grp in used:
             self.ensure(grp)
+            if grp.root_unit is not None and grp.root_unit != u:
+                continue  # the root's forward carries the group's signal
             if up is None or up.input_requires_grad:
                 grp.pending_bwd += 1
             else:
@@ -209,6 +231,8 @@ class Gathers:
     def backward_ended(self, e: str, ep: UnitProfile | None) -> None:
         """Unit ``e``'s backward has ended: groups no later backward reads are freed."""
         for grp in self.groups_used(e):
+            if grp.root_unit is not None and grp.root_unit != e:
+                continue
             if ep is None or ep.input_requires_grad:
                 grp.pending_bwd -= 1
                 if not grp.untokened:

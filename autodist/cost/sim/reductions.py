@@ -197,9 +197,9 @@ class Reductions:
             self.launch_ready()
 
     def _take_into_input(self, bk: Bucket, p: str) -> None:
-        """A reduce-scatter bucket whose input does not exist yet holds ``p``'s gradient; once a
-        quarter of the input's size is held, the input is allocated, the gradients copied in, and
-        only then dropped."""
+        """A reduce-scatter bucket holds ``p``'s gradient until it launches: then its input is
+        allocated, the gradients copied in, and only then dropped (runtime/reducer.py [Note:
+        copy-in at launch])."""
         out = self.out
         g = self.sim.compute_bytes[p]
         bk.deferred += g
@@ -211,8 +211,3 @@ class Reductions:
             out.emit((MEM, g - hb, GRADIENTS))
         else:
             out.emit((MEM, g, GRADIENTS))
-        if bk.deferred * 4 >= bk.in_bytes:
-            out.emit((MEM, bk.in_bytes, COMM))
-            out.emit((MEM, -bk.deferred, GRADIENTS))
-            bk.allocated = True
-            bk.deferred = 0
