@@ -167,7 +167,8 @@ class BucketRuntime:
         self.inflight: InFlight | None = None
         self.replicas_due = False  # a reduce-scatter in flight whose shard is still to be all-reduced
         self._input: torch.Tensor | None = None
-        self._deferred: list[tuple[int, torch.Tensor]] = []
+        self._deferred: list[tuple[int, torch.Tensor]] = []  # gradients held until launch (slot, gradient)
+        self._adds: list[bool] = []  # all-reduce: each held gradient is added onto a kept one
 
     # ------------------------------------------------------------------------------------------
     def _is_slot_view(self, t: torch.Tensor | None, slot: int) -> bool:
@@ -183,6 +184,20 @@ class BucketRuntime:
 
     def _flags(self) -> torch.Tensor:
         return torch.tensor([1.0 if r else 0.0 for r in self.ready], dtype=self.dtype).to(self.device)
+
+    def _ar_fill(self) -> None:
+        """Copy (or add, onto a kept gradient) the held gradients into their slots, in one call each."""
+        if not self._deferred:
+            return
+        views = self.views
+        with torch.no_grad():
+            for add in (False, True):
+                pairs = [(views[s_], g_) for (s_, g_), a in zip(self._deferred, self._adds, strict=True) if a is add]
+                if pairs:
+                    dst, src = (list(x) for x in zip(*pairs, strict=True))
+                    (torch._foreach_add_ if add else torch._foreach_copy_)(dst, src)
+        self._deferred.clear()
+        self._adds.clear()
 
     def _rs_fill(self, missing: list[str]) -> None:
         """Lay the held gradients (zeros for ``missing`` ones) and the used flags out in the input:
@@ -245,14 +260,15 @@ class BucketRuntime:
                     else:
                         self.action[slot] = _SET
             else:
+                # a compute-dtype (or DTensor-backed) leaf's gradient: held until the bucket
+                # launches, then copied (cast) into the bucket with the others in one call (see
+                # [Note: copy-in at launch])
                 g = self._arrived(mp.take_full_grad(), mp)
                 vg = mp.local_grad()
-                if self._is_slot_view(vg, slot):
-                    view.add_(g)
-                    self.action[slot] = _KEEP
-                else:
-                    view.copy_(g)
-                    self.action[slot] = _SET if vg is None else _ADD
+                kept = self._is_slot_view(vg, slot)
+                self._deferred.append((slot, g))
+                self._adds.append(kept)
+                self.action[slot] = _KEEP if kept else _SET if vg is None else _ADD
         else:
             g = self._arrived(mp.take_full_grad(), mp)
             vg = mp.local_grad()
@@ -268,6 +284,9 @@ class BucketRuntime:
             # gradient's dim-0 chunks in its rank's row, zero padded): per-parameter slicing and
             # copies issued from Python on the hook would cost more host time than small layers'
             # kernels. The gradients and the input coexist only during that copy, as under FSDP2.
+            # A replicated bucket does the same for the gradients it cannot take as views (a
+            # compute-dtype leaf's, a DTensor-backed one's): one ``_foreach_copy_`` casts them into
+            # their slots at launch. The simulator holds them until then too.
             self._deferred.append((slot, g))
 
     def add_late(self, slot: int, mp: ManagedParam) -> None:
@@ -282,9 +301,6 @@ class BucketRuntime:
         g = mp.full.grad
         mp.full.grad = None
         if g is None:
-            return
-        if self.op == "all_reduce":
-            self.views[slot].add_(g)
             return
         for i, (s_, g_) in enumerate(self._deferred):
             if s_ == slot:
@@ -321,6 +337,7 @@ class BucketRuntime:
         # host and reads the reduced flags in finish(), as DDP's find_unused_parameters does.
         self.all_local = not missing
         if self.op == "all_reduce":
+            self._ar_fill()
             flag_dst = self.buffer[self.total :]
             if self.all_local:
                 flag_dst.fill_(1.0)

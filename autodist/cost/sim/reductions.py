@@ -47,6 +47,11 @@ class Reductions:
         self.t_rs = sim.comm.transient.get("reduce_scatter", 0.0)
         self.t_ar = sim.comm.transient.get("all_reduce", 0.0)
         self.placement = {p: u.placement for u in plan.units for p in u.params}
+        # replicated parameters whose autograd leaf is not the visible one (a compute-dtype copy, or
+        # the plain tensor behind a DTensor when anything is sharded): their gradients are held
+        # until their bucket launches (runtime/reducer.py [Note: copy-in at launch])
+        dtensors = any(u.placement == "shard" for u in plan.units)
+        self.behind = {p for p, pl in self.placement.items() if pl != "shard" and (dtensors or sim._cast(p))}
         sharded_accumulation = {
             p for u in plan.units if u.placement == "shard" and u.accumulate == "sharded" for p in u.params
         }
@@ -115,6 +120,9 @@ class Reductions:
             out.emit((MEM, bk.in_bytes, COMM))
             out.emit((MEM, -bk.deferred, GRADIENTS))
             bk.allocated = True
+            bk.deferred = 0
+        elif bk.deferred:  # a replicated bucket's held gradients, copied into their slots
+            out.emit((MEM, -bk.deferred, GRADIENTS))
             bk.deferred = 0
         if bk.held:  # gradients accumulated outside the bucket over earlier micro-batches
             out.emit((MEM, -bk.held, GRADIENTS))
@@ -190,16 +198,16 @@ class Reductions:
                 out.emit((MEM, g, GRADIENTS))
             return
         bk.pending -= 1
-        if bk.op == "reduce_scatter" and not bk.allocated:
+        if (bk.op == "reduce_scatter" and not bk.allocated) or (bk.op == "all_reduce" and p in self.behind):
             self._take_into_input(bk, p)
         act = self.active
         if self.launched < len(act) and act[self.launched] is bk and bk.pending == 0:
             self.launch_ready()
 
     def _take_into_input(self, bk: Bucket, p: str) -> None:
-        """A reduce-scatter bucket holds ``p``'s gradient until it launches: then its input is
-        allocated, the gradients copied in, and only then dropped (runtime/reducer.py [Note:
-        copy-in at launch])."""
+        """A bucket holds ``p``'s gradient until it launches: then a reduce-scatter's input is
+        allocated, the gradients copied in (into a replicated bucket's slots), and only then dropped
+        (runtime/reducer.py [Note: copy-in at launch])."""
         out = self.out
         g = self.sim.compute_bytes[p]
         bk.deferred += g
