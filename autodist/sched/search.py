@@ -377,6 +377,15 @@ class Searcher:
                 if cc <= cfg.alpha * best_c and cc < math.inf:
                     heapq.heappush(heap, (cc, tie, child))
                     tie += 1
+        if best_g is not None and best_c < math.inf:
+            # the shard group is a plan-wide decision that one random move rarely gets to try on the
+            # best plan: the best plan under every shard group the space offers
+            for size in (0, *self.space.shard_sizes) if self.space.shard_sizes else ():
+                cand = self.normalize(replace(best_g, shard_size=size))
+                c = self.cost(cand)
+                if c < best_c:
+                    best_g, best_c = cand, c
+                    history.append((self.evaluated, best_c))
         if best_g is None or best_c == math.inf:
             best_g = self.smallest_peak[1] if self.smallest_peak else next(iter(seeds.values()))
         preferred = None
