@@ -508,8 +508,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.described_device is not None:
         profile, profile_source = _on_described_device(args, model, x, profile)
     if profile.device != "cpu" and args.memory_limit is None:
+        which = f"the plan is for a described {args.described_device}" if args.described_device else (
+            f"the profile was measured on {profile.device}")
         raise CommandError(
-            f"the profile is for {profile.device}: this machine's memory says nothing about that device's; "
+            f"{which}: this machine's memory says nothing about that device's; "
             "pass --memory-limit, the budget per rank there (e.g. 70GiB)"
         )
     budget = parse_memory_limit(args.memory_limit, torch.device("cpu"))

@@ -6,7 +6,8 @@ included) under a dispatch mode that sees every aten operator and prices it on t
 device by a roofline, as ``torch.distributed._tools.RuntimeEstimator``'s roofline mode does: the
 operator's FLOPs by ``torch.utils.flop_counter``'s formulas (matrix products, convolutions,
 attention; other operators count none), the bytes it reads and writes from its tensors' sizes, and
-its time ``max(flops / peak FLOP/s of its dtype, bytes / memory bandwidth)``. Each operator's time
+its time ``max(flops / peak FLOP/s of its dtype, bytes / memory bandwidth)``. Scaled dot-product
+attention runs as one fused operator, as FlashAttention does on a GPU (:class:`_FusedAttention`). Each operator's time
 goes to the unit running it (``torch.utils.module_tracker``), forward or backward.
 :func:`on_device` puts those times in a profile measured here in place of this machine's (the
 orders and memory the profile measured are the same on the device: same shapes and dtypes), and
@@ -30,9 +31,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.module_tracker import ModuleTracker
 
 from .profile import OptimizerProfile, Profile, UnitProfile, estimated_loss_memory
@@ -96,6 +98,43 @@ _FREE_OPS = {
 }
 
 
+_FUSED_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FUSED_SDPA_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _FusedAttention(TorchFunctionMode):
+    """``F.scaled_dot_product_attention`` as one fused operator, as a GPU runs it (FlashAttention):
+    on the meta device it would decompose into the math path (the scores materialised, several
+    passes over them), whose memory traffic no GPU pays. Grouped-query attention expands the key
+    and value heads first. With a mask or dropout the call runs as written."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        bound = dict(zip(names, args)) | kwargs
+        if bound.get("attn_mask") is not None or bound.get("dropout_p", 0.0) or bound["query"].dim() != 4:
+            return func(*args, **kwargs)
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        if k.shape[1] != q.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        return _FUSED_SDPA(q, k, v, 0.0, bool(bound.get("is_causal", False)), scale=bound.get("scale"))[0]
+
+
+def _fused_flops(packet: Any, args: Any) -> float | None:
+    """FLOPs of the fused attention operators (``torch.utils.flop_counter``'s formulas for SDPA,
+    which count the masked half of a causal attention too); None for any other operator."""
+    if packet is _FUSED_SDPA:
+        q, k, v = args[:3]
+        return float(sdpa_flop_count(q.shape, k.shape, v.shape))
+    if packet is _FUSED_SDPA_BACKWARD:
+        grad, q, k, v = args[:4]
+        return float(sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape))
+    return None
+
+
 def _nbytes(t: torch.Tensor) -> int:
     """What reading or writing ``t`` moves (a broadcast dimension: once)."""
     n = 1
@@ -127,8 +166,15 @@ class _Counter(TorchDispatchMode):
     def __init__(self, device: Device, units: dict[str, str], tracker: ModuleTracker, out: Roofline) -> None:
         super().__init__()
         self.device, self.units, self.tracker, self.out = device, units, tracker, out
-        self.seen_fwd = False  # a unit's forward has run (glue after it is post_fwd)
-        self.seen_bwd = False
+        self.last_fwd: str | None = None  # the unit whose forward ran last
+        self.last_bwd: str | None = None
+        self.in_bwd = False
+        self.pending = 0.0  # glue seconds since the last unit's operator
+
+    def finish(self) -> None:
+        """The end of the step: the glue after the last unit is post_fwd or post_bwd."""
+        self.out.glue["post_bwd" if self.in_bwd else "post_fwd"] += self.pending
+        self.pending = 0.0
 
     def unit(self) -> str | None:
         """The innermost unit running now."""
@@ -145,25 +191,35 @@ class _Counter(TorchDispatchMode):
         outs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
         moved = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
         seconds = moved / self.device.memory_bytes_s
-        if packet in flop_registry:
+        flops = _fused_flops(packet, args)
+        if flops is None and packet in flop_registry:
             flops = flop_registry[packet](*args, **kwargs, out_val=result)
+        if flops is not None:
             dtype = next((t.dtype for t in outs if t.is_floating_point()), torch.float32)
             seconds = max(seconds, flops / self.device.peak(dtype))
             self.out.flops += flops
         bw = self.tracker.is_bw
+        if bw and not self.in_bwd:  # forward is over: what ran after its last unit is post_fwd
+            self.in_bwd = True
+            self.out.glue["post_fwd"] += self.pending
+            self.pending = 0.0
         unit = self.unit()
         if unit is None:
-            if bw:
-                key = "post_bwd" if self.seen_bwd else "pre_bwd"
-            else:
-                key = "post_fwd" if self.seen_fwd else "pre_fwd"
-            self.out.glue[key] += seconds
+            # glue between units goes to the unit that ran last, as the profile attributes it (held
+            # until the next unit shows there was one after it)
+            self.pending += seconds
             return result
         phase = "bwd" if bw else "fwd"
-        if bw:
-            self.seen_bwd = True
+        last = self.last_bwd if bw else self.last_fwd
+        if last is None:
+            self.out.glue["pre_bwd" if bw else "pre_fwd"] += self.pending
         else:
-            self.seen_fwd = True
+            self.out.seconds[(last, phase)] = self.out.seconds.get((last, phase), 0.0) + self.pending
+        self.pending = 0.0
+        if bw:
+            self.last_bwd = unit
+        else:
+            self.last_fwd = unit
         self.out.seconds[(unit, phase)] = self.out.seconds.get((unit, phase), 0.0) + seconds
         biggest = max((_nbytes(t) for t in outs), default=0)
         self.out.largest[(unit, phase)] = max(self.out.largest.get((unit, phase), 0), biggest)
@@ -219,7 +275,7 @@ def count_roofline(
         if p.requires_grad:
             handles.append(p.register_post_accumulate_grad_hook(lambda q: out.ready_order.append(name_of[id(q)])))
     try:
-        with tracker, counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with tracker, _FusedAttention(), counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             result = module(*example_inputs, **(example_kwargs or {}))
             loss = model_loss(result)
             if loss is None:
@@ -228,6 +284,7 @@ def count_roofline(
                 loss = surrogate_loss(result)
             if loss is not None:
                 loss.backward()
+        counter.finish()
     finally:
         for h in handles:
             h.remove()
