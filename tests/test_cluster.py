@@ -211,3 +211,34 @@ def test_plan_flags_that_do_not_go_together(
     assert rc != 0 and says in err
     assert len([line for line in err.splitlines() if line.strip()]) == 1
     assert not Path("plan.json").exists()
+
+
+# ---- the described device ----------------------------------------------------------------------
+def test_the_roofline_counts_what_flop_counter_counts_and_prices_it_on_the_device() -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from autodist.cost.device import DEVICES, count_roofline, described_profile, on_device
+
+    model = _Stack()
+    x = torch.randn(64, WIDTH)
+    with FlopCounterMode(display=False) as counter:
+        model(x).float().mean().backward()
+    model.zero_grad(set_to_none=True)
+    h100 = DEVICES["h100"]
+    roofline = count_roofline(model, STRUCTURE, (x,), h100)
+    assert roofline.flops == counter.get_total_flops()
+    assert all(p.grad is None for p in model.parameters())  # the count leaves no gradients
+    # a float32 matrix product of 64 x 512 x 512: 2*64*512*512 FLOPs at the fp32 peak, or its bytes
+    # at the memory bandwidth, whichever is longer
+    mm = max(2 * 64 * WIDTH * WIDTH / h100.fp32_flops, 4 * (64 * WIDTH * 2 + WIDTH * WIDTH) / h100.memory_bytes_s)
+    assert roofline.seconds[("layers.3", "fwd")] == pytest.approx(mm, rel=1e-6)
+    assert roofline.ready_order == READY
+    on = on_device(PROFILE, roofline)
+    assert on.device == "cuda" and on.units[3].fwd_s == roofline.seconds[("layers.3", "fwd")]
+    assert "H100" in on.meta["compute"]
+    with torch.device("meta"):
+        meta = _Stack()
+    described = described_profile(meta, discover(meta), (torch.empty(64, WIDTH, device="meta"),), h100)
+    assert [u.name for u in described.units] == UNITS and described.ready_order == READY
+    assert described.units[3].fwd_s == pytest.approx(mm, rel=1e-6)
+    assert described.units[3].act_bytes == 64 * WIDTH * 4  # its input, saved for the weight's gradient

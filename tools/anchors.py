@@ -28,6 +28,7 @@ import os
 import sys
 import time
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -157,11 +158,12 @@ def main() -> None:
         _, found = search_within_budget(space, simulator, config, budget)
         search_s = time.perf_counter() - t
         named["autodist"] = found.plan
-        row = {"gpus": world, "nodes": nodes, "comm": comm_said, "search_seconds": round(search_s, 2),
-               "evaluated": found.evaluated, "stopped_by": found.stopped_by, "plans": {}}
+        predicted: dict[str, dict[str, Any]] = {}
+        row: dict[str, Any] = {"gpus": world, "nodes": nodes, "comm": comm_said, "search_seconds": round(search_s, 2),
+                               "evaluated": found.evaluated, "stopped_by": found.stopped_by, "plans": predicted}
         for name, plan in named.items():
             r = sim.run(plan)
-            row["plans"][name] = {
+            predicted[name] = {
                 "step_ms": round(r.step_s * 1e3, 2), "peak": format_bytes(r.peak_bytes), "peak_bytes": r.peak_bytes,
                 "fits": r.feasible, "exposed_comm_ms": round(r.exposed_comm_s * 1e3, 2),
             }
@@ -176,7 +178,7 @@ def main() -> None:
         }
         rows.append(row)
         print(f"{world} GPUs ({nodes} node(s)): " + "; ".join(
-            f"{n} {p['step_ms']:.1f} ms, {p['peak']}{'' if p['fits'] else ' (over budget)'}" for n, p in row["plans"].items()
+            f"{n} {p['step_ms']:.1f} ms, {p['peak']}{'' if p['fits'] else ' (over budget)'}" for n, p in predicted.items()
         ) + f". AutoDist: shard_size {pick.shard_ranks}, {len(pick.sharded_units)}/{len(pick.units)} units sharded, "
             f"{len(pick.recompute)} blocks recomputed (search {search_s:.1f} s, {found.evaluated} plans, {found.stopped_by})")
     out = {

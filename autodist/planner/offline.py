@@ -152,15 +152,18 @@ def sharding_reason(plan: Plan, profile: Profile, structure: Any, comm: CommMode
         where = "stay within a node" if plan.shard_ranks <= node else f"span {plan.shard_ranks // node} nodes, not {world // node}"
         text = (f"hybrid shard_size={plan.shard_ranks}: all-gathers and reduce-scatters {where}, the gradients' "
                 f"all-reduce across the {world // plan.shard_ranks} replicas crosses nodes; the same plan fully sharded over "
-                f"{world} ranks is predicted at {r.step_s * 1e3:.2f} ms (this one {mine * 1e3:.2f} ms: "
-                f"{(r.step_s - mine) * 1e3:+.2f} ms), peak {format_bytes(r.peak_bytes)} against "
-                f"{format_bytes(plan.predicted['peak_bytes'])}{fits}")
+                f"{world} ranks is predicted at {r.step_s * 1e3:.2f} ms ({_saves(r.step_s - mine)}), peak "
+                f"{format_bytes(r.peak_bytes)} against {format_bytes(plan.predicted['peak_bytes'])}{fits}")
     else:
         text = (f"full sharding over all {world} ranks: the same plan sharded within each node of {node} "
-                f"(hybrid) is predicted at {r.step_s * 1e3:.2f} ms (this one {mine * 1e3:.2f} ms: "
-                f"{(r.step_s - mine) * 1e3:+.2f} ms), peak {format_bytes(r.peak_bytes)} against "
-                f"{format_bytes(plan.predicted['peak_bytes'])}{fits}")
+                f"(hybrid) is predicted at {r.step_s * 1e3:.2f} ms ({_saves(r.step_s - mine)}), peak "
+                f"{format_bytes(r.peak_bytes)} against {format_bytes(plan.predicted['peak_bytes'])}{fits}")
     return text + "; " + _seed_steps(result)
+
+
+def _saves(seconds: float) -> str:
+    """``seconds`` the other choice takes longer, in words."""
+    return f"this plan saves {seconds * 1e3:.2f} ms" if seconds >= 0 else f"this plan costs {-seconds * 1e3:.2f} ms more"
 
 
 def _seed_steps(result: SearchResult) -> str:
