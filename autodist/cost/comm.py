@@ -19,6 +19,10 @@ over the ranks of one machine) or two: ``ops`` for the ranks within one node and
 model of its own, for collectives between nodes, ``ranks_per_node`` consecutive ranks to a node
 (``autodist plan --nodes``; :func:`CommModel.two_level`). :meth:`CommModel.group_time` prices a
 collective over any group of ranks on the link(s) it crosses ([Note: collectives across nodes]).
+What is measured and what is assumed: a sweep measures one level, the ranks it runs on (on one
+machine: its cores or GPUs); the two levels of ``autodist plan --nodes`` are the analytic models
+of named interconnects (``cost/interconnect.py``: line rates and round latencies, not
+measurements), and the tests emulate a slow network on one machine with :meth:`CommModel.slowed`.
 """
 
 from __future__ import annotations
