@@ -526,7 +526,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         save_plan(plan, args.out)
     except OSError as e:
         raise CommandError(f"cannot write {args.out}: {e.strerror or e}") from None
-    ranks = f"{nodes} nodes of {per_node} ranks ({world} ranks)" if args.nodes is not None else f"{world} ranks"
+    ranks = (f"{nodes} node{'s' if nodes > 1 else ''} of {per_node} rank{'s' if per_node > 1 else ''} ({world} ranks)"
+             if args.nodes is not None else f"{world} ranks")
     _say(
         f"Planned {args.model} for {ranks} within {format_bytes(budget)} per rank, using "
         f"{comm_source} and {profile_source}: {describe_prediction(plan)}. "

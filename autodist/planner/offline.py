@@ -143,6 +143,8 @@ def sharding_reason(plan: Plan, profile: Profile, structure: Any, comm: CommMode
         return "no unit is sharded (every parameter replicated): " + _seed_steps(result)
     if node is None or node >= world:
         return f"sharded over all {world} ranks (one node: no hybrid choice); " + _seed_steps(result)
+    if node == 1:
+        return f"sharded over all {world} ranks (one rank per node: no smaller shard group); " + _seed_steps(result)
     other_size = None if plan.hybrid else node
     other = replace(plan, shard_size=other_size)
     r = Simulator(profile, structure, comm, world_size=world, budget_bytes=plan.budget_bytes).run(other)
