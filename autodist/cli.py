@@ -164,7 +164,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_comm_options(p: argparse.ArgumentParser) -> None:
+def _add_comm_options(p: argparse.ArgumentParser, *, levels: bool = False) -> None:
+    """The comm model's flags; ``levels``: ``--interconnect`` may name two links, WITHIN,ACROSS
+    (``autodist plan --nodes``), checked by the command."""
     from .cost.interconnect import INTERCONNECTS
 
     g = p.add_argument_group(
@@ -174,10 +176,17 @@ def _add_comm_options(p: argparse.ArgumentParser) -> None:
         "many ranks",
     )
     presets = "; ".join(f"{i.name}: {i.what}, {i.bandwidth_gbps:g} GB/s, {i.latency_us:g} us" for i in INTERCONNECTS.values())
-    g.add_argument(
-        "--interconnect", choices=list(INTERCONNECTS), metavar="NAME",
-        help=f"the link the ranks' collectives cross (the slowest one: the network when ranks span nodes): {presets}",
-    )
+    if levels:
+        g.add_argument(
+            "--interconnect", metavar="NAME[,NAME]",
+            help="the link the ranks' collectives cross on one node, or with --nodes two links, WITHIN,ACROSS "
+            f"(e.g. nvlink4,ib-ndr): {presets}",
+        )
+    else:
+        g.add_argument(
+            "--interconnect", choices=list(INTERCONNECTS), metavar="NAME",
+            help=f"the link the ranks' collectives cross (the slowest one: the network when ranks span nodes): {presets}",
+        )
     g.add_argument("--bandwidth", type=_positive_float, metavar="GBPS", help="link bandwidth in GB/s, one direction per rank")
     g.add_argument("--latency", type=_non_negative_float, metavar="US", help="per-collective latency in microseconds")
     _add_cache_dir(g)
@@ -224,14 +233,28 @@ def build_parser() -> argparse.ArgumentParser:
         "the memory budget; write it as JSON.",
     )
     _add_model_options(plan)
-    plan.add_argument("--world-size", required=True, type=_positive_int, metavar="N", help="ranks the plan is for")
+    plan.add_argument("--world-size", type=_positive_int, metavar="N", help="ranks the plan is for, on one node")
+    plan.add_argument(
+        "--nodes", type=_positive_int, metavar="N",
+        help="nodes the plan is for, with --gpus-per-node ranks each (instead of --world-size); on more than one, "
+        "--interconnect names two links, WITHIN,ACROSS, and the search considers hybrid sharding (shard within a "
+        "node, replicate across nodes)",
+    )
+    plan.add_argument("--gpus-per-node", type=_positive_int, metavar="G", help="ranks per node, with --nodes")
     plan.add_argument(
         "--memory-limit", type=_memory_limit, metavar="SIZE",
         help="budget per rank: bytes, a size such as 2GiB or 512MB, or a percentage such as 80%% "
         "(default: what this machine has available)",
     )
-    _add_comm_options(plan)
+    _add_comm_options(plan, levels=True)
     _add_reprofile(plan)
+    from .cost.device import describe_devices
+
+    plan.add_argument(
+        "--device", metavar="NAME", dest="described_device",
+        help="time the model's compute on this described GPU, not this machine's: each operator of one forward "
+        f"and backward priced by a roofline of its FLOPs and bytes ({describe_devices()})",
+    )
     plan.add_argument("--out", required=True, metavar="PLAN.json", help="where to write the plan")
 
     tl = sub.add_parser(
@@ -466,23 +489,35 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .describe import describe_prediction
     from .errors import BudgetError
     from .plan import save_plan
-    from .planner.offline import offline_search_config, plan_offline
+    from .planner.offline import level_report, offline_search_config, plan_offline, sharding_reason
 
-    _check_comm_options(args)
-    comm, comm_source = _comm_model(args, args.world_size)
+    nodes, per_node = _check_plan_options(args)
+    world = nodes * per_node
+    if nodes > 1 or args.nodes is not None:
+        from .planner.offline import cluster_comm_model
+
+        within, _, across = args.interconnect.partition(",")
+        comm, comm_source = cluster_comm_model(nodes, per_node, within, across or None)
+        comm_source = f"the analytic comm model of {comm_source}"
+    else:
+        comm, comm_source = _comm_model(args, world)
     model = _build_model(args.model)
     x = _example_input(model, args)
-    config = offline_search_config(args.cache_dir, args.world_size)
+    config = offline_search_config(args.cache_dir, world)
     profile, profile_source = _profile(args, model, x)
+    if args.described_device is not None:
+        profile, profile_source = _on_described_device(args, model, x, profile)
     if profile.device != "cpu" and args.memory_limit is None:
+        which = f"the plan is for a described {args.described_device}" if args.described_device else (
+            f"the profile was measured on {profile.device}")
         raise CommandError(
-            f"the profile was measured on {profile.device}: this machine's memory says nothing about that device's; "
+            f"{which}: this machine's memory says nothing about that device's; "
             "pass --memory-limit, the budget per rank there (e.g. 70GiB)"
         )
     budget = parse_memory_limit(args.memory_limit, torch.device("cpu"))
     try:
-        plan, result, _ = plan_offline(
-            model, (x,), world_size=args.world_size, budget_bytes=budget, comm=comm, config=config,
+        plan, result, prof = plan_offline(
+            model, (x,), world_size=world, budget_bytes=budget, comm=comm, config=config,
             example_kwargs=_input_kwargs(x, args), profile=profile, device=torch.device(profile.device),
         )
     except BudgetError as e:
@@ -491,14 +526,88 @@ def cmd_plan(args: argparse.Namespace) -> int:
         save_plan(plan, args.out)
     except OSError as e:
         raise CommandError(f"cannot write {args.out}: {e.strerror or e}") from None
+    ranks = (f"{nodes} node{'s' if nodes > 1 else ''} of {per_node} rank{'s' if per_node > 1 else ''} ({world} ranks)"
+             if args.nodes is not None else f"{world} ranks")
     _say(
-        f"Planned {args.model} for {args.world_size} ranks within {format_bytes(budget)} per rank, using "
+        f"Planned {args.model} for {ranks} within {format_bytes(budget)} per rank, using "
         f"{comm_source} and {profile_source}: {describe_prediction(plan)}. "
         f"{result.evaluated} plans evaluated in {result.seconds:.2f} s (stopped by: {result.stopped_by}). "
         f"Wrote {args.out}; read it with `autodist show {args.out}` and use it with "
         f"AutoDist(model, plan={str(args.out)!r})."
     )
+    if profile.device == "cpu" and (args.interconnect is not None or args.nodes is not None):
+        _say("Note: the compute times are this machine's CPU's, not a GPU's: pass --device NAME to price them on a "
+             "described GPU, or --profile FILE, a profile taken on one.")
+    if comm.levels == 2:
+        from .structure import discover
+
+        structure = discover(model)
+        step = plan.predicted["step_seconds"]
+        levels = level_report(plan, prof, structure, comm)
+        _say("Communication per level (busy: its collectives' time in a step; exposed: what it adds to the step): " + "; ".join(
+            f"{name} {lv['busy_s'] * 1e3:.2f} ms busy, {lv['exposed_s'] * 1e3:.2f} ms exposed" for name, lv in levels.items()
+        ) + f"; step {step * 1e3:.2f} ms, compute {result.result.compute_s * 1e3:.2f} ms.")
+        _say("Sharding: " + sharding_reason(plan, prof, structure, comm, result) + ".")
     return 0
+
+
+def _check_plan_options(args: argparse.Namespace) -> tuple[int, int]:
+    """(nodes, ranks per node) of ``autodist plan``'s flags, or one error naming the combination
+    that does not work and the fix."""
+    from .cost.device import DEVICES
+    from .cost.interconnect import INTERCONNECTS
+
+    _check_comm_options(args)
+    if args.world_size is not None and (args.nodes is not None or args.gpus_per_node is not None):
+        raise CommandError("--world-size and --nodes/--gpus-per-node both give the ranks; pass --world-size N for one "
+                           "node, or --nodes N --gpus-per-node G")
+    if args.world_size is None and (args.nodes is None or args.gpus_per_node is None):
+        given = "--nodes" if args.nodes is not None else "--gpus-per-node" if args.gpus_per_node is not None else None
+        if given:
+            missing = "--gpus-per-node" if given == "--nodes" else "--nodes"
+            raise CommandError(f"{given} needs {missing} too (the ranks are nodes x GPUs per node)")
+        raise CommandError("give the ranks the plan is for: --world-size N (one node), or --nodes N --gpus-per-node G")
+    if args.described_device is not None and args.described_device not in DEVICES:
+        raise CommandError(f"--device {args.described_device!r}: not a described device; use one of {', '.join(DEVICES)}")
+    if args.described_device is not None and args.profile_file is not None:
+        raise CommandError("--device and --profile both give the compute times; pass one: --device to price them on a "
+                           "described GPU, --profile for a profile taken on the device")
+    names = [] if args.interconnect is None else args.interconnect.split(",")
+    unknown = [n for n in names if n not in INTERCONNECTS]
+    if unknown or len(names) > 2 or "" in names:
+        raise CommandError(f"--interconnect {args.interconnect!r}: expected NAME or WITHIN,ACROSS, each one of "
+                           f"{', '.join(INTERCONNECTS)}")
+    if args.world_size is not None:
+        if len(names) == 2:
+            raise CommandError("--interconnect names two links, but --world-size plans for one node, whose ranks share one "
+                               "link; pass --nodes N --gpus-per-node G for several nodes, or one interconnect")
+        return 1, args.world_size
+    nodes, per_node = args.nodes, args.gpus_per_node
+    if args.bandwidth is not None:
+        raise CommandError("--bandwidth/--latency describe one link; with --nodes name the links with --interconnect "
+                           "WITHIN,ACROSS (e.g. nvlink4,ib-ndr)")
+    if not names:
+        raise CommandError("--nodes plans for a described cluster: name its links with --interconnect WITHIN,ACROSS "
+                           "(e.g. nvlink4,ib-ndr), or NAME on one node")
+    if nodes > 1 and len(names) != 2:
+        raise CommandError(f"--interconnect {args.interconnect!r} names one link, but {nodes} nodes have two: the link "
+                           "within a node and the one across nodes; pass WITHIN,ACROSS (e.g. nvlink4,ib-ndr)")
+    if nodes == 1 and len(names) == 2:
+        raise CommandError("--interconnect names two links, but one node has one; pass one NAME, or more --nodes")
+    return nodes, per_node
+
+
+def _on_described_device(args: argparse.Namespace, model: nn.Module, x: torch.Tensor, profile: Any) -> tuple[Any, str]:
+    """``profile`` with its compute timed on ``--device`` (``cost/device.py``), and a phrase saying so."""
+    from .cost.device import DEVICES, count_roofline, on_device
+    from .structure import discover
+
+    device = DEVICES[args.described_device]
+    roofline = count_roofline(model, discover(model), (x,), device, example_kwargs=_input_kwargs(x, args))
+    return on_device(profile, roofline), (
+        f"compute timed on a described {device.name} (a per-operator roofline of {device.describe()}; "
+        f"{roofline.flops / 1e9:.1f} GFLOP per step), with the orders and memory of this machine's profile"
+    )
 
 
 def _profile(args: argparse.Namespace, model: nn.Module, x: torch.Tensor) -> tuple[Any, str]:

@@ -10,7 +10,7 @@ from .cost.budget import format_bytes
 if TYPE_CHECKING:
     from .plan import Plan
 
-BUILTIN_SEEDS = ("ddp", "fsdp", "zero2")
+BUILTIN_SEEDS = ("ddp", "fsdp", "zero2", "hsdp")
 
 
 def kept_seed(plan: Plan) -> str | None:

@@ -13,16 +13,27 @@ broadcast, so all ranks hold the identical model.
 
 Sizes are *message* bytes: the full (gathered / pre-scatter) buffer for all-gather and
 reduce-scatter, the buffer for all-reduce, the copied bytes for copies.
+
+A model has one level (every collective runs on the link ``ops`` describe: what a sweep measures
+over the ranks of one machine) or two: ``ops`` for the ranks within one node and ``cross_node``, a
+model of its own, for collectives between nodes, ``ranks_per_node`` consecutive ranks to a node
+(``autodist plan --nodes``; :func:`CommModel.two_level`). :meth:`CommModel.group_time` prices a
+collective over any group of ranks on the link(s) it crosses ([Note: collectives across nodes]).
+What is measured and what is assumed: a sweep measures one level, the ranks it runs on (on one
+machine: its cores or GPUs); the two levels of ``autodist plan --nodes`` are the analytic models
+of named interconnects (``cost/interconnect.py``: line rates and round latencies, not
+measurements), and the tests emulate a slow network on one machine with :meth:`CommModel.slowed`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "h2d", "d2h")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 # the message size of the all-reduce train a profile's contended passes run under
 # (autodist.measure.sweep.collective_train; Profile.contended_slowdown)
 TRAIN_BYTES = 4 << 20
@@ -84,6 +95,10 @@ class OpModel:
         return max(t_hi, self.large(nbytes))
 
 
+# a collective on a level that costs nothing (CommModel.with_free_level)
+_FREE = OpModel(Piece(0.0, 0.0), Piece(0.0, 0.0), float("inf"))
+
+
 # the wait calibration scales the wait figure of messages below this size; from it up a collective
 # the compute thread waits on runs at the sweep's own figure. The sweep measures at 4 and 16 MiB, so
 # the scale applies in full up to the 4 MiB row and fades out by 16 MiB (interpolated in log size);
@@ -137,6 +152,23 @@ class CommModel:
     workers: int = 1
     meta: dict[str, Any] = field(default_factory=dict)
     schema_version: int = COMM_SCHEMA_VERSION
+    # Two levels ([Note: collectives across nodes]): the ranks of one node (consecutive ranks), whose
+    # collectives ``ops`` then describe for a group of ``ranks_per_node`` ranks, and the model of the
+    # link between nodes, whose ``ops`` describe a group of its own ``world_size`` ranks, one per
+    # node. None: one level, ``ops`` fitted over the whole world (a sweep on one machine).
+    ranks_per_node: int | None = None
+    cross_node: CommModel | None = None
+
+    def __post_init__(self) -> None:
+        if (self.ranks_per_node is None) != (self.cross_node is None):
+            raise ValueError("a two-level comm model needs both ranks_per_node and cross_node")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ValueError(f"comm model ranks_per_node {self.ranks_per_node!r} is not a positive integer")
+
+    @property
+    def levels(self) -> int:
+        """1, or 2 when collectives between nodes are priced on their own link."""
+        return 1 if self.cross_node is None else 2
 
     def slowdowns(self, op: str, nbytes: float | None = None, *, scaled: bool = True) -> tuple[float, float, float]:
         """(compute slowdown while ``op`` of ``nbytes`` runs, ``op``'s slowdown while compute runs,
@@ -172,9 +204,105 @@ class CommModel:
         return nbytes / 1e12  # device memory: ~1 TB/s, negligible next to everything else
 
     def time(self, op: str, nbytes: float) -> float:
+        """``op`` of ``nbytes`` over the whole world (a copy: on one rank)."""
         if self.world_size == 1 and op in ("all_reduce", "all_gather", "reduce_scatter"):
             return 0.0
-        return self.ops[op](nbytes)
+        if self.cross_node is None or op not in COLLECTIVES:
+            return self.ops[op](nbytes)
+        return self.group_time(op, nbytes, self.world_size)
+
+    def group_time(self, op: str, nbytes: float, ranks: int, *, stride: int = 1) -> float:
+        """The collective ``op`` of ``nbytes`` over a group of ``ranks`` ranks ``stride`` apart (a
+        shard group: consecutive ranks; the replicas of a shard: ``shard_size`` apart); nothing on
+        one rank.
+
+        One level: the model's own fit over the whole world, else the bytes each rank sends in a
+        ring of ``ranks``: the message scaled by ``(ranks-1)/ranks`` against
+        ``(world-1)/world`` (twice both for an all-reduce, which cancels). Two levels: on the
+        link(s) the group crosses ([Note: collectives across nodes])."""
+        if ranks <= 1:
+            return 0.0
+        if self.cross_node is None or self.ranks_per_node is None:
+            if ranks == self.world_size:
+                return self.time(op, nbytes)
+            return self._ring(self.ops, self.world_size, op, nbytes, ranks)
+        # [Note: collectives across nodes] A group of r ranks with m of them on each of k nodes (the
+        # runtime's groups are aligned to nodes: consecutive ranks, or ranks a shard group apart)
+        # is priced hierarchically, as NCCL's multi-channel rings and trees on rail-optimised nodes
+        # move bytes: each node's share of the message crosses the network once, split over its m
+        # ranks' NICs, and the rest stays on the link within the node. A reduce-scatter is a
+        # reduce-scatter within the node, then one across nodes of the 1/m the rank now holds; an
+        # all-gather the reverse; an all-reduce a reduce-scatter within the node, an all-reduce
+        # across nodes of the 1/m, and an all-gather within the node. A group within one node (k = 1)
+        # is on the node's link alone, one rank per node (m = 1) on the network alone. Pricing a
+        # multi-node collective as a flat ring at the slower link's speed would charge every byte
+        # to the network, m times what crosses it. The levels run one after the other: no overlap
+        # between the phases is assumed.
+        m = min(ranks, max(1, self.ranks_per_node // stride)) if stride < self.ranks_per_node else 1
+        k = max(1, ranks // m)
+        rpn, cross = self.ranks_per_node, self.cross_node
+        if k == 1:
+            return self._ring(self.ops, rpn, op, nbytes, m)
+        if m == 1:
+            return cross._ring(cross.ops, cross.world_size, op, nbytes, k)
+        part = nbytes / m
+        if op == "all_reduce":
+            return (self._ring(self.ops, rpn, "reduce_scatter", nbytes, m) + cross._ring(cross.ops, cross.world_size, op, part, k)
+                    + self._ring(self.ops, rpn, "all_gather", nbytes, m))
+        return self._ring(self.ops, rpn, op, nbytes, m) + cross._ring(cross.ops, cross.world_size, op, part, k)
+
+    @staticmethod
+    def _ring(ops: dict[str, OpModel], fitted: int, op: str, nbytes: float, ranks: int) -> float:
+        """``op`` over ``ranks`` ranks from ``ops`` fitted over ``fitted`` ranks (see :meth:`group_time`)."""
+        if ranks <= 1:
+            return 0.0
+        if ranks == fitted or fitted <= 1:
+            return ops[op](nbytes)
+        share = (ranks - 1) / ranks / ((fitted - 1) / fitted)
+        return ops[op](round(nbytes * share))
+
+    def level_time(self, op: str, nbytes: float, ranks: int, *, stride: int = 1) -> dict[str, float]:
+        """:meth:`group_time` split by level: ``{"within node": s, "across nodes": s}`` (one level: all
+        of it ``"within node"`` — one machine's link)."""
+        if self.cross_node is None:
+            return {"within node": self.group_time(op, nbytes, ranks, stride=stride), "across nodes": 0.0}
+        inside = self.with_free_level("across nodes").group_time(op, nbytes, ranks, stride=stride)
+        across = self.with_free_level("within node").group_time(op, nbytes, ranks, stride=stride)
+        return {"within node": inside, "across nodes": across}
+
+    def with_free_level(self, level: str) -> CommModel:
+        """This two-level model with the collectives of one level (``"within node"`` or
+        ``"across nodes"``) free: what the step would be without that link's time (``autodist plan``
+        reports what each level adds to the step)."""
+        if self.cross_node is None:
+            raise ValueError("a one-level comm model has no level to free")
+        if level == "within node":
+            return replace(self, ops={**self.ops, **{op: _FREE for op in COLLECTIVES if op in self.ops}})
+        if level == "across nodes":
+            cross = self.cross_node
+            return replace(self, cross_node=replace(cross, ops={**cross.ops, **{op: _FREE for op in COLLECTIVES if op in cross.ops}}))
+        raise ValueError(f"level {level!r}: expected 'within node' or 'across nodes'")
+
+    @classmethod
+    def two_level(cls, within: CommModel, across: CommModel, *, ranks_per_node: int, world_size: int) -> CommModel:
+        """A model of ``world_size`` ranks, ``ranks_per_node`` to a node: collectives within a node
+        on ``within`` (its ``ops`` fitted for a group of ``ranks_per_node`` ranks: its
+        ``world_size``), between nodes on ``across``. ``within`` keeps its own figures for
+        everything else (contention, host times, copies)."""
+        if world_size % ranks_per_node:
+            raise ValueError(f"{world_size} ranks do not fill nodes of {ranks_per_node}")
+        if within.world_size != ranks_per_node:
+            raise ValueError(f"the within-node model is fitted over {within.world_size} ranks, not the {ranks_per_node} of a node")
+        return replace(within, world_size=world_size, ranks_per_node=ranks_per_node, cross_node=across)
+
+    def slowed(self, factor: float) -> CommModel:
+        """This model with every collective ``factor`` times slower (latency and bandwidth): an
+        emulated slower link, e.g. the level between nodes of a test on one machine."""
+        def slow(m: OpModel) -> OpModel:
+            return OpModel(Piece(m.small.c * factor, m.small.d * factor), Piece(m.large.c * factor, m.large.d * factor),
+                           m.split_bytes, [(b, t * factor) for b, t in m.samples])
+        return replace(self, ops={k: slow(v) if k in COLLECTIVES else v for k, v in self.ops.items()},
+                       meta=dict(self.meta, slowed=factor))
 
     def host_time(self, op: str, nbytes: float) -> float:
         """The compute thread's time to issue one ``op`` of ``nbytes`` and to collect it when done
@@ -198,8 +326,16 @@ class CommModel:
             lo_b, lo_s = b, sec
         return lo_s * nbytes / max(lo_b, 1.0)
 
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if self.cross_node is None:  # one level: written as before two-level models (same file)
+            del d["ranks_per_node"], d["cross_node"]
+        else:
+            d["cross_node"] = self.cross_node.to_dict()
+        return d
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CommModel:
@@ -224,6 +360,11 @@ class CommModel:
 
         d["ops"] = fits(d["ops"])
         d["host"] = fits(d.get("host", {}))
+        rpn = d.get("ranks_per_node")
+        if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
+            raise ValueError(f"comm model ranks_per_node {rpn!r} is not a positive integer")
+        if d.get("cross_node") is not None:
+            d["cross_node"] = cls.from_dict(d["cross_node"])
         return cls(**d)
 
     @classmethod

@@ -2,9 +2,10 @@
 
 Each preset is the analytic comm model's two numbers (``CommModel.analytic``: ring collectives over
 one link per rank): the bandwidth a rank can send in one direction, from the hardware's published
-line rate, and a per-collective latency. Pick the slowest link the ranks' collectives cross: NVLink
-or PCIe when all ranks are GPUs in one node, the network when they span nodes (one NIC per GPU,
-as in rail-optimised clusters).
+line rate, and a per-collective latency. On one node, pick the link its GPUs share (NVLink or
+PCIe); for several nodes, ``autodist plan --nodes`` takes two, the link within a node and the
+network between nodes (one NIC per GPU, as in rail-optimised clusters), and prices each collective
+on the link it crosses (``CommModel.two_level``).
 
 The bandwidths are line rates from the specifications cited below; what a collective library
 achieves is lower (often 70-90% of it for large messages). The latencies are not from a

@@ -147,6 +147,7 @@ class Simulator:
         self.shard_numel = {n: self._shard_numel(n) for n in self.numel}
         self.full_padded_bytes = {n: world_size * self.shard_numel[n] * self._compute_itemsize(n) for n in self.numel}
         self._time_cache: dict[tuple[str, int], float] = {}
+        self._group_cache: dict[tuple[str, int, int, int], float] = {}
         self._slowdown_cache: dict[tuple[str, int, bool], tuple[float, float, float]] = {}
         self._orders: StepOrders | None = None
         self._block_units: dict[str, list[str]] | None = None  # block -> its units the plan can recompute
@@ -171,17 +172,19 @@ class Simulator:
             self._sharded_over[ranks] = sim
         return sim
 
-    def _time_at(self, op: str, nbytes: int, ranks: int) -> float:
-        """``op`` of ``nbytes`` over ``ranks`` of the world, priced with the one-level comm model
-        (measured over the whole world) as the bytes each rank sends in a ring of ``ranks``: the
-        message scaled by ``(ranks-1)/ranks`` against ``(world-1)/world`` (twice both for an
-        all-reduce, which cancels). Nothing on one rank."""
+    def _time_at(self, op: str, nbytes: int, ranks: int, *, stride: int = 1) -> float:
+        """``op`` of ``nbytes`` over a group of ``ranks`` ranks ``stride`` apart (a shard group:
+        consecutive ranks; the replicas of a hybrid plan's shard: a shard group apart), on the
+        link(s) it crosses (``CommModel.group_time``). Nothing on one rank."""
         if ranks == self.world:
             return self._time(op, nbytes)
         if ranks <= 1:
             return 0.0
-        share = (ranks - 1) / ranks / ((self.world - 1) / self.world)
-        return self._time(op, round(nbytes * share))
+        key = (op, nbytes, ranks, stride)
+        t = self._group_cache.get(key)
+        if t is None:
+            t = self._group_cache[key] = self.comm.group_time(op, nbytes, ranks, stride=stride)
+        return t
 
     def _time(self, op: str, nbytes: int) -> float:
         key = (op, nbytes)

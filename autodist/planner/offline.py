@@ -16,6 +16,7 @@ A failure the user can fix (no comm model cached, a cached one unreadable) raise
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from ..errors import BudgetError
 from ..measure.trace import profile_model
 from ..plan import Plan, made_for
 from ..sched.search import SearchConfig, Searcher, SearchResult
-from ..sched.space import space_for
+from ..sched.space import hybrid_shard_sizes, space_for
 from ..structure import discover
 from .cache import Cache
 from .entries import profile_entry
@@ -99,6 +100,78 @@ def comm_model(
             f"the cached comm model {path} cannot be read ({type(e).__name__}: {_first_line(e)}); remove it with "
             "`autodist cache clear --kind comm` or pass --bandwidth and --latency"
         ) from None
+
+
+def cluster_comm_model(nodes: int, gpus_per_node: int, within: str, across: str | None) -> tuple[CommModel, str]:
+    """The analytic comm model of ``nodes`` nodes of ``gpus_per_node`` ranks (``autodist plan
+    --nodes``): the ``within`` interconnect between the ranks of a node and, on more than one
+    node, ``across`` between nodes (two levels, [Note: collectives across nodes] in
+    cost/comm.py); a phrase naming both."""
+    inside = INTERCONNECTS[within]
+    world = nodes * gpus_per_node
+    node_model = CommModel.analytic(gpus_per_node, bandwidth_bytes_s=inside.bandwidth_gbps * 1e9, latency_s=inside.latency_us * 1e-6)
+    said = f"{inside.name} within a node ({inside.what}: {inside.bandwidth_gbps:g} GB/s, {inside.latency_us:g} us)"
+    if nodes == 1 or across is None:
+        return CommModel.analytic(world, bandwidth_bytes_s=inside.bandwidth_gbps * 1e9, latency_s=inside.latency_us * 1e-6), said
+    out = INTERCONNECTS[across]
+    net = CommModel.analytic(nodes, bandwidth_bytes_s=out.bandwidth_gbps * 1e9, latency_s=out.latency_us * 1e-6)
+    model = CommModel.two_level(node_model, net, ranks_per_node=gpus_per_node, world_size=world)
+    return model, f"{said} and {out.name} across nodes ({out.what}: {out.bandwidth_gbps:g} GB/s, {out.latency_us:g} us)"
+
+
+def level_report(plan: Plan, profile: Profile, structure: Any, comm: CommModel) -> dict[str, dict[str, float]]:
+    """Per level of a two-level ``comm`` (``"within node"``, ``"across nodes"``): ``busy_s``, the
+    time its collectives of one step take, and ``exposed_s``, what they add to the step: the step
+    less the step with that level free (a counterfactual, so the two need not add up to the
+    step's exposed communication, which overlap of the levels shares)."""
+    def sim(c: CommModel) -> SimResult:
+        return Simulator(profile, structure, c, world_size=plan.world_size, budget_bytes=plan.budget_bytes).run(plan)
+
+    step = sim(comm).step_s
+    out = {}
+    for level, other in (("within node", "across nodes"), ("across nodes", "within node")):
+        out[level] = {"busy_s": sim(comm.with_free_level(other)).comm_s, "exposed_s": max(0.0, step - sim(comm.with_free_level(level)).step_s)}
+    return out
+
+
+def sharding_reason(plan: Plan, profile: Profile, structure: Any, comm: CommModel, result: SearchResult) -> str:
+    """Why the plan shards over the groups it does, in one sentence: the same plan with the other
+    choice (hybrid groups of a node, or the whole world) simulated side by side, and the built-in
+    plans' steps."""
+    world, node = plan.world_size, comm.ranks_per_node
+    if not plan.sharded_units:
+        return "no unit is sharded (every parameter replicated): " + _seed_steps(result)
+    if node is None or node >= world:
+        return f"sharded over all {world} ranks (one node: no hybrid choice); " + _seed_steps(result)
+    if node == 1:
+        return f"sharded over all {world} ranks (one rank per node: no smaller shard group); " + _seed_steps(result)
+    other_size = None if plan.hybrid else node
+    other = replace(plan, shard_size=other_size)
+    r = Simulator(profile, structure, comm, world_size=world, budget_bytes=plan.budget_bytes).run(other)
+    mine = plan.predicted["step_seconds"]
+    fits = "" if r.feasible else f", over the budget at {format_bytes(r.peak_bytes)}"
+    if plan.hybrid:
+        where = "stay within a node" if plan.shard_ranks <= node else f"span {plan.shard_ranks // node} nodes, not {world // node}"
+        text = (f"hybrid shard_size={plan.shard_ranks}: all-gathers and reduce-scatters {where}, the gradients' "
+                f"all-reduce across the {world // plan.shard_ranks} replicas crosses nodes; the same plan fully sharded over "
+                f"{world} ranks is predicted at {r.step_s * 1e3:.2f} ms ({_saves(r.step_s - mine)}), peak "
+                f"{format_bytes(r.peak_bytes)} against {format_bytes(plan.predicted['peak_bytes'])}{fits}")
+    else:
+        text = (f"full sharding over all {world} ranks: the same plan sharded within each node of {node} "
+                f"(hybrid) is predicted at {r.step_s * 1e3:.2f} ms ({_saves(r.step_s - mine)}), peak "
+                f"{format_bytes(r.peak_bytes)} against {format_bytes(plan.predicted['peak_bytes'])}{fits}")
+    return text + "; " + _seed_steps(result)
+
+
+def _saves(seconds: float) -> str:
+    """``seconds`` the other choice takes longer, in words."""
+    return f"this plan saves {seconds * 1e3:.2f} ms" if seconds >= 0 else f"this plan costs {-seconds * 1e3:.2f} ms more"
+
+
+def _seed_steps(result: SearchResult) -> str:
+    names = [n for n in ("ddp", "fsdp", "hsdp", "zero2") if n in result.seeds]
+    parts = [f"{n} {result.seeds[n].step_s * 1e3:.2f} ms" + ("" if result.seeds[n].feasible else " (over budget)") for n in names]
+    return "built-in plans: " + ", ".join(parts) if parts else "no built-in plan applies"
 
 
 def offline_profile(
@@ -264,13 +337,15 @@ def plan_offline(
 ) -> tuple[Plan, SearchResult, Profile]:
     """Plan for ``world_size`` ranks from one process (``autodist plan``): profile ``module`` here
     (unless given its ``profile``), search with ``comm`` (a cached sweep or an analytic model)
-    under ``budget_bytes``."""
+    under ``budget_bytes``. A two-level ``comm`` (several nodes) adds hybrid sharding to the
+    search: shard groups of a node, or of several (``sched/space.py`` ``hybrid_shard_sizes``)."""
     device = device or torch.device("cpu")
     config = config or SearchConfig()
     comm = config.calibrated(comm)
     structure = discover(module)
     prof = profile or profile_model(module, structure, example_inputs, device=device, example_kwargs=example_kwargs)
-    space = space_for(prof, structure, world_size, grad_accum_steps=grad_accum_steps)
+    space = space_for(prof, structure, world_size, grad_accum_steps=grad_accum_steps,
+                      shard_sizes=hybrid_shard_sizes(world_size, comm.ranks_per_node))
     _, result = search_within_budget(
         space, lambda budget: Simulator(prof, structure, comm, world_size=world_size, budget_bytes=budget),
         config, budget_bytes,

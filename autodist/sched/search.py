@@ -31,6 +31,8 @@ MOVE_KINDS = (
     "bucket_merge", "bucket_split", "group_merge", "group_split", "residency", "window", "inflight", "placement",
     "offload_add", "offload_remove", "offload_shift", "recompute", "accumulate",
 )
+# the built-in conventions a searched plan must beat by prefer_seed_within to be chosen over them
+BUILTIN_SEEDS = ("ddp", "fsdp", "zero2", "hsdp")
 
 
 @dataclass
@@ -293,13 +295,16 @@ class Searcher:
         if sp.fixed is None or any(v == "shard" for v in sp.fixed.values()):
             out["fsdp"] = sp.fsdp()
             out["zero2"] = sp.zero2()
-        for seed in [n for n in ("fsdp", "zero2") if n in out]:
+            if sp.shard_sizes:  # FSDP2's HSDP: shard within a node, replicate across nodes
+                out["hsdp"] = sp.hybrid(out["fsdp"], sp.shard_sizes[0])
+                out["hsdp-zero2"] = sp.hybrid(out["zero2"], sp.shard_sizes[0])
+        for seed in [n for n in ("fsdp", "zero2", "hsdp", "hsdp-zero2") if n in out]:
             out[f"{seed}+prefetch"] = self.widen_windows(out[seed])
             out[f"{seed}+unshard"] = self.unshard_selectively(out[f"{seed}+prefetch"])
         if sp.fixed is not None and not out:
             out["fixed"] = self.normalize(sp.ddp())
         if sp.accum_steps > 1:  # FSDP2's default: reduce-scatter in every micro-batch
-            for seed in [n for n in ("fsdp", "zero2") if n in out]:
+            for seed in [n for n in ("fsdp", "zero2", "hsdp", "hsdp-zero2") if n in out]:
                 g = out[seed]
                 out[f"{seed}+sharded-accumulation"] = self.normalize(replace(g, accumulate=tuple(int(s_) for s_ in g.shard)))
         if sp.recompute_blocks:
@@ -333,6 +338,9 @@ class Searcher:
             if c < best_c:
                 best_g, best_c = self.normalize(g), c
         expanded: set[Genome] = set()
+        # the plan-wide shard group is a move only where the space offers hybrid sharding (a space
+        # of one node draws its moves as it always has, and finds the same plans)
+        kinds = MOVE_KINDS + (("shard_size",) if self.space.shard_sizes else ())
         since_improved = 0
         history = [(self.evaluated, best_c)]
         stopped_by = "queue exhausted"
@@ -355,7 +363,7 @@ class Searcher:
                 # 1..beta random moves: small steps refine, larger ones escape plateaus
                 child = g
                 for _ in range(rng.randint(1, cfg.beta)):
-                    child = self.space._move_kind(child, rng.choice(MOVE_KINDS), rng)
+                    child = self.space._move_kind(child, rng.choice(kinds), rng)
                 child = self.normalize(child)
                 if child in self._memo:
                     continue
@@ -369,11 +377,20 @@ class Searcher:
                 if cc <= cfg.alpha * best_c and cc < math.inf:
                     heapq.heappush(heap, (cc, tie, child))
                     tie += 1
+        if best_g is not None and best_c < math.inf:
+            # the shard group is a plan-wide decision that one random move rarely gets to try on the
+            # best plan: the best plan under every shard group the space offers
+            for size in (0, *self.space.shard_sizes) if self.space.shard_sizes else ():
+                cand = self.normalize(replace(best_g, shard_size=size))
+                c = self.cost(cand)
+                if c < best_c:
+                    best_g, best_c = cand, c
+                    history.append((self.evaluated, best_c))
         if best_g is None or best_c == math.inf:
             best_g = self.smallest_peak[1] if self.smallest_peak else next(iter(seeds.values()))
         preferred = None
         if best_c < math.inf and cfg.prefer_seed_within > 0:
-            known = [(self.cost(seeds[n]), n) for n in ("ddp", "fsdp", "zero2") if n in seeds]
+            known = [(self.cost(seeds[n]), n) for n in BUILTIN_SEEDS if n in seeds]
             known = [(c, n) for c, n in known if c < math.inf]
             if known:
                 c, n = min(known)
@@ -413,7 +430,7 @@ class Searcher:
         best = min(again, key=cost)
         preferred = None
         if math.isfinite(cost(best)) and self.cfg.prefer_seed_within > 0:
-            known = [(cost(seeds[n]), n) for n in ("ddp", "fsdp", "zero2") if n in seeds and math.isfinite(cost(seeds[n]))]
+            known = [(cost(seeds[n]), n) for n in BUILTIN_SEEDS if n in seeds and math.isfinite(cost(seeds[n]))]
             if known:
                 c, n = min(known)
                 if c <= cost(best) * (1 + self.cfg.prefer_seed_within) and seeds[n] != best:

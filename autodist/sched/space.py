@@ -20,6 +20,9 @@ trainable parameters in gradient-ready order.
 * ``accumulate`` — per unit, 1 if a sharded unit accumulates sharded gradients over micro-batches
   (reduced in every micro-batch), 0 if unsharded ones (reduced once); every unit of a gather group
   takes its group's first unit's value, and only matters when a step has several micro-batches.
+* ``shard_size`` — over how many ranks the sharded units are split, a plan-wide decision (0: the
+  whole world; else one of ``PlanSpace.shard_sizes``, e.g. the ranks of one node: hybrid sharding,
+  replicated across the groups). A space without ``shard_sizes`` (one node) never changes it.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class Genome:
     offload: tuple[tuple[str, str, int, int, int], ...] = ()
     recompute: frozenset[int] = frozenset()
     accumulate: tuple[int, ...] = ()
+    shard_size: int = 0
 
 
 def _clamp_window(w: int, n_units: int) -> int:
@@ -77,8 +81,10 @@ class PlanSpace:
         user_recomputed: Sequence[str] = (),
         block_act_bytes: dict[str, int] | None = None,
         block_fwd_s: dict[str, float] | None = None,
+        shard_sizes: Sequence[int] = (),
     ) -> None:
-        """``state_names``: the optimizer's per-parameter state tensors (offload candidates; none:
+        """``shard_sizes``: the shard groups smaller than the world a plan may shard over (hybrid
+        sharding; each divides the world; none: only the whole world). ``state_names``: the optimizer's per-parameter state tensors (offload candidates; none:
         no offload moves). ``grad_accum_steps``: micro-batches per step. ``user_recomputed``: units
         the model recomputes itself (their blocks are not recomputed again). ``block_act_bytes`` /
         ``block_fwd_s``: what recomputing each block saves and costs (for the greedy pass)."""
@@ -111,6 +117,8 @@ class PlanSpace:
         self.recompute_blocks = [b for b in dict.fromkeys(x for x in self.blocks if x is not None) if b not in skip]
         self.block_act_bytes = dict(block_act_bytes or {})
         self.block_fwd_s = dict(block_fwd_s or {})
+        self.shard_sizes: tuple[int, ...] = tuple(sorted({
+            int(x) for x in shard_sizes if 1 < x < world_size and world_size % x == 0}))
 
     # ---- conversion ------------------------------------------------------------------------
     def normalize(self, g: Genome) -> Genome:
@@ -159,10 +167,11 @@ class PlanSpace:
         recompute = frozenset(b for b in g.recompute if 0 <= b < len(self.recompute_blocks))
         # the genome offloads whole state tensors: a placement move since one was offloaded changes
         # how much of it a rank holds (a shard's rows, or all of them), and the fragment follows
-        offload = tuple(sorted({(p, state, 0, self._state_numel(shard, p), bu) for p, state, _, _, bu in g.offload}))
+        size = g.shard_size if g.shard_size in self.shard_sizes and any(shard) else 0
+        offload = tuple(sorted({(p, state, 0, self._state_numel(shard, p, size), bu) for p, state, _, _, bu in g.offload}))
         return replace(
             g, shard=tuple(shard), residency=tuple(res), group_start=frozenset(starts), window=tuple(win),
-            bucket_start=bstarts, recompute=recompute, accumulate=tuple(acc), offload=offload,
+            bucket_start=bstarts, recompute=recompute, accumulate=tuple(acc), offload=offload, shard_size=size,
         )
 
     def _bucket_key(self, shard: Sequence[bool], acc: Sequence[int], k: int) -> tuple:
@@ -236,6 +245,7 @@ class PlanSpace:
             grad_accum_steps=self.accum_steps,
             fingerprint=self.fingerprint,
             provenance=dict(provenance or {}),
+            shard_size=g.shard_size or None,
         )
 
     # ---- seeds -----------------------------------------------------------------------------
@@ -258,6 +268,7 @@ class PlanSpace:
             shard, residency, frozenset(starts), tuple(window), frozenset(bstarts),
             -1 if plan.max_inflight_buckets is None else plan.max_inflight_buckets, (), recompute,
             tuple(int(up[u].accumulate == "sharded") for u in self.units),
+            plan.shard_size if plan.shard_size is not None and plan.shard_size < self.world else 0,
         ))
 
     def ddp(self) -> Genome:
@@ -269,13 +280,18 @@ class PlanSpace:
     def zero2(self) -> Genome:
         return self.genome_of(zero2_plan(self.structure, self.world, unit_order=self.units))
 
+    def hybrid(self, g: Genome, shard_size: int) -> Genome:
+        """``g`` sharding over groups of ``shard_size`` ranks (one of ``shard_sizes``; 0: the whole world)."""
+        return self.normalize(replace(g, shard_size=shard_size))
+
     # ---- offload -----------------------------------------------------------------------------
-    def _state_numel(self, shard: Sequence[bool], p: str) -> int:
-        """Elements of ``p``'s optimizer state a rank holds under the placement ``shard``."""
+    def _state_numel(self, shard: Sequence[bool], p: str, shard_size: int = 0) -> int:
+        """Elements of ``p``'s optimizer state a rank holds under the placement ``shard``, sharded
+        over groups of ``shard_size`` ranks (0: the world)."""
         info = self.structure.params[p]
         if shard[self.index[self.unit_of_param[p]]] and info.shape:
             rows = info.shape[0]
-            return -(-rows // self.world) * (info.numel // rows if rows else 1)
+            return -(-rows // (shard_size or self.world)) * (info.numel // rows if rows else 1)
         return info.numel
 
     def offload_candidates(self, g: Genome) -> list[tuple[str, str, int]]:
@@ -285,14 +301,14 @@ class PlanSpace:
         for p in self.ready:
             for state in self.state_names:
                 if (p, state) not in have:
-                    out.append((p, state, self._state_numel(g.shard, p) * self.structure.params[p].dtype.itemsize))
+                    out.append((p, state, self._state_numel(g.shard, p, g.shard_size) * self.structure.params[p].dtype.itemsize))
         return out
 
     def with_offload(self, g: Genome, p: str, state: str, *, back_unit: int | None = None) -> Genome:
         """Offload a whole state tensor, copied back when its unit's backward starts (or at
         ``back_unit``; -1: at the step)."""
         unit = self.index[self.unit_of_param[p]] if back_unit is None else back_unit
-        frag = (p, state, 0, self._state_numel(g.shard, p), unit)
+        frag = (p, state, 0, self._state_numel(g.shard, p, g.shard_size), unit)
         return replace(g, offload=tuple(sorted(g.offload + (frag,))))
 
     def shift_offload(self, g: Genome, frag: tuple, *, later: bool) -> Genome:
@@ -317,7 +333,8 @@ class PlanSpace:
         inflight = rng.choice(self.inflight_choices)
         recompute = frozenset(b for b in range(len(self.recompute_blocks)) if rng.random() < 0.3)
         accumulate = tuple(int(rng.random() < 0.5) for _ in range(n))
-        return self.normalize(Genome(shard, residency, starts, window, bstarts, inflight, (), recompute, accumulate))
+        size = rng.choice((0, *self.shard_sizes)) if self.shard_sizes else 0
+        return self.normalize(Genome(shard, residency, starts, window, bstarts, inflight, (), recompute, accumulate, size))
 
     def mutate(self, g: Genome, rng: Random, moves: int = 1) -> Genome:
         """Apply ``moves`` random moves (bucket merge/split, group merge/split, residency, window,
@@ -331,6 +348,8 @@ class PlanSpace:
 
     def _move(self, g: Genome, rng: Random) -> Genome:
         kinds = ["bucket_merge", "bucket_split", "residency", "window", "inflight", "group_merge", "group_split"]
+        if self.shard_sizes:
+            kinds.append("shard_size")
         if self.fixed is None:
             kinds.append("placement")
         return self._move_kind(g, rng.choice(kinds), rng)
@@ -388,6 +407,8 @@ class PlanSpace:
             acc = list(g.accumulate) if g.accumulate else [0] * n
             acc[first] = 1 - acc[first]
             return replace(g, accumulate=tuple(acc))
+        if kind == "shard_size" and self.shard_sizes:
+            return replace(g, shard_size=rng.choice([x for x in (0, *self.shard_sizes) if x != g.shard_size]))
         if kind == "placement" and self.fixed is None and n:  # a model without units has nothing to place
             i = rng.randrange(n)
             shard = list(g.shard)
@@ -403,10 +424,12 @@ def space_for(
     *,
     fixed_placement: dict[str, str] | None = None,
     grad_accum_steps: int | None = None,
+    shard_sizes: Sequence[int] = (),
 ) -> PlanSpace:
     """The plan space for a measured model: orders, optimizer state, micro-batches (given, else as
     observed while profiling), and what recomputing each block saves (its units' activations less
-    the inputs it keeps) and costs (its forward again)."""
+    the inputs it keeps) and costs (its forward again). ``shard_sizes``: the hybrid shard groups a
+    plan may use (:func:`hybrid_shard_sizes`; none on one node)."""
     acts: dict[str, int] = {}
     fwd: dict[str, float] = {}
     block_of = {u.name: u.block for u in structure.units}
@@ -421,4 +444,16 @@ def space_for(
         fixed_placement=fixed_placement, state_names=profile.optimizer.state_names,
         grad_accum_steps=grad_accum_steps or profile.grad_accum_steps,
         user_recomputed=list(profile.recompute_anchor), block_act_bytes=saves, block_fwd_s=fwd,
+        shard_sizes=shard_sizes,
     )
+
+
+def hybrid_shard_sizes(world_size: int, ranks_per_node: int | None) -> tuple[int, ...]:
+    """The shard groups smaller than the world the search offers on ``world_size`` ranks of
+    ``ranks_per_node`` to a node: the node, and multiples of it up to half the world (HSDP's
+    usual choice and ZeRO++'s secondary shard per node; groups of several nodes trade memory for
+    network traffic). None on one node, or when the nodes are not known."""
+    if ranks_per_node is None or ranks_per_node >= world_size or world_size % ranks_per_node:
+        return ()
+    nodes = world_size // ranks_per_node
+    return tuple(ranks_per_node * k for k in range(1, nodes) if nodes % k == 0)

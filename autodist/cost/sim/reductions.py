@@ -136,7 +136,7 @@ class Reductions:
                 bk.out_live = True
             secs = sim._time_at("reduce_scatter", bk.msg_bytes, sim.shard_world)
             if sim.shard_world < sim.world:  # hybrid sharding: then the shard is all-reduced across the replicas
-                secs += sim._time_at("all_reduce", bk.out_bytes, sim.world // sim.shard_world)
+                secs += sim._time_at("all_reduce", bk.out_bytes, sim.world // sim.shard_world, stride=sim.shard_world)
             # [Note: reduce-scatter staging] the backend's own buffer (gloo: one shard-sized
             # message, allocated when the collective is issued) belongs to its work object, which
             # the runtime drops at the wait, not when the collective completes: it is held from
