@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import logging
 import os
@@ -155,10 +156,18 @@ def cold_start(json_path: str | None = None) -> None:
         opt.step()
         first_step = time.perf_counter() - t0[0]
         m.close()
+        stored = {}  # what the profile and the sweep took: their own records of it
+        for kind in ("profiles", "comm"):
+            for path in sorted(glob.glob(os.path.join(box[0], kind, "*.json"))):
+                with open(path) as f:
+                    meta = json.load(f).get("meta", {})
+                stored[kind] = {k: v for k, v in meta.items() if k not in ("contention_measured", "measured")}
     dist.barrier()
     if rank == 0:
         for t, msg in lines:
             print(f"{t:7.1f} s  {msg}", flush=True)
+        for kind, meta in stored.items():
+            print(f"{kind}: {json.dumps(meta)}", flush=True)
         print(f"cold start of gpt on {dist.get_world_size()} ranks: wrapped in {wrapped:.1f} s, first step done at "
               f"{first_step:.1f} s (load average {load:.2f} at the start)", flush=True)
         if json_path:
@@ -169,7 +178,8 @@ def cold_start(json_path: str | None = None) -> None:
             figures["cold_start"] = {
                 "model": "gpt", "world_size": dist.get_world_size(), "torch": torch.__version__,
                 "load_average_1min_at_start": load, "wrap_s": wrapped, "first_step_s": first_step,
-                "log": [[round(t, 2), msg] for t, msg in lines],
+                "log": [[round(t, 2), msg] for t, msg in lines], "profile_meta": stored.get("profiles"),
+                "comm_meta": stored.get("comm"),
             }
             with open(json_path, "w") as f:
                 json.dump(figures, f, indent=1)

@@ -116,8 +116,8 @@ def run_check(req: CheckRequest, device: torch.device, backend: str, say: Callab
         )
 
     if rank == 0:
-        say(f"[autodist check] {req.model} on {world} ranks: profiling it (seconds), taking this machine's comm model "
-            f"(measured only where none is stored), then running {req.plans} or more plans for {PASSES} passes of "
+        say(f"[autodist check] {req.model} on {world} ranks: profiling it, taking this machine's comm model (measured "
+            f"only where none is stored), then running {req.plans} or more plans for {PASSES} passes of "
             f"{WARMUP_STEPS} + {req.steps} steps each")
     t_profile = time.perf_counter()
     prof = measure_fidelity.slowest_over_ranks(profile())
