@@ -11,6 +11,7 @@ renders the payload :func:`run_check` returns on rank 0.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._log import logger
 from ..cost.comm import CommModel
 from ..cost.fidelity import MIN_SEED_MARGIN, SCALE_TOLERANCE, WAIT_SCALES, FidelityRecord, refusal
 from ..cost.profile import Profile
@@ -145,7 +147,13 @@ def run_check(req: CheckRequest, device: torch.device, backend: str, say: Callab
     def wrap(plan: Any) -> nn.Module:
         from ..wrapper import AutoDist
 
-        return AutoDist(req.build(), plan=plan)
+        # the check reports each plan itself (progress): not AutoDist's "plan ... in force" line per wrap
+        level = logger.level
+        logger.setLevel(max(logging.WARNING, level))
+        try:
+            return AutoDist(req.build(), plan=plan)
+        finally:
+            logger.setLevel(level)
 
     def progress(c: measure_fidelity.Checked) -> None:
         if rank == 0:

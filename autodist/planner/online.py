@@ -417,7 +417,7 @@ class AutoPlanner:
             self.cache, self.machine, comm_needs(self.structure), rank=self.rank, world=self.world, device=device,
             broadcast=comm.broadcast_object, measure=measure,
         )
-        if source != "stored":
+        if source in ("measured", "completed"):
             self.stats.sweeps += 1
         return model
 
