@@ -659,6 +659,8 @@ def _grown_and_damaged(cache_dir):
 
 @pytest.mark.sweeps
 def test_plan_auto_measures_only_what_the_model_can_issue_then_only_what_a_later_model_or_a_damaged_entry_lacks(world2, tmp_path):
+    from autodist.sched.search import SearchConfig
+
     out = world2.run(_grown_and_damaged, str(tmp_path), timeout=900)[0]  # rank 0 logs
     # a partly frozen model training 1 KiB of parameters (4 KiB in all): the two smallest sizes of each
     # collective, contention at the smallest size, no first-touch figures (its messages stay far below
@@ -672,6 +674,10 @@ def test_plan_auto_measures_only_what_the_model_can_issue_then_only_what_a_later
     assert small.first_touch == [] and [r[0] for r in small.contention["all_gather"]] == [65536.0]
     [up_front] = [s for s in said if "measuring the communication cost model" in s]
     assert "all-gather, all-reduce, reduce-scatter and host copies, 16 KiB to 64 KiB" in up_front and "about " in up_front
+    # ... after the launch's own, which says what it measures and the search's bound, before any of it
+    [first] = [i for i, s in enumerate(said) if "no cached plan for this model and input" in s]
+    assert first < said.index(up_front) and "taking this machine's comm model" in said[first], said[first]
+    assert f"searching (at most {SearchConfig().time_budget_s:.0f} s)" in said[first]
     # a model of 350 KiB trained: the sizes up to 1 MiB it adds, and nothing measured before
     sweeps, text, _ = out["larger"]
     larger = CommModel.from_json(text)

@@ -584,7 +584,7 @@ class AutoPlanner:
             self._wrapped_inputs = (example_inputs, example_kwargs)
             return self.safe_plan(sharded=True, profiled="the example inputs are")
         if self.rank == 0:
-            logger.info("autodist: plan=auto: no cached plan for this model and input; profiling and searching")
+            logger.info("autodist: plan=auto: no cached plan for this model and input: %s", self._first_run_steps("profiling it"))
         with progress("profiling the model", enabled=self.rank == 0):
             prof = profile_model(
                 self.rt.module, self.structure, example_inputs, device=self.device, example_kwargs=example_kwargs,
@@ -610,7 +610,8 @@ class AutoPlanner:
         inputs = tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in pending[0])
         kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in pending[1].items()}
         if self.rank == 0:
-            logger.info("autodist: plan=auto: no cached plan for this model and input; profiling the wrapped model and searching")
+            logger.info("autodist: plan=auto: no cached plan for this model and input: %s",
+                        self._first_run_steps("profiling the wrapped model"))
         with _preserved(self.rt.module, self.device), progress("profiling the model", enabled=self.rank == 0):
             recorder = self._start_recording()
             try:
@@ -646,6 +647,13 @@ class AutoPlanner:
                     len(more), more[0], 1e3 * free.predicted.get("step_seconds", 0),
                     1e3 * now.predicted.get("step_seconds", 0), self.stats.plan_path,
                 )
+
+    def _first_run_steps(self, profiling: str) -> str:
+        """What a launch without a cached plan does, up front (rank 0): what it measures and the
+        bound of the search; the comm model's measurement, if any, says its own estimate when it starts."""
+        return (f"{profiling} (a few forward and backward passes, then the same under communication), taking this "
+                f"machine's comm model (measured once per machine), then searching (at most "
+                f"{self.search_config().time_budget_s:.0f} s)")
 
     def _merge(self, prof: Profile) -> Profile:
         texts = self.comm.all_gather_object(prof.to_json())
