@@ -117,17 +117,25 @@ def test_a_check_whose_repeated_measurement_agrees_is_stored_and_says_how_to_und
     assert "Stored for this machine in" in text and "To undo: `autodist cache clear --kind fidelity`" in text
 
 
-def test_a_check_takes_the_machines_stored_comm_model_and_sweeps_only_without_one(tmp_path, monkeypatch):
+def test_a_check_takes_the_machines_stored_comm_model_and_sweeps_only_without_one(tmp_path, monkeypatch, capsys):
     from autodist.cli import render_check
 
     sweeps: list = []
     first = _check_with_injected_timings(tmp_path, monkeypatch, repeat_factor=1.0, error=0.02, sweeps=sweeps)
+    said = capsys.readouterr().err.splitlines()
+    # up front: what it does; then what it measures of the comm model and about how long, and each step
+    assert said[0].startswith("[autodist check] tinycheckmodel:build on 1 ranks: profiling it, taking this machine's comm model")
+    assert [line for line in said if line.startswith("[autodist check] measuring the communication cost model: ")]
+    assert [line for line in said if line.startswith("[autodist check] measuring ") and " plans: about " in line]
     assert sweeps == [None] and first["comm_model"]["source"] == "measured"
     assert [e.kind for e in Cache(tmp_path / "cache").entries()].count("comm") == 1  # stored, as plan="auto" stores it
     assert "comm model: measured now (none was stored for this machine)" in render_check(first)
     second = _check_with_injected_timings(tmp_path, monkeypatch, repeat_factor=1.0, error=0.02, sweeps=sweeps)
     assert len(sweeps) == 1, "a second check on the machine sweeps again"
     assert second["comm_model"]["source"] == "stored"
+    said = capsys.readouterr().err
+    assert "[autodist check] comm model: the one stored for this machine" in said and "measuring the communication" not in said
+    assert "`autodist cache clear --kind comm` has the next check measure it again" in said
     assert "comm model: the one stored for this machine" in render_check(second)
 
 

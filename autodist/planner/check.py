@@ -1,7 +1,8 @@
 """``autodist check``'s pipeline, on each rank torchrun launched: profile the model, take this
-machine's comm model (the one ``plan="auto"`` uses, measured only where none is stored), choose plans (built-in, random and searched), run each for a few steps, compare the measured
-step time and peak with the predictions, fit the wait calibration, and store the measured error for
-this machine, where ``plan="auto"`` and ``autodist plan`` take their margins from
+machine's comm model (the one ``plan="auto"`` uses, measured only where none is stored), choose
+plans (built-in, random and searched), run each for a few steps, compare the measured step time
+and peak with the predictions, fit the wait calibration, and store the measured error for this
+machine, where ``plan="auto"`` and ``autodist plan`` take their margins from
 (:func:`~autodist.planner.offline.search_config`).
 
 The command (``autodist/cli.py``) parses the arguments, builds the model and its batches, and
@@ -128,7 +129,8 @@ def run_check(req: CheckRequest, device: torch.device, backend: str, say: Callab
     facts = machine(world, device, backend)
     comm, comm_source = check_comm_model(req, structure, facts, group, device, say)
     if rank == 0:
-        say(f"[autodist check] comm model: {COMM_SOURCES[comm_source]} ({Cache(req.cache_dir).path('comm', machine_key(facts))})")
+        say(f"[autodist check] comm model: {COMM_SOURCES[comm_source]} ({Cache(req.cache_dir).path('comm', machine_key(facts))}"
+            + ("; `autodist cache clear --kind comm` has the next check measure it again)" if comm_source in ("stored", "seed") else ")"))
     space = space_for(prof, structure, world, grad_accum_steps=req.accum)
     sim = Simulator(prof, structure, comm, world_size=world)
     chosen = measure_fidelity.plans_to_check(space, sim, req.plans)
