@@ -177,6 +177,7 @@ def render_check(payload: dict[str, Any]) -> str:
     out = [
         f"autodist check: {payload['model']} on {payload['world_size']} ranks ({payload['device']}, {payload['backend']}), "
         f"input {','.join(map(str, payload['input_shape']))}{accum}; {payload['steps']} timed steps x {payload['passes']} passes per plan",
+        *([f"comm model: {payload['comm_model']['what']}"] if payload.get("comm_model") else []),
         "",
     ]
     rows = []

@@ -42,10 +42,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _check_with_injected_timings(tmp_path: Path, monkeypatch, *, repeat_factor: float, error: float) -> dict:
+def _check_with_injected_timings(tmp_path: Path, monkeypatch, *, repeat_factor: float, error: float,
+                                 sweeps: list | None = None) -> dict:
     """One rank of ``autodist check`` (a world of one) on a tiny model, every plan 'measured' at its
     prediction times ``1 + error``, and the plan measured a second time at ``repeat_factor`` times
-    its first measurement. Returns the check's payload."""
+    its first measurement. Returns the check's payload; ``sweeps`` gets the ``base`` of each comm
+    sweep the check ran."""
     import autodist.measure.fidelity as measure_fidelity
     import autodist.measure.sweep as measure_sweep
     from autodist.cli import build_parser, cmd_check
@@ -55,7 +57,14 @@ def _check_with_injected_timings(tmp_path: Path, monkeypatch, *, repeat_factor: 
     monkeypatch.syspath_prepend(str(tmp_path))
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(measure_sweep, "sweep", lambda group, device: CommModel.analytic(1, bandwidth_bytes_s=1e9, latency_s=1e-5))
+    monkeypatch.delenv("AUTODIST_COMM_SEED", raising=False)  # the session's seed is for measured comm models
+
+    def sweep(group, device, *, needs, base):
+        if sweeps is not None:
+            sweeps.append(base)
+        return CommModel.analytic(1, bandwidth_bytes_s=1e9, latency_s=1e-5, backend="gloo")
+
+    monkeypatch.setattr(measure_sweep, "sweep", sweep)
 
     def measure_plans(checks, wrap, batches, loss, *, steps, passes, progress=None, **_):
         first = {}
@@ -106,6 +115,71 @@ def test_a_check_whose_repeated_measurement_agrees_is_stored_and_says_how_to_und
     assert _search_config(str(tmp_path / "cache"), 1).prefer_seed_within == pytest.approx(record.seed_margin)
     text = render_check(payload)
     assert "Stored for this machine in" in text and "To undo: `autodist cache clear --kind fidelity`" in text
+
+
+def test_a_check_takes_the_machines_stored_comm_model_and_sweeps_only_without_one(tmp_path, monkeypatch, capsys):
+    from autodist.cli import render_check
+
+    sweeps: list = []
+    first = _check_with_injected_timings(tmp_path, monkeypatch, repeat_factor=1.0, error=0.02, sweeps=sweeps)
+    said = capsys.readouterr().err.splitlines()
+    # up front: what it does; then what it measures of the comm model and about how long, and each step
+    assert said[0].startswith("[autodist check] tinycheckmodel:build on 1 ranks: profiling it, taking this machine's comm model")
+    assert [line for line in said if line.startswith("[autodist check] measuring the communication cost model: ")]
+    assert [line for line in said if line.startswith("[autodist check] measuring ") and " plans: about " in line]
+    assert sweeps == [None] and first["comm_model"]["source"] == "measured"
+    assert [e.kind for e in Cache(tmp_path / "cache").entries()].count("comm") == 1  # stored, as plan="auto" stores it
+    assert "comm model: measured now (none was stored for this machine)" in render_check(first)
+    second = _check_with_injected_timings(tmp_path, monkeypatch, repeat_factor=1.0, error=0.02, sweeps=sweeps)
+    assert len(sweeps) == 1, "a second check on the machine sweeps again"
+    assert second["comm_model"]["source"] == "stored"
+    said = capsys.readouterr().err
+    assert "[autodist check] comm model: the one stored for this machine" in said and "measuring the communication" not in said
+    assert "`autodist cache clear --kind comm` has the next check measure it again" in said
+    assert "comm model: the one stored for this machine" in render_check(second)
+
+
+def test_the_comm_model_is_completed_where_the_stored_one_lacks_what_the_model_needs(tmp_path):
+    """``machine_comm_model`` (``plan="auto"``'s and ``autodist check``'s): a stored model with the
+    model's messages is used as it is; one that lacks larger messages is the base of a sweep of
+    what it lacks, and the result is stored; none stored is measured whole."""
+    import torch
+
+    from autodist.cost.comm import CommModel, OpModel, Piece
+    from autodist.measure.sweep import CommNeeds, plan_sweep
+    from autodist.planner.keys import machine, machine_key
+    from autodist.planner.online import machine_comm_model
+
+    here = machine(2, torch.device("cpu"), "gloo")
+    cache = Cache(tmp_path / "cache")
+    small = CommNeeds({"all_reduce": 60_000.0})
+    large = CommNeeds({"all_reduce": 3e6})
+    calls: list = []
+
+    def measure(needs, base):
+        calls.append(base)
+        todo = plan_sweep(needs, base, 2)
+        times = dict(base.ops["all_reduce"].samples if base else [])
+        times.update({float(size): 1e-4 * (1 + size / 1e6) for size in todo.timings.get("all_reduce", [])})
+        rows = {r[0]: r for r in (base.contention["all_reduce"] if base else [])}
+        rows.update({float(size): [float(size), 1.5, 2.0, 2.5] for size in todo.contention.get("all_reduce", [])})
+        fit = OpModel(Piece(1e-9, 1e-4), Piece(1e-9, 1e-4), float("inf"), samples=sorted(times.items()))
+        return CommModel("gloo", 2, "cpu", {"all_reduce": fit}, host={"all_reduce": fit}, overhead={"hook_s": 1e-5},
+                         contention={"all_reduce": [rows[k] for k in sorted(rows)]})
+
+    def get(needs):
+        return machine_comm_model(cache, here, needs, rank=0, world=2, device=torch.device("cpu"),
+                                  broadcast=lambda obj: obj, measure=measure)
+
+    model, source = get(small)
+    assert (source, calls) == ("measured", [None])
+    assert cache.path("comm", machine_key(here)).exists()
+    again, source = get(small)
+    assert (source, len(calls)) == ("stored", 1)
+    assert again.ops["all_reduce"].samples == model.ops["all_reduce"].samples
+    _, source = get(large)
+    assert (source, len(calls)) == ("completed", 2)
+    assert calls[1] is not None and calls[1].ops["all_reduce"].samples == model.ops["all_reduce"].samples
 
 
 def test_refusal_names_each_reason_a_record_is_not_stored():

@@ -390,7 +390,7 @@ def test_every_rank_takes_as_many_contention_rounds_as_the_most_disturbed_one(wo
 
 
 def test_the_model_s_contended_slowdown_and_its_sensitivity_are_taken_against_the_reference_under_the_same_train():
-    from autodist.measure.contention import CONTENDED_ROUNDS, contended_slowdown
+    from autodist.measure.contention import CONTENDED_MIN_ROUNDS, CONTENDED_ROUNDS, contended_slowdown
 
     clock, busy = _Clock(), [False]
     calls = []
@@ -422,7 +422,39 @@ def test_the_model_s_contended_slowdown_and_its_sensitivity_are_taken_against_th
     # a train that slows neither: both figures 1, and one batch of the default rounds
     quiet = contended_slowdown(lambda: clock.spend(0.002), lambda s: (lambda: None), torch.device("cpu"),
                                reference=lambda: clock.spend(0.003), clock=clock)
-    assert quiet.rounds == CONTENDED_ROUNDS and (quiet.slowdown, quiet.sensitivity, quiet.spread) == pytest.approx((1.0, 1.0, 0), abs=1e-9)
+    # ... which its first rounds, all alike, end early
+    assert CONTENDED_MIN_ROUNDS < CONTENDED_ROUNDS
+    assert quiet.rounds == CONTENDED_MIN_ROUNDS and (quiet.slowdown, quiet.sensitivity, quiet.spread) == pytest.approx((1.0, 1.0, 0), abs=1e-9)
+
+
+def test_a_first_batch_ends_early_only_while_all_its_rounds_agree():
+    """[the first batch ends early once all its rounds agree]: one round of the first three apart
+    keeps the batch going to its end, where the quartiles leave it out; rounds that agree end it
+    at CONTENDED_MIN_ROUNDS."""
+    import itertools
+
+    from autodist.measure.contention import CONTENDED_MIN_ROUNDS, CONTENDED_ROUNDS, contended_slowdown
+
+    def measured(contended_model_s):
+        clock, busy = _Clock(), [False]
+        slow = iter(contended_model_s)
+
+        def train_backward():
+            clock.spend(next(slow) if busy[0] else 0.002)
+
+        def contention(seconds):
+            busy[0] = True
+            return lambda: busy.__setitem__(0, False)
+
+        return contended_slowdown(train_backward, contention, torch.device("cpu"), reference=lambda: clock.spend(0.002),
+                                  clock=clock)
+
+    # the model's ratios 2, 4, 2, 2, 2 (the reference is not slowed): the second round apart
+    apart = measured(itertools.chain([0.004, 0.008], itertools.repeat(0.004)))
+    assert apart.rounds == CONTENDED_ROUNDS and apart.sensitivity == pytest.approx(2.0) and apart.spread == pytest.approx(0)
+    # 2, 2.2, 2.1: within CONTENDED_SPREAD of their median
+    steady = measured(itertools.chain([0.004, 0.0044, 0.0042], itertools.repeat(0.03)))
+    assert steady.rounds == CONTENDED_MIN_ROUNDS and steady.sensitivity == pytest.approx(2.1)
 
 
 def test_a_contention_measurement_whose_rounds_spread_takes_more_rounds_and_keeps_their_median():
@@ -450,6 +482,51 @@ def test_a_contention_measurement_whose_rounds_spread_takes_more_rounds_and_keep
     assert got.rounds == 9 and got.spread == pytest.approx(3.0)  # never steady: every batch it may take
     assert got.sensitivity == pytest.approx(0.5)  # rounds 0.5, 2, 0.5, ...: five of nine at 0.5
     assert got.slowdown == pytest.approx(1.0)  # the model's own: 1, 4, 1, ... (five of nine at 1)
+
+
+def _contention_rounds_per_cell():
+    """The sweep's contention loop with each round's figures given (``_contention_round`` replaced):
+    a small all-reduce steady on both ranks, a 1 MiB all-gather steady on rank 0 and not on rank 1,
+    and a 64 MiB all-reduce (its rounds fewer whatever they read). Returns the rounds each cell
+    took and the rows."""
+    import itertools
+
+    import autodist.measure.sweep as measure_sweep
+
+    rank = dist.get_rank()
+    taken = {}
+    figures = {
+        "steady": itertools.repeat((2.0, 3.0, 1.5)),
+        "one rank apart": itertools.cycle([(2.0, 3.0, 1.5)] if rank == 0 else [(2.0, 3.0, 1.5), (2.0, 3.9, 1.5)]),
+        "long": itertools.repeat((1.2, 1.1, 1.0)),
+    }
+
+    def fake_round(issue, t_op, k, one, work_q, group, device, collect_s):
+        taken[issue] = taken.get(issue, 0) + 1
+        return next(figures[issue])
+
+    real = measure_sweep._contention_round
+    measure_sweep._contention_round = fake_round
+    try:
+        cells = [("all_reduce", 64 << 10, "steady"), ("all_gather", 1 << 20, "one rank apart"), ("all_reduce", 64 << 20, "long")]
+        rows, rounds = measure_sweep._contention(dist.group.WORLD, torch.device("cpu"), {"all_reduce": lambda n: 1e-3, "all_gather": lambda n: 1e-3},
+                                         {}, cells)
+    finally:
+        measure_sweep._contention_round = real
+    assert rounds == sum(taken.values())
+    return [taken[c[2]] for c in cells], rows
+
+
+def test_contention_cells_whose_first_rounds_agree_on_every_rank_take_no_more(world2):
+    from autodist.measure.sweep import CONTENTION_LONG_ROUNDS, CONTENTION_MIN_ROUNDS, CONTENTION_ROUNDS
+
+    (taken0, rows0), (taken1, rows1) = world2.run(_contention_rounds_per_cell)
+    # rank 1's all-gather rounds disagree (3.0 and 3.9): both ranks measure it to the end
+    assert taken0 == taken1 == [CONTENTION_MIN_ROUNDS, CONTENTION_ROUNDS, CONTENTION_LONG_ROUNDS]
+    assert rows0 == rows1  # the slowest rank's figures
+    assert rows0["all_reduce"][0] == [float(64 << 10), 2.0, 3.0, 1.5]
+    # rank 1's 3.0, 3.9, 3.0, 3.9, 3.0, trimmed of one 3.0 and one 3.9
+    assert rows0["all_gather"][0][2] == pytest.approx((3.0 + 3.0 + 3.9) / 3)
 
 
 def test_sweepcheck_tells_how_far_the_comm_models_move_each_plan_s_prediction():
@@ -582,6 +659,8 @@ def _grown_and_damaged(cache_dir):
 
 @pytest.mark.sweeps
 def test_plan_auto_measures_only_what_the_model_can_issue_then_only_what_a_later_model_or_a_damaged_entry_lacks(world2, tmp_path):
+    from autodist.sched.search import SearchConfig
+
     out = world2.run(_grown_and_damaged, str(tmp_path), timeout=900)[0]  # rank 0 logs
     # a partly frozen model training 1 KiB of parameters (4 KiB in all): the two smallest sizes of each
     # collective, contention at the smallest size, no first-touch figures (its messages stay far below
@@ -595,6 +674,10 @@ def test_plan_auto_measures_only_what_the_model_can_issue_then_only_what_a_later
     assert small.first_touch == [] and [r[0] for r in small.contention["all_gather"]] == [65536.0]
     [up_front] = [s for s in said if "measuring the communication cost model" in s]
     assert "all-gather, all-reduce, reduce-scatter and host copies, 16 KiB to 64 KiB" in up_front and "about " in up_front
+    # ... after the launch's own, which says what it measures and the search's bound, before any of it
+    [first] = [i for i, s in enumerate(said) if "no cached plan for this model and input" in s]
+    assert first < said.index(up_front) and "taking this machine's comm model" in said[first], said[first]
+    assert f"searching (at most {SearchConfig().time_budget_s:.0f} s)" in said[first]
     # a model of 350 KiB trained: the sizes up to 1 MiB it adds, and nothing measured before
     sweeps, text, _ = out["larger"]
     larger = CommModel.from_json(text)

@@ -12,12 +12,20 @@
    beside the figures.
 2. Start-up: wrapping the GPT workload with ``plan="ddp"`` vs ``plan="auto"`` when the cache already
    holds its plan (median of 3 wraps each); the difference is what a cache hit costs.
+3. ``--cold-start``: instead of 1 and 2, the first launch on a machine with an empty cache (and no
+   seed of comm models): the seconds from ``AutoDist(gpt, plan="auto", example_inputs=...)`` to the
+   end of its first training step, and rank 0's ``autodist`` log lines with the seconds at which
+   each appeared, which say what took the time (profile, comm sweep, search). With ``--json`` the
+   figures go under ``"cold_start"`` in that file, whose other figures (from an earlier run of 1
+   and 2) are kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import logging
 import os
 import statistics
 import sys
@@ -116,11 +124,75 @@ def worker(json_path: str | None = None, units: tuple[int, ...] = UNITS) -> None
     dist.destroy_process_group()
 
 
+def cold_start(json_path: str | None = None) -> None:
+    """One cold start of the zoo's gpt under ``plan="auto"`` (see the module's docstring, 3)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    wl = zoo()["gpt"]
+    x, y = wl.batch(wl.default_batch, torch.Generator().manual_seed(rank))
+    lines: list[tuple[float, str]] = []
+    t0 = [0.0]
+
+    class Timeline(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append((time.perf_counter() - t0[0], record.getMessage()))
+
+    log = logging.getLogger("autodist")
+    log.setLevel(logging.INFO)
+    log.addHandler(Timeline())
+    with tempfile.TemporaryDirectory() as d:
+        box = [d]
+        dist.broadcast_object_list(box)
+        torch.manual_seed(0)
+        model = wl.build()
+        load = os.getloadavg()[0]
+        dist.barrier()
+        t0[0] = time.perf_counter()
+        m = AutoDist(model, plan="auto", example_inputs=(x,), cache_dir=box[0])
+        wrapped = time.perf_counter() - t0[0]
+        opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+        wl.loss(m(x), y).backward()
+        opt.step()
+        first_step = time.perf_counter() - t0[0]
+        m.close()
+        stored = {}  # what the profile and the sweep took: their own records of it
+        for kind in ("profiles", "comm"):
+            for path in sorted(glob.glob(os.path.join(box[0], kind, "*.json"))):
+                with open(path) as f:
+                    meta = json.load(f).get("meta", {})
+                stored[kind] = {k: v for k, v in meta.items() if k not in ("contention_measured", "measured")}
+    dist.barrier()
+    if rank == 0:
+        for t, msg in lines:
+            print(f"{t:7.1f} s  {msg}", flush=True)
+        for kind, meta in stored.items():
+            print(f"{kind}: {json.dumps(meta)}", flush=True)
+        print(f"cold start of gpt on {dist.get_world_size()} ranks: wrapped in {wrapped:.1f} s, first step done at "
+              f"{first_step:.1f} s (load average {load:.2f} at the start)", flush=True)
+        if json_path:
+            figures: dict[str, object] = {}
+            if os.path.exists(json_path):
+                with open(json_path) as f:
+                    figures = json.load(f)
+            figures["cold_start"] = {
+                "model": "gpt", "world_size": dist.get_world_size(), "torch": torch.__version__,
+                "load_average_1min_at_start": load, "wrap_s": wrapped, "first_step_s": first_step,
+                "log": [[round(t, 2), msg] for t, msg in lines], "profile_meta": stored.get("profiles"),
+                "comm_meta": stored.get("comm"),
+            }
+            with open(json_path, "w") as f:
+                json.dump(figures, f, indent=1)
+    dist.destroy_process_group()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--json", help="also write the figures as JSON here")
     ap.add_argument("--units", default=",".join(map(str, UNITS)), help="model sizes (units), comma-separated")
+    ap.add_argument("--cold-start", action="store_true",
+                    help="time the first plan='auto' launch of gpt on an empty cache instead (see the docstring, 3)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -129,10 +201,16 @@ def main() -> int:
     args = parse_args()
     units = tuple(int(u) for u in args.units.split(","))
     if args.worker:
-        worker(args.json, units)
+        if args.cold_start:
+            cold_start(args.json)
+        else:
+            worker(args.json, units)
         return 0
+    if args.cold_start:
+        os.environ.pop("AUTODIST_COMM_SEED", None)  # an empty cache and nothing to start from
     return relaunch(os.path.abspath(__file__), args.nproc,
-                    ["--worker", "--units", args.units, *(["--json", os.path.abspath(args.json)] if args.json else [])])
+                    ["--worker", "--units", args.units, *(["--cold-start"] if args.cold_start else []),
+                     *(["--json", os.path.abspath(args.json)] if args.json else [])])
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import torch
 CONTENDED_ROUNDS = 5  # rounds of the model's and the reference's passes alone and under the train, per batch
 CONTENDED_BATCHES = 3  # at most this many batches ...
 CONTENDED_SPREAD = 0.25  # ... while the sensitivities' quartiles lie this far apart, relative to their median
+CONTENDED_MIN_ROUNDS = 3  # the first batch ends after this many rounds or more when all of them lie that close
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,10 @@ class Contention:
     sensitivity: float
     rounds: int
     spread: float
+
+
+def _range_spread(values: Sequence[float]) -> float:
+    return (max(values) - min(values)) / max(statistics.median(values), 1e-9)
 
 
 def _quartile_spread(values: Sequence[float]) -> float:
@@ -48,7 +53,10 @@ def contended_slowdown(train_backward: Callable[[], None], contention: Callable[
     own, the two in turn (which goes first alternates); the slowdown is the median over rounds, the
     sensitivity the median of each round's ratio. Rounds come in batches of ``rounds``; another
     batch is run, up to ``batches``, while the rounds' sensitivities spread by more than
-    ``CONTENDED_SPREAD`` (a disturbed host) on any rank: ``agree`` gives a figure's largest value
+    ``CONTENDED_SPREAD`` (a disturbed host) on any rank; the first batch ends early, after
+    ``CONTENDED_MIN_ROUNDS`` rounds or more, once all its rounds' sensitivities lie within
+    ``CONTENDED_SPREAD`` of their median (their whole range, not their quartiles: a steady host,
+    where the median of more rounds would land within that range too). ``agree`` gives a figure's largest value
     over the ranks (``CollectiveTrain.largest``), so every rank runs as many batches, and so issues
     as many trains, as every other; without it the figure is this process's own (one rank, or
     no collectives). ``reference``: one pass of the reference computation, by default
@@ -72,7 +80,7 @@ def contended_slowdown(train_backward: Callable[[], None], contention: Callable[
     slow 1.48x more than the reference does under every collective. On a shared 2-core CPU host one
     round's ratio can read anything from 0.6 to 3 (five rounds per zoo model gave medians of
     0.80-1.39 under 4 MiB all-reduces and 0.98-1.35 under 64 MiB ones, no model consistently above
-    or below 1): hence the median, and more rounds while they spread."""
+    or below 1): hence the median, and more rounds while they spread (fewer where they agree)."""
     from .sweep import reference_product  # measurement beside measurement: no cycle at import
 
     def timed(fn: Callable[[], object]) -> float:
@@ -103,10 +111,13 @@ def contended_slowdown(train_backward: Callable[[], None], contention: Callable[
         finally:
             stop()
 
+    def agreed(spread: float) -> float:
+        return agree(spread) if agree is not None else spread
+
     model: list[float] = []
     ratios: list[float] = []
-    for _ in range(max(1, batches)):
-        for _ in range(rounds):
+    for batch in range(max(1, batches)):
+        for i in range(rounds):
             if len(model) % 2 == 0:
                 m = under_train(train_backward)
                 ref = under_train(reference)
@@ -115,7 +126,8 @@ def contended_slowdown(train_backward: Callable[[], None], contention: Callable[
                 m = under_train(train_backward)
             model.append(m)
             ratios.append(max(m, 1.0) / max(ref, 1.0))
-        spread = _quartile_spread(ratios)
-        if (agree(spread) if agree is not None else spread) <= CONTENDED_SPREAD:
+            if batch == 0 and CONTENDED_MIN_ROUNDS <= i + 1 < rounds and agreed(_range_spread(ratios)) <= CONTENDED_SPREAD:
+                break  # the rounds so far all agree: the host is steady (see the docstring)
+        if agreed(_quartile_spread(ratios)) <= CONTENDED_SPREAD:
             break
     return Contention(max(1.0, statistics.median(model)), statistics.median(ratios), len(ratios), _quartile_spread(ratios))

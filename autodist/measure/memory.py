@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import ctypes
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -162,16 +163,69 @@ class TensorPeakProbe:
         return PeakReading(peak, "step", True)
 
 
+C10_ERROR = 2  # c10's log severities: 0 INFO, 1 WARNING, 2 ERROR, 3 FATAL
+
+
+def _c10_log_level() -> ctypes.c_int32 | None:
+    """c10's minimum severity of the lines it logs (``FLAGS_caffe2_log_level``, which
+    ``TORCH_CPP_LOG_LEVEL`` sets when torch loads), or ``None`` where the library does not export it."""
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for name in ("libc10.so", "libc10.dylib", "c10.dll"):
+        path = os.path.join(lib_dir, name)
+        if os.path.exists(path):
+            try:
+                return ctypes.c_int32.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_log_level")
+            except (OSError, ValueError):
+                return None
+    return None
+
+
 class _CpuTrace:
     """One session of the profiler's memory tracking on this thread, started and stopped by hand
-    (see :func:`trace_cpu_memory`)."""
+    (see :func:`trace_cpu_memory`).
+
+    [Note: the allocator's warning about blocks allocated before profiling] While the profiler
+    tracks memory, torch's CPU allocator logs ``[W ... CPUAllocator.cpp] Memory block of unknown
+    size was allocated before the profiling started, profiler results will not include the
+    deallocation event`` when a block allocated before the session is freed in it (the first two
+    times in a process): every profile pass frees such blocks (the model's earlier activations,
+    gradients), and the figures account for them (``held_elsewhere``, the ``live`` bytes a window
+    starts from), so the line tells a user nothing. It is c10's C++ log, not a Python warning: no
+    ``warnings`` filter reaches it, and ``TORCH_CPP_LOG_LEVEL`` is read once, when torch loads. So
+    a session raises c10's minimum severity to ERROR while it runs and puts it back as it was when
+    it stops: only c10's WARNING lines logged during AutoDist's own profiler sessions are dropped
+    (Python warnings, ``TORCH_WARN``, are untouched)."""
 
     def __init__(self, mark_prefix: str = "autodist::mark(") -> None:
         self.mark_prefix = mark_prefix
         self._legacy = all(hasattr(torch.autograd, n) for n in ("_enable_profiler_legacy", "_disable_profiler_legacy"))
         self._prof: profile | None = None
+        self._log_level: tuple[ctypes.c_int32, int] | None = None  # c10's level and its value before the session
 
     def start(self) -> None:
+        level = _c10_log_level()
+        if level is not None:
+            self._log_level = (level, level.value)
+            level.value = max(level.value, C10_ERROR)
+        try:
+            self._start()
+        except BaseException:
+            self._restore_log_level()
+            raise
+
+    def _restore_log_level(self) -> None:
+        if self._log_level is not None:
+            level, before = self._log_level
+            level.value = before
+            self._log_level = None
+
+    def stop(self) -> _Events:
+        try:
+            return self._stop()
+        finally:
+            self._restore_log_level()
+
+    def _start(self) -> None:
         if self._legacy:
             from torch._C._profiler import _ExperimentalConfig
             from torch.autograd import ProfilerConfig, ProfilerState
@@ -184,7 +238,7 @@ class _CpuTrace:
             self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self._prof.__enter__()
 
-    def stop(self) -> _Events:
+    def _stop(self) -> _Events:
         if self._legacy:
             return _legacy_events(torch.autograd._disable_profiler_legacy(), self.mark_prefix)
         prof = self._prof

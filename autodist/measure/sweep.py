@@ -319,6 +319,7 @@ class _Pass:
     # [[bytes, seconds], ...] at FIRST_TOUCH_MIB: the extra cost of writing fresh memory (the slowest
     # rank's lower quartile of the pass's tries; see [Note: fresh memory, measured across the sweep])
     first_touch: list[list[float]]
+    contention_rounds: int = 0  # the contention rounds the pass took ([Note: contention rounds that agree])
 
 
 def _measure_pass(
@@ -385,9 +386,9 @@ def _measure_pass(
     # and the stored samples of the sizes it did not time)
     # an operation with no sample at all (a world of one measures no collective) has no fit
     ops = {op: fit_op(_monotone(pts)) for op, pts in _merged(base_samples, samples).items() if pts}
-    contention = _contention(group, device, ops, collected, cells) if world > 1 and cells else {}
+    contention, rounds = _contention(group, device, ops, collected, cells) if world > 1 and cells else ({}, 0)
     return _Pass(samples, host_samples, contention, spread,
-                 [[float(mib << 20), s] for mib, s in zip(FIRST_TOUCH_MIB, first_touch)])
+                 [[float(mib << 20), s] for mib, s in zip(FIRST_TOUCH_MIB, first_touch)], rounds)
 
 
 def _merged(base: dict[str, list[tuple[float, float]]], new: dict[str, list[tuple[float, float]]]) -> dict[str, list[tuple[float, float]]]:
@@ -602,6 +603,8 @@ def sweep(
             "spread": round(combined.spread, 3), "disturbed": combined.spread > DISTURBED_SPREAD, "passes": len(passes),
             # how far the passes disagreed: a figure's range over its median, the median over the figures
             "pass_spread": round(_pass_spread(passes), 3),
+            # the contention rounds each pass took, of the most it may ([Note: contention rounds that agree])
+            "contention_rounds": [p.contention_rounds for p in passes], "contention_rounds_most": n_rounds,
             # what this sweep measured (the rest came from ``base``), and how fast, for the next estimate
             "measured": {"timings": {op: sorted(v) for op, v in todo.timings.items()},
                          "contention": {op: sorted(v) for op, v in todo.contention.items()}},
@@ -640,6 +643,8 @@ CONTENTION_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)  
 CONTENTION_ROUNDS = 5  # each (kind, size) is measured this many times, in interleaved rounds (trimmed_mean) ...
 CONTENTION_LONG_BYTES = 64 << 20  # ... but messages of this size and more ...
 CONTENTION_LONG_ROUNDS = 3  # ... this many times (their median; see [Note: stable contention figures])
+CONTENTION_MIN_ROUNDS = 3  # a (kind, size) whose first this many rounds agree ...
+CONTENTION_AGREE = 0.1  # ... this closely (range over median, every figure) takes no more ([Note: contention rounds that agree])
 CONTENTION_BUSY_S = 0.01  # each full-overlap measurement runs collectives of at least this much base time ...
 CONTENTION_MAX_CALLS = 24  # ... in at most this many calls (small ones are slowed ~10x) ...
 CONTENTION_TRAIN_S = 0.25  # ... and after the first round, in no more than fill this long at its slowdown (3 at least)
@@ -685,10 +690,11 @@ def product_rate(one: Callable[[], None], seconds: float, device: torch.device) 
 def _contention(
     group: dist.ProcessGroup, device: torch.device, ops: dict[str, OpModel], collect: dict[str, float],
     cells: list[tuple[str, int, Any]],
-) -> dict[str, list[list[float]]]:
+) -> tuple[dict[str, list[list[float]]], int]:
     """Per collective kind and message size of ``cells`` ((kind, message bytes, issue)): [bytes,
     compute slowdown while it runs, its slowdown while compute runs, its wait figure], as measured
-    (:func:`_smoothed` smooths them over sizes once every size is at hand).
+    (:func:`_smoothed` smooths them over sizes once every size is at hand); and the rounds taken
+    (:func:`settled_cells`).
 
     Each is measured under full overlap, as the runtime overlaps: the compute thread issues a
     collective, computes (small matrix products, ~0.15 ms each on a CPU core) until it has completed,
@@ -722,14 +728,17 @@ def _contention(
     # slowdowns of that round do too (see [Note: a train of bounded length])
     t_ops = [max(ops[kind](nbytes), 1e-6) for kind, nbytes, _ in cells]  # a fit may read 0: the calls divide by it
     calls = [train_calls(t_op) for t_op in t_ops]
+    settled = [False for _ in cells]
     with _completion_waiter() as work_q:
         for r in range(CONTENTION_ROUNDS):
             if r == 1:
                 first = _max_over_ranks([rs[0][1] for rs in ratios], group, device)
                 calls = [train_calls(t_op, slow) for t_op, slow in zip(t_ops, first)]
+            if r >= CONTENTION_MIN_ROUNDS and not all(settled):
+                settled = settled_cells(ratios, _max_over_ranks([rounds_spread(rs) for rs in ratios], group, device))
             for i in range(len(cells)) if r % 2 == 0 else reversed(range(len(cells))):
                 kind, nbytes, issue = cells[i]
-                if r >= contention_rounds(nbytes):
+                if r >= contention_rounds(nbytes) or settled[i]:
                     continue
                 ratios[i].append(_contention_round(issue, t_ops[i], calls[i], one, work_q, group, device, collect.get(kind, 0.0)))
     values = [trimmed_mean([x[j] for x in rs]) for rs in ratios for j in (0, 1, 2)]
@@ -737,7 +746,31 @@ def _contention(
     out_rows: dict[str, list[list[float]]] = {}
     for i, (kind, nbytes, _) in enumerate(cells):
         out_rows.setdefault(kind, []).append([float(nbytes), *values[3 * i : 3 * i + 3]])
-    return {kind: sorted(rows) for kind, rows in out_rows.items()}
+    return {kind: sorted(rows) for kind, rows in out_rows.items()}, sum(len(rs) for rs in ratios)
+
+
+def rounds_spread(rounds: list[tuple[float, float, float]]) -> float:
+    """How far a cell's contention rounds disagree: over its three figures, the largest range over
+    the median."""
+    if len(rounds) < 2:
+        return math.inf
+    return max((max(col) - min(col)) / max(statistics.median(col), 1e-12) for col in zip(*rounds))
+
+
+def settled_cells(ratios: list[list[tuple[float, float, float]]], spreads: list[float]) -> list[bool]:
+    """Which cells need no more contention rounds: those measured ``CONTENTION_MIN_ROUNDS`` times or
+    more whose rounds agree within ``CONTENTION_AGREE`` on every rank (``spreads``: each cell's
+    :func:`rounds_spread`, the largest over the ranks, so that every rank measures the same cells
+    again).
+
+    [Note: contention rounds that agree] A cell's figure is the trimmed mean of its rounds, five
+    (three from ``CONTENTION_LONG_BYTES``), so that one round disturbed either way is left out
+    ([Note: stable contention figures]). Where the first three agree within 10% on every figure,
+    no round was disturbed: their trimmed mean is their median, which lies within that 10% of
+    each of them, and two more rounds of a steady host would land there too. Those rounds are
+    what a quiet host saves (most of a first launch's sweep is contention rounds); a disturbed
+    host still takes every round."""
+    return [len(rs) >= CONTENTION_MIN_ROUNDS and spread <= CONTENTION_AGREE for rs, spread in zip(ratios, spreads)]
 
 
 @contextmanager

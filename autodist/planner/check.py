@@ -1,7 +1,8 @@
-"""``autodist check``'s pipeline, on each rank torchrun launched: profile the model, measure the comm
-model, choose plans (built-in, random and searched), run each for a few steps, compare the measured
-step time and peak with the predictions, fit the wait calibration, and store the measured error for
-this machine, where ``plan="auto"`` and ``autodist plan`` take their margins from
+"""``autodist check``'s pipeline, on each rank torchrun launched: profile the model, take this
+machine's comm model (the one ``plan="auto"`` uses, measured only where none is stored), choose
+plans (built-in, random and searched), run each for a few steps, compare the measured step time
+and peak with the predictions, fit the wait calibration, and store the measured error for this
+machine, where ``plan="auto"`` and ``autodist plan`` take their margins from
 (:func:`~autodist.planner.offline.search_config`).
 
 The command (``autodist/cli.py``) parses the arguments, builds the model and its batches, and
@@ -11,7 +12,9 @@ renders the payload :func:`run_check` returns on rank 0.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -20,18 +23,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._log import logger
 from ..cost.comm import CommModel
 from ..cost.fidelity import MIN_SEED_MARGIN, SCALE_TOLERANCE, WAIT_SCALES, FidelityRecord, refusal
 from ..cost.profile import Profile
 from ..cost.simulator import Simulator
 from ..measure import fidelity as measure_fidelity
 from ..measure import sweep as measure_sweep
+from ..measure.sweep import CommNeeds
 from ..measure.trace import model_loss, profile_model, surrogate_loss
 from ..sched.search import SearchConfig
 from ..sched.space import space_for
 from ..structure import discover
 from .cache import Cache
 from .keys import machine, machine_key
+from .online import COMM_SOURCES, comm_needs, machine_comm_model
 
 WARMUP_STEPS = 2  # untimed steps per plan and pass: the allocator and the engine's first-step work
 PASSES = 2  # passes in alternating order (see [Note: a host whose speed drifts] in measure/fidelity.py)
@@ -112,9 +118,19 @@ def run_check(req: CheckRequest, device: torch.device, backend: str, say: Callab
             example_kwargs=req.kwargs_of(x0), optimizer=measure_fidelity.optimizer_for, contention=train, memory=memory,
         )
 
+    if rank == 0:
+        say(f"[autodist check] {req.model} on {world} ranks: profiling it, taking this machine's comm model (measured "
+            f"only where none is stored), then running {req.plans} or more plans for {PASSES} passes of "
+            f"{WARMUP_STEPS} + {req.steps} steps each")
+    t_profile = time.perf_counter()
     prof = measure_fidelity.slowest_over_ranks(profile())
+    t_profile = time.perf_counter() - t_profile
     reprofile = measure_fidelity.Reprofile(prof, lambda: profile(memory=False))
-    comm = measure_sweep.sweep(group, device)
+    facts = machine(world, device, backend)
+    comm, comm_source = check_comm_model(req, structure, facts, group, device, say)
+    if rank == 0:
+        say(f"[autodist check] comm model: {COMM_SOURCES[comm_source]} ({Cache(req.cache_dir).path('comm', machine_key(facts))}"
+            + ("; `autodist cache clear --kind comm` has the next check measure it again)" if comm_source in ("stored", "seed") else ")"))
     space = space_for(prof, structure, world, grad_accum_steps=req.accum)
     sim = Simulator(prof, structure, comm, world_size=world)
     chosen = measure_fidelity.plans_to_check(space, sim, req.plans)
@@ -126,11 +142,20 @@ def run_check(req: CheckRequest, device: torch.device, backend: str, say: Callab
         measure_fidelity.Checked(name, space.to_plan(g, provenance={"source": f"autodist check:{name}"}), sim.run(space.to_plan(g)), searched)
         for name, g, searched in chosen
     ]
+    if rank == 0:
+        say(f"[autodist check] measuring {len(checks)} plans: about {measuring_seconds(checks, req.steps, t_profile):.0f} s "
+            "at their predicted step times")
 
     def wrap(plan: Any) -> nn.Module:
         from ..wrapper import AutoDist
 
-        return AutoDist(req.build(), plan=plan)
+        # the check reports each plan itself (progress): not AutoDist's "plan ... in force" line per wrap
+        level = logger.level
+        logger.setLevel(max(logging.WARNING, level))
+        try:
+            return AutoDist(req.build(), plan=plan)
+        finally:
+            logger.setLevel(level)
 
     def progress(c: measure_fidelity.Checked) -> None:
         if rank == 0:
@@ -145,8 +170,39 @@ def run_check(req: CheckRequest, device: torch.device, backend: str, say: Callab
     prof = reprofile.predict(checks, sim)
     if rank != 0:
         return None
-    facts = machine(world, device, backend)
-    return _payload(req, checks, prof, structure, comm, facts)
+    return dict(_payload(req, checks, prof, structure, comm, facts), comm_model={"source": comm_source, "what": COMM_SOURCES[comm_source]})
+
+
+def measuring_seconds(checks: list[measure_fidelity.Checked], steps: int, profile_s: float) -> float:
+    """About how long measuring ``checks`` takes: each plan's predicted step over ``PASSES`` passes
+    of ``WARMUP_STEPS + steps`` steps, and the profile taken after each pass (``profile_s``, as long
+    as the first took)."""
+    return PASSES * (sum(c.predicted.step_s for c in checks) * (WARMUP_STEPS + steps) + profile_s)
+
+
+def check_comm_model(
+    req: CheckRequest, structure: Any, facts: dict[str, Any], group: dist.ProcessGroup, device: torch.device,
+    say: Callable[[str], None],
+) -> tuple[CommModel, str]:
+    """The comm model the check predicts with, and where it came from (a key of ``COMM_SOURCES``):
+    the one ``plan="auto"`` uses on this machine, measured (and stored) only where there is none
+    or it lacks what this model's plans can issue (:func:`~autodist.planner.online.machine_comm_model`).
+    The check thus measures the fidelity of the comm model the search here then plans with."""
+    rank = dist.get_rank(group)
+
+    def broadcast(obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        return box[0]
+
+    def measure(needs: CommNeeds, base: CommModel | None) -> CommModel:
+        return measure_sweep.sweep(group, device, needs=needs, base=base)
+
+    return machine_comm_model(
+        Cache(req.cache_dir, writer=rank == 0), facts, comm_needs(structure), rank=rank, world=dist.get_world_size(group),
+        device=device, broadcast=broadcast, measure=measure,
+        tell=lambda text: say(f"[autodist check] {text.removeprefix('autodist: ')}"),
+    )
 
 
 def _payload(

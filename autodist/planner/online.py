@@ -28,6 +28,7 @@ import enum
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -174,6 +175,113 @@ def comm_needs(structure: ModelStructure) -> CommNeeds:
     return CommNeeds({op: largest[op] for op in (*COLLECTIVES, *COPIES) if op in largest})
 
 
+COMM_SOURCES = {
+    "stored": "the one stored for this machine",
+    "seed": "the one the seed of comm models (AUTODIST_COMM_SEED) holds for this machine",
+    "completed": "the one stored for this machine, with what it lacked measured now",
+    "measured": "measured now (none was stored for this machine)",
+}  # what machine_comm_model's source says, in words
+
+
+def machine_comm_model(
+    cache: Cache, machine: dict[str, Any], needs: CommNeeds, *, rank: int, world: int, device: torch.device,
+    broadcast: Callable[[Any], Any], measure: Callable[[CommNeeds, CommModel | None], CommModel],
+    tell: Callable[[str], None] | None = None,
+) -> tuple[CommModel, str]:
+    """This machine's comm model (``machine``: :func:`~autodist.planner.keys.machine`), holding at
+    least what ``needs`` names, on every rank (a collective: ``broadcast`` gives rank 0's object on
+    every rank), and where it came from (a key of ``COMM_SOURCES``): the one ``cache`` stores; else
+    the seed's ([Note: a seed of comm models]); else measured (``measure(needs, base)``, a sweep on
+    every rank), only what the stored one lacks or holds unreadably (see [Note: measuring what the
+    model can use] in autodist/measure/sweep.py), and stored with what it had. ``plan="auto"`` and
+    ``autodist check`` both take it from here, so that the check measures the fidelity of the comm
+    model the search then uses, and neither sweeps when the machine has one."""
+    key = keys.machine_key(machine)
+    payload: tuple[str | None, bool, bool] | None = None  # (JSON, complete, from the seed): rank 0's
+    seed = _comm_seed(rank)
+    said = [False]  # rank 0 reported a stored entry it measures again, with the estimate
+    if rank == 0:
+        payload = (*_stored_comm_model(cache, key, needs, machine, world, said), False)
+        if payload[0] is None and seed is not None:  # [Note: a seed of comm models]
+            payload = (*_stored_comm_model(seed, key, needs, machine, world, said), True)
+            if payload[0] is not None and payload[1]:
+                cache.put("comm", key, str(payload[0]))
+    got = broadcast(payload)
+    text, complete, from_seed = got if got is not None else (None, False, False)
+    from_seed = from_seed and text is not None
+    stored = CommModel.from_json(text) if text is not None else None
+    if stored is not None and complete:
+        return stored, "seed" if from_seed else "stored"
+    todo = plan_sweep(needs, stored, world)
+    if rank == 0 and not said[0]:
+        (tell or logger.info)(f"autodist: measuring the communication cost model: {todo.describe()} "
+                              f"({_about(todo, stored)}, once per machine)")
+    # the sweep draws random tensors (and seeds its own overhead probe): the user's generator is kept
+    rng_devices = [device] if device.type == "cuda" else []
+    with progress("measuring the comm model", enabled=rank == 0), torch.random.fork_rng(devices=rng_devices):
+        model = measure(needs, stored)
+        if model.meta.get("disturbed"):  # retaken once; a second disturbed sweep is kept, flagged
+            if rank == 0:
+                logger.info("autodist: the host was busy during the comm sweep (spread %.1fx); measuring again", model.meta["spread"])
+            again = measure(needs, stored)
+            model = again if again.meta.get("spread", 9e9) <= model.meta.get("spread", 9e9) else model
+    if model.meta.get("disturbed") and rank == 0:
+        logger.warning(
+            "autodist: the comm model was measured on a busy host (calls took %.1fx their fastest); its predictions "
+            "may be off. `autodist cache clear` and a quieter launch measure it again.", model.meta["spread"],
+        )
+    cache.put("comm", key, model.to_json())
+    if seed is not None and (stored is None or from_seed):  # what the seed lacked, added to it
+        seed.put("comm", key, model.to_json())
+    return model, "measured" if stored is None else "completed"
+
+
+def _comm_seed(rank: int) -> Cache | None:
+    """The cache of comm models ``AUTODIST_COMM_SEED`` names, if any.
+
+    [Note: a seed of comm models] A comm model belongs to the machine, not to a cache: a cache
+    directory that holds none for this machine (a fresh one: a test's, a container's) can start
+    from the comm models another directory holds (``AUTODIST_COMM_SEED``, a cache directory).
+    ``plan="auto"`` and ``autodist check`` read their own cache first; on a miss, the seed's entry
+    for this machine, copied into their own cache when it holds what the model needs; what they
+    then measure (what the seed's entry lacked, or all) is stored in both. An entry of their own
+    cache (one a user or a test put there) is never written to the seed. The test suite measures
+    into one seed per session (tests/conftest.py), so that only tests whose subject is the sweep
+    sweep."""
+    where = os.environ.get("AUTODIST_COMM_SEED")
+    return Cache(where, writer=rank == 0) if where else None
+
+
+def _stored_comm_model(
+    cache: Cache, key: str, needs: CommNeeds, machine: dict[str, Any], world: int, said: list[bool],
+) -> tuple[str | None, bool]:
+    """Rank 0: (the stored comm model's JSON or None, whether it holds everything ``needs``
+    names). A stored entry partly unreadable gives its usable parts, and the report of it says
+    what will be measured again and for about how long (``said[0]`` then set); one wholly
+    unreadable is reported with the full measurement's estimate, removed, and is a miss."""
+    def replaced_by() -> str:
+        said[0] = True
+        todo = plan_sweep(needs, None, world)
+        return f"measuring {todo.describe()} ({_about(todo, None)})"
+
+    parts = cache.get("comm", key, lambda text: comm_parts(text, machine), replaced_by=replaced_by)
+    if parts is None:
+        return None, False
+    model, problem = parts
+    todo = plan_sweep(needs, model, world)
+    if problem is not None:
+        said[0] = True
+        cache.once.warning(
+            f"partial{key}",
+            "autodist: cache entry %s is partly corrupt (%s); it will be replaced: its readable parts are kept and "
+            "only %s measured again (%s)",
+            cache.path("comm", key), problem, todo.describe() if not todo.empty() else "nothing", _about(todo, model),
+        )
+    # a stored model with an unreadable part is measured again even when this model needs no
+    # more of it: the sweep keeps every readable part and derives the rest
+    return model.to_json(), todo.empty() and problem is None
+
+
 class AutoPlanner:
     """Everything ``plan="auto"`` needs, bound to one wrapped model (through ``runtime``)."""
 
@@ -195,7 +303,6 @@ class AutoPlanner:
         self._wrapped_inputs: tuple | None = None  # a meta-device model's example inputs (profile_wrapped)
         self._search_cfg: SearchConfig | None = None  # rank 0's (search_config)
         self._estimator: tuple[DurationEstimator | None, str | None] | None = None  # rank 0's (estimator)
-        self._warned_remeasure = False  # rank 0 reported a comm model entry it measures again, with the estimate
 
     # ---- keys ------------------------------------------------------------------------------
     def profile_key(self, sig: str) -> str:
@@ -300,91 +407,19 @@ class AutoPlanner:
 
     def comm_model(self) -> CommModel:
         """This machine's comm model, holding at least what this model's plans can issue
-        (:func:`comm_needs`): the stored one; else measured, only what the stored one lacks or holds
-        unreadably (see [Note: measuring what the model can use] in autodist/measure/sweep.py), and
-        stored with what it had."""
-        key = self.comm_key()
-        needs = comm_needs(self.structure)
-        payload: tuple[str | None, bool] | None = None
-        seed = self._seed()
-        from_seed = False
-        self._warned_remeasure = False
-        if self.rank == 0:
-            payload = self._stored_comm_model(self.cache, key, needs)
-            if payload[0] is None and seed is not None:  # [Note: a seed of comm models]
-                payload = self._stored_comm_model(seed, key, needs)
-                from_seed = payload[0] is not None
-                if from_seed and payload[1]:
-                    self.cache.put("comm", key, str(payload[0]))
-        got = self.comm.broadcast_object(payload)
-        text, complete = got if got is not None else (None, False)
-        stored = CommModel.from_json(text) if text is not None else None
-        if stored is not None and complete:
-            return stored
-        todo = plan_sweep(needs, stored, self.world)
-        if self.rank == 0 and not self._warned_remeasure:
-            logger.info("autodist: measuring the communication cost model: %s (%s, once per machine)",
-                        todo.describe(), _about(todo, stored))
-        # the sweep draws random tensors (and seeds its own overhead probe): the user's generator is kept
-        rng_devices = [self.device] if self.device.type == "cuda" else []
-        with progress("measuring the comm model", enabled=self.rank == 0), torch.random.fork_rng(devices=rng_devices):
-            model = sweep(self.comm.group, self.device, comm=self.comm, needs=needs, base=stored)
-            if model.meta.get("disturbed"):  # retaken once; a second disturbed sweep is kept, flagged
-                if self.rank == 0:
-                    logger.info("autodist: the host was busy during the comm sweep (spread %.1fx); measuring again", model.meta["spread"])
-                again = sweep(self.comm.group, self.device, comm=self.comm, needs=needs, base=stored)
-                model = again if again.meta.get("spread", 9e9) <= model.meta.get("spread", 9e9) else model
-        if model.meta.get("disturbed") and self.rank == 0:
-            logger.warning(
-                "autodist: the comm model was measured on a busy host (calls took %.1fx their fastest); its predictions "
-                "may be off. `autodist cache clear` and a quieter launch measure it again.", model.meta["spread"],
-            )
-        self.stats.sweeps += 1
-        self.cache.put("comm", key, model.to_json())
-        if seed is not None and (stored is None or from_seed):  # what the seed lacked, added to it
-            seed.put("comm", key, model.to_json())
+        (:func:`machine_comm_model`)."""
+        group, device, comm = self.comm.group, self.device, self.comm
+
+        def measure(needs: CommNeeds, base: CommModel | None) -> CommModel:
+            return sweep(group, device, comm=comm, needs=needs, base=base)
+
+        model, source = machine_comm_model(
+            self.cache, self.machine, comm_needs(self.structure), rank=self.rank, world=self.world, device=device,
+            broadcast=comm.broadcast_object, measure=measure,
+        )
+        if source in ("measured", "completed"):
+            self.stats.sweeps += 1
         return model
-
-    def _seed(self) -> Cache | None:
-        """The cache of comm models ``AUTODIST_COMM_SEED`` names, if any.
-
-        [Note: a seed of comm models] A comm model belongs to the machine, not to a cache: a cache
-        directory that holds none for this machine (a fresh one: a test's, a container's) can start
-        from the comm models another directory holds (``AUTODIST_COMM_SEED``, a cache directory).
-        ``plan="auto"`` reads its own cache first; on a miss, the seed's entry for this machine, copied
-        into its own cache when it holds what the model needs; what it then measures (what the
-        seed's entry lacked, or all) is stored in both. An entry of its own cache (one a user or a
-        test put there) is never written to the seed. The test suite measures into one seed per
-        session (tests/conftest.py), so that only tests whose subject is the sweep sweep."""
-        where = os.environ.get("AUTODIST_COMM_SEED")
-        return Cache(where, writer=self.rank == 0) if where else None
-
-    def _stored_comm_model(self, cache: Cache, key: str, needs: CommNeeds) -> tuple[str | None, bool]:
-        """Rank 0: (the stored comm model's JSON or None, whether it holds everything ``needs``
-        names). A stored entry partly unreadable gives its usable parts, and the report of it says
-        what will be measured again and for about how long; one wholly unreadable is reported with
-        the full measurement's estimate, removed, and is a miss."""
-        def replaced_by() -> str:
-            self._warned_remeasure = True
-            todo = plan_sweep(needs, None, self.world)
-            return f"measuring {todo.describe()} ({_about(todo, None)})"
-
-        parts = cache.get("comm", key, lambda text: comm_parts(text, self.machine), replaced_by=replaced_by)
-        if parts is None:
-            return None, False
-        model, problem = parts
-        todo = plan_sweep(needs, model, self.world)
-        if problem is not None:
-            self._warned_remeasure = True
-            cache.once.warning(
-                f"partial{key}",
-                "autodist: cache entry %s is partly corrupt (%s); it will be replaced: its readable parts are kept and "
-                "only %s measured again (%s)",
-                cache.path("comm", key), problem, todo.describe() if not todo.empty() else "nothing", _about(todo, model),
-            )
-        # a stored model with an unreadable part is measured again even when this model needs no
-        # more of it: the sweep keeps every readable part and derives the rest
-        return model.to_json(), todo.empty() and problem is None
 
     # ---- planning ------------------------------------------------------------------------------
     def safe_plan(self, *, sharded: bool = False, profiled: str = "the first steps are") -> Plan:
@@ -549,7 +584,7 @@ class AutoPlanner:
             self._wrapped_inputs = (example_inputs, example_kwargs)
             return self.safe_plan(sharded=True, profiled="the example inputs are")
         if self.rank == 0:
-            logger.info("autodist: plan=auto: no cached plan for this model and input; profiling and searching")
+            logger.info("autodist: plan=auto: no cached plan for this model and input: %s", self._first_run_steps("profiling it"))
         with progress("profiling the model", enabled=self.rank == 0):
             prof = profile_model(
                 self.rt.module, self.structure, example_inputs, device=self.device, example_kwargs=example_kwargs,
@@ -575,7 +610,8 @@ class AutoPlanner:
         inputs = tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in pending[0])
         kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in pending[1].items()}
         if self.rank == 0:
-            logger.info("autodist: plan=auto: no cached plan for this model and input; profiling the wrapped model and searching")
+            logger.info("autodist: plan=auto: no cached plan for this model and input: %s",
+                        self._first_run_steps("profiling the wrapped model"))
         with _preserved(self.rt.module, self.device), progress("profiling the model", enabled=self.rank == 0):
             recorder = self._start_recording()
             try:
@@ -611,6 +647,13 @@ class AutoPlanner:
                     len(more), more[0], 1e3 * free.predicted.get("step_seconds", 0),
                     1e3 * now.predicted.get("step_seconds", 0), self.stats.plan_path,
                 )
+
+    def _first_run_steps(self, profiling: str) -> str:
+        """What a launch without a cached plan does, up front (rank 0): what it measures and the
+        bound of the search; the comm model's measurement, if any, says its own estimate when it starts."""
+        return (f"{profiling} (a few forward and backward passes, then the same under communication), taking this "
+                f"machine's comm model (measured once per machine), then searching (at most "
+                f"{self.search_config().time_budget_s:.0f} s)")
 
     def _merge(self, prof: Profile) -> Profile:
         texts = self.comm.all_gather_object(prof.to_json())
