@@ -731,6 +731,21 @@ def test_the_sweep_plan_follows_the_model_s_largest_messages_and_estimates_from_
     assert everything.estimate_seconds(2, rates) == pytest.approx(2 * (30 * 0.5 + 3 * rounds * 2.0) + 3.0)
 
 
+def test_a_stored_model_without_a_runtime_figure_has_the_overhead_measured_again():
+    from dataclasses import fields, replace
+
+    from autodist.measure.overhead import RuntimeOverhead
+    from autodist.measure.sweep import CommNeeds, plan_sweep
+
+    needs = CommNeeds({"all_gather": 1 << 20})
+    samples = [(2.0**k, 1e-4 + 1e-9 * 2.0**k) for k in range(10, 22)]
+    stored = CommModel("gloo", 2, "cpu", {"all_gather": fit_op(samples)}, overhead={f.name: 1e-5 for f in fields(RuntimeOverhead)})
+    assert not plan_sweep(needs, stored, 2).overhead
+    older = dict(stored.overhead)
+    del older["per_grouped_unit_s"]  # measured before groups were hooked at their root
+    assert plan_sweep(needs, replace(stored, overhead=older), 2).overhead
+
+
 def _launches_from_a_seed(root):
     """Three fresh caches beside one seed (``AUTODIST_COMM_SEED``), and a fourth holding an entry of
     its own: what each launch swept, and the seed's entry after each."""

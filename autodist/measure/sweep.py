@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
@@ -207,9 +207,14 @@ def plan_sweep(needs: CommNeeds, base: CommModel | None, world: int, cfg: SweepC
                               if float(message_bytes(s, world)) not in have_rows.get(op, set())]
     # fresh memory costs nothing below glibc's mmap threshold: measured once a message reaches it
     fresh = max(needs.largest.values(), default=0) >= FIRST_TOUCH_MIB[0] << 20
+    from .overhead import RuntimeOverhead
+
+    # a stored model measured before a figure existed has the runtime's overhead measured again
+    figures = {f.name for f in fields(RuntimeOverhead)}
     return SweepPlan(
         timings={op: v for op, v in timings.items() if v}, contention={op: v for op, v in contention.items() if v},
-        first_touch=fresh and (base is None or not base.first_touch), overhead=base is None or not base.overhead,
+        first_touch=fresh and (base is None or not base.first_touch),
+        overhead=base is None or not figures <= set(base.overhead),
     )
 
 
