@@ -86,6 +86,7 @@ from ..structure import ModelStructure
 from .backward import attach_post_backward, in_backward, outside_dispatch_modes
 from .buckets import install_reducer, maybe_rebuild_buckets
 from .comm import Comm, profiled_range
+from .compiled import BlockCompile, merge_block_sites
 from .gather import GatherGroupRuntime, GroupState
 from .offload import OffloadManager
 from .optimizers import adopt_optimizer, weak_optimizer_hook
@@ -100,6 +101,7 @@ LAUNCH_POLICIES = ("ready", "sampled")
 
 class Engine:
     recompute: BlockRecompute
+    compiled: BlockCompile
     offload: OffloadManager
 
     def __init__(
@@ -242,6 +244,9 @@ class Engine:
         self.launch_policy = policy if self.groups else "ready"
         if getattr(self, "recompute", None) is not None:
             self.recompute.remove()
+            self.compiled.remove()
+        # compiled first: a block both compiled and recomputed recomputes its compiled forward
+        self.compiled = BlockCompile(self.module, plan.compile, plan.compile_backend)
         self.recompute = BlockRecompute(self.module, plan.recompute, on_recompute=self._count_recomputed_block)
         previous = getattr(self, "offload", None)
         self.offload = OffloadManager(plan.offload, self.params, self.device)
@@ -362,6 +367,7 @@ class Engine:
         module_of_unit = {u.name: u.module_name for u in self.structure.units}
         functional = self.structure.functional_uses
         unit_params = {u.name: [self.params[p] for p in u.params] for u in self.structure.units}
+        sites: list[ModuleSite] = []
         for mname, module in self.module.named_modules():
             units: list[str] = []
             own = unit_of_module.get(mname)
@@ -390,11 +396,12 @@ class Engine:
                 continue
             if not groups and self.launch_policy == "sampled" and not params:
                 continue
-            site = ModuleSite(module=module, name=mname, unit=own, swaps=swaps, groups=groups, units=units, params=params)
-            for mp in params:
+            sites.append(ModuleSite(module=module, name=mname, unit=own, swaps=swaps, groups=groups, units=units, params=params))
+        for site in merge_block_sites(sites, self.compiled.blocks, self.module, self.unit_order):
+            for mp in site.params:
                 self._sites_of_param.setdefault(id(mp), []).append(site)
-            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(site), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._make_post_forward(site), always_call=True))
+            self._handles.append(site.module.register_forward_pre_hook(self._make_pre_forward(site), with_kwargs=True))
+            self._handles.append(site.module.register_forward_hook(self._make_post_forward(site), always_call=True))
         # Gradient-ready hooks.
         for mp in self.params.values():
             if mp.requires_grad:
@@ -409,6 +416,7 @@ class Engine:
         self.comm.finish_sequence_check()
         self._swap_root(False)
         self.recompute.remove()
+        self.compiled.remove()
         self.offload.close()
         self.reducer.reset()
         for g in self.groups:
@@ -675,7 +683,7 @@ class Engine:
                 if g.ensure():
                     self._count_on_demand(g, True)
             if site.unit is not None:
-                self._fire(step.bwd_schedule, step.bwd_need.get(site.unit, -1))
+                self._fire(step.bwd_schedule, step.bwd_need.get(site.backward_unit or site.unit, -1))
             if site.sharded:
                 self.reducer.poll()
 

@@ -24,6 +24,9 @@ class ModuleSite:
     groups: list[GatherGroupRuntime]
     units: list[str]  # units whose parameters this module uses (own first)
     params: list[ManagedParam]  # every managed parameter it uses (gradient multiplicity)
+    # the unit whose backward position fires backward prefetch, if not ``unit`` (a compiled block:
+    # its first unit; see [Note: hooks at a compiled block's boundary] in compiled.py)
+    backward_unit: str | None = None
 
     @property
     def sharded(self) -> bool:
