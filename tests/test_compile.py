@@ -181,3 +181,130 @@ def test_a_block_the_user_compiled_is_left_as_it_is():
     assert compiled.user_compiled == ["blocks.0"] and compiled.blocks == ["blocks.1"]
     assert "forward" not in model.blocks[0].__dict__
     compiled.remove()
+
+
+# ---- the simulator: a compiled block's gradients are all ready when its backward ends ---------
+# The hand case of tests/test_simulator.py with both units inside one block ``blk``: units
+# ``blk.u0``, ``blk.u1``, one 250-element float32 parameter each, 10 ms forward and 20 ms backward
+# each eager; collectives take a fixed time (all-gather 2 ms, reduce-scatter 3 ms, all-reduce 4 ms),
+# one at a time. Compiled, the block measured 10 ms forward and 30 ms backward against 20 and 40
+# eager: each unit's forward is scaled by 1/2 (5 ms) and its backward by 3/4 (15 ms).
+
+
+class _P(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(n))
+
+
+class _Blk(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.u0 = _P(250)
+        self.u1 = _P(250)
+
+
+class _OneBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blk = _Blk()
+
+
+def _hand_sim():
+    from autodist.cost.comm import CommModel, OpModel, Piece
+    from autodist.cost.profile import CompiledBlockProfile, OptimizerProfile, Profile, UnitProfile
+    from autodist.cost.simulator import Simulator
+
+    ms = 1e-3
+
+    def const(seconds):
+        return OpModel(Piece(0.0, seconds), Piece(0.0, seconds), float("inf"))
+
+    comm = CommModel("test", 2, "cpu", {"all_gather": const(2 * ms), "reduce_scatter": const(3 * ms),
+                                        "all_reduce": const(4 * ms), "h2d": const(0.0), "d2h": const(0.0)})
+    profile = Profile(
+        units=[
+            UnitProfile("blk.u0", fwd_s=10 * ms, bwd_s=20 * ms, act_bytes=100, ready=["blk.u0.w"]),
+            UnitProfile("blk.u1", fwd_s=10 * ms, bwd_s=20 * ms, act_bytes=100, ready=["blk.u1.w"]),
+        ],
+        ready_order=["blk.u1.w", "blk.u0.w"],
+        optimizer=OptimizerProfile(state_factor=2.0, transient_factor=0.0),
+        compiled_blocks={"blk": CompiledBlockProfile(fwd_s=10 * ms, bwd_s=30 * ms, eager_fwd_s=20 * ms,
+                                                     eager_bwd_s=40 * ms, compile_s=1.5)},
+        compile_backend="inductor",
+    )
+    structure = discover(_OneBlock())
+    assert structure.blocks == ["blk"]
+    return Simulator(profile, structure, comm, world_size=2)
+
+
+def _comm_events(r):
+    return [(e.name, round(e.start * 1e3, 6), round(e.end * 1e3, 6)) for e in r.events if e.stream == "comm"]
+
+
+def test_a_compiled_blocks_gradients_reach_their_buckets_when_its_backward_ends():
+    from autodist.plan import Bucket, UnitPlan
+
+    sim = _hand_sim()
+    plan = Plan(world_size=2, units=[UnitPlan("blk.u0", ["blk.u0.w"]), UnitPlan("blk.u1", ["blk.u1.w"])],
+                buckets=[Bucket(["blk.u1.w"], "all_reduce"), Bucket(["blk.u0.w"], "all_reduce")])
+    eager = sim.run(plan, record=True)
+    # eager: fwd 0..20; bwd u1 20..40, its bucket all-reduced [40,44] under bwd u0 40..60; the
+    # second bucket [60,64], waited for at once
+    assert _comm_events(eager) == [("all_reduce bucket0", 40, 44), ("all_reduce bucket1", 60, 64)]
+    assert eager.step_s == pytest.approx(64e-3) and eager.compile_s == 0
+    plan.compile = ["blk"]
+    compiled = sim.run(plan, record=True)
+    # compiled: fwd 0..10; bwd u1 10..25 and u0 25..40 (one compiled backward): both gradients
+    # arrive at 40, the buckets run one after the other [40,44], [44,48]: nothing overlaps
+    assert _comm_events(compiled) == [("all_reduce bucket0", 40, 44), ("all_reduce bucket1", 44, 48)]
+    assert compiled.step_s == pytest.approx(48e-3)
+    assert compiled.compute_s == pytest.approx(40e-3)
+    assert compiled.compile_s == pytest.approx(1.5)  # the one-off cost, reported apart from the step
+    # one bucket for the whole block: eager it waits for u0 (all-reduce [60,64]); compiled [40,44]
+    plan.buckets = [Bucket(["blk.u1.w", "blk.u0.w"], "all_reduce")]
+    assert sim.run(plan).step_s == pytest.approx(44e-3)
+    plan.compile = []
+    assert sim.run(plan).step_s == pytest.approx(64e-3)
+
+
+def test_a_compiled_sharded_block_reduces_its_gradients_after_its_backward():
+    from autodist.plan import Bucket, GatherGroup, Prefetch, UnitPlan
+
+    sim = _hand_sim()
+    plan = Plan(
+        world_size=2,
+        units=[UnitPlan("blk.u0", ["blk.u0.w"], "shard", "after_backward"),
+               UnitPlan("blk.u1", ["blk.u1.w"], "shard", "after_backward")],
+        gather_groups=[GatherGroup(["blk.u0", "blk.u1"], Prefetch(0, 0))],
+        buckets=[Bucket(["blk.u1.w"], "reduce_scatter"), Bucket(["blk.u0.w"], "reduce_scatter")],
+        compile=["blk"],
+    )
+    validate_plan(plan, sim.structure)
+    r = sim.run(plan, record=True)
+    # all-gather [0,2] waited; fwd 2..12; bwd 12..27 and 27..42; both reduce-scatters issued at 42:
+    # [42,45], [45,48]; the collective-order check (an all-reduce, 4 ms) after the flush: 48..52
+    assert _comm_events(r)[:3] == [("all_gather gather blk.u0", 0, 2), ("reduce_scatter bucket0", 42, 45),
+                                   ("reduce_scatter bucket1", 45, 48)]
+    assert r.step_s == pytest.approx(52e-3)
+
+
+def test_the_profile_times_each_block_compiled_and_eager_compiling_identical_blocks_once():
+    from autodist.cost.profile import Profile
+    from autodist.measure.trace import profile_model
+
+    model = models.make("gpt")
+    model.blocks[1].compile(backend="aot_eager")  # the user's own: measured as it runs, and recorded
+    s = discover(model)
+    x, _ = models.batch("gpt", 2, torch.Generator().manual_seed(0))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    prof = profile_model(model, s, (x,), device=torch.device("cpu"), repeats=2, memory=False, compile_backend="aot_eager")
+    assert sorted(prof.compiled_blocks) == ["blocks.0", "blocks.1"]
+    assert prof.compile_backend == "aot_eager" and prof.user_compiled == ["blocks.1"]
+    assert prof.compiled_blocks["blocks.1"].same_as == "blocks.0"
+    assert all(c.fwd_s > 0 and c.bwd_s > 0 and c.eager_fwd_s > 0 for c in prof.compiled_blocks.values())
+    assert Profile.from_json(prof.to_json()).compiled_blocks == prof.compiled_blocks
+    # nothing left changed: no gradient, no forward patched, the same values
+    assert all(p.grad is None for p in model.parameters())
+    assert "forward" not in model.blocks[0].__dict__
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

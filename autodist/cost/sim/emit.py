@@ -92,6 +92,7 @@ class StepEmitter:
         self.recompute = Recomputation(sim, plan, self.out, self.gathers, self.bstart)
         self.fwd_trig = self.gathers.forward_triggers()
         self.bwd_trig = self.gathers.backward_triggers(self.recompute.need)
+        self._compiled_boundaries()
         self._step_costs()
         self.offload = OffloadCopies(sim, plan, self.out)
 
@@ -132,6 +133,28 @@ class StepEmitter:
         self.fwd_name = orders.fwd_name
         self.bwd_name = orders.bwd_name
 
+    def _compiled_boundaries(self) -> None:
+        """Where each unit fires prefetch: its own position, or for a unit of a compiled block the
+        block's boundary — forward at the position of its last unit, backward at the need of its
+        first (the runtime's one site on the block: [Note: hooks at a compiled block's boundary] in
+        autodist/runtime/compiled.py)."""
+        sim = self.sim
+        self.fwd_fire = dict(self.gathers.pos)
+        self.bwd_fire = dict(self.recompute.need)
+        self.first_of_block: set[str] = set()
+        units: dict[str, list[str]] = {}
+        for u in sim.order:
+            b = sim.compiled_unit_block.get(u)
+            if b is not None:
+                units.setdefault(b, []).append(u)
+        for us in units.values():
+            self.first_of_block.add(us[0])
+            for u in us:
+                if us[-1] in self.gathers.pos:
+                    self.fwd_fire[u] = self.gathers.pos[us[-1]]
+                if us[0] in self.recompute.need:
+                    self.bwd_fire[u] = self.recompute.need[us[0]]
+
     def _step_costs(self) -> None:
         """The optimizer step's time and transient memory, and each unit's hook time: module hooks
         run on every unit once anything is gathered (swapping units cost the most)."""
@@ -146,6 +169,8 @@ class StepEmitter:
         if self.gathers.groups:
             per_unit = ovh.get("per_unit_s", 0.0)
             for u in sim.order:
+                if u in sim.compiled_unit_block and u not in self.first_of_block:
+                    continue  # a compiled block's hooks run once, at its boundary
                 self.hook_s[u] = per_unit / 2 if placement_of_unit.get(u) == "shard" else per_unit / 4
         # each replicated parameter's gradient-ready hook runs in its unit's backward (a comm model
         # measured before this figure existed has none: 0)
@@ -209,7 +234,7 @@ class StepEmitter:
             if u in rc.block_first:  # a recomputed block keeps only its input until its backward
                 out.emit((MEM, prof.block_input_bytes.get(rc.block_first[u], 0), ACTIVATIONS))
             used = gathers.forward_uses(u, up)
-            gathers.fire(fcur, gathers.pos[u])
+            gathers.fire(fcur, self.fwd_fire[u])
             if up is not None:
                 out.emit((COMPUTE, up.fwd_s + self.hook_s.get(u, 0.0), name, up.fwd_peak_bytes))
                 if u not in rc.in_recomputed:
@@ -250,7 +275,7 @@ class StepEmitter:
                 self.offload.copy_back(back_at[f"backward:{u}"])
             gathers.ensure_owners(sim.site_uses.get(u, ()))
             gathers.ensure_owners(sim.uses[u])
-            gathers.fire(bcur, rc.need[u])
+            gathers.fire(bcur, self.bwd_fire[u])
             rc.run(rc.before, u, bcur)
             if up is not None:
                 out.emit((COMPUTE, max(0.0, up.bwd_s + self.hook_s.get(u, 0.0) + self.grad_hook_s.get(u, 0.0)), name, up.bwd_peak_bytes))
