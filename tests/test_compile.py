@@ -12,6 +12,7 @@ aot_eager; inductor's fused kernels differ by rounding).
 """
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -308,3 +309,88 @@ def test_the_profile_times_each_block_compiled_and_eager_compiling_identical_blo
     assert all(p.grad is None for p in model.parameters())
     assert "forward" not in model.blocks[0].__dict__
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+# ---- the search: fusion gain against the overlap delayed gradients cost (DisCo) --------------
+# Two blocks of two replicated units each (1000-byte parameters), each unit 10 ms forward and 20 ms
+# backward eager; an all-reduce costs 15 ms per 1000 bytes. Compiled, a block runs ``scale`` times
+# its eager time. Eager, per-unit buckets hide all but the last unit's all-reduce under later
+# backward; compiling the first block in backward (blocks.1) delays its gradients to its end, still
+# hidden under blocks.0's backward (40 ms); compiling blocks.0 exposes its first unit's all-reduce
+# too (15 ms) against a gain of 60 ms x (1 - scale): worth it below scale 0.75.
+
+
+class _TwoBlocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Blk(), _Blk()])
+
+
+def _search(scale: float):
+    from autodist.cost.comm import CommModel, OpModel, Piece
+    from autodist.cost.profile import CompiledBlockProfile, OptimizerProfile, Profile, UnitProfile
+    from autodist.cost.simulator import Simulator
+    from autodist.sched.search import SearchConfig, Searcher
+    from autodist.sched.space import space_for
+
+    ms = 1e-3
+
+    def linear(per_byte):
+        return OpModel(Piece(per_byte, 0.0), Piece(per_byte, 0.0), float("inf"))
+
+    comm = CommModel("test", 2, "cpu", {"all_gather": linear(0), "reduce_scatter": linear(0),
+                                        "all_reduce": linear(15 * ms / 1000), "h2d": linear(0), "d2h": linear(0)})
+    s = discover(_TwoBlocks())
+    names = [u.name for u in s.units]
+    prof = Profile(
+        units=[UnitProfile(u, fwd_s=10 * ms, bwd_s=20 * ms, act_bytes=100, ready=[u + ".w"]) for u in names],
+        ready_order=[u + ".w" for u in reversed(names)],
+        optimizer=OptimizerProfile(state_factor=2.0, transient_factor=0.0),
+        compiled_blocks={b: CompiledBlockProfile(20 * ms * scale, 40 * ms * scale, 20 * ms, 40 * ms, 1.0) for b in s.blocks},
+        compile_backend="inductor",
+    )
+    space = space_for(prof, s, 2, fixed_placement={u: "replicate" for u in names})
+    space.inflight_choices = (-1,)
+    sim = Simulator(prof, s, comm, world_size=2)
+    return space, sim, Searcher(space, sim, SearchConfig(seed=0, prefer_seed_within=0)).run()
+
+
+@pytest.mark.parametrize(("scale", "compiled"), [(0.5, ["blocks.0", "blocks.1"]), (0.9, ["blocks.1"]), (1.0, [])])
+def test_the_search_compiles_a_block_only_where_its_fusion_gain_beats_the_overlap_it_costs(scale, compiled):
+    import itertools
+
+    space, sim, found = _search(scale)
+    assert "ddp+compile-all" in found.seeds  # the seeds "compile every block" and "compile none" (ddp)
+    # the optimum over every compile decision and bucketing of the ready order, by enumeration
+    best = None
+    for chosen in itertools.chain.from_iterable(itertools.combinations(range(2), k) for k in range(3)):
+        for cuts in itertools.product([False, True], repeat=len(space.ready) - 1):
+            g = space.with_compile(replace(space.ddp(), bucket_start=frozenset(k + 1 for k, c in enumerate(cuts) if c)), chosen)
+            step = sim.run(space.to_plan(g)).step_s
+            if best is None or step < best[0] - 1e-12:
+                best = (step, sorted(space.compile_blocks[c] for c in chosen))
+    assert found.result.step_s == pytest.approx(best[0])
+    assert found.plan.compile == compiled == best[1]
+    assert found.plan.compile_backend == "inductor"
+
+
+def test_every_plan_of_the_space_with_compiled_blocks_is_valid():
+    import random
+
+    from autodist.sched.space import PlanSpace
+
+    model = models.make("gpt")
+    s = discover(model)
+    space = PlanSpace(s, 2, [u.name for u in s.units], list(reversed(s.trainable)), state_names=("exp_avg",),
+                      compile_blocks=list(s.blocks))
+    rng = random.Random(0)
+    compiled = 0
+    for _ in range(200):
+        g = space.random(rng)
+        for kind in ("offload_add", "offload_add", "compile", "placement", "group_split", "offload_shift"):
+            g = space._move_kind(g, kind, rng)
+        plan = space.to_plan(g)
+        validate_plan(plan, s)
+        assert space.genome_of(plan).compile == space.normalize(g).compile
+        compiled += bool(plan.compile)
+    assert compiled > 50

@@ -31,6 +31,9 @@ MOVE_KINDS = (
     "bucket_merge", "bucket_split", "group_merge", "group_split", "residency", "window", "inflight", "placement",
     "offload_add", "offload_remove", "offload_shift", "recompute", "accumulate",
 )
+# toggling a block's compilation: chosen from only where the profile timed blocks compiled, so the
+# moves of a search without (and so its plan, for a given seed) are as they were
+COMPILE_MOVE = "compile"
 
 
 @dataclass
@@ -302,6 +305,9 @@ class Searcher:
             for seed in [n for n in ("fsdp", "zero2") if n in out]:
                 g = out[seed]
                 out[f"{seed}+sharded-accumulation"] = self.normalize(replace(g, accumulate=tuple(int(s_) for s_ in g.shard)))
+        if sp.compile_blocks:  # torchtitan's recipe: every block compiled (DisCo's "fuse all"); "none" is the above
+            for base in [n for n in ("ddp", "fsdp", "zero2", "fsdp+prefetch", "zero2+prefetch") if n in out]:
+                out[f"{base}+compile-all"] = self.normalize(sp.with_compile(out[base], range(len(sp.compile_blocks))))
         if sp.recompute_blocks:
             every = range(len(sp.recompute_blocks))
             for name in list(out):
@@ -322,6 +328,7 @@ class Searcher:
         rng = random.Random(cfg.seed)
         t0 = self._t0 = time.perf_counter()
         seeds = self._seeds = self.seeds()
+        kinds = MOVE_KINDS + ((COMPILE_MOVE,) if self.space.compile_blocks else ())
         seed_results = {name: self.evaluate(g) for name, g in seeds.items()}
         heap: list[tuple[float, int, Genome]] = []
         tie = 0
@@ -355,7 +362,7 @@ class Searcher:
                 # 1..beta random moves: small steps refine, larger ones escape plateaus
                 child = g
                 for _ in range(rng.randint(1, cfg.beta)):
-                    child = self.space._move_kind(child, rng.choice(MOVE_KINDS), rng)
+                    child = self.space._move_kind(child, rng.choice(kinds), rng)
                 child = self.normalize(child)
                 if child in self._memo:
                     continue
