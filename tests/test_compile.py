@@ -394,3 +394,19 @@ def test_every_plan_of_the_space_with_compiled_blocks_is_valid():
         assert space.genome_of(plan).compile == space.normalize(g).compile
         compiled += bool(plan.compile)
     assert compiled > 50
+
+
+def test_hooks_inside_a_block_the_user_compiled_are_warned_about(caplog):
+    from autodist.runtime.compiled import merge_block_sites
+    from autodist.runtime.step_state import ModuleSite
+
+    model = models.make("gpt")
+    model.blocks[0].compile(backend="aot_eager")
+    sites = [ModuleSite(model.get_submodule(n), n, n, [], [], [n], []) for n in ("wte", "blocks.0.fc1", "blocks.1.fc1")]
+    with caplog.at_level("WARNING", logger="autodist"):
+        assert merge_block_sites(sites, [], model, ["wte", "blocks.0.fc1", "blocks.1.fc1"]) == sites
+    assert "1 module(s) the plan hooks (e.g. 'blocks.0.fc1') are inside 'blocks.0'" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="autodist"):
+        merge_block_sites(sites[::2], [], model, ["wte", "blocks.1.fc1"])
+    assert caplog.text == ""

@@ -32,7 +32,12 @@ prefetch at the position of its *first* unit (last in backward): every trigger t
 the block fires when the block starts, as a window counted from the block's boundary.
 
 A block the user compiled already (``block.compile()``, or a block that is itself a
-``torch.compile``'d module) is left as it is and named in :attr:`BlockCompile.user_compiled`.
+``torch.compile``'d module) is left as it is and named in :attr:`BlockCompile.user_compiled`. Its
+compiled code is the user's ``__call__``, module hooks included: under a replicated plan nothing of
+AutoDist is hooked on modules (it trains as compiled); where the plan hooks modules inside it (a
+sharded plan), torch.compile traces or breaks at those hooks (graph breaks, recompilations; the
+hooks still run, so training stays correct, only slower), so :func:`merge_block_sites` warns,
+naming the fix: compile the block through the plan instead.
 """
 
 from __future__ import annotations
@@ -106,6 +111,7 @@ def merge_block_sites(
     ``blocks`` merged into one site on the block (see [Note: hooks at a compiled block's
     boundary]); ``unit_order``: units in forward order."""
     blocks = list(blocks)
+    _warn_hooks_in_user_compiled(sites, module)
     if not blocks:
         return sites
     rank = {u: i for i, u in enumerate(unit_order)}
@@ -135,6 +141,19 @@ def merge_block_sites(
             )
         )
     return out
+
+
+def _warn_hooks_in_user_compiled(sites: list[ModuleSite], module: nn.Module) -> None:
+    user = compiled_by_user(module)
+    inside = [s.name for s in sites if any(_inside(s.name, u) for u in user)]
+    if inside:
+        logger.warning(
+            "autodist: %d module(s) the plan hooks (e.g. %r) are inside %r, which the model compiled itself "
+            "(torch.compile / .compile()): torch.compile traces AutoDist's hooks there (graph breaks, "
+            "recompilations). Compile the block through the plan instead (Plan.compile, with the model's own "
+            "compilation removed): AutoDist then keeps its hooks at the block's boundary.",
+            len(inside), inside[0], next(u for u in user if _inside(inside[0], u)),
+        )
 
 
 def _union(items: Iterable[Any]) -> list[Any]:
