@@ -410,3 +410,34 @@ def test_hooks_inside_a_block_the_user_compiled_are_warned_about(caplog):
     with caplog.at_level("WARNING", logger="autodist"):
         merge_block_sites(sites[::2], [], model, ["wte", "blocks.1.fc1"])
     assert caplog.text == ""
+
+
+# ---- one schedule: the runtime's actions with compiled blocks are the simulated ones -----------
+AGREEMENT = {
+    "fsdp-all": ("fsdp", ["blocks.0", "blocks.1"], 1),
+    "zero2-one": ("zero2", ["blocks.1"], 1),
+    "window2": ({"grouping": "block", "window": 2}, ["blocks.0", "blocks.1"], 1),
+    "recompute-accumulate": ({"grouping": "block", "recompute": "all", "accumulate": "sharded"}, ["blocks.0"], 2),
+    "mixed-placement": ({"placement": "mixed", "grouping": "block"}, ["blocks.0", "blocks.1"], 1),
+}
+
+
+def _compiled_actions(plan_spec, blocks, micro):
+    from test_schedule import runtime_and_simulated_actions
+
+    from autodist.builtins import builtin_plan
+
+    base = models.make("gpt")
+    world = dist.get_world_size()
+    plan = builtin_plan(plan_spec, discover(base), world) if isinstance(plan_spec, str) else make_plan(base, world, **plan_spec)
+    plan.compile, plan.compile_backend = list(blocks), "aot_eager"
+    return runtime_and_simulated_actions("gpt", plan, micro)
+
+
+@pytest.mark.parametrize("name", list(AGREEMENT))
+def test_the_runtime_carries_out_the_simulated_schedule_of_compiled_blocks(world2, name):
+    for ran, simulated, deviations, _ in world2.run(_compiled_actions, *AGREEMENT[name]):
+        assert not deviations
+        assert ran == simulated, "\n".join(
+            f"{i}: ran {a} simulated {b}" for i, (a, b) in enumerate(zip(ran + [None] * 99, simulated + [None] * 99)) if a != b
+        )[:2000]
