@@ -29,6 +29,10 @@ PLACEMENTS = ("replicate", "shard")
 RESIDENCIES = ("after_forward", "after_backward", "persistent")
 ACCUMULATIONS = ("unsharded", "sharded")
 BUCKET_OPS = ("all_reduce", "reduce_scatter")
+# torch.compile backends a plan may name for its compiled blocks: inductor (torch's default, fused
+# kernels), aot_eager (the same graph capture and autograd split, kernels run eagerly: no C++ or
+# Triton compiler needed) and eager (graph capture only)
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 OP_FOR_PLACEMENT = {"replicate": "all_reduce", "shard": "reduce_scatter"}
 
 Window = int | Literal["memory"]
@@ -127,6 +131,11 @@ class Plan:
     # blocks (structure.blocks) whose forward AutoDist runs again during backward instead of keeping
     # their activations (activation checkpointing the model's code does not do itself)
     recompute: list[str] = field(default_factory=list)
+    # blocks (structure.blocks) whose forward AutoDist runs under torch.compile with
+    # ``compile_backend`` (autodist/runtime/compiled.py): the block's operators fused, its
+    # parameters managed at its boundary, its gradients all ready when its backward ends
+    compile: list[str] = field(default_factory=list)
+    compile_backend: str = "inductor"
     # micro-batches per optimizer step the plan was made for (a loop with another count stays correct)
     grad_accum_steps: int = 1
     # Over how many ranks every sharded unit is sharded: null = the whole world (FSDP's full
@@ -182,6 +191,8 @@ class Plan:
             o["fragment"] = list(o["fragment"])
         if d["shard_size"] is None:  # the whole world: written as before hybrid sharding (same hash)
             del d["shard_size"]
+        if not d["compile"]:  # nothing compiled: written as before compiled blocks (same hash)
+            del d["compile"], d["compile_backend"]
         return d
 
     def to_json(self) -> str:
@@ -340,7 +351,7 @@ _TOP_REQUIRED = {"schema_version", "world_size", "units"}
 _TOP_OPTIONAL = {
     "gather_groups", "buckets", "offload", "rebuild_buckets", "max_inflight_buckets", "fingerprint", "device",
     "budget_bytes", "param_shapes", "optimizer_states", "predicted", "provenance", "recompute", "grad_accum_steps",
-    "shard_size",
+    "shard_size", "compile", "compile_backend",
 }
 
 
@@ -369,6 +380,10 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
     if len(set(recompute)) != len(recompute):
         r.fail("recompute", "lists a block more than once; list each block once")
     accum = _read_grad_accum_steps(r, d)
+    compiled = r.str_list(d.get("compile", []), "compile")
+    if len(set(compiled)) != len(compiled):
+        r.fail("compile", "lists a block more than once; list each block once")
+    backend = r.choice(d.get("compile_backend", "inductor"), "compile_backend", COMPILE_BACKENDS)
     shard_size = d.get("shard_size")
     if shard_size is not None:
         shard_size = r.typed(shard_size, "shard_size", int, "a positive number of ranks or null (the whole world)")
@@ -380,6 +395,8 @@ def _parse_plan(data: Any, source: str | None) -> Plan:
         shard_size=shard_size,
         schema_version=d["schema_version"],
         recompute=list(recompute),
+        compile=list(compiled),
+        compile_backend=str(backend),
         grad_accum_steps=accum,
         world_size=world_size,
         units=units,
@@ -630,6 +647,7 @@ def validate_plan(
         *_check_bucket_accumulation(plan),
         *_check_recompute(plan, structure),
         *_check_offload(plan, structure),
+        *_check_compile(plan, structure),
     ]
     if problems:
         raise PlanError(problems, source=source)
@@ -831,6 +849,44 @@ def _check_recompute(plan: Plan, structure: ModelStructure) -> list[str]:
         for i, block in enumerate(plan.recompute)
         if block not in blocks
     ]
+
+
+def _check_compile(plan: Plan, structure: ModelStructure) -> list[str]:
+    """Compiled blocks are blocks of this model whose parameters can be managed at their boundary:
+    the sharded units of one block lie in one gather group (gathered and swapped in by the block's
+    own hooks, outside the compiled code), and no offload copy is anchored at a unit inside one
+    (the runtime sees the block's boundary only). See [Note: hooks at a compiled block's boundary]
+    in autodist/runtime/compiled.py."""
+    problems: list[str] = []
+    blocks = set(structure.blocks)
+    group_of = {un: gi for gi, g in enumerate(plan.gather_groups) for un in g.units}
+    block_of = {u.name: u.block for u in structure.units}
+    compiled = set(plan.compile)
+    if plan.compile and plan.compile_backend not in COMPILE_BACKENDS:
+        problems.append(f"compile_backend = {plan.compile_backend!r}; expected one of {', '.join(COMPILE_BACKENDS)}")
+    for i, block in enumerate(plan.compile):
+        if block not in blocks:
+            problems.append(
+                f"compile[{i}] = {block!r} is not a block of this model (its blocks: "
+                f"{', '.join(structure.blocks[:6])}{', ...' if len(structure.blocks) > 6 else ''}); {_FIX_OTHER_MODEL}"
+            )
+            continue
+        groups = sorted({group_of[u.name] for u in plan.units if block_of.get(u.name) == block and u.name in group_of})
+        if len(groups) > 1:
+            problems.append(
+                f"compile[{i}] = {block!r}: its sharded units are split over gather_groups {groups}; a compiled block is "
+                "gathered at its boundary, outside the compiled code, so put its sharded units in one gather group "
+                "(or do not compile it)"
+            )
+    for oi, o in enumerate(plan.offload):
+        for key, val in (("out_after", o.out_after), ("back_from", o.back_from)):
+            unit = val.partition(":")[2]
+            if block_of.get(unit) in compiled:
+                problems.append(
+                    f"offload[{oi}].{key} = {val!r} is inside compiled block {block_of[unit]!r}, where the runtime sees "
+                    "only the block's boundary; anchor it at a unit outside compiled blocks, or at 'step'"
+                )
+    return problems
 
 
 def _check_offload(plan: Plan, structure: ModelStructure) -> list[str]:

@@ -243,12 +243,13 @@ class AutoDist(nn.Module):
             source = "file" if isinstance(plan, (str, os.PathLike)) and plan not in PLAN_CHOICES else (
                 "built-in" if plan in BUILTIN_PLANS else "object" if isinstance(plan, Plan) else "auto"
             )
+            compiled = f", {len(resolved.compile)} blocks compiled ({resolved.compile_backend})" if resolved.compile else ""
             announce(
                 "autodist: plan %s in force (source: %s; %d units, %d sharded, %d gather groups, %d buckets, "
-                "%d offload fragments, %d blocks recomputed; world size %d, budget %s)",
+                "%d offload fragments, %d blocks recomputed%s; world size %d, budget %s)",
                 resolved.label, source, len(resolved.units), len(resolved.sharded_units),
                 len(resolved.gather_groups), len(resolved.buckets), len(resolved.offload), len(resolved.recompute),
-                self._comm.world_size, format_bytes(self.budget_bytes),
+                compiled, self._comm.world_size, format_bytes(self.budget_bytes),
             )
         module.__dict__[_MANAGED] = True  # see _check_module_argument; removed by close()
 

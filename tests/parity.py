@@ -46,6 +46,10 @@ class Case:
     # when buckets launch (engine.py LAUNCH_POLICIES): None is the backend's default ("ready" on
     # gloo); "sampled" runs NCCL's policy here
     launch_policy: str | None = None
+    # blocks the plan compiles ("all": every block of the model) with ``compile_backend``; the
+    # reference's blocks are compiled the same way
+    compile: Any = ()
+    compile_backend: str = "aot_eager"
 
 
 def make_plan(
@@ -140,6 +144,22 @@ def random_plan(model: torch.nn.Module, world: int, seed: int) -> Plan:
     return plan
 
 
+def _compiled_plan(plan: Any, base: torch.nn.Module, world: int, case: Case, ref: torch.nn.Module) -> Plan:
+    """``plan`` (a built-in name or a Plan) compiling ``case.compile``; the same blocks of ``ref``
+    compiled with the same backend."""
+    from autodist.builtins import builtin_plan
+
+    s = discover(base)
+    if isinstance(plan, str):
+        plan = builtin_plan(plan, s, world)
+    plan.compile = list(s.blocks) if case.compile == "all" else list(case.compile)
+    plan.compile_backend = case.compile_backend
+    for name in plan.compile:
+        block = ref.get_submodule(name)
+        block.forward = torch.compile(block.forward, backend=case.compile_backend)
+    return plan
+
+
 def run_cases(cases: list[Case]) -> list[dict[str, float]]:
     """Several cases in one pool call (the ranks are spawned once)."""
     return [run_case(c) for c in cases]
@@ -190,6 +210,11 @@ def run_case(case: Case) -> dict[str, float]:
         plan = random_plan(base, world, plan["random"])
     elif isinstance(plan, dict):
         plan = make_plan(base, world, **plan)
+    if case.compile:
+        from torch._dynamo.utils import counters
+
+        counters.clear()
+        plan = _compiled_plan(plan, base, world, case, ref)
     mpol = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.bf16 else None
     model = AutoDist(base, plan=plan, mixed_precision=mpol, **extra)
     if case.launch_policy is not None:
@@ -270,6 +295,11 @@ def run_case(case: Case) -> dict[str, float]:
                 worst["param"] = max(worst["param"], _maxdiff(sd[name], v, f"step {step} {name}"))
             elif rank == 0:  # buffers: floating and not (BatchNorm's batch counter)
                 worst["buffer"] = max(worst["buffer"], _maxdiff(sd[name], v, f"step {step} buffer {name}"))
+    if case.compile:
+        from torch._dynamo.utils import counters
+
+        worst["graph_breaks"] = sum(counters["graph_break"].values())
+        worst["compiled_blocks"] = list(model.runtime.compiled.blocks)
     worst["stats"] = model.runtime.comm.stats.__dict__.copy()
     worst["stats"].pop("log", None)
     worst["runtime"] = model.runtime.stats.__dict__.copy()

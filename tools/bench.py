@@ -190,6 +190,41 @@ def _autodist(plan: str) -> Callable[..., nn.Module]:
     return wrap
 
 
+def _compiled_blocks(model: nn.Module, backend: str) -> nn.Module:
+    """torchtitan's recipe: every block replaced in its parent by ``torch.compile(block)``, before
+    the wrapper (whose hooks then sit on the compiled module, outside the compiled code)."""
+    from autodist.structure import find_blocks
+
+    for name in find_blocks(model):
+        parent, _, attr = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        owner.register_module(attr, torch.compile(owner.get_submodule(attr), backend=backend))
+    return model
+
+
+def _compiled(wrap: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    def compiled_wrap(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Module:
+        return wrap(_compiled_blocks(model, args.compile_backend), args, example)
+
+    return compiled_wrap
+
+
+def _autodist_compiled(builtin: str) -> Callable[..., nn.Module]:
+    """A built-in plan with every block compiled by AutoDist itself (``Plan.compile``)."""
+
+    def wrap(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Module:
+        from autodist.builtins import builtin_plan
+        from autodist.structure import discover
+
+        structure = discover(model)
+        plan = builtin_plan(builtin, structure, dist.get_world_size())
+        plan.compile, plan.compile_backend = list(structure.blocks), args.compile_backend
+        plan.provenance = {"source": f"bench:{builtin}+compile"}
+        return AutoDist(model, plan=plan, memory_limit=args.memory_limit, mixed_precision=_mixed_precision(args))
+
+    return wrap
+
+
 def _close_autodist(m: nn.Module) -> None:
     m.close()
 
@@ -247,10 +282,18 @@ CONTENDERS: dict[str, Contender] = {
     # the accumulation scenario (--accum N): FSDP2 reduce-scattering every micro-batch (its default,
     # "fsdp2" above skips sync until the last micro-batch)
     "fsdp2:sync-every": Contender("fsdp2:sync-every", _fsdp2(True), micro_batch=_sync_every),
+    # the compile scenario (issue 45): every block compiled with --compile-backend, torchtitan's
+    # recipe for DDP and FSDP2, and by AutoDist's plan for its built-in plans
+    "ddp:compile": Contender("ddp:compile", _compiled(_ddp)),
+    "fsdp2:compile": Contender("fsdp2:compile", _compiled(_fsdp2(True))),
+    "autodist:ddp+compile": Contender("autodist:ddp+compile", _autodist_compiled("ddp"), _close_autodist, takes_budget=True),
+    "autodist:fsdp+compile": Contender("autodist:fsdp+compile", _autodist_compiled("fsdp"), _close_autodist, takes_budget=True),
 }
+COMPILE_CONTENDERS = ("ddp:compile", "fsdp2:compile", "autodist:ddp+compile", "autodist:fsdp+compile")
 DEFAULT_CONTENDERS = [
     n for n in CONTENDERS
     if n not in ("autodist:offload-all-sync", "fsdp2:cpu-offload", "fsdp2:ckpt", "fsdp2:no-reshard:ckpt", "fsdp2:sync-every")
+    and n not in COMPILE_CONTENDERS  # compiling takes minutes on the CPU: asked for by name
 ]
 # FSDP2's own knobs, brute force: grouping (per block, per two blocks, whole model) x
 # reshard_after_forward x prefetch depth 1-3
@@ -595,6 +638,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mixed-precision", default="none", choices=["none", "bf16"],
                     help="bf16: every wrapper computes in bf16 and reduces in fp32 (compute: the model cast to bf16)")
     ap.add_argument("--memory-limit", default=None, help="budget for contenders that take one, e.g. 300MB")
+    ap.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager", "eager"],
+                    help="torch.compile backend of the compile contenders (default: inductor)")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches (of --batch each) per optimizer step (default: 1)")
     ap.add_argument("--fsdp-grid", action="store_true", help="also run FSDP2's knob grid (18 configurations)")
     ap.add_argument("--grid-passes", type=int, default=1, help="passes over the grid (default: 1)")

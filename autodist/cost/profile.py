@@ -63,6 +63,32 @@ class OptimizerProfile:
 
 
 @dataclass
+class CompiledBlockProfile:
+    """One block (``structure.blocks``) timed alone on the inputs it got in the profiled forward,
+    compiled (``fwd_s``/``bwd_s``: ``torch.compile`` with the profile's ``compile_backend``) and
+    eager (``eager_fwd_s``/``eager_bwd_s``), on the same clock as the units. ``compile_s``: the
+    one-off wall time of compiling it (its first compiled forward and backward less a later one);
+    about 0 for a block that reuses the code compiled for an identical block before it
+    (``same_as``)."""
+
+    fwd_s: float
+    bwd_s: float
+    eager_fwd_s: float
+    eager_bwd_s: float
+    compile_s: float = 0.0
+    same_as: str = ""  # the earlier block of the same class, parameter shapes and input signature
+
+    @property
+    def fwd_scale(self) -> float:
+        """Compiled over eager forward time (the factor the simulator scales the block's units by)."""
+        return self.fwd_s / self.eager_fwd_s if self.eager_fwd_s > 0 else 1.0
+
+    @property
+    def bwd_scale(self) -> float:
+        return self.bwd_s / self.eager_bwd_s if self.eager_bwd_s > 0 else 1.0
+
+
+@dataclass
 class Profile:
     units: list[UnitProfile]
     ready_order: list[str]
@@ -109,6 +135,12 @@ class Profile:
     # run forward and backward (cuBLAS/cuBLASLt keep one per thread handle and stream; 0 on the CPU;
     # see [Note: what the allocator holds for libraries] in autodist/measure/unit_memory.py)
     library_bytes: int = 0
+    # blocks timed compiled and eager (``profile_model(compile_backend=...)``; empty: not measured,
+    # the simulator then times a compiled block as eager, its gradients still ready at its end)
+    compiled_blocks: dict[str, CompiledBlockProfile] = field(default_factory=dict)
+    compile_backend: str = ""
+    # modules the user compiled already (``torch.compile``d or ``.compile()``d): measured as they run
+    user_compiled: list[str] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
     schema_version: int = PROFILE_SCHEMA_VERSION
 
@@ -139,6 +171,7 @@ class Profile:
         d.pop("fresh_gradients", None)
         d["units"] = [UnitProfile(**u) for u in d["units"]]
         d["optimizer"] = OptimizerProfile(**d.get("optimizer", {}))
+        d["compiled_blocks"] = {b: CompiledBlockProfile(**c) for b, c in d.get("compiled_blocks", {}).items()}
         return cls(**d)
 
     @classmethod
@@ -179,6 +212,11 @@ def slowest(profiles: list[Profile]) -> Profile:
         for b, n in other.block_input_bytes.items():
             out.block_input_bytes[b] = max(out.block_input_bytes.get(b, 0), n)
         out.optimizer.per_tensor_s = max(out.optimizer.per_tensor_s, other.optimizer.per_tensor_s)
+        for b, c in out.compiled_blocks.items():
+            theirs = other.compiled_blocks.get(b)
+            if theirs is not None:
+                for key in ("fwd_s", "bwd_s", "eager_fwd_s", "eager_bwd_s", "compile_s"):
+                    setattr(c, key, max(getattr(c, key), getattr(theirs, key)))
         for key in ("contended_slowdown", "contention_sensitivity"):
             if getattr(other, key) is not None:
                 setattr(out, key, max(getattr(out, key) or 0.0, getattr(other, key)))

@@ -28,6 +28,7 @@ wait costs], [Note: collectives taken up at once] and [Note: what a wait returns
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -152,6 +153,9 @@ class Simulator:
         self._orders: StepOrders | None = None
         self._block_units: dict[str, list[str]] | None = None  # block -> its units the plan can recompute
         self._sharded_over: dict[int, Simulator] = {world_size: self}
+        # the compiled blocks this simulator times as compiled (see compiled_for), each unit's block
+        self.compiled_unit_block: dict[str, str] = {}
+        self._compiled_for: dict[tuple[int, frozenset[str]], Simulator] = {}
 
     def orders(self) -> StepOrders:
         """The orders backward passes begin and end in and forwards finish in, and where each
@@ -171,6 +175,56 @@ class Simulator:
             sim.full_padded_bytes = {n: ranks * sim.shard_numel[n] * self._compute_itemsize(n) for n in self.numel}
             self._sharded_over[ranks] = sim
         return sim
+
+    def compiled_for(self, blocks: list[str]) -> Simulator:
+        """This simulator with ``blocks`` (``Plan.compile``) timed as compiled.
+
+        [Note: a compiled block in the simulator] A compiled block's units keep their place in the
+        program (gathers, frees, activations and recomputation per unit, as the runtime's one site
+        on the block does them at its boundary), with their forward and backward times scaled by the
+        block's measured compiled-over-eager ratio (``Profile.compiled_blocks``; 1 where not
+        measured). Every gradient the block's units produce arrives when the last of them ends its
+        backward: the compiled backward is one autograd node, and its gradients reach their
+        buckets only when it returns — later than eager, which is what compiling can cost in overlap.
+        The emitter fires prefetch at the block's boundary (:class:`~.sim.emit.StepEmitter`)."""
+        blocks = [b for b in blocks if any(self.block_of.get(u) == b for u in self.order)]
+        key = (self.shard_world, frozenset(blocks))
+        if not blocks:
+            return self
+        sim = self._compiled_for.get(key)
+        if sim is not None:
+            return sim
+        sim = copy.copy(self)
+        sim._compiled_for = {}
+        sim.compiled_unit_block = {u: b for u in self.order if (b := self.block_of.get(u)) is not None and b in key[1]}
+        sim.uprof = dict(self.uprof)
+        for u, b in sim.compiled_unit_block.items():
+            measured = self.profile.compiled_blocks.get(b)
+            up = self.uprof.get(u)
+            if measured is not None and up is not None:
+                sim.uprof[u] = replace(up, fwd_s=up.fwd_s * measured.fwd_scale, bwd_s=up.bwd_s * measured.bwd_scale)
+        orders = self.orders()
+        last_bwd: dict[str, str] = {}
+        for u in orders.bstart:
+            if u in sim.compiled_unit_block:
+                last_bwd[sim.compiled_unit_block[u]] = u
+        start: dict[str, list[str]] = {u: list(ps) for u, ps in orders.ready_at_start.items()}
+        end: dict[str, list[str]] = {u: list(ps) for u, ps in orders.ready_at_end.items()}
+        late: dict[str, list[str]] = {}
+        for u in orders.bstart:  # in backward order, so each block's gradients keep their order
+            block = sim.compiled_unit_block.get(u)
+            if block is not None:
+                late.setdefault(last_bwd[block], []).extend(start.pop(u, []) + end.pop(u, []))
+        for u, ps in late.items():
+            start[u] = ps
+        sim._orders = replace(orders, ready_at_start=start, ready_at_end=end)
+        self._compiled_for[key] = sim
+        return sim
+
+    def compile_seconds(self, plan: Plan) -> float:
+        """The one-off cost of compiling ``plan``'s blocks, as the profile measured it (a block
+        reusing an identical block's compiled code costs what its own first run measured: ~0)."""
+        return sum(c.compile_s for b, c in self.profile.compiled_blocks.items() if b in plan.compile)
 
     def _time_at(self, op: str, nbytes: int, ranks: int, *, stride: int = 1) -> float:
         """``op`` of ``nbytes`` over a group of ``ranks`` ranks ``stride`` apart (a shard group:
@@ -286,11 +340,12 @@ class Simulator:
             result.analytic_step_s = analytic.step_s
         result.offload_log = program.offload_log
         result.actions = program.actions
+        result.compile_s = self.compile_seconds(plan)
         return result
 
     def compile(self, plan: Plan) -> Program:
         """The program of one steady-state step of ``plan`` (:class:`~autodist.cost.sim.emit.StepEmitter`)."""
-        return StepEmitter(self.sharded_over(plan.shard_ranks), plan).program()
+        return StepEmitter(self.sharded_over(plan.shard_ranks).compiled_for(plan.compile), plan).program()
 
     def _execute(self, prog: list[Instruction], ops: list[CommOp], static: list[int], record: bool) -> SimResult:
         """``prog`` timed (:func:`~autodist.cost.sim.execute.execute`) on this simulator's machine."""

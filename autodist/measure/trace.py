@@ -30,8 +30,9 @@ from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from torch.utils._pytree import tree_flatten
 
 from .._tree import output_leaves
-from ..cost.profile import OptimizerProfile, Profile, UnitProfile, estimated_loss_memory
+from ..cost.profile import CompiledBlockProfile, OptimizerProfile, Profile, UnitProfile, estimated_loss_memory
 from ..runtime.backward import in_backward
+from ..runtime.compiled import compiled_by_user
 from ..structure import ModelStructure
 from .clock import Clock
 from .contention import contended_slowdown
@@ -582,6 +583,7 @@ def profile_model(
     contention: CollectiveTrain | None = None,
     compute_dtype: torch.dtype | None = None,
     cast_inputs: bool = True,
+    compile_backend: str | None = None,
 ) -> Profile:
     """Profile ``module`` on one forward: ``module(*example_inputs, **example_kwargs)``. Without a
     ``loss_fn``, the loss is the one the model returns (``output.loss``, as Hugging Face models do
@@ -595,7 +597,8 @@ def profile_model(
     ``Profile.contention_sensitivity``; see :func:`contended_slowdown`).
     ``compute_dtype``: the mixed-precision policy's parameter dtype: the model is profiled as the
     runtime runs it (see [Note: profiled as it runs]); ``cast_inputs``: the policy casts the
-    floating-point inputs of the forward to it."""
+    floating-point inputs of the forward to it. ``compile_backend``: also time every block
+    compiled with it and eager (:func:`profile_compiled_blocks`)."""
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs)
@@ -610,6 +613,11 @@ def profile_model(
         loss_fn = chooser = _OwnOrSurrogateLoss()
     passes = _run_passes(module, structure, tracer, clock, inputs, kwargs, loss_fn, device, compute_dtype,
                          memory=memory, warmup=warmup, repeats=repeats)
+    compiled: dict[str, CompiledBlockProfile] = {}
+    if compile_backend is not None:
+        with computing_in(module, compute_dtype):
+            compiled = profile_compiled_blocks(module, structure, inputs, kwargs, device=device,
+                                               backend=compile_backend, repeats=repeats)
     results, counted, last, peaks = passes.results, passes.counted, passes.last, passes.peaks
 
     def train_backward() -> None:
@@ -665,6 +673,9 @@ def profile_model(
         contended_slowdown=slowdown,
         contention_sensitivity=sensitivity,
         library_bytes=passes.library,
+        compiled_blocks=compiled,
+        compile_backend=compile_backend or "",
+        user_compiled=compiled_by_user(module),
         meta={
             "warmup": warmup, "passes": len(results), "torch": torch.__version__,
             **({"compute_dtype": str(compute_dtype).replace("torch.", "")} if compute_dtype is not None else {}),
@@ -676,6 +687,94 @@ def profile_model(
             "estimated" if chooser is not None and not chooser.own else "measured",
         ),
     )
+
+
+def _block_inputs(module: nn.Module, blocks: list[str], inputs: tuple, kwargs: dict) -> dict[str, tuple[tuple, dict]]:
+    """The arguments each block got in one forward of ``module`` (its first call), detached copies
+    that require gradients where the originals did."""
+    captured: dict[str, tuple[tuple, dict]] = {}
+
+    def copy(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.detach().clone().requires_grad_(x.requires_grad)
+        return x
+
+    def hook(name: str) -> Callable[..., None]:
+        def pre(m: nn.Module, args: tuple, kw: dict) -> None:
+            if name not in captured:
+                captured[name] = (tuple(copy(a) for a in args), {k: copy(v) for k, v in kw.items()})
+        return pre
+
+    handles = [module.get_submodule(b).register_forward_pre_hook(hook(b), with_kwargs=True) for b in blocks]
+    try:
+        module(*inputs, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
+
+
+def _time_block(fn: Callable[..., Any], args: tuple, kwargs: dict, clock: Clock) -> tuple[float, float]:
+    """One forward and backward of ``fn`` on fresh leaves of ``args``: (forward, backward) seconds."""
+    a = tuple(x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in args)
+    t0 = clock.mark()
+    out = fn(*a, **kwargs)
+    t1 = clock.mark()
+    leaves = [t for t in output_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if leaves:
+        torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+    t2 = clock.mark()
+    return clock.seconds(t0, t1), clock.seconds(t1, t2)
+
+
+def profile_compiled_blocks(
+    module: nn.Module, structure: ModelStructure, inputs: tuple, kwargs: dict, *,
+    device: torch.device, backend: str, repeats: int = 5,
+) -> dict[str, CompiledBlockProfile]:
+    """Every block of ``structure`` timed alone, eager and under ``torch.compile(backend=...)``, on
+    the inputs it got in one forward of ``module`` (the lower quartile of ``repeats`` runs each).
+
+    [Note: compiled once per distinct block] Blocks of one class with the same parameter shapes and
+    input signature run the same compiled code (Dynamo keys its cache by the forward's code and
+    guards on what it reads): the first of them pays the compilation, which is timed (wall time:
+    inductor compiles in other processes) as its first compiled forward and backward less a later
+    one; the others are timed warm and name it in ``same_as``. Blocks the user compiled already are
+    measured as they run, compiled and eager alike. Parameters' gradients, buffers and the RNG state
+    are left as they were."""
+    import time
+
+    clock = Clock(device)
+    user = set(compiled_by_user(module))
+    out: dict[str, CompiledBlockProfile] = {}
+    first_of: dict[tuple, str] = {}
+    with _preserved(module, device):
+        captured = _block_inputs(module, list(structure.blocks), inputs, kwargs)
+        for name, (args, kw) in captured.items():
+            block = module.get_submodule(name)
+            sig = tuple(
+                (tuple(x.shape), str(x.dtype), x.requires_grad) if isinstance(x, torch.Tensor) else type(x).__name__
+                for x in tree_flatten((args, kw))[0]
+            )
+            key = (type(block).__qualname__, tuple((n, tuple(p.shape), str(p.dtype)) for n, p in block.named_parameters()), sig)
+            # the forward alone, as the runtime compiles it (recompute.py, compiled.py): no hooks
+            eager = [_time_block(block.forward, args, kw, clock) for _ in range(repeats + 1)][1:]  # one warm-up
+            fn = block if name in user else torch.compile(block.forward, backend=backend)
+            w0 = time.perf_counter()
+            _time_block(fn, args, kw, clock)
+            first = time.perf_counter() - w0
+            w0 = time.perf_counter()
+            warm = [_time_block(fn, args, kw, clock)]
+            again = time.perf_counter() - w0
+            warm += [_time_block(fn, args, kw, clock) for _ in range(repeats - 1)]
+            same = first_of.setdefault(key, name)
+            out[name] = CompiledBlockProfile(
+                fwd_s=lower_quartile([f for f, _ in warm]), bwd_s=lower_quartile([b for _, b in warm]),
+                eager_fwd_s=lower_quartile([f for f, _ in eager]), eager_bwd_s=lower_quartile([b for _, b in eager]),
+                compile_s=max(0.0, first - again), same_as="" if same == name else same,
+            )
+            for p in block.parameters():
+                p.grad = None
+    return out
 
 
 def loss_fields(saved: int, peaks: tuple[int, int], out_fp32: int, source: str) -> dict[str, Any]:

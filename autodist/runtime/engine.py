@@ -90,6 +90,7 @@ from ..structure import ModelStructure
 from .backward import attach_post_backward, in_backward, outside_dispatch_modes
 from .buckets import install_reducer, maybe_rebuild_buckets
 from .comm import Comm, profiled_range
+from .compiled import BlockCompile, merge_block_sites
 from .gather import GatherGroupRuntime, GroupState
 from .offload import OffloadManager
 from .optimizers import adopt_optimizer, weak_optimizer_hook
@@ -104,6 +105,7 @@ LAUNCH_POLICIES = ("ready", "sampled")
 
 class Engine:
     recompute: BlockRecompute
+    compiled: BlockCompile
     offload: OffloadManager
 
     def __init__(
@@ -252,6 +254,9 @@ class Engine:
         self.launch_policy = policy if self.groups else "ready"
         if getattr(self, "recompute", None) is not None:
             self.recompute.remove()
+            self.compiled.remove()
+        # compiled first: a block both compiled and recomputed recomputes its compiled forward
+        self.compiled = BlockCompile(self.module, plan.compile, plan.compile_backend)
         self.recompute = BlockRecompute(self.module, plan.recompute, on_recompute=self._count_recomputed_block)
         previous = getattr(self, "offload", None)
         self.offload = OffloadManager(plan.offload, self.params, self.device)
@@ -411,6 +416,7 @@ class Engine:
         functional = self.structure.functional_uses
         unit_params = {u.name: [self.params[p] for p in u.params] for u in self.structure.units}
         roots = self._collapsed
+        sites: list[ModuleSite] = []
         for mname, module in self.module.named_modules():
             if self._probing and mname in self._candidates:
                 self._module_handles.append(module.register_forward_pre_hook(self._make_probe(mname, 1)))
@@ -453,10 +459,12 @@ class Engine:
                 continue
             site = ModuleSite(module=module, name=mname, unit=own, swaps=swaps, groups=groups, units=units, params=params)
             site.probe_root = root_of_unit.get(own) if own is not None else None
-            for mp in params:
+            sites.append(site)
+        for site in merge_block_sites(sites, self.compiled.blocks, self.module, self.unit_order):
+            for mp in site.params:
                 self._sites_of_param.setdefault(id(mp), []).append(site)
-            self._module_handles.append(module.register_forward_pre_hook(self._make_pre_forward(site), with_kwargs=True))
-            self._module_handles.append(module.register_forward_hook(self._make_post_forward(site), always_call=True))
+            self._module_handles.append(site.module.register_forward_pre_hook(self._make_pre_forward(site), with_kwargs=True))
+            self._module_handles.append(site.module.register_forward_hook(self._make_post_forward(site), always_call=True))
 
     def _make_probe(self, root: str, delta: int):
         def probe(module: nn.Module, *_: object) -> None:
@@ -508,6 +516,7 @@ class Engine:
         self.comm.finish_sequence_check()
         self._swap_root(False)
         self.recompute.remove()
+        self.compiled.remove()
         self.offload.close()
         self.reducer.reset()
         for g in self.groups:
@@ -784,7 +793,7 @@ class Engine:
                     mp.swap_in()
                 step.bwd_swapped[id(site)] = step.bwd_swapped.get(id(site), 0) + 1
             if site.unit is not None:
-                self._fire(step.bwd_schedule, step.bwd_fire.get(site.unit, -1))
+                self._fire(step.bwd_schedule, step.bwd_fire.get(site.backward_unit or site.unit, -1))
             if site.sharded:
                 self.reducer.poll()
 

@@ -29,6 +29,9 @@ class ModuleSite:
     collapsed: bool = False
     bwd_first: str | None = None
     probe_root: str | None = None  # a candidate group's root, while probed ([Note: probing the group roots])
+    # the unit whose backward position fires backward prefetch, if not ``unit`` (a compiled block:
+    # its first unit; see [Note: hooks at a compiled block's boundary] in compiled.py)
+    backward_unit: str | None = None
 
     @property
     def sharded(self) -> bool:

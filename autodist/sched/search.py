@@ -34,6 +34,10 @@ MOVE_KINDS = (
 # the built-in conventions a searched plan must beat by prefer_seed_within to be chosen over them
 BUILTIN_SEEDS = ("ddp", "fsdp", "zero2", "hsdp")
 
+# toggling a block's compilation: chosen from only where the profile timed blocks compiled, so the
+# moves of a search without (and so its plan, for a given seed) are as they were
+COMPILE_MOVE = "compile"
+
 
 @dataclass
 class SearchConfig:
@@ -307,6 +311,9 @@ class Searcher:
             for seed in [n for n in ("fsdp", "zero2", "hsdp", "hsdp-zero2") if n in out]:
                 g = out[seed]
                 out[f"{seed}+sharded-accumulation"] = self.normalize(replace(g, accumulate=tuple(int(s_) for s_ in g.shard)))
+        if sp.compile_blocks:  # torchtitan's recipe: every block compiled (DisCo's "fuse all"); "none" is the above
+            for base in [n for n in ("ddp", "fsdp", "zero2", "fsdp+prefetch", "zero2+prefetch") if n in out]:
+                out[f"{base}+compile-all"] = self.normalize(sp.with_compile(out[base], range(len(sp.compile_blocks))))
         if sp.recompute_blocks:
             every = range(len(sp.recompute_blocks))
             for name in list(out):
@@ -338,9 +345,11 @@ class Searcher:
             if c < best_c:
                 best_g, best_c = self.normalize(g), c
         expanded: set[Genome] = set()
-        # the plan-wide shard group is a move only where the space offers hybrid sharding (a space
-        # of one node draws its moves as it always has, and finds the same plans)
-        kinds = MOVE_KINDS + (("shard_size",) if self.space.shard_sizes else ())
+        # the plan-wide shard group and the blocks' compilation are moves only where the space
+        # offers hybrid sharding or compiled blocks (otherwise the moves are drawn as they always
+        # were, and the search finds the same plans)
+        kinds = (MOVE_KINDS + ((COMPILE_MOVE,) if self.space.compile_blocks else ())
+                 + (("shard_size",) if self.space.shard_sizes else ()))
         since_improved = 0
         history = [(self.evaluated, best_c)]
         stopped_by = "queue exhausted"

@@ -22,7 +22,11 @@ trainable parameters in gradient-ready order.
   takes its group's first unit's value, and only matters when a step has several micro-batches.
 * ``shard_size`` — over how many ranks the sharded units are split, a plan-wide decision (0: the
   whole world; else one of ``PlanSpace.shard_sizes``, e.g. the ranks of one node: hybrid sharding,
-  replicated across the groups). A space without ``shard_sizes`` (one node) never changes it.
+  replicated across the groups). A space without ``shard_sizes`` (one node) never changes it;
+* ``compile`` — indices of compiled blocks (``PlanSpace.compile_blocks``: the blocks the profile
+  timed compiled); a compiled block's sharded units form one gather group (``normalize`` merges
+  them, or drops the block when a replicated unit splits them) and no offload copy is anchored
+  inside it (moved to the step).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class Genome:
     recompute: frozenset[int] = frozenset()
     accumulate: tuple[int, ...] = ()
     shard_size: int = 0
+    compile: frozenset[int] = frozenset()
 
 
 def _clamp_window(w: int, n_units: int) -> int:
@@ -82,12 +87,16 @@ class PlanSpace:
         block_act_bytes: dict[str, int] | None = None,
         block_fwd_s: dict[str, float] | None = None,
         shard_sizes: Sequence[int] = (),
+        compile_blocks: Sequence[str] = (),
+        compile_backend: str = "inductor",
     ) -> None:
         """``shard_sizes``: the shard groups smaller than the world a plan may shard over (hybrid
         sharding; each divides the world; none: only the whole world). ``state_names``: the optimizer's per-parameter state tensors (offload candidates; none:
         no offload moves). ``grad_accum_steps``: micro-batches per step. ``user_recomputed``: units
         the model recomputes itself (their blocks are not recomputed again). ``block_act_bytes`` /
-        ``block_fwd_s``: what recomputing each block saves and costs (for the greedy pass)."""
+        ``block_fwd_s``: what recomputing each block saves and costs (for the greedy pass).
+        ``compile_blocks``: blocks that may be compiled with ``compile_backend`` (none: no compile
+        moves)."""
         self.structure = structure
         self.state_names = tuple(state_names)
         self.world = world_size
@@ -119,6 +128,9 @@ class PlanSpace:
         self.block_fwd_s = dict(block_fwd_s or {})
         self.shard_sizes: tuple[int, ...] = tuple(sorted({
             int(x) for x in shard_sizes if 1 < x < world_size and world_size % x == 0}))
+        self.compile_blocks = [b for b in dict.fromkeys(x for x in self.blocks if x is not None) if b in set(compile_blocks)]
+        self.compile_backend = compile_backend
+        self.block_unit_index = {b: [i for i, x in enumerate(self.blocks) if x == b] for b in self.compile_blocks}
 
     # ---- conversion ------------------------------------------------------------------------
     def normalize(self, g: Genome) -> Genome:
@@ -137,6 +149,7 @@ class PlanSpace:
             if s and (not prev_sharded or i in g.group_start):
                 starts.add(i)
             prev_sharded = s
+        compiled = self._one_group_per_compiled_block(g.compile, shard, starts)
         res = list(g.residency)
         n_units = len(self.units)
         win = [(_clamp_window(f, n_units), _clamp_window(b, n_units)) for f, b in g.window]
@@ -168,11 +181,31 @@ class PlanSpace:
         # the genome offloads whole state tensors: a placement move since one was offloaded changes
         # how much of it a rank holds (a shard's rows, or all of them), and the fragment follows
         size = g.shard_size if g.shard_size in self.shard_sizes and any(shard) else 0
-        offload = tuple(sorted({(p, state, 0, self._state_numel(shard, p, size), bu) for p, state, _, _, bu in g.offload}))
+        inside = {self.compile_blocks[c] for c in compiled}
+        offload = tuple(sorted({
+            (p, state, 0, self._state_numel(shard, p, size), -1 if bu >= 0 and self.blocks[bu] in inside else bu)
+            for p, state, _, _, bu in g.offload
+        }))
         return replace(
             g, shard=tuple(shard), residency=tuple(res), group_start=frozenset(starts), window=tuple(win),
             bucket_start=bstarts, recompute=recompute, accumulate=tuple(acc), offload=offload, shard_size=size,
+            compile=compiled,
         )
+
+    def _one_group_per_compiled_block(self, compile_: frozenset[int], shard: Sequence[bool], starts: set[int]) -> frozenset[int]:
+        """The compiled blocks that can be, each block's sharded units made one gather group (group
+        starts inside it dropped from ``starts``); a block whose sharded units a replicated unit
+        splits is not compiled."""
+        out = set()
+        for c in compile_:
+            if not 0 <= c < len(self.compile_blocks):
+                continue
+            sharded = [i for i in self.block_unit_index[self.compile_blocks[c]] if shard[i]]
+            if sharded and not all(shard[i] for i in range(sharded[0], sharded[-1] + 1)):
+                continue
+            starts.difference_update(sharded[1:])
+            out.add(c)
+        return frozenset(out)
 
     def _bucket_key(self, shard: Sequence[bool], acc: Sequence[int], k: int) -> tuple:
         i = self.unit_of_ready[k]
@@ -242,6 +275,8 @@ class PlanSpace:
             offload=offload,
             max_inflight_buckets=None if g.inflight < 0 else g.inflight,
             recompute=[self.recompute_blocks[b] for b in sorted(g.recompute)],
+            compile=[self.compile_blocks[c] for c in sorted(g.compile)],
+            compile_backend=self.compile_backend,
             grad_accum_steps=self.accum_steps,
             fingerprint=self.fingerprint,
             provenance=dict(provenance or {}),
@@ -269,6 +304,7 @@ class PlanSpace:
             -1 if plan.max_inflight_buckets is None else plan.max_inflight_buckets, (), recompute,
             tuple(int(up[u].accumulate == "sharded") for u in self.units),
             plan.shard_size if plan.shard_size is not None and plan.shard_size < self.world else 0,
+            frozenset(self.compile_blocks.index(b) for b in plan.compile if b in self.compile_blocks),
         ))
 
     def ddp(self) -> Genome:
@@ -334,7 +370,9 @@ class PlanSpace:
         recompute = frozenset(b for b in range(len(self.recompute_blocks)) if rng.random() < 0.3)
         accumulate = tuple(int(rng.random() < 0.5) for _ in range(n))
         size = rng.choice((0, *self.shard_sizes)) if self.shard_sizes else 0
-        return self.normalize(Genome(shard, residency, starts, window, bstarts, inflight, (), recompute, accumulate, size))
+        # drawn only where there is something to compile: the draws of a space without stay as they were
+        compile_ = frozenset(c for c in range(len(self.compile_blocks)) if rng.random() < 0.5) if self.compile_blocks else frozenset()
+        return self.normalize(Genome(shard, residency, starts, window, bstarts, inflight, (), recompute, accumulate, size, compile_))
 
     def mutate(self, g: Genome, rng: Random, moves: int = 1) -> Genome:
         """Apply ``moves`` random moves (bucket merge/split, group merge/split, residency, window,
@@ -345,6 +383,9 @@ class PlanSpace:
 
     def with_recompute(self, g: Genome, blocks: Iterable[int]) -> Genome:
         return replace(g, recompute=frozenset(blocks))
+
+    def with_compile(self, g: Genome, blocks: Iterable[int]) -> Genome:
+        return replace(g, compile=frozenset(blocks))
 
     def _move(self, g: Genome, rng: Random) -> Genome:
         kinds = ["bucket_merge", "bucket_split", "residency", "window", "inflight", "group_merge", "group_split"]
@@ -402,6 +443,9 @@ class PlanSpace:
         if kind == "recompute" and self.recompute_blocks:
             b = rng.randrange(len(self.recompute_blocks))
             return replace(g, recompute=g.recompute ^ {b})
+        if kind == "compile" and self.compile_blocks:  # the fusion / gradient-readiness trade-off, per block
+            c = rng.randrange(len(self.compile_blocks))
+            return replace(g, compile=g.compile ^ {c})
         if kind == "accumulate" and sharded and self.accum_steps > 1:
             first = rng.choice(self.groups(g))[0]
             acc = list(g.accumulate) if g.accumulate else [0] * n
@@ -445,6 +489,11 @@ def space_for(
         grad_accum_steps=grad_accum_steps or profile.grad_accum_steps,
         user_recomputed=list(profile.recompute_anchor), block_act_bytes=saves, block_fwd_s=fwd,
         shard_sizes=shard_sizes,
+        compile_blocks=[
+            b for b in profile.compiled_blocks
+            if not any(u == b or u.startswith(b + ".") or b.startswith(u + ".") for u in profile.user_compiled)
+        ],
+        compile_backend=profile.compile_backend or "inductor",
     )
 
 

@@ -92,7 +92,7 @@ class StepEmitter:
         self.recompute = Recomputation(sim, plan, self.out, self.gathers, self.bstart)
         self.fwd_trig = self.gathers.forward_triggers()
         self.bwd_trig = self.gathers.backward_triggers(self.recompute.need)
-        self.bwd_fire = group_fire_positions(self.recompute.need, [g.units for g in self.gathers.collapsed])
+        self._compiled_boundaries()
         self._step_costs()
         self.offload = OffloadCopies(sim, plan, self.out)
 
@@ -133,6 +133,30 @@ class StepEmitter:
         self.fwd_name = orders.fwd_name
         self.bwd_name = orders.bwd_name
 
+    def _compiled_boundaries(self) -> None:
+        """Where each unit fires prefetch: its own position, or for a unit of a compiled block the
+        block's boundary — forward at the position of its last unit, backward at the need of its
+        first (the runtime's one site on the block: [Note: hooks at a compiled block's boundary] in
+        autodist/runtime/compiled.py)."""
+        sim = self.sim
+        # collapsed groups fire at their last position (autodist/schedule.py [Note: hooks per gather group])
+        self.fwd_fire = dict(self.gathers.fire_pos)
+        self.bwd_fire = group_fire_positions(self.recompute.need, [g.units for g in self.gathers.collapsed])
+        fwd, bwd = dict(self.fwd_fire), dict(self.bwd_fire)
+        self.first_of_block: set[str] = set()
+        units: dict[str, list[str]] = {}
+        for u in sim.order:
+            b = sim.compiled_unit_block.get(u)
+            if b is not None:
+                units.setdefault(b, []).append(u)
+        for us in units.values():
+            self.first_of_block.add(us[0])
+            for u in us:
+                if us[-1] in fwd:
+                    self.fwd_fire[u] = fwd[us[-1]]
+                if us[0] in bwd:
+                    self.bwd_fire[u] = bwd[us[0]]
+
     def _step_costs(self) -> None:
         """The optimizer step's time and transient memory, and each unit's hook time: module hooks
         run on every unit once anything is gathered (swapping units cost the most)."""
@@ -147,6 +171,8 @@ class StepEmitter:
         if self.gathers.groups:
             per_unit = ovh.get("per_unit_s", 0.0)
             for u in sim.order:
+                if u in sim.compiled_unit_block and u not in self.first_of_block:
+                    continue  # a compiled block's hooks run once, at its boundary
                 self.hook_s[u] = per_unit / 2 if placement_of_unit.get(u) == "shard" else per_unit / 4
             # a group enacted at its root hooks the root once; each of its units costs its
             # parameters' swaps and gradient hooks (a comm model measured before this figure existed
@@ -218,7 +244,7 @@ class StepEmitter:
             if u in rc.block_first:  # a recomputed block keeps only its input until its backward
                 out.emit((MEM, prof.block_input_bytes.get(rc.block_first[u], 0), ACTIVATIONS))
             used = gathers.forward_uses(u, up)
-            gathers.fire(fcur, gathers.fire_pos[u])
+            gathers.fire(fcur, self.fwd_fire[u])
             if up is not None:
                 out.emit((COMPUTE, up.fwd_s + self.hook_s.get(u, 0.0), name, up.fwd_peak_bytes))
                 if u not in rc.in_recomputed:

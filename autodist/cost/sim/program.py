@@ -74,6 +74,7 @@ class SimResult:
     breakdown: dict[str, int] = field(default_factory=dict)  # bytes by category at the peak
     actions: ActionLog | None = None  # what the runtime will do, in its own vocabulary
     analytic_step_s: float | None = None  # with an estimator: the analytic model's step time before correction
+    compile_s: float = 0.0  # the one-off cost of compiling the plan's compiled blocks (not in step_s)
 
     def summary(self) -> str:
         return (

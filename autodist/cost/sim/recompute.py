@@ -62,8 +62,14 @@ class Recomputation:
         forward again."""
         units, blocks = at.get(u, ([], []))
         sim, out = self.sim, self.out
+        logged: set[str] = set()
         for r in units:
-            out.log.add("recompute", r)
+            compiled = sim.compiled_unit_block.get(r)
+            if compiled is None:
+                out.log.add("recompute", r)
+            elif compiled not in logged:  # the runtime sees the block's one site, named by its last unit
+                logged.add(compiled)
+                out.log.add("recompute", [x for x in sim.order if sim.compiled_unit_block.get(x) == compiled][-1])
             self.gathers.ensure_owners(sim.uses[r])
             self.gathers.fire(cursor, self.need[r])
         for b in blocks:
