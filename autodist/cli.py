@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_comm_options(plan, levels=True)
     _add_reprofile(plan)
-    from .cost.device import describe_devices
+    from .cost.devices import describe_devices
 
     plan.add_argument(
         "--device", metavar="NAME", dest="described_device",
@@ -554,7 +554,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _check_plan_options(args: argparse.Namespace) -> tuple[int, int]:
     """(nodes, ranks per node) of ``autodist plan``'s flags, or one error naming the combination
     that does not work and the fix."""
-    from .cost.device import DEVICES
+    from .cost.devices import DEVICES
     from .cost.interconnect import INTERCONNECTS
 
     _check_comm_options(args)

@@ -143,9 +143,12 @@ def test_the_comm_model_is_completed_where_the_stored_one_lacks_what_the_model_n
     """``machine_comm_model`` (``plan="auto"``'s and ``autodist check``'s): a stored model with the
     model's messages is used as it is; one that lacks larger messages is the base of a sweep of
     what it lacks, and the result is stored; none stored is measured whole."""
+    from dataclasses import fields
+
     import torch
 
     from autodist.cost.comm import CommModel, OpModel, Piece
+    from autodist.measure.overhead import RuntimeOverhead
     from autodist.measure.sweep import CommNeeds, plan_sweep
     from autodist.planner.keys import machine, machine_key
     from autodist.planner.online import machine_comm_model
@@ -164,7 +167,8 @@ def test_the_comm_model_is_completed_where_the_stored_one_lacks_what_the_model_n
         rows = {r[0]: r for r in (base.contention["all_reduce"] if base else [])}
         rows.update({float(size): [float(size), 1.5, 2.0, 2.5] for size in todo.contention.get("all_reduce", [])})
         fit = OpModel(Piece(1e-9, 1e-4), Piece(1e-9, 1e-4), float("inf"), samples=sorted(times.items()))
-        return CommModel("gloo", 2, "cpu", {"all_reduce": fit}, host={"all_reduce": fit}, overhead={"hook_s": 1e-5},
+        overhead = {f.name: 1e-5 for f in fields(RuntimeOverhead)}  # every runtime figure (none measured again)
+        return CommModel("gloo", 2, "cpu", {"all_reduce": fit}, host={"all_reduce": fit}, overhead=overhead,
                          contention={"all_reduce": [rows[k] for k in sorted(rows)]})
 
     def get(needs):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from torch.utils._pytree import tree_flatten
 
+from .._loss import model_loss, surrogate_loss
 from .._tree import output_leaves
 from ..cost.profile import CompiledBlockProfile, OptimizerProfile, Profile, UnitProfile, estimated_loss_memory
 from ..runtime.backward import in_backward
@@ -264,15 +265,6 @@ class UnitTracer:
             self.stop()
 
 
-def model_loss(out: object) -> torch.Tensor | None:
-    """The loss a model returns itself (Hugging Face models given ``labels=``: an output mapping or
-    object with a scalar ``loss`` that requires grad), or None."""
-    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad:
-        return loss
-    return None
-
-
 class _OwnOrSurrogateLoss:
     """The model's own loss when its output carries one (measured), else a surrogate (the real loss
     is the user's and unseen: its memory is then estimated)."""
@@ -284,18 +276,6 @@ class _OwnOrSurrogateLoss:
         loss = model_loss(out)
         self.own = loss is not None
         return loss if loss is not None else surrogate_loss(out)
-
-
-def surrogate_loss(out: object) -> torch.Tensor | None:
-    """A stand-in when the model returns no loss: the sum of the means of its floating-point outputs
-    that require grad (every output's backward runs, as a real loss's would); ``None`` when no
-    output requires grad (a frozen model fed inputs that need none: it has no backward, and is
-    profiled forward only)."""
-    floats = [t for t in output_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
-    if not floats:
-        return None
-    means = [t.float().mean() for t in floats]
-    return sum(means[1:], start=means[0])
 
 
 @contextlib.contextmanager
