@@ -49,9 +49,8 @@ import torch
 from torch import nn
 
 from .._log import logger
+from .forward_patch import ForwardPatches
 from .step_state import ModuleSite
-
-_MISSING = object()
 
 
 def compiled_by_user(module: nn.Module) -> list[str]:
@@ -84,24 +83,16 @@ class BlockCompile:
                 "autodist: %d block(s) the plan compiles are compiled by the model already (e.g. %s); left as they are",
                 len(self.user_compiled), self.user_compiled[0],
             )
-        # each block and what its instance dict held under "forward" (any value; _MISSING: nothing)
-        self._patched: list[tuple[nn.Module, Any]] = []
+        self._patches = ForwardPatches()
         for name in blocks:
             if name in self.user_compiled:
                 continue
             block = module.get_submodule(name)
-            previous = block.__dict__.get("forward", _MISSING)
-            block.forward = torch.compile(block.forward, backend=backend)
-            self._patched.append((block, previous))
+            self._patches.shadow(block, torch.compile(block.forward, backend=backend))
             self.blocks.append(name)
 
     def remove(self) -> None:
-        for block, previous in reversed(self._patched):
-            if previous is _MISSING:
-                block.__dict__.pop("forward", None)
-            else:
-                block.forward = previous
-        self._patched.clear()
+        self._patches.remove()
 
 
 def merge_block_sites(

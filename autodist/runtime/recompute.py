@@ -45,8 +45,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .backward import in_backward
-
-_MISSING = object()
+from .forward_patch import ForwardPatches
 
 
 class _BlockState:
@@ -157,18 +156,10 @@ class BlockRecompute:
 
     def __init__(self, module: nn.Module, blocks: list[str], on_recompute: Callable[[], None] = lambda: None) -> None:
         self.blocks = list(blocks)
-        # each block and what its instance dict held under "forward" (any value; _MISSING: nothing)
-        self._patched: list[tuple[nn.Module, Any]] = []
+        self._patches = ForwardPatches()
         for name in self.blocks:
             block = module.get_submodule(name)
-            previous = block.__dict__.get("forward", _MISSING)
-            block.forward = _recomputed(block, block.forward, on_recompute)
-            self._patched.append((block, previous))
+            self._patches.shadow(block, _recomputed(block, block.forward, on_recompute))
 
     def remove(self) -> None:
-        for block, previous in reversed(self._patched):
-            if previous is _MISSING:
-                block.__dict__.pop("forward", None)
-            else:
-                block.forward = previous
-        self._patched.clear()
+        self._patches.remove()
