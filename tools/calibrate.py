@@ -40,6 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _launch import report  # noqa: E402
 
+from autodist.cost.fidelity import SIMULATOR_VERSION  # noqa: E402
+
 DEFAULT_RECORDS = os.path.join("benchmarks", "simcheck-*.json")
 
 
@@ -133,7 +135,7 @@ def calibrate(paths: Sequence[str]) -> dict:
         }
     return {
         "records": list(paths),
-        "simulator": versions.pop() if versions else None,
+        "simulator": SIMULATOR_VERSION,  # every prediction here is made again, by this simulator
         "wait_scale": best[0],
         "blocked_wait_s": best[1],
         "median_abs_pct_error_time": errors[best],
@@ -196,7 +198,9 @@ def apply(payload: dict) -> None:
         if "out_of_sample" not in record:
             record["out_of_sample"] = {"wait_scale": record["comm_model"].get("wait_scale", 1.0),
                                        "blocked_wait_s": record["comm_model"].get("blocked_wait_s", 0.0),
-                                       **summaries(rows, steps)}
+                                       "simulator": record.get("simulator"), **summaries(rows, steps)}
+        # the predictions are this simulator's now; the measurements stay what the record measured
+        record["simulator"] = SIMULATOR_VERSION
         for row, again in zip(rows, payload["at_fit"][record_name(record)]["plans"]):
             row["predicted_step_s"] = again["predicted_step_s"]
         record["comm_model"]["wait_scale"] = fitted

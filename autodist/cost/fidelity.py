@@ -63,7 +63,7 @@ UNDO = "`autodist cache clear --kind fidelity` removes it"
 # Raised whenever the simulator's timing or memory model changes: fidelity records and learned
 # estimators of another version are stale (``autodist check`` measures again). What each version
 # changed is in docs/CHANGELOG.md, what it did to the zoo's predictions in docs/fidelity.md.
-SIMULATOR_VERSION = 14
+SIMULATOR_VERSION = 15
 
 # [Note: the wait calibration] The sweep measures how much slower a collective runs while the
 # compute thread waits for it (the third contention figure) with a single collective, both ranks in
@@ -92,8 +92,8 @@ SIMULATOR_VERSION = 14
 # tell the two apart), and stores both in the machine's record, which the search then uses
 # (``SearchConfig.calibrated``). tests/test_fidelity_defaults.py checks the defaults against the
 # records. The figures behind the fit and its history: docs/fidelity.md.
-DEFAULT_CPU_WAIT_SCALE = 1.15
-DEFAULT_CPU_BLOCKED_WAIT_S = 0.0007
+DEFAULT_CPU_WAIT_SCALE = 1.35
+DEFAULT_CPU_BLOCKED_WAIT_S = 0.0004
 # the scales a calibration chooses from (tools/calibrate.py, ``autodist check``): 0.5 to 3.0
 WAIT_SCALES = tuple(round(0.5 + 0.05 * i, 2) for i in range(51))
 # the blocked-wait times tools/calibrate.py chooses from: 0 to 1.2 ms
