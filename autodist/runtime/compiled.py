@@ -96,13 +96,14 @@ class BlockCompile:
 
 
 def merge_block_sites(
-    sites: list[ModuleSite], blocks: Iterable[str], module: nn.Module, unit_order: list[str]
+    sites: list[ModuleSite], blocks: Iterable[str], module: nn.Module, unit_order: list[str], *, warn: bool = True
 ) -> list[ModuleSite]:
     """``sites`` (the engine's module hook sites) with every site inside a compiled block of
     ``blocks`` merged into one site on the block (see [Note: hooks at a compiled block's
     boundary]); ``unit_order``: units in forward order."""
     blocks = list(blocks)
-    _warn_hooks_in_user_compiled(sites, module)
+    if warn:  # once per plan: the hooks are installed again after the first step's probes
+        _warn_hooks_in_user_compiled(sites, module)
     if not blocks:
         return sites
     rank = {u: i for i, u in enumerate(unit_order)}

@@ -399,7 +399,7 @@ class Engine:
         self._opt_global_handles.append(optim_hooks.register_optimizer_step_pre_hook(weak_optimizer_hook(self, "pre")))
         self._opt_global_handles.append(optim_hooks.register_optimizer_step_post_hook(weak_optimizer_hook(self, "post")))
 
-    def _install_module_hooks(self) -> None:
+    def _install_module_hooks(self, *, warn: bool = True) -> None:
         """Module forward hooks, only where something must happen: at the roots of the collapsed
         groups, and while the candidates are still probed, at their units and probes at their roots
         (see [Note: probing the group roots])."""
@@ -460,7 +460,7 @@ class Engine:
             site = ModuleSite(module=module, name=mname, unit=own, swaps=swaps, groups=groups, units=units, params=params)
             site.probe_root = root_of_unit.get(own) if own is not None else None
             sites.append(site)
-        for site in merge_block_sites(sites, self.compiled.blocks, self.module, self.unit_order):
+        for site in merge_block_sites(sites, self.compiled.blocks, self.module, self.unit_order, warn=warn):
             for mp in site.params:
                 self._sites_of_param.setdefault(id(mp), []).append(site)
             self._module_handles.append(site.module.register_forward_pre_hook(self._make_pre_forward(site), with_kwargs=True))
@@ -478,7 +478,7 @@ class Engine:
         self._probing = False
         self._collapsed = {r: gi for r, gi in self._candidates.items() if r in self._probe_depth and r not in self._probe_failed}
         self._watched = set(self._probe_inner)
-        self._install_module_hooks()
+        self._install_module_hooks(warn=False)
 
     def _install_collapsed(
         self, module: nn.Module, mname: str, g: GatherGroupRuntime, unit_params: dict[str, list[ManagedParam]]

@@ -203,16 +203,13 @@ class BucketRuntime:
         """Lay the held gradients (zeros for ``missing`` ones) and the used flags out in the input:
         each rank's row holds its dim-0 chunk of every gradient, zero padded, then the flags (see
         [Note: copy-in at launch])."""
-        held: list[torch.Tensor | None] = [None] * self.n
-        for slot, g in self._deferred:
-            held[slot] = g
+        held = dict(self._deferred)
         self._deferred.clear()
-        dtypes = {g.dtype for g in held if g is not None}
+        dtypes = {g.dtype for g in held.values()}
         dtype = dtypes.pop() if len(dtypes) == 1 else self.dtype  # the gradients' own, where they share one
         parts = []
         for slot, mp in enumerate(self.params):
-            got = held[slot]
-            held[slot] = None
+            got = held.pop(slot, None)
             if got is None:
                 got = torch.zeros(mp.shape, dtype=dtype, device=self.device)
             elif got.dtype != dtype:
