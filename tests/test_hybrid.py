@@ -355,110 +355,24 @@ def test_the_runtime_carries_out_the_simulated_hybrid_schedule(world4, name):
 
 # ---- checkpoints across shard sizes and world sizes ----------------------------------------------
 
-GLOBAL_BATCH = 8
-
-
-def _ckpt_build(plan, shard_size, seed):
-    import models
-    from autodist import AutoDist
-    from parity import make_plan
-
-    world = dist.get_world_size()
-    spec = make_plan(models.make("mlp"), world, **plan) if isinstance(plan, dict) else plan
-    m = AutoDist(models.make("mlp", seed=seed), plan=spec, shard_size=shard_size)
-    assert m.plan.shard_ranks == (shard_size or world)
-    return m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
-
-
-def _ckpt_train(m, opt, gen, steps):
-    from parity import train_mlp
-
-    train_mlp(m, opt, gen, steps, GLOBAL_BATCH)
-
-
-def _ckpt_targets(m, opt, via_module):
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    return {"model": get_model_state_dict(m.module if via_module else m), "optim": get_optimizer_state_dict(m, opt)}
-
-
-def _ckpt_full_optim(m, opt):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    sd = get_optimizer_state_dict(m, opt, options=StateDictOptions(full_state_dict=True))
-    return {k: {s: v.clone() for s, v in st.items()} for k, st in sd["state"].items()}
-
-
-def _ckpt_save(path, plan, shard_size, via_module):
-    import os
-
-    import torch.distributed.checkpoint as dcp
-
-    m, opt = _ckpt_build(plan, shard_size, seed=0)
-    gen = torch.Generator().manual_seed(7)
-    _ckpt_train(m, opt, gen, 3)
-    dcp.save(_ckpt_targets(m, opt, via_module), checkpoint_id=path)
-    saved = {"params": {k: v.clone() for k, v in m.state_dict().items()}, "optim": _ckpt_full_optim(m, opt)}
-    _ckpt_train(m, opt, gen, 2)
-    saved["final"] = m.state_dict()
-    m.close()
-    if dist.get_rank() == 0:
-        torch.save(saved, os.path.join(path, "expected.pt"))
-    dist.barrier()
-
-
-def _ckpt_load(path, plan, shard_size, via_module):
-    import os
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-    import models
-
-    m, opt = _ckpt_build(plan, shard_size, seed=123)
-    sd = _ckpt_targets(m, opt, via_module)
-    dcp.load(sd, checkpoint_id=path)
-    set_model_state_dict(m.module if via_module else m, sd["model"])
-    set_optimizer_state_dict(m, opt, sd["optim"])
-    expected = torch.load(os.path.join(path, "expected.pt"), weights_only=False)
-    got = m.state_dict()
-    err = {"params": max((got[k] - v).abs().max().item() for k, v in expected["params"].items())}
-    optim = _ckpt_full_optim(m, opt)
-    err["optim"] = max(
-        (optim[k][s].float() - v.float()).abs().max().item() for k, st in expected["optim"].items() for s, v in st.items()
-    )
-    gen = torch.Generator().manual_seed(7)
-    for _ in range(3):
-        models.batch("mlp", GLOBAL_BATCH, gen)  # the saving run's data stream
-    _ckpt_train(m, opt, gen, 2)
-    final = m.state_dict()
-    err["continued"] = max((final[k] - v).abs().max().item() for k, v in expected["final"].items())
-    m.close()
-    return err
-
-
-def _check_loaded(errors):
-    for err in errors:
-        assert err["params"] == 0.0 and err["optim"] == 0.0, err
-        assert err["continued"] < 1e-5, err
-
-
 @pytest.mark.parametrize("via_module", [False, True], ids=["full", "sharded"])
 def test_dcp_checkpoints_load_across_shard_sizes_and_world_sizes(world2, world4, via_module):
     import tempfile
 
+    from dcp_roundtrip import check_loaded, load, save
+
     # 2 x 2 -> 4 ranks sharded over the world, and -> 4 ranks as 4 x 1 (replicated, sharded over one rank)
     with tempfile.TemporaryDirectory() as d:
-        world4.run(_ckpt_save, d, "fsdp", 2, via_module, timeout=300)
-        _check_loaded(world4.run(_ckpt_load, d, {"residency": "after_backward", "grouping": "all"}, None, via_module, timeout=300))
-        _check_loaded(world4.run(_ckpt_load, d, {"residency": "persistent"}, 1, via_module, timeout=300))
+        world4.run(save, d, "fsdp", via_module, 2, timeout=300)
+        check_loaded(world4.run(load, d, {"residency": "after_backward", "grouping": "all"}, via_module, timeout=300))
+        check_loaded(world4.run(load, d, {"residency": "persistent"}, via_module, 1, timeout=300))
     # 2 ranks, fully sharded -> 2 x 2, mixed placement; and 2 x 2 -> 2 ranks
     with tempfile.TemporaryDirectory() as d:
-        world2.run(_ckpt_save, d, "fsdp", None, via_module, timeout=300)
-        _check_loaded(world4.run(_ckpt_load, d, {"placement": "mixed"}, 2, via_module, timeout=300))
+        world2.run(save, d, "fsdp", via_module, timeout=300)
+        check_loaded(world4.run(load, d, {"placement": "mixed"}, via_module, 2, timeout=300))
     with tempfile.TemporaryDirectory() as d:
-        world4.run(_ckpt_save, d, {"placement": "mixed", "residency": "persistent"}, 2, via_module, timeout=300)
-        _check_loaded(world2.run(_ckpt_load, d, "zero2", None, via_module, timeout=300))
+        world4.run(save, d, {"placement": "mixed", "residency": "persistent"}, via_module, 2, timeout=300)
+        check_loaded(world2.run(load, d, "zero2", via_module, timeout=300))
 
 
 # ---- shard_size="node" under torchrun, two emulated nodes of two ranks ---------------------------
