@@ -179,8 +179,7 @@ class AutoDist(nn.Module):
                 "shard groups must be of one size: pass one shard_size (or mesh) on every rank, or launch the same "
                 "number of ranks on every node"
             ))
-        if requested is not None and requested < self._comm.world_size and isinstance(plan, str) and plan == "auto":
-            self._agree(lambda: _refuse_auto_hybrid(requested))
+        self._requested_shard_size = requested
         # One budget for every rank: the tightest one's. The default (what each device has free)
         # differs between ranks, and every rank must derive the same plan and prefetch windows.
         self.budget_bytes = min(self._comm.all_gather_object(self._agree(lambda: parse_memory_limit(memory_limit, device))))
@@ -576,6 +575,7 @@ class _AutoRuntime:
         self.mixed_precision = w._mixed_precision
         self.budget_bytes = w.budget_bytes
         self.grad_accum_steps = w.grad_accum_steps
+        self.shard_size = w._requested_shard_size
 
     def plan(self) -> Plan:
         return self._w._engine.plan
@@ -696,15 +696,6 @@ def _requested_shard_size(mesh: DeviceMesh, shard_size: int | str | None, world:
             f"of {world}, or a 2-D mesh"
         )
     return size
-
-
-def _refuse_auto_hybrid(shard_size: int) -> None:
-    raise PlanError(
-        f"plan='auto' does not search hybrid sharding yet, and shard groups of {shard_size} ranks were asked for "
-        "(a 2-D mesh or shard_size); pass plan='fsdp' or 'zero2' (sharded within each group, replicated across), a "
-        "Plan or plan file, or drop the 2-D mesh / shard_size to let plan='auto' shard over the whole world",
-        source=None,
-    )
 
 
 def _mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:

@@ -304,6 +304,8 @@ def run_case(case: Case) -> dict[str, float]:
     worst["stats"].pop("log", None)
     worst["runtime"] = model.runtime.stats.__dict__.copy()
     worst["sharded_units"] = len(model.plan.sharded_units)
+    worst["shard_ranks"] = model.plan.shard_ranks
+    worst["plan_source"] = model._auto.stats.source if model._auto is not None else "given"
     worst["grad_accum_steps"] = model.plan.grad_accum_steps
     worst["initial"] = initial
     worst["sweeps"] = model._auto.stats.sweeps if model._auto is not None else 0

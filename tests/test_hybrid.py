@@ -95,6 +95,33 @@ def test_hybrid_matches_single_process_on_2x2(world4, how):
                 assert r["initial"] == {"differing": [], "rng_as_after_cpu_build": True}, r["initial"]
 
 
+def _auto_twice(shape: tuple[int, int], how: str, cache_dir: str) -> list[dict]:
+    """plan="auto" on hybrid shard groups, launched twice on one cache (the second finds the plan),
+    then once over the whole world on the same cache (which must not reuse it)."""
+    case = Case(model="mlp", plan="auto", steps=6, optim="adamw", extra={"cache_dir": cache_dir, "memory_limit": "40KB"})
+    out = _on_mesh([case, case], shape, how)
+    out.append(run_case(case))
+    return out
+
+
+@pytest.mark.parametrize("how", ["mesh", "shard_size"])
+def test_auto_plans_within_the_shard_groups_asked_for(world4, how):
+    """[Note: plan="auto" on shard groups the user chose]: the searched plan shards within groups of
+    2 (the budget forces sharding), trains like the single-process reference across the switch from
+    the safe start, is found in the cache by the next launch, and is not reused over the world."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        results = world4.run(_auto_twice, (2, 2), how, d, timeout=900)
+    check_cases(results, ["searched", "cached", "whole world"], atol=ATOL)
+    for first, again, world in results:
+        assert first["plan_source"] == "search" and first["runtime"]["plan_switches"] == 1, first
+        assert first["sharded_units"] > 0 and first["shard_ranks"] == 2, first
+        assert first["stats"]["all_reduces"] > 0, first["stats"]  # shards all-reduced across the replicas
+        assert again["plan_source"] == "cache" and again["shard_ranks"] == 2, again
+        assert world["plan_source"] == "search" and world["shard_ranks"] == 4, world
+
+
 def _layout(how: str) -> dict:
     """What a hybrid fsdp plan puts on this rank: the mesh, each parameter's placements and local
     shape, and the reductions of one backward."""
@@ -218,7 +245,6 @@ def _refusals() -> dict:
             models.make("mlp"), plan="fsdp", shard_size=4, mesh=init_device_mesh("cpu", (2, 2))),
         "plan and mesh differ": lambda: AutoDist(models.make("mlp"), plan=plan2, mesh=init_device_mesh("cpu", (1, 4))),
         "plan and shard_size differ": lambda: AutoDist(models.make("mlp"), plan=plan2, shard_size=1),
-        "auto with a 2-D mesh": lambda: AutoDist(models.make("mlp"), mesh=init_device_mesh("cpu", (2, 2))),
         "3-D mesh": lambda: AutoDist(models.make("mlp"), plan="fsdp", mesh=init_device_mesh("cpu", (1, 2, 2))),
     }
     out = {}
@@ -254,7 +280,6 @@ REFUSALS = {
                             "ranks but the 2-D mesh's shard dimension has 4",
     "plan and shard_size differ": "autodist.errors.PlanError: invalid plan: shard_size: the plan shards over groups "
                                   "of 2 ranks but shard_size=1 was asked for",
-    "auto with a 2-D mesh": "autodist.errors.PlanError: invalid plan: plan='auto' does not search hybrid sharding yet",
     "3-D mesh": "ValueError: AutoDist runs on a 1-D DeviceMesh, or a 2-D one of shape (replicas, shard group) for "
                 "hybrid sharding; got a 3-D mesh",
     "ranks differ": "ValueError: ranks asked for shard groups of different sizes (rank 0: 2, rank 1: 2, rank 2: 2, "

@@ -164,7 +164,11 @@ def _fsdp2(
                 chunk = blocks[i : i + group]
                 fully_shard(chunk if len(chunk) > 1 else chunk[0], reshard_after_forward=reshard, offload_policy=policy, mp_policy=mp)
                 wrapped.append(chunk[0])
-        fully_shard(model, reshard_after_forward=reshard, offload_policy=policy, mp_policy=mp)
+        # The root as users shard it: with blocks resharding, FSDP2's default (``None``) keeps the
+        # root's parameters unsharded from forward to backward (an explicit True would free and
+        # re-gather them around the loss), which AutoDist's ``fsdp`` plan also does.
+        root_reshard = None if reshard and group > 0 else reshard
+        fully_shard(model, reshard_after_forward=root_reshard, offload_policy=policy, mp_policy=mp)
         if prefetch and len(wrapped) > 1:
             for i, m in enumerate(wrapped):
                 m.set_modules_to_forward_prefetch(wrapped[i + 1 : i + 1 + prefetch])

@@ -508,7 +508,7 @@ def sweep(
     world = dist.get_world_size(group)
     n_passes = agreed_passes(cfg.passes, group, device)
     todo = plan_sweep(needs if needs is not None else CommNeeds.everything(), base, world, cfg)
-    comm = Comm(group) if comm is None else comm.sharing_groups()
+    comm = Comm(group) if comm is None else comm.sharing_groups(whole_world=True)
     t_start = time.perf_counter()
     buffers: dict[int, tuple[torch.Tensor, ...]] = {}
 

@@ -89,6 +89,7 @@ class Runtime(Protocol):
     mixed_precision: Any  # MixedPrecision | None
     budget_bytes: int
     grad_accum_steps: int | None  # the user's; None: as observed
+    shard_size: int | None  # the shard groups the user asked for (2-D mesh, shard_size), if smaller than the world
 
     def plan(self) -> Plan:
         """The plan in force."""
@@ -298,6 +299,11 @@ class AutoPlanner:
         self.state = _State.DONE
         self.explicit_budget = explicit_budget
         self.machine = keys.machine(self.world, self.device, str(dist.get_backend(self.comm.group)))
+        # [Note: plan="auto" on shard groups the user chose] A 2-D mesh or a shard_size fixes the
+        # groups sharded units are split over (the process groups and the parameters' mesh are made
+        # for them at wrap time): every plan the search considers shards over them (PlanSpace's
+        # required_shard_size), the safe start too, and the plan cache keeps such plans apart.
+        self.shard_size = runtime.shard_size if runtime.shard_size is not None and runtime.shard_size < self.world else None
         self._recorder: StepRecorder | None = None
         self._sig = ""
         self._wrapped_inputs: tuple | None = None  # a meta-device model's example inputs (profile_wrapped)
@@ -327,6 +333,7 @@ class AutoPlanner:
             **({"wait_scale": cfg.wait_scale} if cfg.wait_scale is not None else {}),
             **({"blocked_wait_s": cfg.blocked_wait_s} if cfg.blocked_wait_s is not None else {}),
             mixed_precision=None if self.mp is None else [str(self.mp.param_dtype), str(self.mp.reduce_dtype)],
+            **({"shard_size": self.shard_size} if self.shard_size is not None else {}),
             # a plan the learned estimator ranked is kept apart from the analytic one (and from
             # another estimator's); with the switch off, the key holds no estimator
             **({"estimator": estimator} if (estimator := self.estimator_id()) is not None else {}),
@@ -429,7 +436,8 @@ class AutoPlanner:
         from ..builtins import ddp_plan
 
         hint = self.comm.broadcast_object(self.read("placements", self.placement_key()))
-        space = PlanSpace(self.structure, self.world, [u.name for u in self.structure.units], list(reversed(self.structure.trainable)))
+        space = PlanSpace(self.structure, self.world, [u.name for u in self.structure.units], list(reversed(self.structure.trainable)),
+                          required_shard_size=self.shard_size or 0)
         if hint is not None:
             g = space.fsdp()
             g = space.normalize(replace(g, shard=tuple(hint[u] == "shard" for u in space.units)))
@@ -449,6 +457,8 @@ class AutoPlanner:
                 plan = space.to_plan(space.fsdp(), provenance={"source": "auto:safe start (sharded)"})
                 reason = f"replicating would need {format_bytes(4 * params)} of a {format_bytes(self.rt.budget_bytes)} budget"
         plan.device = self.device.type
+        if self.shard_size is not None:
+            plan = replace(plan, shard_size=self.shard_size)
         self.stats.source = "safe start"
         if self.rank == 0:
             announce("autodist: plan=auto: starting with a safe plan (%s) while %s profiled", reason, profiled)
@@ -464,7 +474,8 @@ class AutoPlanner:
                 param_dtype=mp.param_dtype if mp else None, reduce_dtype=mp.reduce_dtype if mp else None,
             )
 
-        space = space_for(profile, self.structure, self.world, fixed_placement=fixed, grad_accum_steps=self.rt.grad_accum_steps)
+        space = space_for(profile, self.structure, self.world, fixed_placement=fixed, grad_accum_steps=self.rt.grad_accum_steps,
+                          required_shard_size=self.shard_size or 0)
         searcher, result = search_within_budget(space, simulator, self.search_config(), self.rt.budget_bytes)
         estimator = self.estimator()
         if estimator is not None:

@@ -445,6 +445,7 @@ class Comm:
         self.shard_size, self.shard_rank, self.replicas = self.world_size, self.rank, 1
         self.scatter_pg: dist.ProcessGroup = self.reduce_pg
         self.replicate_pg: dist.ProcessGroup | None = None
+        self._world_gather_pg = self.gather_pg  # kept when shard_within splits the gathers
         self._hybrid_pgs: list[dist.ProcessGroup] = []
         self._owns_groups = True
         self.stats = CommStats()
@@ -452,15 +453,20 @@ class Comm:
         # a sequence check in flight: (work, tensor, entries, interleaving)
         self._check: tuple[dist.Work, torch.Tensor, list[str], bool] | None = None
 
-    def sharing_groups(self) -> Comm:
+    def sharing_groups(self, *, whole_world: bool = False) -> Comm:
         """A ``Comm`` on this one's process groups with statistics and a collective sequence of its
-        own: it makes no group, and its :meth:`destroy` leaves the groups to this one."""
+        own: it makes no group, and its :meth:`destroy` leaves the groups to this one.
+        ``whole_world``: sharding over the whole group even where :meth:`shard_within` split this
+        one (the comm sweep measures collectives over the world)."""
         twin = object.__new__(Comm)
         for name in (
             "group", "backend", "rank", "world_size", "gather_pg", "reduce_pg", "check_pg",
-            "shard_size", "shard_rank", "replicas", "scatter_pg", "replicate_pg",
+            "shard_size", "shard_rank", "replicas", "scatter_pg", "replicate_pg", "_world_gather_pg",
         ):
             setattr(twin, name, getattr(self, name))
+        if whole_world:
+            twin.gather_pg, twin.scatter_pg, twin.replicate_pg = self._world_gather_pg, self.reduce_pg, None
+            twin.shard_size, twin.shard_rank, twin.replicas = self.world_size, self.rank, 1
         twin._hybrid_pgs = []
         twin._owns_groups = False
         twin.stats = CommStats()

@@ -89,9 +89,13 @@ class PlanSpace:
         shard_sizes: Sequence[int] = (),
         compile_blocks: Sequence[str] = (),
         compile_backend: str = "inductor",
+        required_shard_size: int = 0,
     ) -> None:
         """``shard_sizes``: the shard groups smaller than the world a plan may shard over (hybrid
-        sharding; each divides the world; none: only the whole world). ``state_names``: the optimizer's per-parameter state tensors (offload candidates; none:
+        sharding; each divides the world; none: only the whole world). ``required_shard_size``: the
+        shard groups every plan runs on (the user's 2-D mesh or ``shard_size``; 0: none required):
+        a plan sharding anything shards over them, and one sharding nothing carries them too, so
+        that the runtime can switch between any two plans of the space. ``state_names``: the optimizer's per-parameter state tensors (offload candidates; none:
         no offload moves). ``grad_accum_steps``: micro-batches per step. ``user_recomputed``: units
         the model recomputes itself (their blocks are not recomputed again). ``block_act_bytes`` /
         ``block_fwd_s``: what recomputing each block saves and costs (for the greedy pass).
@@ -128,6 +132,9 @@ class PlanSpace:
         self.block_fwd_s = dict(block_fwd_s or {})
         self.shard_sizes: tuple[int, ...] = tuple(sorted({
             int(x) for x in shard_sizes if 1 < x < world_size and world_size % x == 0}))
+        if required_shard_size and (not 1 < required_shard_size < world_size or world_size % required_shard_size):
+            raise ValueError(f"required_shard_size {required_shard_size} does not split {world_size} ranks into groups")
+        self.required_shard_size = required_shard_size
         self.compile_blocks = [b for b in dict.fromkeys(x for x in self.blocks if x is not None) if b in set(compile_blocks)]
         self.compile_backend = compile_backend
         self.block_unit_index = {b: [i for i, x in enumerate(self.blocks) if x == b] for b in self.compile_blocks}
@@ -180,7 +187,7 @@ class PlanSpace:
         recompute = frozenset(b for b in g.recompute if 0 <= b < len(self.recompute_blocks))
         # the genome offloads whole state tensors: a placement move since one was offloaded changes
         # how much of it a rank holds (a shard's rows, or all of them), and the fragment follows
-        size = g.shard_size if g.shard_size in self.shard_sizes and any(shard) else 0
+        size = self.required_shard_size or (g.shard_size if g.shard_size in self.shard_sizes and any(shard) else 0)
         inside = {self.compile_blocks[c] for c in compiled}
         offload = tuple(sorted({
             (p, state, 0, self._state_numel(shard, p, size), -1 if bu >= 0 and self.blocks[bu] in inside else bu)
@@ -469,11 +476,13 @@ def space_for(
     fixed_placement: dict[str, str] | None = None,
     grad_accum_steps: int | None = None,
     shard_sizes: Sequence[int] = (),
+    required_shard_size: int = 0,
 ) -> PlanSpace:
     """The plan space for a measured model: orders, optimizer state, micro-batches (given, else as
     observed while profiling), and what recomputing each block saves (its units' activations less
     the inputs it keeps) and costs (its forward again). ``shard_sizes``: the hybrid shard groups a
-    plan may use (:func:`hybrid_shard_sizes`; none on one node)."""
+    plan may use (:func:`hybrid_shard_sizes`; none on one node); ``required_shard_size``: the
+    shard groups every plan must use (see :class:`PlanSpace`)."""
     acts: dict[str, int] = {}
     fwd: dict[str, float] = {}
     block_of = {u.name: u.block for u in structure.units}
@@ -489,6 +498,7 @@ def space_for(
         grad_accum_steps=grad_accum_steps or profile.grad_accum_steps,
         user_recomputed=list(profile.recompute_anchor), block_act_bytes=saves, block_fwd_s=fwd,
         shard_sizes=shard_sizes,
+        required_shard_size=required_shard_size,
         compile_blocks=[
             b for b in profile.compiled_blocks
             if not any(u == b or u.startswith(b + ".") or b.startswith(u + ".") for u in profile.user_compiled)
