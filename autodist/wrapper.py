@@ -243,10 +243,12 @@ class AutoDist(nn.Module):
                 "built-in" if plan in BUILTIN_PLANS else "object" if isinstance(plan, Plan) else "auto"
             )
             compiled = f", {len(resolved.compile)} blocks compiled ({resolved.compile_backend})" if resolved.compile else ""
+            groups = (f" within groups of {resolved.shard_ranks} ranks, replicated across them"
+                      if resolved.hybrid and resolved.sharded_units else "")
             announce(
-                "autodist: plan %s in force (source: %s; %d units, %d sharded, %d gather groups, %d buckets, "
+                "autodist: plan %s in force (source: %s; %d units, %d sharded%s, %d gather groups, %d buckets, "
                 "%d offload fragments, %d blocks recomputed%s; world size %d, budget %s)",
-                resolved.label, source, len(resolved.units), len(resolved.sharded_units),
+                resolved.label, source, len(resolved.units), len(resolved.sharded_units), groups,
                 len(resolved.gather_groups), len(resolved.buckets), len(resolved.offload), len(resolved.recompute),
                 compiled, self._comm.world_size, format_bytes(self.budget_bytes),
             )

@@ -435,10 +435,10 @@ with open(sys.argv[1] + f".{rank}", "w") as f:
 """
 
 
-def test_shard_size_node_shards_within_each_torchrun_node(tmp_path):
-    """Two torchrun launchers of two ranks each (``--nnodes 2``, static rendezvous on this host):
-    ``shard_size="node"`` reads ``LOCAL_WORLD_SIZE`` (2), shards within each node and replicates
-    across the two, and trains as the single-process reference does."""
+def _on_two_nodes(tmp_path, script_text: str, *args: str) -> list[dict]:
+    """Run ``script_text`` under two torchrun launchers of two ranks each (``--nnodes 2``, static
+    rendezvous on this host; torchrun sets ``LOCAL_WORLD_SIZE`` to 2) with ``args`` and the path
+    its ranks write their JSON results to (``out.<rank>``); returns them by rank."""
     import json
     import os
     import socket
@@ -446,7 +446,7 @@ def test_shard_size_node_shards_within_each_torchrun_node(tmp_path):
     import sys
 
     script = tmp_path / "train.py"
-    script.write_text(NODE_SCRIPT)
+    script.write_text(script_text)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
                OMP_NUM_THREADS="1")
@@ -456,15 +456,82 @@ def test_shard_size_node_shards_within_each_torchrun_node(tmp_path):
     launchers = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2", "--node_rank",
-             str(node), "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(tmp_path / "out")],
+             str(node), "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(tmp_path / "out"),
+             *args],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for node in range(2)
     ]
     outputs = [p.communicate(timeout=600)[0] for p in launchers]
     assert all(p.returncode == 0 for p in launchers), "\n".join(outputs)[-4000:]
-    results = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(4)]
-    for r in results:
+    return [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(4)]
+
+
+def test_shard_size_node_shards_within_each_torchrun_node(tmp_path):
+    """``shard_size="node"`` reads ``LOCAL_WORLD_SIZE`` (2), shards within each node and replicates
+    across the two, and trains as the single-process reference does."""
+    for r in _on_two_nodes(tmp_path, NODE_SCRIPT):
         assert r["shard_size"] == 2 and r["mesh"] == [2, 2] and r["all_reduces"] > 0, r
         assert r["local_rows"] == (19 if r["rank"] % 2 == 0 else 18), r  # 37 rows over a node of 2
+        assert r["diff"] < ATOL, r
+
+
+AUTO_NODE_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed as dist
+from torch import nn
+from autodist import AutoDist
+from autodist.cost.comm import CommModel
+from autodist.planner import keys
+from autodist.planner.cache import Cache
+
+out, cache_dir = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+cpu = torch.device("cpu")
+if rank == 0:  # both levels described in the cache, the link between nodes 100x slower: nothing is swept
+    cache = Cache(cache_dir, writer=True)
+    within = CommModel.analytic(2, bandwidth_bytes_s=2e9, latency_s=2e-5, backend="gloo", device="cpu")
+    across = CommModel.analytic(2, bandwidth_bytes_s=2e7, latency_s=2e-3, backend="gloo", device="cpu")
+    cache.put("comm", keys.machine_key(keys.machine(2, cpu, "gloo")), within.to_json())
+    cache.put("comm", keys.machine_key({**keys.machine(2, cpu, "gloo"), "level": "across nodes"}), across.to_json())
+dist.barrier()
+torch.manual_seed(0)
+build = lambda: nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+ref = build()
+torch.manual_seed(0)
+gen = torch.Generator().manual_seed(5)
+data = [(torch.randn(4 * world, 16, generator=gen), torch.randn(4 * world, 8, generator=gen)) for _ in range(3)]
+mine = slice(4 * rank, 4 * rank + 4)
+# replicating does not fit 100 KB (parameters, gradients and AdamW's moments: 90 KiB, plus activations)
+model = AutoDist(build(), plan="auto", example_inputs=(data[0][0][mine],), cache_dir=cache_dir, memory_limit="100KB")
+opt, ropt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+for x, y in data:
+    nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+    nn.functional.mse_loss(ref(x), y).backward()
+    for o in (opt, ropt):
+        o.step()
+        o.zero_grad()
+sd = model.state_dict()
+res = {"rank": rank, "shard_ranks": model.plan.shard_ranks, "sharded": len(model.plan.sharded_units),
+       "mesh": list(model.mesh.shape), "sweeps": model._auto.stats.sweeps, "source": model._auto.stats.source,
+       "all_reduces": model.runtime.comm.stats.all_reduces,
+       "diff": max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())}
+model.close()
+with open(out + f".{rank}", "w") as f:
+    json.dump(res, f)
+"""
+
+
+def test_auto_on_two_nodes_prices_each_level_and_shards_within_nodes(tmp_path):
+    """[Note: the two levels measured online]: on two nodes of two ranks, plan="auto" takes a comm
+    model per level (here both described in the cache, so nothing is swept), and with the link
+    between nodes 100x slower and a budget replication does not fit, shards within each node
+    (hybrid, chosen by the search: no shard_size was asked for), trains as the single-process
+    reference does."""
+    for r in _on_two_nodes(tmp_path, AUTO_NODE_SCRIPT, str(tmp_path / "cache")):
+        assert r["source"] == "search" and r["sweeps"] == 0, r
+        assert r["sharded"] > 0 and r["shard_ranks"] == 2 and r["mesh"] == [2, 2], r
+        assert r["all_reduces"] > 0, r  # the shards all-reduced across the nodes
         assert r["diff"] < ATOL, r

@@ -47,9 +47,9 @@ from ..errors import AutoDistError, BudgetError, mark_raised_on_every_rank, repo
 from ..measure.sweep import COLLECTIVES, COPIES, CommNeeds, SweepPlan, collective_train, plan_sweep, sweep, sweep_passes
 from ..measure.trace import _preserved, estimate_optimizer, model_loss, profile_model, surrogate_loss
 from ..plan import SCHEMA_VERSION, Plan
-from ..runtime.comm import Comm
+from ..runtime.comm import Comm, group_timeout
 from ..sched.search import SearchConfig, SearchResult
-from ..sched.space import PlanSpace, space_for
+from ..sched.space import PlanSpace, hybrid_shard_sizes, space_for
 from ..structure import ModelStructure
 from . import keys
 from .cache import Cache
@@ -237,6 +237,20 @@ def machine_comm_model(
     return model, "measured" if stored is None else "completed"
 
 
+def _ranks_per_node(comm: Comm) -> int | None:
+    """The ranks of one node when this launch spans several (torchrun's ``LOCAL_WORLD_SIZE``, the
+    same on every rank and tiling the ranks), else None: one node, or nodes not known (a
+    collective)."""
+    text = os.environ.get("LOCAL_WORLD_SIZE", "")
+    local = int(text) if text.isdigit() else None
+    sizes = set(comm.all_gather_object(local)) if comm.world_size > 1 else {local}
+    if len(sizes) != 1 or local is None or not 1 < local < comm.world_size or comm.world_size % local:
+        return None
+    if comm.world_size != dist.get_world_size():  # the nodes are the job's, and this mesh is not all of it
+        return None
+    return local
+
+
 def _comm_seed(rank: int) -> Cache | None:
     """The cache of comm models ``AUTODIST_COMM_SEED`` names, if any.
 
@@ -299,6 +313,10 @@ class AutoPlanner:
         self.state = _State.DONE
         self.explicit_budget = explicit_budget
         self.machine = keys.machine(self.world, self.device, str(dist.get_backend(self.comm.group)))
+        self.ranks_per_node = _ranks_per_node(self.comm)
+        if self.ranks_per_node is not None:  # plans and comm models of a multi-node launch are its own
+            self.machine["ranks_per_node"] = self.ranks_per_node
+        self._free_shard_size = False  # whether the plan being searched may choose its shard groups
         # [Note: plan="auto" on shard groups the user chose] A 2-D mesh or a shard_size fixes the
         # groups sharded units are split over (the process groups and the parameters' mesh are made
         # for them at wrap time): every plan the search considers shards over them (PlanSpace's
@@ -414,7 +432,10 @@ class AutoPlanner:
 
     def comm_model(self) -> CommModel:
         """This machine's comm model, holding at least what this model's plans can issue
-        (:func:`machine_comm_model`)."""
+        (:func:`machine_comm_model`); on a launch over several nodes, its two levels
+        (:meth:`_two_level_comm_model`)."""
+        if self.ranks_per_node is not None:
+            return self._two_level_comm_model(self.ranks_per_node)
         group, device, comm = self.comm.group, self.device, self.comm
 
         def measure(needs: CommNeeds, base: CommModel | None) -> CommModel:
@@ -427,6 +448,74 @@ class AutoPlanner:
         if source in ("measured", "completed"):
             self.stats.sweeps += 1
         return model
+
+    def _two_level_comm_model(self, rpn: int) -> CommModel:
+        """[Note: the two levels measured online] On ``world`` ranks over nodes of ``rpn`` (torchrun
+        numbers a node's ranks consecutively), collectives within a node are measured on node 0's
+        ranks and collectives between nodes on one rank per node (local rank 0 of each), each by
+        :func:`machine_comm_model` on a group of its own, then joined (``CommModel.two_level``) and
+        given to every rank by rank 0, which is in both groups. Each level is stored as the
+        machine's model for its own group: the within-node one under the facts of ``rpn`` ranks of
+        this device (a one-node launch of that size shares it), the across-nodes one under those
+        of ``world // rpn`` ranks marked as crossing nodes. The other ranks wait; a level already
+        stored is not measured again. Measured on one rank per node, the link between nodes is
+        priced per rank's NIC, as [Note: collectives across nodes] in cost/comm.py prices it."""
+        nodes = self.world // rpn
+        me = dist.get_rank()
+        ranks = dist.get_process_group_ranks(self.comm.group)
+        rows = [ranks[i : i + rpn] for i in range(0, self.world, rpn)]
+        columns = [ranks[j::rpn] for j in range(rpn)]
+        needs = comm_needs(self.structure)
+        device = self.device
+        models: dict[str, CommModel] = {}
+        # Every rank makes the groups of every row and column, then a Comm on its own row and its
+        # own column, in this order: group names are salted with a count of the groups each rank
+        # has made, so the ranks must make the same number in the same order (a group made by some
+        # ranks only would name every later group differently on them, and its creation would wait
+        # forever). Only node 0's row and column 0 measure.
+        timeout = group_timeout(self.comm.group)
+        row_pg, _ = dist.new_subgroups_by_enumeration(rows, timeout=timeout)
+        column_pg, _ = dist.new_subgroups_by_enumeration(columns, timeout=timeout)
+        if not isinstance(row_pg, dist.ProcessGroup) or not isinstance(column_pg, dist.ProcessGroup):
+            raise RuntimeError(f"torch made no node or cross-node group for rank {me}")
+        comms = {"within node": Comm(row_pg), "across nodes": Comm(column_pg)}
+        levels = [
+            ("within node", rows[0], rpn, {}),
+            ("across nodes", columns[0], nodes, {"level": "across nodes"}),
+        ]
+        try:
+            for level, measured_by, size, marker in levels:
+                if me not in measured_by:
+                    continue
+                comm = comms[level]
+                facts = {**keys.machine(size, device, self.machine["backend"]), **marker}
+
+                def measure(needs: CommNeeds, base: CommModel | None, comm: Comm = comm) -> CommModel:
+                    return sweep(comm.group, device, comm=comm, needs=needs, base=base)
+
+                if comm.rank == 0:
+                    logger.info("autodist: the comm model of this %d-node launch, %s (%d ranks)", nodes, level, size)
+                model, source = machine_comm_model(
+                    self.cache, facts, needs, rank=comm.rank, world=size, device=device,
+                    broadcast=comm.broadcast_object, measure=measure,
+                )
+                if source in ("measured", "completed"):
+                    self.stats.sweeps += 1
+                models[level] = model
+        finally:
+            for comm in comms.values():
+                comm.destroy()
+            for pg in (row_pg, column_pg):
+                dist.destroy_process_group(pg)
+        text = None
+        if self.rank == 0:
+            text = CommModel.two_level(
+                models["within node"], models["across nodes"], ranks_per_node=rpn, world_size=self.world,
+            ).to_json()
+        got = self.comm.broadcast_object(text)
+        if got is None:
+            raise SearchFailed("rank 0 sent no comm model")
+        return CommModel.from_json(got)
 
     # ---- planning ------------------------------------------------------------------------------
     def safe_plan(self, *, sharded: bool = False, profiled: str = "the first steps are") -> Plan:
@@ -474,8 +563,12 @@ class AutoPlanner:
                 param_dtype=mp.param_dtype if mp else None, reduce_dtype=mp.reduce_dtype if mp else None,
             )
 
+        # on several nodes, a plan chosen before the runtime exists (example inputs) may shard within
+        # nodes (hybrid sharding, [Note: the two levels measured online]); one switched to later
+        # keeps the shard groups the runtime was built with
+        hybrid = hybrid_shard_sizes(self.world, self.ranks_per_node) if self._free_shard_size and self.shard_size is None else ()
         space = space_for(profile, self.structure, self.world, fixed_placement=fixed, grad_accum_steps=self.rt.grad_accum_steps,
-                          required_shard_size=self.shard_size or 0)
+                          required_shard_size=self.shard_size or 0, shard_sizes=hybrid)
         searcher, result = search_within_budget(space, simulator, self.search_config(), self.rt.budget_bytes)
         estimator = self.estimator()
         if estimator is not None:
@@ -605,7 +698,11 @@ class AutoPlanner:
             )
         self.stats.profiles_measured += 1
         prof = self._merge(prof)
-        plan, _ = self.plan_now(prof, sig, fixed=None)
+        self._free_shard_size = True
+        try:
+            plan, _ = self.plan_now(prof, sig, fixed=None)
+        finally:
+            self._free_shard_size = False
         self._log_chosen(plan)
         return plan
 
