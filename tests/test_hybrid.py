@@ -95,12 +95,18 @@ def test_hybrid_matches_single_process_on_2x2(world4, how):
                 assert r["initial"] == {"differing": [], "rng_as_after_cpu_build": True}, r["initial"]
 
 
-def _auto_twice(shape: tuple[int, int], how: str, cache_dir: str) -> list[dict]:
+AUTO_LAUNCHES = ["searched", "cached", "whole world", "roomy budget", "groups of one"]
+
+
+def _auto_launches(shape: tuple[int, int], how: str, cache_dir: str) -> list[dict]:
     """plan="auto" on hybrid shard groups, launched twice on one cache (the second finds the plan),
-    then once over the whole world on the same cache (which must not reuse it)."""
+    then once over the whole world on the same cache (which must not reuse it), once on the groups
+    with a budget that shards nothing, and once on groups of one rank (``shard_size=1``)."""
     case = Case(model="mlp", plan="auto", steps=6, optim="adamw", extra={"cache_dir": cache_dir, "memory_limit": "40KB"})
     out = _on_mesh([case, case], shape, how)
     out.append(run_case(case))
+    out += _on_mesh([replace(case, extra={"cache_dir": cache_dir})], shape, how)
+    out.append(run_case(replace(case, extra={**case.extra, "shard_size": 1})))
     return out
 
 
@@ -108,18 +114,44 @@ def _auto_twice(shape: tuple[int, int], how: str, cache_dir: str) -> list[dict]:
 def test_auto_plans_within_the_shard_groups_asked_for(world4, how):
     """[Note: plan="auto" on shard groups the user chose]: the searched plan shards within groups of
     2 (the budget forces sharding), trains like the single-process reference across the switch from
-    the safe start, is found in the cache by the next launch, and is not reused over the world."""
+    the safe start, is found in the cache by the next launch, and is not reused over the world; a
+    plan that shards nothing carries the groups too (the switch to it is allowed), and groups of
+    one rank are planned like any other."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        results = world4.run(_auto_twice, (2, 2), how, d, timeout=900)
-    check_cases(results, ["searched", "cached", "whole world"], atol=ATOL)
-    for first, again, world in results:
+        results = world4.run(_auto_launches, (2, 2), how, d, timeout=900)
+    check_cases(results, AUTO_LAUNCHES, atol=ATOL)
+    for first, again, world, roomy, ones in results:
         assert first["plan_source"] == "search" and first["runtime"]["plan_switches"] == 1, first
         assert first["sharded_units"] > 0 and first["shard_ranks"] == 2, first
         assert first["stats"]["all_reduces"] > 0, first["stats"]  # shards all-reduced across the replicas
         assert again["plan_source"] == "cache" and again["shard_ranks"] == 2, again
         assert world["plan_source"] == "search" and world["shard_ranks"] == 4, world
+        assert roomy["plan_source"] == "search" and roomy["runtime"]["plan_switches"] == 1, roomy
+        assert roomy["sharded_units"] == 0 and roomy["shard_ranks"] == 2, roomy
+        assert ones["plan_source"] == "search" and ones["shard_ranks"] == 1, ones
+
+
+def _world_view_of_split_comm() -> list[float]:
+    from autodist.runtime.comm import Comm
+
+    comm = Comm()
+    comm.shard_within([[0, 1], [2, 3]])
+    world = comm.sharing_groups(whole_world=True)
+    mine = torch.full((3,), float(dist.get_rank()))
+    out = torch.empty(12)
+    world.all_gather(out, mine, "test").wait()
+    assert comm.shard_size == 2 and world.shard_size == 4 and world.replicate_pg is None
+    comm.destroy()
+    return out.tolist()
+
+
+def test_a_view_over_the_world_of_a_comm_split_into_shard_groups(world4):
+    """The comm sweep on a hybrid runtime gathers over the whole world (``sharing_groups(
+    whole_world=True)``), not over the shard group the runtime's gathers use."""
+    for got in world4.run(_world_view_of_split_comm):
+        assert got == [float(r) for r in range(4) for _ in range(3)], got
 
 
 def _layout(how: str) -> dict:
@@ -519,6 +551,24 @@ res = {"rank": rank, "shard_ranks": model.plan.shard_ranks, "sharded": len(model
        "all_reduces": model.runtime.comm.stats.all_reduces,
        "diff": max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())}
 model.close()
+# the same model without example inputs: a safe start on the whole world, then a switch; the hybrid
+# plan found above was chosen before a runtime existed and must not be switched to here
+torch.manual_seed(0)
+ref = build()
+torch.manual_seed(0)
+model = AutoDist(build(), plan="auto", cache_dir=cache_dir, memory_limit="100KB")
+opt, ropt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+for x, y in data + data:
+    nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+    nn.functional.mse_loss(ref(x), y).backward()
+    for o in (opt, ropt):
+        o.step()
+        o.zero_grad()
+sd = model.state_dict()
+res["safe_start"] = {"shard_ranks": model.plan.shard_ranks, "source": model._auto.stats.source,
+                     "switches": model.runtime.stats.plan_switches,
+                     "diff": max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())}
+model.close()
 with open(out + f".{rank}", "w") as f:
     json.dump(res, f)
 """
@@ -529,9 +579,13 @@ def test_auto_on_two_nodes_prices_each_level_and_shards_within_nodes(tmp_path):
     model per level (here both described in the cache, so nothing is swept), and with the link
     between nodes 100x slower and a budget replication does not fit, shards within each node
     (hybrid, chosen by the search: no shard_size was asked for), trains as the single-process
-    reference does."""
+    reference does. The same model launched next without example inputs starts on the whole world
+    and switches to a plan searched for it, not to the hybrid one."""
     for r in _on_two_nodes(tmp_path, AUTO_NODE_SCRIPT, str(tmp_path / "cache")):
         assert r["source"] == "search" and r["sweeps"] == 0, r
         assert r["sharded"] > 0 and r["shard_ranks"] == 2 and r["mesh"] == [2, 2], r
         assert r["all_reduces"] > 0, r  # the shards all-reduced across the nodes
         assert r["diff"] < ATOL, r
+        safe = r["safe_start"]
+        assert safe["source"] == "search" and safe["switches"] == 1 and safe["shard_ranks"] == 4, safe
+        assert safe["diff"] < ATOL, safe

@@ -196,7 +196,10 @@ def machine_comm_model(
     every rank), only what the stored one lacks or holds unreadably (see [Note: measuring what the
     model can use] in autodist/measure/sweep.py), and stored with what it had. ``plan="auto"`` and
     ``autodist check`` both take it from here, so that the check measures the fidelity of the comm
-    model the search then uses, and neither sweeps when the machine has one."""
+    model the search then uses, and neither sweeps when the machine has one. (On a launch over
+    several nodes ``plan="auto"`` joins two such models, one per level: [Note: the two levels
+    measured online]; ``autodist check`` measures one over the world, and its record, stored under
+    other facts, is not applied there.)"""
     key = keys.machine_key(machine)
     payload: tuple[str | None, bool, bool] | None = None  # (JSON, complete, from the seed): rank 0's
     seed = _comm_seed(rank)
@@ -322,6 +325,7 @@ class AutoPlanner:
         # for them at wrap time): every plan the search considers shards over them (PlanSpace's
         # required_shard_size), the safe start too, and the plan cache keeps such plans apart.
         self.shard_size = runtime.shard_size if runtime.shard_size is not None and runtime.shard_size < self.world else None
+        self.shard_asked = runtime.shard_size is not None  # the user chose the groups (the whole world included)
         self._recorder: StepRecorder | None = None
         self._sig = ""
         self._wrapped_inputs: tuple | None = None  # a meta-device model's example inputs (profile_wrapped)
@@ -351,14 +355,32 @@ class AutoPlanner:
             **({"wait_scale": cfg.wait_scale} if cfg.wait_scale is not None else {}),
             **({"blocked_wait_s": cfg.blocked_wait_s} if cfg.blocked_wait_s is not None else {}),
             mixed_precision=None if self.mp is None else [str(self.mp.param_dtype), str(self.mp.reduce_dtype)],
-            **({"shard_size": self.shard_size} if self.shard_size is not None else {}),
+            **self._shard_key(),
             # a plan the learned estimator ranked is kept apart from the analytic one (and from
             # another estimator's); with the switch off, the key holds no estimator
             **({"estimator": estimator} if (estimator := self.estimator_id()) is not None else {}),
         )
 
     def placement_key(self) -> str:
-        return keys.placement_key(self.structure, self.machine, self._budget_key())
+        shard = self._shard_key()
+        return keys.placement_key(self.structure, {**self.machine, **shard} if shard else self.machine, self._budget_key())
+
+    def _hybrid_choices(self) -> tuple[int, ...]:
+        """The shard groups the search may choose beside the whole world: on several nodes, when
+        neither the user nor a runtime already built fixed them (a plan chosen before the runtime
+        exists, from example inputs), a node or several ([Note: the two levels measured online])."""
+        if self.shard_asked or not self._free_shard_size:
+            return ()
+        return hybrid_shard_sizes(self.world, self.ranks_per_node)
+
+    def _shard_key(self) -> dict[str, Any]:
+        """What decides a plan's shard groups, for the keys of plans and placements: the groups the
+        user asked for; else, where the search may choose them, that it may (a plan chosen so is not
+        one a runtime already built on the whole world can switch to, nor the reverse); else
+        nothing (the whole world, as before hybrid sharding)."""
+        if self.shard_asked:
+            return {"shard_size": self.shard_size or self.world}
+        return {"shard_groups": "searched"} if self._hybrid_choices() else {}
 
     # ---- cache access ---------------------------------------------------------------------------
     def read(self, kind: str, key: str) -> Any:
@@ -566,9 +588,8 @@ class AutoPlanner:
         # on several nodes, a plan chosen before the runtime exists (example inputs) may shard within
         # nodes (hybrid sharding, [Note: the two levels measured online]); one switched to later
         # keeps the shard groups the runtime was built with
-        hybrid = hybrid_shard_sizes(self.world, self.ranks_per_node) if self._free_shard_size and self.shard_size is None else ()
         space = space_for(profile, self.structure, self.world, fixed_placement=fixed, grad_accum_steps=self.rt.grad_accum_steps,
-                          required_shard_size=self.shard_size or 0, shard_sizes=hybrid)
+                          required_shard_size=self.shard_size or 0, shard_sizes=self._hybrid_choices())
         searcher, result = search_within_budget(space, simulator, self.search_config(), self.rt.budget_bytes)
         estimator = self.estimator()
         if estimator is not None:
@@ -679,6 +700,15 @@ class AutoPlanner:
         example_kwargs = dict(example_kwargs or {})
         # the signature of the forward the training loop runs (AutoDist.forward sees (args, kwargs))
         sig = keys.input_signature((example_inputs, example_kwargs))
+        # chosen before the runtime exists, the plan may choose its shard groups (until it returns); a
+        # meta-device model is planned once wrapped, on the groups its runtime was built with
+        self._free_shard_size = not meta
+        try:
+            return self._resolve_free(sig, example_inputs, example_kwargs, meta)
+        finally:
+            self._free_shard_size = False
+
+    def _resolve_free(self, sig: str, example_inputs: tuple, example_kwargs: dict[str, Any], meta: bool) -> Plan:
         plan = self.lookup(sig)
         if plan is not None:
             self._log_chosen(plan)
@@ -698,11 +728,7 @@ class AutoPlanner:
             )
         self.stats.profiles_measured += 1
         prof = self._merge(prof)
-        self._free_shard_size = True
-        try:
-            plan, _ = self.plan_now(prof, sig, fixed=None)
-        finally:
-            self._free_shard_size = False
+        plan, _ = self.plan_now(prof, sig, fixed=None)
         self._log_chosen(plan)
         return plan
 

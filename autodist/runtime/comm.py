@@ -723,11 +723,11 @@ class Comm:
         """Destroy the groups this ``Comm`` made and let go of them, ending their backend threads
         (see [Note: object exchanges and interpreter exit]); the ``Comm`` is not used afterwards."""
         if self.world_size > 1 and self._owns_groups:
-            for pg in dict.fromkeys([*self._hybrid_pgs, self.gather_pg, self.reduce_pg, self.check_pg]):
+            for pg in dict.fromkeys([*self._hybrid_pgs, self.gather_pg, self._world_gather_pg, self.reduce_pg, self.check_pg]):
                 try:
                     dist.destroy_process_group(pg)
                 except (ValueError, RuntimeError):  # already destroyed with the default group
                     pass
-            del self.gather_pg, self.reduce_pg, self.check_pg, self.scatter_pg, self.replicate_pg
+            del self.gather_pg, self._world_gather_pg, self.reduce_pg, self.check_pg, self.scatter_pg, self.replicate_pg
             self._hybrid_pgs = []
             self._owns_groups = False

@@ -132,7 +132,7 @@ class PlanSpace:
         self.block_fwd_s = dict(block_fwd_s or {})
         self.shard_sizes: tuple[int, ...] = tuple(sorted({
             int(x) for x in shard_sizes if 1 < x < world_size and world_size % x == 0}))
-        if required_shard_size and (not 1 < required_shard_size < world_size or world_size % required_shard_size):
+        if required_shard_size and (not 1 <= required_shard_size < world_size or world_size % required_shard_size):
             raise ValueError(f"required_shard_size {required_shard_size} does not split {world_size} ranks into groups")
         self.required_shard_size = required_shard_size
         self.compile_blocks = [b for b in dict.fromkeys(x for x in self.blocks if x is not None) if b in set(compile_blocks)]
