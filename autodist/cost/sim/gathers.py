@@ -253,7 +253,9 @@ class Gathers:
         """Unit ``u``'s forward: the groups it uses are gathered, and each will wait for this
         forward's backward to end (its post-backward signal, or, when its inputs need no gradient,
         its parameters' gradients). The groups, read only."""
-        used = self.groups_used(u)
+        used = self.used.get(u)
+        if used is None:
+            used = self.groups_used(u)
         for grp in used:
             self.ensure(grp)
             if grp.root_unit is not None and grp.root_unit != u:
@@ -274,7 +276,8 @@ class Gathers:
 
     def backward_ended(self, e: str, ep: UnitProfile | None) -> None:
         """Unit ``e``'s backward has ended: groups no later backward reads are freed."""
-        for grp in self.groups_used(e):
+        used = self.used.get(e)
+        for grp in used if used is not None else self.groups_used(e):
             if grp.root_unit is not None and grp.root_unit != e:
                 continue
             if ep is None or ep.input_requires_grad:
