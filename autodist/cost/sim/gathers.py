@@ -234,7 +234,8 @@ class Gathers:
             grp.grads_ready = 0
             grp.pending_bwd = 0
             grp.untokened = grp.untokened_open = False
-            grp.fwd_done = set()
+            if grp.fwd_done:
+                grp.fwd_done = set()
 
     def groups_used(self, u: str) -> list[Group]:
         """The distinct groups of the units whose parameters unit ``u`` uses, in order (read only)."""
