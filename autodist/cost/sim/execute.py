@@ -120,10 +120,11 @@ class Timeline:
         # per op: how much slower compute runs beside it, how much slower it runs beside compute,
         # and how much slower it runs while the compute thread waits for it (once it has started;
         # a collective the queue takes up as the one before it finishes: its wait figure unscaled)
-        self.op_rc = [r[0] for r in per_op]
-        self.op_rm = [r[1] for r in per_op]
-        self.op_rw_queued = [r[2] for r in per_op]
-        self.rate_w = [r[3] for r in per_op]
+        rc, rm, rwq, rw = (list(x) for x in zip(*per_op)) if per_op else ([], [], [], [])
+        self.op_rc: list[float] = rc
+        self.op_rm: list[float] = rm
+        self.op_rw_queued: list[float] = rwq
+        self.rate_w: list[float] = rw
         # the process group each collective runs on (0: gathers, 1: reductions)
         self.op_group = [0 if op.kind == "all_gather" else 1 for op in ops]
         self.blocked_wait_s = comm.blocked_wait_s
@@ -180,10 +181,19 @@ class Timeline:
             self.taken_up[g] -= 1
             if self.waiting[g]:
                 self.take_up(self.waiting[g].popleft(), now)
-        self.start_next(s, now)
-        nxt = self.cur[s]
-        if nxt >= 0:
+        # the next operation of the queue starts now (start_next), at its queued rate
+        queue, qpos = self.queue[s], self.qpos
+        if qpos[s] < len(queue):
+            nxt = self.cur[s] = queue[qpos[s]]
+            qpos[s] += 1
+            op = self.ops[nxt]
+            op.start = now
+            self.rem[s] = op.seconds
+            if s == 1 and op.staging_bytes:
+                self.timed.append((now, op.staging_bytes, COMM))
             self.rate_w[nxt] = self.op_rw_queued[nxt]
+        else:
+            self.cur[s] = -1
 
     # ---- the compute thread's instructions ---------------------------------------------------
     def run(self, prog: list[Instruction]) -> None:

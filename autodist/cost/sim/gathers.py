@@ -62,6 +62,7 @@ class Group:
     trainable: int
     all_trainable: bool
     costs: GroupCosts  # what its units fix (Gathers.costs)
+    label: str  # its units, as the action log names them (schedule.group_label)
     state: str = "sharded"  # "sharded" | "issued" | "gathered"
     refreshing: bool = False  # an in-place refresh of resident full parameters is in flight
     op: int = -1
@@ -70,7 +71,6 @@ class Group:
     untokened: bool = False  # used by a forward whose inputs need no gradient
     untokened_open: bool = False  # ... whose parameters' gradients are not all in yet
     fwd_done: set[str] = field(default_factory=set)
-    label: str = ""  # its units, as the action log names them (schedule.group_label)
     # enacted at its root module ([Note: hooks per gather group] in autodist/schedule.py): the unit
     # whose forward is the root's (its first in forward order) carries the post-backward signal
     root_unit: str | None = None
@@ -112,11 +112,8 @@ class Gathers:
             fw = g.prefetch.forward if g.prefetch.forward != "memory" else by_memory[gi]
             bw = g.prefetch.backward if g.prefetch.backward != "memory" else by_memory[gi]
             full = c.full_bytes
-            grp = Group(
-                gi, list(g.units), params, unit_plan[g.units[0]].residency, int(fw), int(bw),
-                full_bytes=full, recv_bytes=full if len(params) > 1 else 0, msg_bytes=full,
-                trainable=c.trainable, all_trainable=c.all_trainable, costs=c, label=c.label,
-            )
+            grp = Group(gi, list(g.units), params, unit_plan[g.units[0]].residency, int(fw), int(bw), full,
+                        full if len(params) > 1 else 0, full, c.trainable, c.all_trainable, c, c.label)
             self.groups.append(grp)
             for un in g.units:
                 self.group_of_unit[un] = grp
