@@ -376,21 +376,21 @@ def memory_peak(own: tuple[list[float], list[int], list[int]], timed: MemoryLog,
         curve = [(0.0, start), *((e[0], b) for e, b in zip(merged, live[1:]))] if record else []
         return MemoryPeak(start, peak, peak_cat, curve)
     times, deltas, cats = arrays
-    live = np.cumsum(deltas)
-    live += start  # after each change
-    k = int(np.argmax(live)) if len(live) else 0  # the first change that reaches the most
-    if len(live) and live[k] > start:
-        peak, changes = int(live[k]), k + 1
+    after = np.cumsum(deltas)
+    after += start  # the bytes after each change
+    k = int(np.argmax(after)) if len(after) else 0  # the first change that reaches the most
+    if len(after) and after[k] > start:
+        top, changes = int(after[k]), k + 1
     else:
-        peak, changes = start, 0  # the static memory, before any change
+        top, changes = start, 0  # the static memory, before any change
     # the breakdown when the peak is first reached
-    peak_cat = list(static)
+    by_cat = list(static)
     if changes:
-        d, c = deltas[:changes], cats[:changes]
-        for cat in range(len(peak_cat)):
-            peak_cat[cat] += int(d[c == cat].sum())
-    curve = [(0.0, start), *zip(times.tolist(), live.tolist())] if record else []
-    return MemoryPeak(start, peak, peak_cat, curve)
+        upto, cat_upto = deltas[:changes], cats[:changes]
+        for cat in range(len(by_cat)):
+            by_cat[cat] += int(upto[cat_upto == cat].sum())
+    points = [(0.0, start), *zip(times.tolist(), after.tolist())] if record else []
+    return MemoryPeak(start, top, by_cat, points)
 
 
 Columns = tuple[np.ndarray, np.ndarray, np.ndarray]  # times, byte changes (int64), categories
