@@ -200,14 +200,16 @@ def backward_order(forward_sequence: Sequence[str], module_of: dict[str, str]) -
 
 
 def backward_positions(
-    forward_sequence: Sequence[str], anchors: Mapping[str, str | None], counted: Collection[str], module_of: dict[str, str]
+    forward_sequence: Sequence[str], anchors: Mapping[str, str | None], counted: Collection[str], module_of: dict[str, str],
+    *, backward: Sequence[str] | None = None,
 ) -> dict[str, int]:
     """The position where each unit's parameters are first needed in the backward of a forward
     that ran ``forward_sequence``: where its own backward begins (positions of :func:`positions`
     over the ``counted`` units in :func:`backward_order`), or its anchor's when earlier;
     ``anchors``: recomputed unit -> the unit whose backward runs when it is recomputed (``None``:
-    the start of backward)."""
-    bpos = positions(backward_order(forward_sequence, module_of), counted)
+    the start of backward). ``backward``: :func:`backward_order` of the sequence, where the caller
+    has it already."""
+    bpos = positions(backward_order(forward_sequence, module_of) if backward is None else backward, counted)
     need = dict(bpos)
     for u, anchor in anchors.items():
         if u in need:
@@ -239,40 +241,57 @@ def _common_module(names: Sequence[str]) -> str:
     return ".".join(common)
 
 
-def collapsed_groups(plan: Plan, structure: ModelStructure) -> dict[int, str]:
+def collapsed_groups(plan: Plan, structure: ModelStructure, *, memo: dict | None = None) -> dict[int, str]:
     """Gather group index -> its root module, for the groups enacted at one module (see [Note:
-    hooks per gather group])."""
-    module_of = {u.name: u.module_name for u in structure.units}
-    unit_of_param = structure.unit_of_param
+    hooks per gather group]). ``memo``: where a caller that asks for many plans of one model keeps
+    each group's answer, by its units and the plan's recomputed blocks (the rest of the rule is the
+    structure's)."""
     anchored = {a.split(":", 1)[1] for f in plan.offload for a in (f.out_after, f.back_from) if ":" in a}
+    module_of: dict[str, str] | None = None
     out: dict[int, str] = {}
     for gi, g in enumerate(plan.gather_groups):
         units = set(g.units)
-        if len(units) < 2 or units & anchored or any(u not in module_of for u in units):
+        if len(units) < 2 or units & anchored:
             continue
-        root = _common_module([module_of[u] for u in g.units])
-
-        def inside(m: str, root: str = root) -> bool:
-            return m == root or encloses(root, m)
-
-        if any(inside(m) != (u in units) for u, m in module_of.items()):
-            continue  # another group's unit lies under the root, or the root's units are not all here
-        if any(encloses(b, root) or inside(b) for b in plan.recompute):
-            continue
-        ok = True
-        for pname, info in structure.params.items():
-            ours = unit_of_param[pname] in units
-            if any(inside(m) != ours for m, _ in info.sites):
-                ok = False  # read through a module on the other side of the root's boundary
-                break
-        for m, used in structure.functional_uses.items():
-            if not ok:
-                break
-            if any(inside(m) != (u in units) for u in used):
-                ok = False
-        if ok:
+        key = ("collapsed group", tuple(g.units), tuple(plan.recompute))
+        if memo is not None and key in memo:
+            root = memo[key]
+        else:
+            if module_of is None:
+                module_of = {u.name: u.module_name for u in structure.units}
+            root = _group_root(g.units, plan.recompute, structure, module_of)
+            if memo is not None:
+                memo[key] = root
+        if root is not None:
             out[gi] = root
     return out
+
+
+def _group_root(group_units: Sequence[str], recompute: Sequence[str], structure: ModelStructure,
+                module_of: dict[str, str]) -> str | None:
+    """The module a gather group of ``group_units`` (two or more, no offload anchored at them) is
+    enacted at under a plan recomputing ``recompute``, or None (see [Note: hooks per gather group])."""
+    units = set(group_units)
+    if any(u not in module_of for u in units):
+        return None
+    root = _common_module([module_of[u] for u in group_units])
+
+    def inside(m: str) -> bool:
+        return m == root or encloses(root, m)
+
+    if any(inside(m) != (u in units) for u, m in module_of.items()):
+        return None  # another group's unit lies under the root, or the root's units are not all here
+    if any(encloses(b, root) or inside(b) for b in recompute):
+        return None
+    unit_of_param = structure.unit_of_param
+    for pname, info in structure.params.items():
+        ours = unit_of_param[pname] in units
+        if any(inside(m) != ours for m, _ in info.sites):
+            return None  # read through a module on the other side of the root's boundary
+    for m, used in structure.functional_uses.items():
+        if any(inside(m) != (u in units) for u in used):
+            return None
+    return root
 
 
 def group_fire_positions(pos: Mapping[str, int], groups: Iterable[Sequence[str]]) -> dict[str, int]:

@@ -28,6 +28,9 @@ wait costs], [Note: collectives taken up at once] and [Note: what a wait returns
 from __future__ import annotations
 
 import copy
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -39,7 +42,7 @@ from ..structure import ModelStructure
 from .comm import TRAIN_BYTES, CommModel
 from .profile import Profile
 from .sim.emit import StepEmitter, StepOrders
-from .sim.execute import execute
+from .sim.execute import execute, op_rates
 from .sim.program import (
     ACTIVATIONS,
     CATEGORY_NAMES,
@@ -74,6 +77,28 @@ __all__ = [
 ]
 
 
+# [Note: the cycle collector while simulating] Compiling and timing a plan allocates thousands of
+# container objects that live for the whole simulation (gather groups, buckets, operations, the
+# plan itself), and the cycle collector promotes each one that outlives a young collection towards
+# the oldest generation; every so many promotions it traverses every object the process holds (the
+# model, torch's own). On 800 units that full collection came every few simulations and cost about
+# a third of each (19 of 56 ms, measured), and it finds nothing: what a simulation allocates holds
+# no reference cycles and goes by reference counting when it returns. So a simulation, and a search
+# of many, runs with the collector paused, and it is switched back on as it was found
+# (``paused_cycle_collection``); a caller that paused it keeps it paused.
+@contextmanager
+def paused_cycle_collection() -> Iterator[None]:
+    """The cycle collector paused for the block ([Note: the cycle collector while simulating])."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 class Simulator:
     """Predicts plans for one model (profile + structure) on one machine (comm model)."""
 
@@ -104,6 +129,7 @@ class Simulator:
         known = set(self.order)
         self.order += [u.name for u in structure.units if u.name not in known]
         self.unit_set = set(self.order)  # read only
+        self.order_index = {u: i for i, u in enumerate(self.order)}  # read only
         self.uprof = {u.name: u for u in profile.units}
         unit_of_param = self.unit_of_param = structure.unit_of_param
         self.trainable = frozenset(n for n, p in structure.params.items() if p.requires_grad)
@@ -150,7 +176,12 @@ class Simulator:
         self._time_cache: dict[tuple[str, int], float] = {}
         self._group_cache: dict[tuple[str, int, int, int], float] = {}
         self._slowdown_cache: dict[tuple[str, int, bool], tuple[float, float, float]] = {}
+        self._rates_cache: dict[tuple[str, int], tuple[float, float, float, float]] = {}
         self._orders: StepOrders | None = None
+        # what a part of a plan fixes whatever the plan's other decisions (a gather group's sizes
+        # and costs, a bucket's messages, a unit's memory), by the part's own decisions: kept for
+        # every plan of this simulator (a sharded_over or compiled_for copy keeps its own)
+        self._parts: dict[tuple, Any] = {}
         self._block_units: dict[str, list[str]] | None = None  # block -> its units the plan can recompute
         self._sharded_over: dict[int, Simulator] = {world_size: self}
         # the compiled blocks this simulator times as compiled (see compiled_for), each unit's block
@@ -170,6 +201,7 @@ class Simulator:
         sim = self._sharded_over.get(ranks)
         if sim is None:
             sim = copy.copy(self)
+            sim._parts = {}
             sim.shard_world = ranks
             sim.shard_numel = {n: sim._shard_numel(n) for n in self.numel}
             sim.full_padded_bytes = {n: ranks * sim.shard_numel[n] * self._compute_itemsize(n) for n in self.numel}
@@ -196,6 +228,7 @@ class Simulator:
             return sim
         sim = copy.copy(self)
         sim._compiled_for = {}
+        sim._parts = {}
         sim.compiled_unit_block = {u: b for u in self.order if (b := self.block_of.get(u)) is not None and b in key[1]}
         sim.uprof = dict(self.uprof)
         for u, b in sim.compiled_unit_block.items():
@@ -329,6 +362,10 @@ class Simulator:
         """Predict one step of ``plan``. With an estimator, the step is timed twice: analytically,
         then with each compute section's and each operation's duration scaled by the estimator's
         correction of what the first timing predicted (``analytic_step_s`` keeps the first)."""
+        with paused_cycle_collection():
+            return self._run(plan, record)
+
+    def _run(self, plan: Plan, record: bool) -> SimResult:
         program = self.compile(plan)
         if self.estimator is None:
             result = self._execute(program.prog, program.ops, program.static, record)
@@ -350,7 +387,16 @@ class Simulator:
     def _execute(self, prog: list[Instruction], ops: list[CommOp], static: list[int], record: bool) -> SimResult:
         """``prog`` timed (:func:`~autodist.cost.sim.execute.execute`) on this simulator's machine."""
         return execute(prog, ops, static, comm=self.comm, sensitivity=self._compute_sensitivity(),
-                       budget=self.budget, record=record, slowdowns=self._slowdowns)
+                       budget=self.budget, record=record, slowdowns=self._slowdowns, rates=self._rates)
+
+    def _rates(self, op: str, nbytes: int) -> tuple[float, float, float, float]:
+        """A collective's rates on the timeline (:func:`~.sim.execute.op_rates`), cached by
+        operation and size."""
+        key = (op, nbytes)
+        r = self._rates_cache.get(key)
+        if r is None:
+            r = self._rates_cache[key] = op_rates(self._slowdowns, self._compute_sensitivity(), op, nbytes)
+        return r
 
     def _slowdowns(self, op: str, nbytes: int, *, scaled: bool = True) -> tuple[float, float, float]:
         """``comm.slowdowns``, cached by operation and size."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from .._log import logger
 from ..cost.comm import CommModel
 from ..cost.fidelity import DEFAULT_MEMORY_HEADROOM, DEFAULT_SEED_MARGIN, UNDO, FidelityRecord
-from ..cost.simulator import SimResult, Simulator
+from ..cost.simulator import SimResult, Simulator, paused_cycle_collection
 from ..plan import Plan
 from .space import Genome, PlanSpace
 
@@ -51,6 +51,11 @@ class SearchConfig:
     max_evals: int = 4000
     time_budget_s: float = 10.0
     seed: int = 0
+    # The greedy passes try the gather groups one at a time up to this many groups; a model with
+    # more tries them in runs of consecutive groups (in the pass's order), so that each pass makes
+    # at most about this many tries: on 800 units, one at a time is 800 simulations per seed
+    # (see [Note: greedy passes at scale]).
+    greedy_steps: int = 32
     # A searched plan must be predicted this much faster than the fastest feasible built-in seed
     # (ddp, fsdp, zero2) to be chosen over it; plans are searched within the budget less
     # memory_headroom of it. Both are the simulator's measured error: by default what
@@ -138,6 +143,17 @@ class Searcher:
             self.time_limited = True
         return left
 
+    def _may_evaluate(self, g: Genome, fraction: float) -> bool:
+        """Whether a greedy pass may evaluate ``g`` within its share of the time budget (one it
+        evaluated before costs nothing: only a new evaluation the budget stops counts as cut)."""
+        return g in self._memo or self._time_left(fraction)
+
+    def _runs(self, groups: list[list[int]]) -> list[list[list[int]]]:
+        """``groups`` in runs of consecutive groups, at most ``greedy_steps`` runs ([Note: greedy
+        passes at scale])."""
+        size = max(1, -(-len(groups) // max(1, self.cfg.greedy_steps)))
+        return [groups[i:i + size] for i in range(0, len(groups), size)]
+
     def normalize(self, g: Genome) -> Genome:
         """``space.normalize(g)``, remembered: the search meets the same genomes again and again."""
         n = self._normal.get(g)
@@ -165,13 +181,23 @@ class Searcher:
         return r.step_s + 1e-12 * len(g.offload) if r.feasible else math.inf
 
     # -- DeepCompile's greedy passes -------------------------------------------------------------
+    # [Note: greedy passes at scale] Widening prefetch windows and unsharding try the gather groups
+    # one at a time, each try a simulation of the whole plan: on a model of G groups a pass costs
+    # G simulations of time linear in G. Past ``greedy_steps`` groups, a pass tries runs of
+    # consecutive groups (in its own order: forward order for windows, communication time per byte
+    # for unsharding) together, so each pass makes about ``greedy_steps`` tries whatever the model's
+    # size; the backtracking search's residency and window moves then refine single groups. A
+    # model of up to ``greedy_steps`` groups is searched as before. A pass stops only where a new
+    # evaluation would pass its share of the time budget (a pass with nothing left to try is not
+    # cut), and that is what ``Searcher.time_limited`` reports.
     def widen_windows(self, g: Genome) -> Genome:
         """Memory-aware prefetch: for each gather group in order, the widest window (forward, then
         backward) that lowers the step time and stays within the budget."""
         g = self.normalize(g)
         best = self.cost(g)
         groups = self.space.groups(g)
-        # every group at once first (cheap), then group by group while time allows
+        # every group at once first (cheap), then group by group (in runs on a large model: [Note:
+        # greedy passes at scale]) while time allows
         for w in sorted(self.space.window_choices):
             win = list(g.window)
             for members in groups:
@@ -180,18 +206,19 @@ class Searcher:
             c = self.cost(cand)
             if c < best:
                 g, best = cand, c
-        for members in groups:
-            if not self._time_left(0.3):
-                break
-            first = members[0]
+        for run in self._runs(groups):
+            firsts = [members[0] for members in run]
             for axis in (0, 1):
                 for w in sorted(self.space.window_choices):
                     win = list(g.window)
-                    fwd, bwd = win[first]
-                    if w <= (fwd, bwd)[axis]:
+                    for first in firsts:
+                        if w > win[first][axis]:
+                            win[first] = (w, win[first][1]) if axis == 0 else (win[first][0], w)
+                    if win == list(g.window):
                         continue
-                    win[first] = (w, bwd) if axis == 0 else (fwd, w)
                     cand = self.normalize(replace(g, window=tuple(win)))
+                    if not self._may_evaluate(cand, 0.3):
+                        return g
                     c = self.cost(cand)
                     if c < best:
                         g, best = cand, c
@@ -210,13 +237,14 @@ class Searcher:
             nbytes = sum(self.sim.full_padded_bytes[p] for i in members for p in self.space.unit_params[self.space.units[i]])
             return comm.time("all_gather", nbytes) / max(nbytes, 1)
 
-        for members in sorted(groups, key=per_byte, reverse=True):
-            if not self._time_left(0.45):
-                break
+        for run in self._runs(sorted(groups, key=per_byte, reverse=True)):
             res = list(g.residency)
-            for i in members:
-                res[i] = 2
+            for members in run:
+                for i in members:
+                    res[i] = 2
             cand = self.normalize(replace(g, residency=tuple(res)))
+            if not self._may_evaluate(cand, 0.45):
+                break
             c = self.cost(cand)
             if c < best:
                 g, best = cand, c
@@ -330,6 +358,13 @@ class Searcher:
         return out
 
     def run(self) -> SearchResult:
+        """Seeds, greedy passes and the backtracking search (the module's docstring), with the cycle
+        collector paused ([Note: the cycle collector while simulating] in cost/simulator.py: the
+        plans and their programs hold no cycles)."""
+        with paused_cycle_collection():
+            return self._run()
+
+    def _run(self) -> SearchResult:
         cfg = self.cfg
         rng = random.Random(cfg.seed)
         t0 = self._t0 = time.perf_counter()

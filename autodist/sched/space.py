@@ -159,7 +159,9 @@ class PlanSpace:
         compiled = self._one_group_per_compiled_block(g.compile, shard, starts)
         res = list(g.residency)
         n_units = len(self.units)
-        win = [(_clamp_window(f, n_units), _clamp_window(b, n_units)) for f, b in g.window]
+        win = list(g.window)
+        if any(f > n_units or b > n_units for f, b in win):
+            win = [(_clamp_window(f, n_units), _clamp_window(b, n_units)) for f, b in win]
         current = 0
         for i, s in enumerate(shard):
             if s:
@@ -182,8 +184,8 @@ class PlanSpace:
                 acc[i] = cur_acc
         # bucket breaks the op/dtype/accumulation would force anyway are dropped, so equal plans have
         # equal genomes
-        keys = [self._bucket_key(shard, acc, k) for k in range(len(self.ready))]
-        bstarts = frozenset(k for k in g.bucket_start if 0 < k < len(self.ready) and keys[k] == keys[k - 1])
+        bstarts = frozenset(k for k in g.bucket_start
+                            if 0 < k < len(self.ready) and self._bucket_key(shard, acc, k) == self._bucket_key(shard, acc, k - 1))
         recompute = frozenset(b for b in g.recompute if 0 <= b < len(self.recompute_blocks))
         # the genome offloads whole state tensors: a placement move since one was offloaded changes
         # how much of it a rank holds (a shard's rows, or all of them), and the fragment follows
@@ -233,9 +235,10 @@ class PlanSpace:
         """Bucket partition of the ready order (indices into ``self.ready``)."""
         out: list[list[int]] = []
         prev_key = None
-        for k in range(len(self.ready)):
-            key = self._bucket_key(g.shard, g.accumulate, k)
-            if not out or k in g.bucket_start or key != prev_key:
+        shard, acc, starts, dtype = g.shard, g.accumulate, g.bucket_start, self.ready_dtype
+        for k, i in enumerate(self.unit_of_ready):
+            key = (shard[i], dtype[k], acc[i] if acc else 0)  # _bucket_key(shard, acc, k)
+            if not out or k in starts or key != prev_key:
                 out.append([k])
             else:
                 out[-1].append(k)

@@ -83,8 +83,8 @@ class StepEmitter:
         self.out = ProgramBuilder()
         self.trainable = sim.trainable
         self.micro_batches = max(1, plan.grad_accum_steps)
-        self.gathers = Gathers(sim, plan, self.out, self.trainable)
-        self.reductions = Reductions(sim, plan, self.out, self.trainable)
+        self.gathers = Gathers(sim, plan, self.out)
+        self.reductions = Reductions(sim, plan, self.out)
         self.static = [0] * N_CATEGORIES
         self.static[GRADIENTS] += self.reductions.static_bytes  # persistent bucket buffers; gradients are views of them
         self._static_memory()
@@ -101,26 +101,47 @@ class StepEmitter:
         """Parameters as each rank holds them, optimizer state, the math libraries' workspaces, and
         the compute-dtype copies of replicated parameters (``cast_copies``): cast in the forward,
         released when the optimizer step makes them stale (runtime/params.py ``release_cast``)."""
-        sim, static = self.sim, self.static
-        self.cast_copies = 0
-        self.local_master = 0  # bytes of trainable parameters this rank updates
-        self.local_tensors = 0
+        sim, static, parts = self.sim, self.static, self.sim._parts
+        param_bytes = cast_copies = local_master = local_tensors = 0
+        self.unit_memory: list[tuple[int, int, int, int]] = []  # per unit of the plan: _unit_memory
         for u in self.plan.units:
-            for p in u.params:
-                size = sim.itemsize[p]
-                if u.placement == "shard":
-                    static[PARAMETERS] += sim._shard_numel(p) * size
-                    local = sim._local_numel(p) * size
-                else:
-                    static[PARAMETERS] += sim.numel[p] * size
-                    local = sim.numel[p] * size
-                    if sim.param_dtype is not None and sim.floating[p] and sim.param_dtype.itemsize != size:
-                        self.cast_copies += sim.numel[p] * sim.param_dtype.itemsize
-                if p in self.trainable:
-                    self.local_master += local
-                    self.local_tensors += 1
+            sharded = u.placement == "shard"
+            key = ("unit memory", u.name, sharded, tuple(u.params))
+            m = parts.get(key)
+            if m is None:
+                m = parts[key] = self._unit_memory(u.params, sharded)
+            self.unit_memory.append(m)
+            param_bytes += m[0]
+            cast_copies += m[1]
+            local_master += m[2]
+            local_tensors += m[3]
+        static[PARAMETERS] += param_bytes
+        self.cast_copies = cast_copies
+        self.local_master = local_master  # bytes of trainable parameters this rank updates
+        self.local_tensors = local_tensors
         static[OPTIMIZER] += int(sim.profile.optimizer.state_factor * self.local_master)
         static[LIBRARIES] += sim.profile.library_bytes  # [Note: what the allocator holds for libraries]
+
+    def _unit_memory(self, params: list[str], sharded: bool) -> tuple[int, int, int, int]:
+        """One unit's parameters as this rank holds them: bytes, compute-dtype copies (replicated
+        parameters computed with in another dtype), trainable bytes it updates and their tensors
+        (kept by the simulator for every plan placing the unit so)."""
+        sim = self.sim
+        held = cast = master = tensors = 0
+        for p in params:
+            size = sim.itemsize[p]
+            if sharded:
+                held += sim._shard_numel(p) * size
+                local = sim._local_numel(p) * size
+            else:
+                held += sim.numel[p] * size
+                local = sim.numel[p] * size
+                if sim.param_dtype is not None and sim.floating[p] and sim.param_dtype.itemsize != size:
+                    cast += sim.numel[p] * sim.param_dtype.itemsize
+            if p in sim.trainable:
+                master += local
+                tensors += 1
+        return held, cast, master, tensors
 
     def _backward_order(self) -> None:
         """The simulator's :class:`StepOrders` (the same for every plan)."""
@@ -140,10 +161,13 @@ class StepEmitter:
         autodist/runtime/compiled.py)."""
         sim = self.sim
         # collapsed groups fire at their last position (autodist/schedule.py [Note: hooks per gather group])
-        self.fwd_fire = dict(self.gathers.fire_pos)
+        self.fwd_fire = self.gathers.fire_pos  # read only
         self.bwd_fire = group_fire_positions(self.recompute.need, [g.units for g in self.gathers.collapsed])
-        fwd, bwd = dict(self.fwd_fire), dict(self.bwd_fire)
         self.first_of_block: set[str] = set()
+        if not sim.compiled_unit_block:
+            return
+        self.fwd_fire = dict(self.fwd_fire)
+        fwd, bwd = dict(self.fwd_fire), dict(self.bwd_fire)
         units: dict[str, list[str]] = {}
         for u in sim.order:
             b = sim.compiled_unit_block.get(u)
@@ -167,13 +191,15 @@ class StepEmitter:
         if any(u.placement == "shard" for u in plan.units):
             self.opt_s += ovh.get("dtensor_opt_per_tensor_s", 0.0) * self.local_tensors
         self.hook_s: dict[str, float] = {}
-        placement_of_unit = {u.name: u.placement for u in plan.units}
         if self.gathers.groups:
             per_unit = ovh.get("per_unit_s", 0.0)
-            for u in sim.order:
-                if u in sim.compiled_unit_block and u not in self.first_of_block:
-                    continue  # a compiled block's hooks run once, at its boundary
-                self.hook_s[u] = per_unit / 2 if placement_of_unit.get(u) == "shard" else per_unit / 4
+            sharded = {u.name for u in plan.units if u.placement == "shard"}
+            compiled = sim.compiled_unit_block
+            self.hook_s = {
+                u: per_unit / 2 if u in sharded else per_unit / 4
+                for u in sim.order
+                if u not in compiled or u in self.first_of_block  # a compiled block's hooks run once, at its boundary
+            }
             # a group enacted at its root hooks the root once; each of its units costs its
             # parameters' swaps and gradient hooks (a comm model measured before this figure existed
             # has none: every unit is charged as if hooked)
@@ -187,9 +213,9 @@ class StepEmitter:
         per_param = ovh.get("per_param_s", 0.0)
         self.grad_hook_s: dict[str, float] = {}
         if per_param:
-            for up in plan.units:
+            for up, memory in zip(plan.units, self.unit_memory):
                 if up.placement != "shard":
-                    self.grad_hook_s[up.name] = per_param * sum(p in self.trainable for p in up.params)
+                    self.grad_hook_s[up.name] = per_param * memory[3]  # its trainable parameters
         self.opt_transient = int(opt.transient_factor * self.local_master)
 
     # ---- the step ------------------------------------------------------------------------------
@@ -223,97 +249,121 @@ class StepEmitter:
         autodist/schedule.py): the optimizer step's copy-outs are finished and released first."""
         sim, out, gathers, rc = self.sim, self.out, self.gathers, self.recompute
         prof = sim.profile
+        emit, prog, section = out.emit, out.prog, out.sections.append
         out.section(f"forward{at}")
         if micro == 0:
             self.reductions.release_carried()
         self.offload.finish_out()
         # the runtime's fixed work per step (a comm model measured before this figure existed has none)
-        out.emit((COMPUTE, prof.pre_fwd_s + self.sim.comm.overhead.get("per_step_s", 0.0), "forward", 0))
+        emit((COMPUTE, prof.pre_fwd_s + self.sim.comm.overhead.get("per_step_s", 0.0), "forward", 0))
         fcur = TriggerCursor(self.fwd_trig)
+        trig, n_trig = fcur.trig, len(fcur.trig)
         gathers.fire(fcur, -1)
         used_by: dict[str, list[Group]] = {}
         started: set[str] = set()
         nfinished = 0
+        finishing, n_finishing = self.finishing, len(self.finishing)
         out_at = self.offload.out_at if micro == 0 else {}
+        uprof, fwd_name, fwd_fire, hook_s, site_uses = sim.uprof, self.fwd_name, self.fwd_fire, self.hook_s, sim.site_uses
+        block_first, in_recomputed = rc.block_first, rc.in_recomputed
+        forward_uses, forward_finished = gathers.forward_uses, gathers.forward_finished
         for u in sim.order:
-            name = self.fwd_name[u]
-            out.section(name + at if at else name)
-            up = sim.uprof.get(u)
+            name = fwd_name[u]
+            section((len(prog), name + at if at else name))
+            up = uprof.get(u)
             if out_at and f"forward:{u}" in out_at:
                 self.offload.copy_out(out_at[f"forward:{u}"])
-            if u in rc.block_first:  # a recomputed block keeps only its input until its backward
-                out.emit((MEM, prof.block_input_bytes.get(rc.block_first[u], 0), ACTIVATIONS))
-            used = gathers.forward_uses(u, up)
-            gathers.fire(fcur, self.fwd_fire[u])
+            if u in block_first:  # a recomputed block keeps only its input until its backward
+                emit((MEM, prof.block_input_bytes.get(block_first[u], 0), ACTIVATIONS))
+            used = forward_uses(u, up)
+            pos = fwd_fire[u]
+            if fcur.next < n_trig and trig[fcur.next].at <= pos:
+                gathers.fire(fcur, pos)
             if up is not None:
-                out.emit((COMPUTE, up.fwd_s + self.hook_s.get(u, 0.0), name, up.fwd_peak_bytes))
-                if u not in rc.in_recomputed:
-                    out.emit((MEM, up.act_bytes, ACTIVATIONS))
+                emit((COMPUTE, up.fwd_s + hook_s.get(u, 0.0), name, up.fwd_peak_bytes))
+                if u not in in_recomputed:
+                    emit((MEM, up.act_bytes, ACTIVATIONS))
             used_by[u] = used
             started.add(u)
             # the forwards that finish now (this one, and those enclosing it whose last unit it is)
-            while nfinished < len(self.finishing) and self.finishing[nfinished] in started:
-                f = self.finishing[nfinished]
+            while nfinished < n_finishing and finishing[nfinished] in started:
+                f = finishing[nfinished]
                 nfinished += 1
-                gathers.forward_finished(f, used_by[f])
+                forward_finished(f, used_by[f])
             # modules that only reuse other units' parameters (tied weights) run after this unit;
             # a group freed after forward is gathered again for them, kept to the end of forward
-            gathers.ensure_owners(sim.site_uses.get(u, ()))
+            if u in site_uses:
+                gathers.ensure_owners(site_uses[u])
         out.section(f"loss{at}")
         gathers.free_unless_persistent("after_forward")
         self.offload.finish_out()  # copy-outs started at forward units
-        out.emit((COMPUTE, prof.post_fwd_s, "loss", prof.loss_fwd_peak_bytes))
-        out.emit((MEM, prof.loss_act_bytes, ACTIVATIONS))
+        emit((COMPUTE, prof.post_fwd_s, "loss", prof.loss_fwd_peak_bytes))
+        emit((MEM, prof.loss_act_bytes, ACTIVATIONS))
 
     def _backward(self, sync: bool, at: str) -> None:
         """One micro-batch's backward, down to the flush and the collective-order check."""
         sim, out, gathers, rc = self.sim, self.out, self.gathers, self.recompute
         prof = sim.profile
+        emit, prog, section = out.emit, out.prog, out.sections.append
         out.section(f"loss backward{at}")
-        out.emit((COMPUTE, prof.pre_bwd_s, "loss backward", prof.loss_bwd_peak_bytes))
-        out.emit((MEM, -prof.loss_act_bytes, ACTIVATIONS))
+        emit((COMPUTE, prof.pre_bwd_s, "loss backward", prof.loss_bwd_peak_bytes))
+        emit((MEM, -prof.loss_act_bytes, ACTIVATIONS))
         bcur = TriggerCursor(self.bwd_trig)
+        trig, n_trig = bcur.trig, len(bcur.trig)
         gathers.fire(bcur, -1)
         begun: set[str] = set()
         nended = 0
+        bend, n_bend = self.bend, len(self.bend)
         back_at = self.offload.back_at if sync else {}
+        uprof, bwd_name, bwd_fire, site_uses, uses = sim.uprof, self.bwd_name, self.bwd_fire, sim.site_uses, sim.uses
+        hook_s, grad_hook_s = self.hook_s, self.grad_hook_s
+        ready_at_start, ready_at_end = self.ready_at_start, self.ready_at_end
+        before, after, block_last_bwd = rc.before, rc.after, rc.block_last_bwd
+        group_of_unit, ensure, backward_ended = gathers.group_of_unit, gathers.ensure, gathers.backward_ended
+        gathers_ready, reductions_ready = gathers.grad_ready, self.reductions.grad_ready
         for u in self.bstart:
-            name = self.bwd_name[u]
-            out.section(name + at if at else name)
-            up = sim.uprof.get(u)
+            name = bwd_name[u]
+            section((len(prog), name + at if at else name))
+            up = uprof.get(u)
             if back_at and f"backward:{u}" in back_at:
                 self.offload.copy_back(back_at[f"backward:{u}"])
-            gathers.ensure_owners(sim.site_uses.get(u, ()))
-            gathers.ensure_owners(sim.uses[u])
-            gathers.fire(bcur, self.bwd_fire[u])
-            rc.run(rc.before, u, bcur)
+            if u in site_uses:
+                gathers.ensure_owners(site_uses[u])
+            for owner in uses[u]:  # gathered for its backward (a gathered group needs nothing)
+                grp = group_of_unit.get(owner)
+                if grp is not None and grp.state != "gathered":
+                    ensure(grp)
+            pos = bwd_fire[u]
+            if bcur.next < n_trig and trig[bcur.next].at <= pos:
+                gathers.fire(bcur, pos)
+            if u in before:
+                rc.run(before, u, bcur)
             if up is not None:
-                out.emit((COMPUTE, max(0.0, up.bwd_s + self.hook_s.get(u, 0.0) + self.grad_hook_s.get(u, 0.0)), name, up.bwd_peak_bytes))
-                out.emit((MEM, -up.act_bytes, ACTIVATIONS))
-            for p in self.ready_at_start.get(u, ()):
-                self._grad_ready(p, sync)
+                emit((COMPUTE, max(0.0, up.bwd_s + hook_s.get(u, 0.0) + grad_hook_s.get(u, 0.0)), name, up.bwd_peak_bytes))
+                emit((MEM, -up.act_bytes, ACTIVATIONS))
+            for p in ready_at_start.get(u, ()):
+                gathers_ready(p)
+                reductions_ready(p, sync)
             begun.add(u)
             # the backward passes that end now (this one, and those enclosing it whose last unit
             # it is): groups no later backward reads are freed
-            while nended < len(self.bend) and self.bend[nended] in begun:
-                e = self.bend[nended]
+            while nended < n_bend and bend[nended] in begun:
+                e = bend[nended]
                 nended += 1
-                gathers.backward_ended(e, sim.uprof.get(e))
-                for p in self.ready_at_end.get(e, ()):
-                    self._grad_ready(p, sync)
-                if e in rc.block_last_bwd:
-                    out.emit((MEM, -prof.block_input_bytes.get(rc.block_last_bwd[e], 0), ACTIVATIONS))
-            rc.run(rc.after, u, bcur)
+                backward_ended(e, uprof.get(e))
+                for p in ready_at_end.get(e, ()):
+                    gathers_ready(p)
+                    reductions_ready(p, sync)
+                if e in block_last_bwd:
+                    emit((MEM, -prof.block_input_bytes.get(block_last_bwd[e], 0), ACTIVATIONS))
+            if u in after:
+                rc.run(after, u, bcur)
         out.section(f"backward{at}")
-        out.emit((COMPUTE, prof.post_bwd_s, "backward", 0))
+        emit((COMPUTE, prof.post_bwd_s, "backward", 0))
         self.reductions.flush()
         gathers.free_unless_persistent()
         if gathers.groups:  # the collective-order check (runtime/comm.py): a small all-reduce, waited for on the CPU
-            out.emit((COMPUTE, sim._order_check_s(), "collective-order check", 0))
-
-    def _grad_ready(self, p: str, sync: bool) -> None:
-        self.gathers.grad_ready(p)
-        self.reductions.grad_ready(p, sync)
+            emit((COMPUTE, sim._order_check_s(), "collective-order check", 0))
 
     def _optimizer_step(self) -> None:
         """The sync point (every offloaded fragment is back before the step), the optimizer step,

@@ -20,9 +20,13 @@ category.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import accumulate
 from operator import itemgetter
+
+import numpy as np
 
 from ..comm import CommModel
 from .program import (
@@ -84,31 +88,45 @@ Slowdowns = Callable[..., tuple[float, float, float]]  # CommModel.slowdowns(op,
 # where it does not, this under-counts a buffer.
 
 
-def _group_of(op: CommOp) -> str:
-    """The process group an operation of the comm queue runs on."""
-    return "gather" if op.kind == "all_gather" else "reduce"
+Rates = Callable[[str, int], tuple[float, float, float, float]]  # (kind, nbytes) -> an op's four rates (see op_rates)
+
+
+def op_rates(slowdowns: Slowdowns, sensitivity: float, kind: str, nbytes: int) -> tuple[float, float, float, float]:
+    """A collective's rates on the timeline, from ``slowdowns`` (``CommModel.slowdowns``): how much
+    slower compute runs beside it (the comm model's figure scaled by the model's ``sensitivity``),
+    how much slower it runs beside compute, how much slower it runs while the compute thread waits
+    for it when the queue took it up as the one before it finished (its wait figure unscaled), and
+    when it was taken up on its own ([Note: what a blocked wait costs])."""
+    rc, rm, rw = slowdowns(kind, nbytes)
+    return max(1.0, rc * sensitivity), rm, slowdowns(kind, nbytes, scaled=False)[2], rw
 
 
 class Timeline:
     """The compute thread's clock and the two background queues (0: communication, 1: offload
-    copies; each runs one operation at a time) while a program runs."""
+    copies; each runs one operation at a time) while a program runs (:meth:`run`)."""
 
     def __init__(self, ops: list[CommOp], comm: CommModel, sensitivity: float, record: bool,
-                 slowdowns: Slowdowns | None = None) -> None:
+                 slowdowns: Slowdowns | None = None, rates: Rates | None = None) -> None:
         self.ops = ops
         self.record = record
-        slowdowns = slowdowns or comm.slowdowns
-        copy_slow = (comm.compute_slowdown, comm.comm_slowdown, 1.0)
-        slow = [slowdowns(op.kind, op.nbytes) if op.stream == 0 else copy_slow for op in ops]
+        if rates is None:
+            slow = slowdowns or comm.slowdowns
+
+            def rates(kind: str, nbytes: int) -> tuple[float, float, float, float]:
+                return op_rates(slow, sensitivity, kind, nbytes)
+
+        copy_rates = (comm.compute_slowdown, comm.comm_slowdown, 1.0, 1.0)
+        per_op = [rates(op.kind, op.nbytes) if op.stream == 0 else copy_rates for op in ops]
         # per op: how much slower compute runs beside it, how much slower it runs beside compute,
-        # and how much slower it runs while the compute thread waits for it
-        self.op_rc = [max(1.0, s[0] * sensitivity) if op.stream == 0 else s[0] for s, op in zip(slow, ops)]
-        self.op_rm = [s[1] for s in slow]
-        # a collective the queue takes up as the one before it finishes: its wait figure unscaled
-        # ([Note: what a blocked wait costs])
-        self.op_rw_queued = [slowdowns(op.kind, op.nbytes, scaled=False)[2] if op.stream == 0 else s[2]
-                             for s, op in zip(slow, ops)]
-        self.rate_w = [s[2] for s in slow]  # each op's rate while the compute thread waits, once it has started
+        # and how much slower it runs while the compute thread waits for it (once it has started;
+        # a collective the queue takes up as the one before it finishes: its wait figure unscaled)
+        rc, rm, rwq, rw = (list(x) for x in zip(*per_op)) if per_op else ([], [], [], [])
+        self.op_rc: list[float] = rc
+        self.op_rm: list[float] = rm
+        self.op_rw_queued: list[float] = rwq
+        self.rate_w: list[float] = rw
+        # the process group each collective runs on (0: gathers, 1: reductions)
+        self.op_group = [0 if op.kind == "all_gather" else 1 for op in ops]
         self.blocked_wait_s = comm.blocked_wait_s
         self.t = 0.0
         self.queue: list[list[int]] = [[], []]
@@ -116,19 +134,23 @@ class Timeline:
         self.cur = [-1, -1]
         self.rem = [0.0, 0.0]
         self.timed: MemoryLog = []  # memory changed by background ops: (time, delta, category)
-        self.mem_log: MemoryLog = []  # compute-thread allocations, in program order
+        # compute-thread memory changes in program order, as columns: time, bytes, category
+        self.mem_t: list[float] = []
+        self.mem_d: list[int] = []
+        self.mem_c: list[int] = []
         self.events: list[Event] = []
         self.compute_total = 0.0
         # [Note: collectives taken up at once]
         self.workers = max(1, comm.workers)
-        self.taken_up = {"gather": 0, "reduce": 0}  # collectives each group's workers hold
-        self.waiting: dict[str, list[int]] = {"gather": [], "reduce": []}  # issued, not yet taken up
+        self.taken_up = [0, 0]  # collectives each group's workers hold
+        self.waiting: list[deque[int]] = [deque(), deque()]  # issued, not yet taken up
 
     # ---- the background queues ---------------------------------------------------------------
     def start_next(self, s: int, now: float) -> None:
-        if self.qpos[s] < len(self.queue[s]):
-            i = self.queue[s][self.qpos[s]]
-            self.qpos[s] += 1
+        queue, qpos = self.queue[s], self.qpos
+        if qpos[s] < len(queue):
+            i = queue[qpos[s]]
+            qpos[s] += 1
             self.cur[s] = i
             op = self.ops[i]
             op.start = now
@@ -140,12 +162,13 @@ class Timeline:
 
     def take_up(self, i: int, now: float) -> None:
         op = self.ops[i]
-        self.taken_up[_group_of(op)] += 1
+        self.taken_up[self.op_group[i]] += 1
         if op.staging_bytes:
             self.timed.append((now, op.staging_bytes, COMM))
 
     def end_current(self, s: int, now: float) -> None:
-        op = self.ops[self.cur[s]]
+        i = self.cur[s]
+        op = self.ops[i]
         op.end = now
         if op.staging_bytes:
             self.timed.append((now, -op.staging_bytes, COMM))
@@ -154,124 +177,140 @@ class Timeline:
         if self.record:
             self.events.append(Event(("comm", "copy")[s], f"{op.kind} {op.label}", op.start, now))
         if s == 0:
-            g = _group_of(op)
+            g = self.op_group[i]
             self.taken_up[g] -= 1
             if self.waiting[g]:
-                self.take_up(self.waiting[g].pop(0), now)
-        self.start_next(s, now)
-        if self.cur[s] >= 0:
-            self.rate_w[self.cur[s]] = self.op_rw_queued[self.cur[s]]
-
-    def advance_idle(self, until_op: CommOp) -> None:
-        """Compute waits: background queues run until ``until_op`` is done, each operation at its
-        rate while the compute thread waits (on a CPU host a small collective stays slowed by
-        the scheduling of the other rank's threads; a large one runs at nearly full speed)."""
-        cur, rem, rate_w = self.cur, self.rem, self.rate_w
-        while until_op.end < 0:
-            c0, c1 = cur
-            if c0 >= 0 and c1 >= 0:
-                # the one that finishes first (the communication queue on a tie)
-                d0, d1 = rem[0] * rate_w[c0], rem[1] * rate_w[c1]
-                s, dt = (0, d0) if d0 <= d1 else (1, d1)
-                rem[0] -= dt / rate_w[c0]
-                rem[1] -= dt / rate_w[c1]
-            elif c0 >= 0 or c1 >= 0:
-                s = 0 if c0 >= 0 else 1
-                dt = rem[s] * rate_w[cur[s]]
-            else:
-                break
-            rem[s] = 0.0
-            self.t += dt
-            self.end_current(s, self.t)
+                self.take_up(self.waiting[g].popleft(), now)
+        # the next operation of the queue starts now (start_next), at its queued rate
+        queue, qpos = self.queue[s], self.qpos
+        if qpos[s] < len(queue):
+            nxt = self.cur[s] = queue[qpos[s]]
+            qpos[s] += 1
+            op = self.ops[nxt]
+            op.start = now
+            self.rem[s] = op.seconds
+            if s == 1 and op.staging_bytes:
+                self.timed.append((now, op.staging_bytes, COMM))
+            self.rate_w[nxt] = self.op_rw_queued[nxt]
+        else:
+            self.cur[s] = -1
 
     # ---- the compute thread's instructions ---------------------------------------------------
-    def compute(self, dur: float, name: str, spike: int) -> None:
-        """A compute segment of ``dur`` seconds alone, with a transient of ``spike`` bytes."""
-        mem_log = self.mem_log
-        if dur <= 0:
-            if spike:  # a transient of no measurable duration still counts for the peak
-                mem_log.extend(((self.t, spike, ACTIVATIONS), (self.t, -spike, ACTIVATIONS)))
-            return
-        self.compute_total += dur
-        cur, rem, op_rc, op_rm = self.cur, self.rem, self.op_rc, self.op_rm
-        t = seg_start = self.t
-        if spike:
-            mem_log.append((t, spike, ACTIVATIONS))
-        remaining = dur
-        while remaining > 0:
-            c0, c1 = cur
-            # compute runs at the rate the most demanding running op leaves it; each op at its own;
-            # ``s``: the op that finishes first (the communication queue on a tie)
-            if c0 >= 0 and c1 >= 0:
-                rc = max(op_rc[c0], op_rc[c1])
-                s = 0 if rem[0] * op_rm[c0] <= rem[1] * op_rm[c1] else 1
-            elif c0 >= 0 or c1 >= 0:
-                s = 0 if c0 >= 0 else 1
-                rc = op_rc[cur[s]]
-            else:
-                t += remaining
-                break
-            t_c = t + remaining * rc
-            t_m = t + rem[s] * op_rm[cur[s]]
-            if t_c <= t_m:
-                dt = t_c - t
-                if c0 >= 0:
-                    rem[0] -= dt / op_rm[c0]
-                if c1 >= 0:
-                    rem[1] -= dt / op_rm[c1]
-                t = t_c
-                break
-            dt = t_m - t
-            remaining -= dt / rc
-            if c0 >= 0:
-                rem[0] -= dt / op_rm[c0]
-            if c1 >= 0:
-                rem[1] -= dt / op_rm[c1]
-            t = t_m
-            rem[s] = 0.0
-            self.end_current(s, t)
-        self.t = t
-        if spike:
-            mem_log.append((t, -spike, ACTIVATIONS))
-        if self.record:
-            self.events.append(Event("compute", name, seg_start, t))
-
-    def issue(self, i: int) -> None:
-        s = self.ops[i].stream
-        if s == 0:
-            g = _group_of(self.ops[i])
-            if self.taken_up[g] < self.workers:
-                self.take_up(i, self.t)
-            else:
-                self.waiting[g].append(i)
-        self.queue[s].append(i)
-        if self.cur[s] < 0:
-            self.start_next(s, self.t)
-
-    def wait(self, i: int) -> None:
-        waited = self.ops[i]
-        # a wait blocks on a collective not yet done (on a world of one nothing is issued: its
-        # collectives take no time, and waiting for one does nothing)
-        blocked = waited.end < 0 and waited.stream == 0 and waited.seconds > 0
-        self.advance_idle(waited)
-        if blocked:
-            self.t += self.blocked_wait_s  # the whole step's, queues included ([Note: what a blocked wait costs])
-        if self.timed:
-            self.mem_log.append((self.t, 0, WAITED))
-
     def run(self, prog: list[Instruction]) -> None:
-        mem_append = self.mem_log.append
-        compute, issue, wait = self.compute, self.issue, self.wait
+        """Run ``prog`` on the compute thread: a memory change is logged at the time it is reached;
+        a compute segment of ``dur`` seconds (with a transient of ``spike`` bytes) runs at the rate
+        the most demanding running operation leaves it, each operation at its own, until its work
+        is done; an issue queues an operation; a wait runs the background queues, each operation at
+        its rate while the compute thread waits (on a CPU host a small collective stays slowed by
+        the scheduling of the other rank's threads; a large one runs at nearly full speed), until
+        the operation waited for is done."""
+        ops, cur, rem = self.ops, self.cur, self.rem
+        op_rc, op_rm, rate_w = self.op_rc, self.op_rm, self.rate_w
+        timed, record = self.timed, self.record
+        mem_t, mem_d, mem_c = self.mem_t.append, self.mem_d.append, self.mem_c.append
+        end_current = self.end_current
+        t = self.t
+        compute_total = self.compute_total
         for ins in prog:
             code = ins[0]
             if code == MEM:
-                mem_append((self.t, ins[1], ins[2]))
+                mem_t(t)
+                mem_d(ins[1])
+                mem_c(ins[2])
             elif code == COMPUTE:
-                compute(ins[1], ins[2], ins[3])
+                dur, spike = ins[1], ins[3]
+                if dur <= 0:
+                    if spike:  # a transient of no measurable duration still counts for the peak
+                        self.mem_t.extend((t, t))
+                        self.mem_d.extend((spike, -spike))
+                        self.mem_c.extend((ACTIVATIONS, ACTIVATIONS))
+                    continue
+                compute_total += dur
+                seg_start = t
+                if spike:
+                    mem_t(t)
+                    mem_d(spike)
+                    mem_c(ACTIVATIONS)
+                remaining = dur
+                while remaining > 0:
+                    c0, c1 = cur
+                    # compute runs at the rate the most demanding running op leaves it; each op at
+                    # its own; ``s``: the op that finishes first (the communication queue on a tie)
+                    if c0 >= 0 and c1 >= 0:
+                        rc = max(op_rc[c0], op_rc[c1])
+                        s = 0 if rem[0] * op_rm[c0] <= rem[1] * op_rm[c1] else 1
+                    elif c0 >= 0 or c1 >= 0:
+                        s = 0 if c0 >= 0 else 1
+                        rc = op_rc[cur[s]]
+                    else:
+                        t += remaining
+                        break
+                    t_c = t + remaining * rc
+                    t_m = t + rem[s] * op_rm[cur[s]]
+                    if t_c <= t_m:
+                        dt = t_c - t
+                        if c0 >= 0:
+                            rem[0] -= dt / op_rm[c0]
+                        if c1 >= 0:
+                            rem[1] -= dt / op_rm[c1]
+                        t = t_c
+                        break
+                    dt = t_m - t
+                    remaining -= dt / rc
+                    if c0 >= 0:
+                        rem[0] -= dt / op_rm[c0]
+                    if c1 >= 0:
+                        rem[1] -= dt / op_rm[c1]
+                    t = t_m
+                    rem[s] = 0.0
+                    end_current(s, t)
+                if spike:
+                    mem_t(t)
+                    mem_d(-spike)
+                    mem_c(ACTIVATIONS)
+                if record:
+                    self.events.append(Event("compute", ins[2], seg_start, t))
             elif code == ISSUE:
-                issue(ins[1])
+                i = ins[1]
+                s = ops[i].stream
+                if s == 0:
+                    g = self.op_group[i]
+                    if self.taken_up[g] < self.workers:
+                        self.take_up(i, t)
+                    else:
+                        self.waiting[g].append(i)
+                self.queue[s].append(i)
+                if cur[s] < 0:
+                    self.start_next(s, t)
             else:  # WAIT
-                wait(ins[1])
+                waited = ops[ins[1]]
+                # a wait blocks on a collective not yet done (on a world of one nothing is issued:
+                # its collectives take no time, and waiting for one does nothing)
+                blocked = waited.end < 0 and waited.stream == 0 and waited.seconds > 0
+                while waited.end < 0:
+                    c0, c1 = cur
+                    if c0 >= 0 and c1 >= 0:
+                        # the one that finishes first (the communication queue on a tie)
+                        d0, d1 = rem[0] * rate_w[c0], rem[1] * rate_w[c1]
+                        s, dt = (0, d0) if d0 <= d1 else (1, d1)
+                        rem[0] -= dt / rate_w[c0]
+                        rem[1] -= dt / rate_w[c1]
+                    elif c0 >= 0 or c1 >= 0:
+                        s = 0 if c0 >= 0 else 1
+                        dt = rem[s] * rate_w[cur[s]]
+                    else:
+                        break
+                    rem[s] = 0.0
+                    t += dt
+                    end_current(s, t)
+                if blocked:
+                    t += self.blocked_wait_s  # the whole step's, queues included ([Note: what a blocked wait costs])
+                if timed:
+                    mem_t(t)
+                    mem_d(0)
+                    mem_c(WAITED)
+        self.t = t
+        self.compute_total = compute_total
 
 
 def merged_memory(mem_log: MemoryLog, timed: MemoryLog) -> MemoryLog:
@@ -304,36 +343,123 @@ def merged_memory(mem_log: MemoryLog, timed: MemoryLog) -> MemoryLog:
     return merged
 
 
+@dataclass
+class MemoryPeak:
+    """The memory of a timed step: the bytes before any change (the static memory), the peak, the
+    bytes by category when the peak is first reached, and (when asked) the curve: ``(time, bytes)``
+    at the start and after each change."""
+
+    start: int
+    peak: int
+    breakdown: list[int]
+    curve: list[tuple[float, int]]
+
+
+def memory_peak(own: tuple[list[float], list[int], list[int]], timed: MemoryLog, static: list[int],
+                record: bool) -> MemoryPeak:
+    """The memory of a step from the compute thread's changes (``own``: their times, bytes and
+    categories, in program order, its waits among them) and the background operations' (``timed``;
+    :func:`merged_memory` merges them), and the ``static`` memory by category.
+
+    The merge and the running sum are done on whole arrays when every change is a whole number of
+    bytes that fits int64 (the same sums, exactly); otherwise on the merged list."""
+    start = sum(static)
+    arrays = _change_arrays(own, timed)
+    if arrays is None:
+        merged = merged_memory(list(zip(*own)), timed)
+        live = list(accumulate([e[1] for e in merged], initial=start))  # after each change
+        peak = max(live)
+        # the breakdown when the peak is first reached (before any change: the static memory)
+        peak_cat = list(static)
+        for _, d, cat in merged[:live.index(peak)]:
+            peak_cat[cat] += d
+        curve = [(0.0, start), *((e[0], b) for e, b in zip(merged, live[1:]))] if record else []
+        return MemoryPeak(start, peak, peak_cat, curve)
+    times, deltas, cats = arrays
+    after = np.cumsum(deltas)
+    after += start  # the bytes after each change
+    k = int(np.argmax(after)) if len(after) else 0  # the first change that reaches the most
+    if len(after) and after[k] > start:
+        top, changes = int(after[k]), k + 1
+    else:
+        top, changes = start, 0  # the static memory, before any change
+    # the breakdown when the peak is first reached
+    by_cat = list(static)
+    if changes:
+        upto, cat_upto = deltas[:changes], cats[:changes]
+        for cat in range(len(by_cat)):
+            by_cat[cat] += int(upto[cat_upto == cat].sum())
+    points = [(0.0, start), *zip(times.tolist(), after.tolist())] if record else []
+    return MemoryPeak(start, top, by_cat, points)
+
+
+Columns = tuple[np.ndarray, np.ndarray, np.ndarray]  # times, byte changes (int64), categories
+
+
+def _change_arrays(own: tuple[list[float], list[int], list[int]], timed: MemoryLog) -> Columns | None:
+    """:func:`merged_memory` as arrays (None when a change is not a whole number of bytes that
+    fits int64): each background change goes before the first compute-thread change later than
+    it, or at the same time as a wait ([Note: what a wait returns after]); the compute thread's
+    waits are no change of their own."""
+    timed.sort(key=itemgetter(0))
+    mine = _columns(*own)
+    background = _columns([e[0] for e in timed], [e[1] for e in timed], [e[2] for e in timed])
+    if mine is None or background is None:
+        return None
+    if not len(background[0]):
+        return mine  # (no waits are logged without background changes)
+    t, d, c = mine
+    tt, td, tc = background
+    waits = c == WAITED
+    # the background changes merged before each compute-thread entry: those earlier than it (at
+    # its time too, for a wait), and never fewer than before the entry before it
+    before = np.where(waits, np.searchsorted(tt, t, side="right"), np.searchsorted(tt, t, side="left"))
+    np.maximum.accumulate(before, out=before)
+    keep = ~waits
+    before = before[keep]
+    n_own, n_bg = len(before), len(tt)
+    own_at = np.arange(n_own) + before
+    bg_at = np.arange(n_bg) + np.searchsorted(before, np.arange(n_bg), side="right")
+    times = np.empty(n_own + n_bg)
+    deltas = np.empty(n_own + n_bg, dtype=np.int64)
+    cats = np.empty(n_own + n_bg, dtype=np.int64)
+    times[own_at], deltas[own_at], cats[own_at] = t[keep], d[keep], c[keep]
+    times[bg_at], deltas[bg_at], cats[bg_at] = tt, td, tc
+    return times, deltas, cats
+
+
+def _columns(times: list[float], deltas: list[int], cats: list[int]) -> Columns | None:
+    """A memory log's columns as arrays; None when a change is not a whole number that fits int64."""
+    d = np.array(deltas, dtype=None if deltas else np.int64)
+    if d.dtype.kind != "i":  # a float, or a whole number past int64
+        return None
+    return np.array(times, dtype=np.float64), d.astype(np.int64, copy=False), np.array(cats, dtype=np.int64)
+
+
 def execute(prog: list[Instruction], ops: list[CommOp], static: list[int], *, comm: CommModel,
-            sensitivity: float, budget: int | None, record: bool, slowdowns: Slowdowns | None = None) -> SimResult:
+            sensitivity: float, budget: int | None, record: bool, slowdowns: Slowdowns | None = None,
+            rates: Rates | None = None) -> SimResult:
     """Time ``prog`` (issuing ``ops``) from the ``static`` memory by category (``sensitivity``: the
     model's compute slowdown under communication relative to the comm model's reference;
-    ``slowdowns``: ``comm.slowdowns``, or a cache of it)."""
-    tl = Timeline(ops, comm, sensitivity, record, slowdowns)
+    ``slowdowns``: ``comm.slowdowns``, or a cache of it; ``rates``: :func:`op_rates` of them, or a
+    cache of it)."""
+    tl = Timeline(ops, comm, sensitivity, record, slowdowns, rates)
     tl.run(prog)
     step_s = tl.t
-    start_bytes = sum(static)
-    merged = merged_memory(tl.mem_log, tl.timed)
-    live = list(accumulate([e[1] for e in merged], initial=start_bytes))  # after each change
-    peak = max(live)
-    # the breakdown when the peak is first reached (before any change: the static memory)
-    peak_cat = list(static)
-    for _, d, cat in merged[:live.index(peak)]:
-        peak_cat[cat] += d
-    curve = [(0.0, start_bytes), *((e[0], b) for e, b in zip(merged, live[1:]))] if record else []
+    mem = memory_peak((tl.mem_t, tl.mem_d, tl.mem_c), tl.timed, static, record)
     return SimResult(
         step_s=step_s,
-        peak_bytes=int(peak),
-        static_bytes=int(start_bytes),
-        feasible=budget is None or peak <= budget,
+        peak_bytes=int(mem.peak),
+        static_bytes=int(mem.start),
+        feasible=budget is None or mem.peak <= budget,
         budget_bytes=budget,
         compute_s=tl.compute_total,
         comm_s=sum(op.seconds for op in ops if op.stream == 0),
         exposed_comm_s=max(0.0, step_s - tl.compute_total),
         events=tl.events,
-        memory=curve,
+        memory=mem.curve,
         gathers=sum(1 for op in ops if op.kind == "all_gather"),
         reductions=sum(1 for op in ops if op.kind in ("all_reduce", "reduce_scatter")),
         copy_s=sum(op.seconds for op in ops if op.stream == 1),
-        breakdown={name: int(v) for name, v in zip(CATEGORY_NAMES, peak_cat)},
+        breakdown={name: int(v) for name, v in zip(CATEGORY_NAMES, mem.breakdown)},
     )

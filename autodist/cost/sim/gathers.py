@@ -5,8 +5,7 @@ rules, and the persistent groups' refresh after the optimizer step."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ...plan import Plan
@@ -28,6 +27,27 @@ if TYPE_CHECKING:
     from ..simulator import Simulator
 
 
+@dataclass(frozen=True, slots=True)
+class GroupCosts:
+    """What a gather group's units fix whatever the plan's other decisions: its sizes (compute
+    dtype, padded for the shard group) and what each of its actions costs (kept by the simulator
+    for every plan with the group: :meth:`Gathers.costs`)."""
+
+    full_bytes: int
+    trainable: int
+    all_trainable: bool
+    label: str
+    landing_s: float  # the backend's cost of writing into freshly allocated memory
+    copy_out_fresh_s: float  # the copy-out's cost of writing the freshly allocated full tensors
+    issue_s: float  # the compute thread's share of issuing its all-gather
+    gather_s: float  # the all-gather, landing in fresh memory
+    refresh_s: float  # the all-gather refreshing resident full parameters in place
+    staging_bytes: int  # the backend's buffer while the all-gather runs
+    copy_out_s: float  # copying the full tensors out of the receive buffer (several parameters)
+    gather_label: str
+    refresh_label: str
+
+
 @dataclass(slots=True)
 class Group:
     index: int
@@ -41,8 +61,8 @@ class Group:
     msg_bytes: int
     trainable: int
     all_trainable: bool
-    landing_s: float = 0.0  # the backend's cost of writing into freshly allocated memory
-    copy_out_fresh_s: float = 0.0  # the copy-out's cost of writing the freshly allocated full tensors
+    costs: GroupCosts  # what its units fix (Gathers.costs)
+    label: str  # its units, as the action log names them (schedule.group_label)
     state: str = "sharded"  # "sharded" | "issued" | "gathered"
     refreshing: bool = False  # an in-place refresh of resident full parameters is in flight
     op: int = -1
@@ -51,7 +71,6 @@ class Group:
     untokened: bool = False  # used by a forward whose inputs need no gradient
     untokened_open: bool = False  # ... whose parameters' gradients are not all in yet
     fwd_done: set[str] = field(default_factory=set)
-    label: str = ""  # its units, as the action log names them (schedule.group_label)
     # enacted at its root module ([Note: hooks per gather group] in autodist/schedule.py): the unit
     # whose forward is the root's (its first in forward order) carries the post-backward signal
     root_unit: str | None = None
@@ -73,44 +92,59 @@ class Gathers:
     triggers] in ``autodist/schedule.py``: own group before prefetch, free after the group's last
     unit)."""
 
-    def __init__(self, sim: Simulator, plan: Plan, out: ProgramBuilder, trainable: AbstractSet[str]) -> None:
+    def __init__(self, sim: Simulator, plan: Plan, out: ProgramBuilder) -> None:
         self.sim = sim
         self.out = out
+        self.actions = out.log.actions  # ActionLog.add's list, appended to directly on this hot path
         self.per_gather = sim.comm.overhead.get("per_gather_s", 0.0)
         self.t_ag = sim.comm.transient.get("all_gather", 0.0)
         unit_plan = {u.name: u for u in plan.units}
         self.groups: list[Group] = []
         self.group_of_unit: dict[str, Group] = {}
         by_memory = sim._memory_windows(plan)
+        parts = sim._parts
         for gi, g in enumerate(plan.gather_groups):
             params = [p for un in g.units for p in unit_plan[un].params]
-            full = sum(sim.full_padded_bytes[p] for p in params)
+            key = ("gather group", tuple(g.units), tuple(params))
+            c = parts.get(key)
+            if c is None:
+                c = parts[key] = self.costs(g.units, params)
             fw = g.prefetch.forward if g.prefetch.forward != "memory" else by_memory[gi]
             bw = g.prefetch.backward if g.prefetch.backward != "memory" else by_memory[gi]
-            grp = Group(
-                gi, list(g.units), params, unit_plan[g.units[0]].residency, int(fw), int(bw),
-                full_bytes=full, recv_bytes=full if len(params) > 1 else 0, msg_bytes=full,
-                trainable=sum(p in trainable for p in params), all_trainable=all(p in trainable for p in params),
-            )
-            grp.label = group_label(grp.units)
-            # [Note: fresh memory] (measure/sweep.py): the receive buffer (several parameters) or
-            # the full tensor (one) the backend writes, and each full tensor the copy-out writes
-            grp.landing_s = sim._first_touch(full)
-            if len(params) > 1:
-                grp.copy_out_fresh_s = sum(sim._first_touch(sim.full_padded_bytes[p]) for p in params)
+            full = c.full_bytes
+            grp = Group(gi, list(g.units), params, unit_plan[g.units[0]].residency, int(fw), int(bw), full,
+                        full if len(params) > 1 else 0, full, c.trainable, c.all_trainable, c, c.label)
             self.groups.append(grp)
             for un in g.units:
                 self.group_of_unit[un] = grp
+        self.used: dict[str, list[Group]] = {}  # unit -> groups_used(unit), as asked
         self.group_of_param = {p: grp for grp in self.groups for p in grp.params}
         self.gathering = gathering_units([g.units for g in self.groups], [g.residency for g in self.groups])
         self.pos = positions(sim.order, self.gathering)
-        collapsed = collapsed_groups(plan, sim.structure)
-        order_index = {u: i for i, u in enumerate(sim.order)}
+        collapsed = collapsed_groups(plan, sim.structure, memo=sim._parts)
+        order_index = sim.order_index
         for gi in collapsed:
             grp = self.groups[gi]
             grp.root_unit = min(grp.units, key=lambda u: order_index.get(u, len(order_index)))
         self.collapsed = [self.groups[gi] for gi in collapsed]
         self.fire_pos = group_fire_positions(self.pos, [g.units for g in self.collapsed])
+
+    def costs(self, units: Sequence[str], params: Sequence[str]) -> GroupCosts:
+        """A gather group's sizes and costs ([Note: fresh memory] in measure/sweep.py: the receive
+        buffer (several parameters) or the full tensor (one) the backend writes, and each full
+        tensor the copy-out writes)."""
+        sim, trainable = self.sim, self.sim.trainable
+        full = sum(sim.full_padded_bytes[p] for p in params)
+        landing = sim._first_touch(full)
+        fresh = sum(sim._first_touch(sim.full_padded_bytes[p]) for p in params) if len(params) > 1 else 0.0
+        return GroupCosts(
+            full_bytes=full, trainable=sum(p in trainable for p in params),
+            all_trainable=all(p in trainable for p in params), label=group_label(units), landing_s=landing,
+            copy_out_fresh_s=fresh, issue_s=self.per_gather + sim._host("all_gather", full),
+            gather_s=sim._time_at("all_gather", full, sim.shard_world) + landing,
+            refresh_s=sim._time_at("all_gather", full, sim.shard_world), staging_bytes=int(self.t_ag * full),
+            copy_out_s=sim._memcpy(full) + fresh, gather_label=f"gather {units[0]}", refresh_label=f"refresh {units[0]}",
+        )
 
     # ---- triggers ----------------------------------------------------------------------------
     def forward_triggers(self) -> list[Trigger]:
@@ -123,42 +157,44 @@ class Gathers:
         (recomputed units are first needed at their anchor)."""
         late = [g for g in self.groups if g.residency == "after_forward"]
         return [
-            replace(t, group=late[t.group].index)
+            Trigger(t.at, t.first, late[t.group].index)
             for t in triggers([g.units for g in late], [g.bw for g in late], need)
         ]
 
     def fire(self, cursor: TriggerCursor, p: int) -> None:
-        for gi in cursor.fire(p):
-            self.issue(self.groups[gi])
+        """Issue the groups whose triggers position ``p`` reaches."""
+        trig, nxt = cursor.trig, cursor.next
+        if nxt < len(trig) and trig[nxt].at <= p:  # (most positions fire nothing)
+            for gi in cursor.fire(p):
+                self.issue(self.groups[gi])
 
     # ---- one group's states: sharded -> issued -> gathered -> sharded --------------------------
     def issue(self, grp: Group) -> None:
         if grp.state != "sharded":
             return
-        sim, out = self.sim, self.out
-        cost = self.per_gather + sim._host("all_gather", grp.msg_bytes)
-        if cost:
-            out.emit((COMPUTE, cost, "gather bookkeeping", 0))
-        # the backend writes the gathered tensor into memory allocated for it now
-        secs = sim._time_at("all_gather", grp.msg_bytes, sim.shard_world) + grp.landing_s
-        grp.op = out.add_op(CommOp("all_gather", f"gather {grp.units[0]}", grp.msg_bytes, secs, int(self.t_ag * grp.msg_bytes)))
+        out, c = self.out, grp.costs
+        emit = out.emit
+        if c.issue_s:
+            emit((COMPUTE, c.issue_s, "gather bookkeeping", 0))
+        # the backend writes the gathered tensor into memory allocated for it now (c.gather_s)
+        grp.op = out.add_op(CommOp("all_gather", c.gather_label, grp.msg_bytes, c.gather_s, c.staging_bytes))
         grp.state = "issued"
-        out.log.add("gather", grp.label)
-        out.emit((MEM, grp.full_bytes if not grp.recv_bytes else grp.recv_bytes, GATHERED))
-        out.emit((ISSUE, grp.op))
+        self.actions.append(("gather", grp.label))
+        emit((MEM, grp.full_bytes if not grp.recv_bytes else grp.recv_bytes, GATHERED))
+        emit((ISSUE, grp.op))
 
     def ensure(self, grp: Group) -> None:
-        out = self.out
         if grp.state == "sharded":
             self.issue(grp)
         if grp.state == "issued":
-            out.emit((WAIT, grp.op))
+            emit = self.out.emit
+            emit((WAIT, grp.op))
             if grp.recv_bytes:
                 # the full tensors are allocated, filled from the receive buffer, and only then
                 # is the buffer dropped: both are held during the copy-out
-                out.emit((MEM, 0 if grp.refreshing else grp.full_bytes, GATHERED))
-                out.emit((COMPUTE, self.sim._memcpy(grp.full_bytes) + grp.copy_out_fresh_s, "copy-out", 0))
-                out.emit((MEM, -grp.recv_bytes, GATHERED))
+                emit((MEM, 0 if grp.refreshing else grp.full_bytes, GATHERED))
+                emit((COMPUTE, grp.costs.copy_out_s, "copy-out", 0))
+                emit((MEM, -grp.recv_bytes, GATHERED))
             grp.state = "gathered"
             grp.refreshing = False
 
@@ -175,7 +211,7 @@ class Gathers:
         if grp.state == "gathered":
             self.out.emit((MEM, -grp.full_bytes, GATHERED))
             grp.state = "sharded"
-            self.out.log.add("free", grp.label)
+            self.actions.append(("free", grp.label))
 
     def post_backward(self, grp: Group) -> None:
         """Free ``grp`` when no backward computation reads it any more (the runtime's rule:
@@ -195,21 +231,29 @@ class Gathers:
             grp.grads_ready = 0
             grp.pending_bwd = 0
             grp.untokened = grp.untokened_open = False
-            grp.fwd_done = set()
+            if grp.fwd_done:
+                grp.fwd_done = set()
 
     def groups_used(self, u: str) -> list[Group]:
-        """The distinct groups of the units whose parameters unit ``u`` uses, in order."""
-        uses = self.sim.uses[u]
-        if len(uses) == 1:  # its own alone
-            grp = self.group_of_unit.get(uses[0])
-            return [grp] if grp is not None else []
-        return distinct(self.group_of_unit.get(o) for o in uses)
+        """The distinct groups of the units whose parameters unit ``u`` uses, in order (read only)."""
+        used = self.used.get(u)
+        if used is None:
+            uses = self.sim.uses[u]
+            if len(uses) == 1:  # its own alone
+                grp = self.group_of_unit.get(uses[0])
+                used = [grp] if grp is not None else []
+            else:
+                used = distinct(self.group_of_unit.get(o) for o in uses)
+            self.used[u] = used
+        return used
 
     def forward_uses(self, u: str, up: UnitProfile | None) -> list[Group]:
         """Unit ``u``'s forward: the groups it uses are gathered, and each will wait for this
         forward's backward to end (its post-backward signal, or, when its inputs need no gradient,
-        its parameters' gradients)."""
-        used = self.groups_used(u)
+        its parameters' gradients). The groups, read only."""
+        used = self.used.get(u)
+        if used is None:
+            used = self.groups_used(u)
         for grp in used:
             self.ensure(grp)
             if grp.root_unit is not None and grp.root_unit != u:
@@ -222,15 +266,16 @@ class Gathers:
 
     def forward_finished(self, f: str, used: Sequence[Group]) -> None:
         """Unit ``f``'s forward has finished: a group freed after forward goes once its units' have."""
-        every = self.sim.unit_set
+        every, uses = self.sim.unit_set, self.sim.uses[f]
         for grp in used:
-            grp.fwd_done.update(self.sim.uses[f])
+            grp.fwd_done.update(uses)
             if grp.residency == "after_forward" and freed_after_forward(grp.units, grp.fwd_done, every):
                 self.free(grp)
 
     def backward_ended(self, e: str, ep: UnitProfile | None) -> None:
         """Unit ``e``'s backward has ended: groups no later backward reads are freed."""
-        for grp in self.groups_used(e):
+        used = self.used.get(e)
+        for grp in used if used is not None else self.groups_used(e):
             if grp.root_unit is not None and grp.root_unit != e:
                 continue
             if ep is None or ep.input_requires_grad:
@@ -262,13 +307,13 @@ class Gathers:
         out = self.out
         persistent_full = 0
         for grp in (g for g in self.groups if g.residency == "persistent"):  # in plan order, as the runtime issues them
-            secs = self.sim._time_at("all_gather", grp.msg_bytes, self.sim.shard_world)
-            staging = int(self.t_ag * grp.msg_bytes)
-            grp.op = out.add_op(CommOp("all_gather", f"refresh {grp.units[0]}", grp.msg_bytes, secs, 0,
+            c = grp.costs
+            staging = c.staging_bytes
+            grp.op = out.add_op(CommOp("all_gather", c.refresh_label, grp.msg_bytes, c.refresh_s, 0,
                                        end_bytes=-staging, end_category=COMM))
             grp.state = "issued"
             grp.refreshing = True
-            out.log.add("gather", grp.label)
+            self.actions.append(("gather", grp.label))
             persistent_full += grp.full_bytes
             if grp.recv_bytes:
                 out.emit((MEM, grp.recv_bytes, GATHERED))
@@ -280,7 +325,6 @@ class Gathers:
     def issue_refresh(self) -> None:
         """After the optimizer step: the compute thread's share of issuing the next step's refresh
         (which runs in the next step's preamble)."""
-        refresh_s = sum(self.per_gather + self.sim._host("all_gather", g.msg_bytes)
-                        for g in self.groups if g.residency == "persistent")
+        refresh_s = sum(g.costs.issue_s for g in self.groups if g.residency == "persistent")
         if refresh_s:
             self.out.emit((COMPUTE, refresh_s, "gather bookkeeping", 0))

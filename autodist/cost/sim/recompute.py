@@ -53,7 +53,7 @@ class Recomputation:
         self.block_first = {units[0]: b for b, units in recomputed.items()}  # forward: where its input is kept
         self.block_last_bwd = {units[0]: b for b, units in recomputed.items()}
         self.in_recomputed = {u for units in recomputed.values() for u in units}
-        self.need = backward_positions(sim.order, anchor_of, gathers.gathering, sim.module_of)
+        self.need = backward_positions(sim.order, anchor_of, gathers.gathering, sim.module_of, backward=bstart)
 
     def run(self, at: dict[str, Recomputations], u: str, cursor: TriggerCursor) -> None:
         """Recomputations at unit ``u``'s backward (``at``: :attr:`before` or :attr:`after`): each

@@ -4,7 +4,6 @@ at the end of backward."""
 
 from __future__ import annotations
 
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,6 +14,21 @@ if TYPE_CHECKING:
     from ..simulator import Simulator
 
 
+@dataclass(frozen=True, slots=True)
+class BucketCosts:
+    """What a bucket's parameters and op fix whatever the plan's other decisions: its buffers and
+    what launching it costs (kept by the simulator for every plan with the bucket:
+    :meth:`Reductions.costs`)."""
+
+    msg_bytes: int
+    in_bytes: int  # reduce-scatter input allocated per step
+    out_bytes: int  # reduce-scatter output
+    copy_in_s: float  # the compute thread's share of launching it: copy-in, pre-division, issue
+    seconds: float  # the collective (hybrid sharding: then the all-reduce across the replicas)
+    staging_bytes: int  # the backend's buffer for it (an all-reduce: while it runs)
+    trainable: int  # its parameters that get gradients
+
+
 @dataclass(slots=True)
 class Bucket:
     index: int
@@ -23,6 +37,7 @@ class Bucket:
     msg_bytes: int
     in_bytes: int  # reduce-scatter input allocated per step
     out_bytes: int  # reduce-scatter output (the local gradients): from launch until zero_grad
+    costs: BucketCosts  # what its parameters and op fix (Reductions.costs)
     pending: int = 0
     deferred: int = 0  # bytes of gradients held before the input buffer exists
     allocated: bool = False
@@ -38,10 +53,9 @@ class Reductions:
     """The plan's buckets and the compute thread's part in reducing them: buckets launch in index
     order once all their gradients are in, at most ``max_inflight_buckets`` in flight."""
 
-    def __init__(self, sim: Simulator, plan: Plan, out: ProgramBuilder, trainable: AbstractSet[str]) -> None:
+    def __init__(self, sim: Simulator, plan: Plan, out: ProgramBuilder) -> None:
         self.sim = sim
         self.out = out
-        self.trainable = trainable
         self.sync_limit = plan.max_inflight_buckets
         self.per_bucket = sim.comm.overhead.get("per_bucket_s", 0.0)
         self.t_rs = sim.comm.transient.get("reduce_scatter", 0.0)
@@ -58,16 +72,16 @@ class Reductions:
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[str, Bucket] = {}
         self.static_bytes = 0  # the persistent all-reduce buffers (gradients are views of them)
-        world = sim.shard_world  # a reduce-scatter spans the shard group
+        parts = sim._parts
         for bi, b in enumerate(plan.buckets):
-            n = len(b.params)
+            key = ("bucket", b.op, tuple(b.params))
+            c = parts.get(key)
+            if c is None:
+                c = parts[key] = self.costs(b.op, b.params)
+            bk = Bucket(bi, b.op, list(b.params), c.msg_bytes, c.in_bytes, c.out_bytes, c)
             if b.op == "all_reduce":
-                msg = sum(sim.numel[p] * sim._reduce_itemsize(p) for p in b.params) + 4 * n
-                bk = Bucket(bi, b.op, list(b.params), msg, 0, 0)
-                self.static_bytes += msg
+                self.static_bytes += c.msg_bytes
             else:
-                s = sum(sim._shard_numel(p) * sim._reduce_itemsize(p) for p in b.params) + 4 * n
-                bk = Bucket(bi, b.op, list(b.params), world * s, world * s, s)
                 bk.every = all(p in sharded_accumulation for p in b.params)
             self.buckets.append(bk)
             for p in b.params:
@@ -80,12 +94,39 @@ class Reductions:
         self.finished = 0
         self.held: set[str] = set()  # parameters whose gradients accumulate outside their bucket
 
+    def costs(self, op: str, params: list[str]) -> BucketCosts:
+        """A bucket's buffers and launch costs: an all-reduce's message is its gradients (reduce
+        dtype) and a flag per parameter; a reduce-scatter spans the shard group, each rank's shard
+        of every gradient padded."""
+        sim = self.sim
+        n = len(params)
+        if op == "all_reduce":
+            msg = sum(sim.numel[p] * sim._reduce_itemsize(p) for p in params) + 4 * n
+            in_bytes = out_bytes = 0
+            secs = sim._time("all_reduce", msg)
+            staging = int(self.t_ar * msg)
+        else:
+            world = sim.shard_world  # a reduce-scatter spans the shard group
+            out_bytes = sum(sim._shard_numel(p) * sim._reduce_itemsize(p) for p in params) + 4 * n
+            msg = in_bytes = world * out_bytes
+            secs = sim._time_at("reduce_scatter", msg, world)
+            if world < sim.world:  # hybrid sharding: then the shard is all-reduced across the replicas
+                secs += sim._time_at("all_reduce", out_bytes, sim.world // world, stride=world)
+            # [Note: reduce-scatter staging] (held from launch to wait: see launch)
+            staging = int(self.t_rs * msg)
+        # copy-in of the gradients and the pre-division, both a pass over the message; a
+        # reduce-scatter's input is new each time ([Note: gradients are fresh memory])
+        host = sim._host(op, msg)
+        fresh = sim._first_touch(in_bytes) if op == "reduce_scatter" else 0.0
+        copy_in = self.per_bucket + host + fresh + 2 * sim._memcpy(msg)
+        return BucketCosts(msg, in_bytes, out_bytes, copy_in, secs, staging, sum(p in sim.trainable for p in params))
+
     def start_micro_batch(self, sync: bool) -> None:
         """A micro-batch reduces every bucket when it synchronises, else only those accumulated sharded."""
         self.active = self.buckets if sync else [bk for bk in self.buckets if bk.every]
         self.launched = self.finished = 0
         for bk in self.buckets:
-            bk.pending = sum(p in self.trainable for p in bk.params)
+            bk.pending = bk.costs.trainable
             bk.allocated = False
             bk.deferred = 0
 
@@ -110,11 +151,9 @@ class Reductions:
     # [Note: gradients as bucket views]): the copy is the bucket's copy-in below; the fresh pages
     # are paid as in the profile's backward, which frees its gradients as they arrive.
     def launch(self, bk: Bucket) -> None:
-        sim, out = self.sim, self.out
-        # copy-in of the gradients and the pre-division, both a pass over the message
-        host = sim._host(bk.op, bk.msg_bytes)
-        fresh = sim._first_touch(bk.in_bytes) if bk.op == "reduce_scatter" else 0.0  # its input, new each time
-        out.emit((COMPUTE, self.per_bucket + host + fresh + 2 * sim._memcpy(bk.msg_bytes), "bucket copy-in", 0))
+        out, c = self.out, bk.costs
+        # copy-in of the gradients and the pre-division, both a pass over the message (its costs)
+        out.emit((COMPUTE, c.copy_in_s, "bucket copy-in", 0))
         if bk.op == "reduce_scatter" and not bk.allocated:
             # the gradients held so far are copied into the input, then dropped
             out.emit((MEM, bk.in_bytes, COMM))
@@ -134,20 +173,16 @@ class Reductions:
             else:
                 out.emit((MEM, bk.out_bytes, GRADIENTS))
                 bk.out_live = True
-            secs = sim._time_at("reduce_scatter", bk.msg_bytes, sim.shard_world)
-            if sim.shard_world < sim.world:  # hybrid sharding: then the shard is all-reduced across the replicas
-                secs += sim._time_at("all_reduce", bk.out_bytes, sim.world // sim.shard_world, stride=sim.shard_world)
             # [Note: reduce-scatter staging] the backend's own buffer (gloo: one shard-sized
             # message, allocated when the collective is issued) belongs to its work object, which
             # the runtime drops at the wait, not when the collective completes: it is held from
             # the launch to the wait, in program order
-            bk.staging = int(self.t_rs * bk.msg_bytes)
+            bk.staging = c.staging_bytes
             out.emit((MEM, bk.staging, COMM))
-            bk.opi = out.add_op(CommOp("reduce_scatter", f"bucket{bk.index}", bk.msg_bytes, secs, 0))
+            bk.opi = out.add_op(CommOp("reduce_scatter", f"bucket{bk.index}", bk.msg_bytes, c.seconds, 0))
         else:
-            secs = sim._time("all_reduce", bk.msg_bytes)
-            bk.opi = out.add_op(CommOp("all_reduce", f"bucket{bk.index}", bk.msg_bytes, secs, int(self.t_ar * bk.msg_bytes)))
-        out.log.add("reduce", bk.index)
+            bk.opi = out.add_op(CommOp("all_reduce", f"bucket{bk.index}", bk.msg_bytes, c.seconds, c.staging_bytes))
+        out.log.actions.append(("reduce", str(bk.index)))
         out.emit((ISSUE, bk.opi))
 
     def launch_ready(self) -> None:
