@@ -258,7 +258,12 @@ def annotate(
     }
     if r.analytic_step_s is not None:  # the learned estimator corrected the prediction
         plan.predicted["analytic_step_seconds"] = r.analytic_step_s
+    if plan.compile:  # the one-off cost of compiling its blocks, apart from the step
+        plan.predicted["compile_seconds"] = sum(c.compile_s for b, c in profile.compiled_blocks.items() if b in plan.compile)
     plan.provenance = search_provenance(result, source)
+    if profile.compile_backend:  # the search could compile blocks (and which it chose is plan.compile)
+        plan.provenance["compile_allowed"] = profile.compile_backend
+        plan.compile_backend = profile.compile_backend
     return plan
 
 
