@@ -69,11 +69,12 @@ def _skip_sync(model: nn.Module, last: bool) -> Any:
     micro-batch (DDP's and AutoDist's ``no_sync``, FSDP2's ``set_requires_gradient_sync``)."""
     import contextlib
 
+    wrapper: Any = model  # FSDP2's and DDP's methods, which nn.Module's attribute typing hides
     if hasattr(model, "set_requires_gradient_sync") and not isinstance(model, AutoDist):
-        model.set_requires_gradient_sync(last)
+        wrapper.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
     if hasattr(model, "no_sync") and not last:
-        return model.no_sync()
+        return wrapper.no_sync()
     return contextlib.nullcontext()
 
 
@@ -144,7 +145,13 @@ def _fsdp2(
     ``checkpoint_wrapper`` on each block, then ``fully_shard`` on the wrapped blocks)."""
 
     def wrap(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            FSDPModule,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
 
         policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
         mp = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32) if args.mixed_precision == "bf16" else MixedPrecisionPolicy()
@@ -158,11 +165,12 @@ def _fsdp2(
             targets = {id(b) for b in blocks}
             apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in targets)
             blocks = [m for m in model.modules() if type(m).__name__ == "CheckpointWrapper"]
-        wrapped = []
+        wrapped: list[FSDPModule] = []
         if group > 0:
             for i in range(0, len(blocks), group):
                 chunk = blocks[i : i + group]
                 fully_shard(chunk if len(chunk) > 1 else chunk[0], reshard_after_forward=reshard, offload_policy=policy, mp_policy=mp)
+                assert isinstance(chunk[0], FSDPModule)  # fully_shard made it one
                 wrapped.append(chunk[0])
         # The root as users shard it: with blocks resharding, FSDP2's default (``None``) keeps the
         # root's parameters unsharded from forward to backward (an explicit True would free and
@@ -205,7 +213,9 @@ def _compiled_blocks(model: nn.Module, backend: str) -> nn.Module:
     for name in find_blocks(model):
         parent, _, attr = name.rpartition(".")
         owner = model.get_submodule(parent)
-        owner.register_module(attr, torch.compile(owner.get_submodule(attr), backend=backend))
+        compiled = torch.compile(owner.get_submodule(attr), backend=backend)
+        assert isinstance(compiled, nn.Module)  # torch.compile of a module is a module (OptimizedModule)
+        owner.register_module(attr, compiled)
     return model
 
 
@@ -233,6 +243,7 @@ def _autodist_compiled(builtin: str) -> Callable[..., nn.Module]:
 
 
 def _close_autodist(m: nn.Module) -> None:
+    assert isinstance(m, AutoDist)
     m.close()
 
 
@@ -266,6 +277,7 @@ def _offload_all_sync(model: nn.Module, args: argparse.Namespace, example: tuple
 
 
 def _wait_offload(m: nn.Module) -> None:
+    assert isinstance(m, AutoDist)
     m.runtime.offload.finish_out()
 
 
