@@ -163,3 +163,41 @@ def test_auto_with_compile_allowed_trains_like_the_reference_compiled_the_same_w
         assert results[0]["plan_compiles"] == ["blocks.0", "blocks.1"], results[0]
         assert results[0]["compile_seconds"] is not None and results[0]["compile_seconds"] >= 0
     assert results[0]["plan_compiles"] == results[1]["plan_compiles"]
+
+
+GPT_FACTORY = '''\
+import models
+
+
+def build():
+    return models.make("gpt")
+'''
+
+
+def test_autodist_plan_compile_lets_the_search_compile_blocks(tmp_path, monkeypatch, capsys):
+    from autodist.cli import main
+    from autodist.plan import load_plan
+
+    (tmp_path / "cagpt.py").write_text(GPT_FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("AUTODIST_CACHE_DIR", str(tmp_path / "cache"))
+    threads = torch.get_num_threads()  # the command profiles with one thread, as a rank does
+    common = ["plan", "--model", "cagpt:build", "--input-shape", "4,8", "--input-dtype", "int64", "--input-high", "53",
+              "--world-size", "2", "--bandwidth", "1", "--latency", "50"]
+    try:
+        assert main([*common, "--compile", "aot_eager", "--out", str(tmp_path / "on.json")]) == 0
+        assert main([*common, "--out", str(tmp_path / "off.json")]) == 0
+        said = capsys.readouterr().out
+        assert main([*common, "--compile", "--device", "h100", "--memory-limit", "70GiB", "--out", str(tmp_path / "x.json")]) == 2
+        refused = capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)
+    on, off = load_plan(tmp_path / "on.json"), load_plan(tmp_path / "off.json")
+    assert on.provenance["compile_allowed"] == "aot_eager" and "compile_allowed" not in off.provenance
+    assert off.compile == []
+    # the plan line says what the plan compiles, or that compiling was allowed and not chosen
+    assert ("compiles no block (compile='aot_eager' allowed it" in said) or (f"compiles {len(on.compile)} block(s) with aot_eager" in said)
+    assert "--compile times blocks compiled on this machine's CPU, and --device prices the compute" in refused
+    assert not (tmp_path / "x.json").exists()
+    with pytest.raises(SystemExit):  # argparse: an unknown backend
+        main([*common, "--compile", "fast", "--out", str(tmp_path / "y.json")])
