@@ -8,6 +8,7 @@ compiles them. Backend ``aot_eager`` (the graph capture and autograd split of in
 run eagerly; see tests/test_compile.py for why): float32, 1e-5.
 """
 
+import contextlib
 import tempfile
 
 import pytest
@@ -89,6 +90,26 @@ def test_the_plan_cache_keeps_compile_allowed_and_disallowed_apart(world2):
     assert results[0] == results[1]  # every rank agrees
 
 
+@contextlib.contextmanager
+def _compiled_faster(speedup):
+    """The profile's compiled block times divided by ``speedup`` while the planner profiles."""
+    import autodist.measure.trace as trace
+
+    measured = trace.profile_compiled_blocks
+
+    def faster(*args, **kwargs):
+        out = measured(*args, **kwargs)
+        for c in out.values():
+            c.fwd_s, c.bwd_s = c.fwd_s / speedup, c.bwd_s / speedup
+        return out
+
+    trace.profile_compiled_blocks = faster
+    try:
+        yield
+    finally:
+        trace.profile_compiled_blocks = measured
+
+
 def _auto_compiled_parity(cache_dir, compiled_speedup):
     """``plan="auto"`` with ``compile="aot_eager"`` against the single-process reference with the
     blocks the plan compiles compiled the same way, ``steps`` SGD steps on the same batches.
@@ -96,25 +117,12 @@ def _auto_compiled_parity(cache_dir, compiled_speedup):
     the search's decision to compile is known in advance."""
     from torch._dynamo.utils import counters
 
-    import autodist.measure.trace as trace
-
     rank, world = dist.get_rank(), dist.get_world_size()
-    measured = trace.profile_compiled_blocks
-
-    def faster(*args, **kwargs):
-        out = measured(*args, **kwargs)
-        for c in out.values():
-            c.fwd_s, c.bwd_s = c.fwd_s / compiled_speedup, c.bwd_s / compiled_speedup
-        return out
-
     ref, base = models.make("gpt"), models.make("gpt")
     example, _ = models.batch("gpt", PER_RANK, torch.Generator().manual_seed(99))
     counters.clear()
-    trace.profile_compiled_blocks = faster
-    try:
+    with _compiled_faster(compiled_speedup):
         model = AutoDist(base, plan="auto", example_inputs=(example,), cache_dir=cache_dir, compile="aot_eager")
-    finally:
-        trace.profile_compiled_blocks = measured
     for name in model.plan.compile:  # the reference compiled as the plan compiles the model
         block = ref.get_submodule(name)
         block.forward = torch.compile(block.forward, backend=model.plan.compile_backend)
@@ -163,6 +171,36 @@ def test_auto_with_compile_allowed_trains_like_the_reference_compiled_the_same_w
         assert results[0]["plan_compiles"] == ["blocks.0", "blocks.1"], results[0]
         assert results[0]["compile_seconds"] is not None and results[0]["compile_seconds"] >= 0
     assert results[0]["plan_compiles"] == results[1]["plan_compiles"]
+
+
+def _user_compiled_block(cache_dir):
+    """plan="auto" with compilation allowed (and paying) on a model whose first block the user
+    compiled: that block is left as the user compiled it, before, during and after AutoDist."""
+    model = models.make("gpt")
+    model.blocks[0].compile(backend="aot_eager")
+    x, y = models.batch("gpt", PER_RANK, torch.Generator().manual_seed(dist.get_rank()))
+    with _compiled_faster(20.0):
+        wrapped = AutoDist(model, plan="auto", example_inputs=(x,), cache_dir=cache_dir, compile="aot_eager")
+    models.loss_fn("gpt", wrapped(x), y).backward()
+    out = {
+        "plan_compiles": list(wrapped.plan.compile), "runtime_compiles": list(wrapped.runtime.compiled.blocks),
+        "user_compiled_kept": model.blocks[0]._compiled_call_impl is not None,
+        "patched": sorted(n for n, m in model.named_modules() if "forward" in m.__dict__),
+    }
+    wrapped.close()
+    out["after_close"] = {
+        "user_compiled_kept": model.blocks[0]._compiled_call_impl is not None,
+        "patched": sorted(n for n, m in model.named_modules() if "forward" in m.__dict__),
+    }
+    return out
+
+
+def test_auto_never_plans_a_block_the_user_compiled(world2):
+    with tempfile.TemporaryDirectory() as d:
+        for r in world2.run(_user_compiled_block, d, timeout=600):
+            assert r["plan_compiles"] == r["runtime_compiles"] == ["blocks.1"], r
+            assert r["user_compiled_kept"] and r["patched"] == ["blocks.1"]
+            assert r["after_close"] == {"user_compiled_kept": True, "patched": []}
 
 
 GPT_FACTORY = '''\
