@@ -4,7 +4,8 @@ Checked here: a bad value is one clear error on every rank, before anything chan
 keeps plans searched with compilation allowed apart from plans searched without (and reuses each
 for its own launches); and ``plan="auto"`` with compilation allowed trains like the single-process
 reference compiled the same way, both where the search keeps every block eager and where it
-compiles them. Backend ``aot_eager`` (the graph capture and autograd split of inductor, its kernels
+compiles them; a block the user compiled is never planned and stays as compiled; and ``autodist
+plan --compile`` searches with compilation allowed. Backend ``aot_eager`` (the graph capture and autograd split of inductor, its kernels
 run eagerly; see tests/test_compile.py for why): float32, 1e-5.
 """
 
