@@ -57,8 +57,10 @@ def describe_compile(plan: Plan) -> str:
     shown = ", ".join(plan.compile[:4]) + (f" and {len(plan.compile) - 4} more" if len(plan.compile) > 4 else "")
     text = f"compiles {len(plan.compile)} block(s) with {plan.compile_backend} ({shown})"
     seconds = plan.predicted.get("compile_seconds")
-    if isinstance(seconds, (int, float)):
-        text += f", a one-off {seconds:.1f} s of compiling at the first step (not in the predicted step)"
+    if isinstance(seconds, (int, float)) and seconds >= 0.05:
+        text += f", a one-off {seconds:.1f} s of compiling as profiled (not in the predicted step)"
+    elif isinstance(seconds, (int, float)):
+        text += ", compiled already in this process when profiled (its one-off compile time not measured)"
     return text
 
 
