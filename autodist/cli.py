@@ -255,6 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="time the model's compute on this described GPU, not this machine's: each operator of one forward "
         f"and backward priced by a roofline of its FLOPs and bytes ({describe_devices()})",
     )
+    from .plan import COMPILE_BACKENDS
+
+    plan.add_argument(
+        "--compile", nargs="?", const="inductor", default=None, choices=COMPILE_BACKENDS, metavar="BACKEND",
+        help="let the plan compile blocks (torch.compile, operators fused) where the search predicts a gain: every "
+        "block is timed here compiled and eager, as AutoDist(..., compile=BACKEND) does; BACKEND is one of "
+        f"{', '.join(COMPILE_BACKENDS)} (default inductor; compiling takes minutes on a CPU). Without it, no block is compiled",
+    )
     plan.add_argument("--out", required=True, metavar="PLAN.json", help="where to write the plan")
 
     tl = sub.add_parser(
@@ -569,6 +577,9 @@ def _check_plan_options(args: argparse.Namespace) -> tuple[int, int]:
         raise CommandError("give the ranks the plan is for: --world-size N (one node), or --nodes N --gpus-per-node G")
     if args.described_device is not None and args.described_device not in DEVICES:
         raise CommandError(f"--device {args.described_device!r}: not a described device; use one of {', '.join(DEVICES)}")
+    if args.described_device is not None and args.compile is not None:
+        raise CommandError("--compile times blocks compiled on this machine's CPU, and --device prices the compute on a "
+                           "described GPU, where those times do not hold; drop one of them")
     if args.described_device is not None and args.profile_file is not None:
         raise CommandError("--device and --profile both give the compute times; pass one: --device to price them on a "
                            "described GPU, --profile for a profile taken on the device")
@@ -615,11 +626,25 @@ def _profile(args: argparse.Namespace, model: nn.Module, x: torch.Tensor) -> tup
     (``--profile``, cached, or measured here: ``planner/offline.py`` [Note: planning twice])."""
     from .planner.offline import offline_profile
 
+    compile_backend = getattr(args, "compile", None)
     if getattr(args, "profile_file", None):
         from .planner.keys import input_signature
 
-        return _profile_from_file(args.profile_file, model, input_signature(((x,), _input_kwargs(x, args))))
-    profile, source = offline_profile(model, (x,), _input_kwargs(x, args), cache_dir=args.cache_dir, reprofile=args.reprofile)
+        profile, source = _profile_from_file(args.profile_file, model, input_signature(((x,), _input_kwargs(x, args))))
+        if compile_backend is not None and profile.compile_backend != compile_backend:
+            timed = f"with {profile.compile_backend}" if profile.compile_backend else "not at all"
+            raise CommandError(
+                f"--compile {compile_backend}: the profile {args.profile_file} timed its blocks compiled {timed}; pass a "
+                f"profile from a job run with AutoDist(..., compile={compile_backend!r}), or drop --profile to profile here"
+            )
+        if compile_backend is None and hasattr(args, "compile") and profile.compiled_blocks:
+            from dataclasses import replace
+
+            # `autodist plan` without --compile compiles nothing, whatever the profile timed
+            profile = replace(profile, compiled_blocks={}, compile_backend="")
+        return profile, source
+    profile, source = offline_profile(model, (x,), _input_kwargs(x, args), cache_dir=args.cache_dir, reprofile=args.reprofile,
+                                      compile_backend=compile_backend)
     return profile, f"{source} (compute times of this machine's {profile.device})"
 
 

@@ -42,6 +42,25 @@ def describe_prediction(plan: Plan) -> str:
     memory = describe_memory_levers(plan)
     if memory:
         text += f"; {memory}"
+    compiled = describe_compile(plan)
+    if compiled:
+        text += f"; {compiled}"
+    return text
+
+
+def describe_compile(plan: Plan) -> str:
+    """The plan's compiled blocks and their one-off compile time, apart from the step (empty when
+    it compiles nothing and was not searched with compilation allowed)."""
+    allowed = plan.provenance.get("compile_allowed")
+    if not plan.compile:
+        return f"compiles no block (compile={allowed!r} allowed it; none was predicted to gain)" if allowed else ""
+    shown = ", ".join(plan.compile[:4]) + (f" and {len(plan.compile) - 4} more" if len(plan.compile) > 4 else "")
+    text = f"compiles {len(plan.compile)} block(s) with {plan.compile_backend} ({shown})"
+    seconds = plan.predicted.get("compile_seconds")
+    if isinstance(seconds, (int, float)) and seconds >= 0.05:
+        text += f", a one-off {seconds:.1f} s of compiling as profiled (not in the predicted step)"
+    elif isinstance(seconds, (int, float)):
+        text += ", compiled already in this process when profiled (its one-off compile time not measured)"
     return text
 
 

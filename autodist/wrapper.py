@@ -20,7 +20,7 @@ from ._log import announce, logger
 from .builtins import BUILTIN_PLANS, builtin_plan
 from .cost.budget import format_bytes, parse_memory_limit
 from .errors import AutoDistError, InitError, PlanError, RankMismatchError, mark_raised_on_every_rank, reported_once
-from .plan import Plan, validate_plan
+from .plan import COMPILE_BACKENDS, Plan, validate_plan
 from .runtime.comm import Comm, _new_group, group_timeout, init_distributed
 from .runtime.engine import Engine
 from .runtime.materialize import Materializer, is_meta_model
@@ -107,6 +107,14 @@ class AutoDist(nn.Module):
             module's ``reset_parameters()``. Every rank initialises on the host and keeps rank 0's
             values, so the result after ``torch.manual_seed(s)`` is that of building the model on the
             CPU after the same seed (see ``autodist/runtime/materialize.py`` for when that cannot hold).
+        compile: whether ``plan="auto"`` may run blocks under ``torch.compile`` (their operators
+            fused): ``False`` (default) never compiles — compiling costs minutes at the first launch
+            and changes results in the last bits; ``True`` (inductor) or a backend name
+            (``"inductor"``, ``"aot_eager"``, ``"eager"``) lets the planner time every block compiled
+            and eager and choose per block, weighing the fusion gain against the later readiness of
+            the block's gradients; the plan records the backend. Needs ``example_inputs`` (or
+            ``example_kwargs``). Blocks the model compiled itself are left as they are. Another
+            ``plan`` compiles what its ``compile`` field lists.
         shard_size: shard within groups of this many consecutive ranks and replicate across them
             (hybrid sharding, FSDP2's HSDP): an integer dividing the world size, or ``"node"`` for the
             ranks of one node (torchrun's ``LOCAL_WORLD_SIZE``). Default: a 2-D mesh's last
@@ -136,6 +144,7 @@ class AutoDist(nn.Module):
         log_every: int | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         shard_size: int | str | None = None,
+        compile: bool | str = False,
     ) -> None:
         super().__init__()
         self._closed = False
@@ -143,6 +152,7 @@ class AutoDist(nn.Module):
         self._auto: AutoPlanner | None = None
         # Every argument is checked before anything is modified; in a multi-rank job the ranks then
         # agree on the outcome, so a bad argument is one error raised on every rank (reported once).
+        compile_backend: str | None = None
         try:
             if misplaced:
                 raise TypeError(_positional_message(misplaced))
@@ -150,6 +160,9 @@ class AutoDist(nn.Module):
                 module, plan, mesh=mesh, example_inputs=example_inputs, example_kwargs=example_kwargs,
                 grad_accum_steps=grad_accum_steps, cache_dir=cache_dir, mixed_precision=mixed_precision,
                 log_every=log_every, param_init_fn=param_init_fn, shard_size=shard_size,
+            )
+            compile_backend = _check_compile_argument(
+                compile, plan, meta=meta, example_inputs=example_inputs, example_kwargs=example_kwargs,
             )
             refused: BaseException | None = None
         except (AutoDistError, ValueError, TypeError) as e:
@@ -161,6 +174,7 @@ class AutoDist(nn.Module):
         _agree_on_arguments(refused, group)
         self.grad_accum_steps = grad_accum_steps
         self._mixed_precision = mixed_precision
+        self._compile_backend = compile_backend
         self._explicit_budget = memory_limit is not None
         if mesh is None:
             mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -578,6 +592,7 @@ class _AutoRuntime:
         self.budget_bytes = w.budget_bytes
         self.grad_accum_steps = w.grad_accum_steps
         self.shard_size = w._requested_shard_size
+        self.compile_backend = w._compile_backend
 
     def plan(self) -> Plan:
         return self._w._engine.plan
@@ -815,6 +830,35 @@ def _check_module_argument(module: Any) -> None:
                 f"parameter {name!r} is already a DTensor ({p.placements}): the model is already distributed "
                 "(fully_shard, tensor parallelism or another AutoDist); AutoDist wraps a model of plain tensors"
             )
+
+
+def _check_compile_argument(compile: Any, plan: Any, *, meta: bool, example_inputs: Any, example_kwargs: Any) -> str | None:
+    """``compile``: ``False``, ``True`` or a backend of ``COMPILE_BACKENDS``, with ``plan="auto"``
+    and example inputs (the planner times every block compiled and eager before the first step).
+    Returns the backend ``plan="auto"`` may compile with (``None``: never compiles)."""
+    if compile is False:
+        return None
+    if compile is not True and (not isinstance(compile, str) or compile not in COMPILE_BACKENDS):
+        raise ValueError(
+            f"compile must be False (never compile), True (let plan='auto' compile blocks with inductor) or a "
+            f"torch.compile backend, one of {', '.join(repr(b) for b in COMPILE_BACKENDS)}; got {compile!r}"
+        )
+    if not (isinstance(plan, str) and plan == "auto"):
+        raise ValueError(
+            "compile lets plan='auto' decide which blocks to compile; a built-in plan, a Plan or a plan file compiles "
+            "the blocks its `compile` field lists (with `compile_backend`): drop compile, or pass plan='auto'"
+        )
+    if meta:
+        raise ValueError(
+            "compile: plan='auto' times each block compiled and eager on the materialised model, and this model is "
+            "on the meta device (it is profiled wrapped, sharded); drop compile, or build the model on the CPU"
+        )
+    if example_inputs is None and example_kwargs is None:
+        raise ValueError(
+            "compile: plan='auto' times each block compiled and eager before the first step, which needs an example "
+            "forward: pass example_inputs (and/or example_kwargs), or drop compile"
+        )
+    return "inductor" if compile is True else compile
 
 
 def _check_plan_argument(plan: Any) -> None:

@@ -69,11 +69,12 @@ def _skip_sync(model: nn.Module, last: bool) -> Any:
     micro-batch (DDP's and AutoDist's ``no_sync``, FSDP2's ``set_requires_gradient_sync``)."""
     import contextlib
 
+    wrapper: Any = model  # FSDP2's and DDP's methods, which nn.Module's attribute typing hides
     if hasattr(model, "set_requires_gradient_sync") and not isinstance(model, AutoDist):
-        model.set_requires_gradient_sync(last)
+        wrapper.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
     if hasattr(model, "no_sync") and not last:
-        return model.no_sync()
+        return wrapper.no_sync()
     return contextlib.nullcontext()
 
 
@@ -144,7 +145,13 @@ def _fsdp2(
     ``checkpoint_wrapper`` on each block, then ``fully_shard`` on the wrapped blocks)."""
 
     def wrap(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            FSDPModule,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
 
         policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
         mp = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32) if args.mixed_precision == "bf16" else MixedPrecisionPolicy()
@@ -158,11 +165,12 @@ def _fsdp2(
             targets = {id(b) for b in blocks}
             apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in targets)
             blocks = [m for m in model.modules() if type(m).__name__ == "CheckpointWrapper"]
-        wrapped = []
+        wrapped: list[FSDPModule] = []
         if group > 0:
             for i in range(0, len(blocks), group):
                 chunk = blocks[i : i + group]
                 fully_shard(chunk if len(chunk) > 1 else chunk[0], reshard_after_forward=reshard, offload_policy=policy, mp_policy=mp)
+                assert isinstance(chunk[0], FSDPModule)  # fully_shard made it one
                 wrapped.append(chunk[0])
         # The root as users shard it: with blocks resharding, FSDP2's default (``None``) keeps the
         # root's parameters unsharded from forward to backward (an explicit True would free and
@@ -182,12 +190,15 @@ def _mixed_precision(args: argparse.Namespace) -> MixedPrecision | None:
     return MixedPrecision(param_dtype=BF16, reduce_dtype=torch.float32) if args.mixed_precision == "bf16" else None
 
 
-def _autodist(plan: str) -> Callable[..., nn.Module]:
+def _autodist(plan: str, compile: bool = False) -> Callable[..., nn.Module]:
+    """AutoDist with ``plan``; ``compile``: ``plan="auto"`` may compile blocks with --compile-backend."""
+
     def wrap(model: nn.Module, args: argparse.Namespace, example: tuple) -> nn.Module:
         if plan == "auto":
             return AutoDist(
                 model, plan="auto", example_inputs=example, cache_dir=args.cache_dir, memory_limit=args.memory_limit,
                 grad_accum_steps=args.accum, mixed_precision=_mixed_precision(args),
+                compile=args.compile_backend if compile else False,
             )
         return AutoDist(model, plan=plan, memory_limit=args.memory_limit, mixed_precision=_mixed_precision(args))
 
@@ -202,7 +213,9 @@ def _compiled_blocks(model: nn.Module, backend: str) -> nn.Module:
     for name in find_blocks(model):
         parent, _, attr = name.rpartition(".")
         owner = model.get_submodule(parent)
-        owner.register_module(attr, torch.compile(owner.get_submodule(attr), backend=backend))
+        compiled = torch.compile(owner.get_submodule(attr), backend=backend)
+        assert isinstance(compiled, nn.Module)  # torch.compile of a module is a module (OptimizedModule)
+        owner.register_module(attr, compiled)
     return model
 
 
@@ -230,6 +243,7 @@ def _autodist_compiled(builtin: str) -> Callable[..., nn.Module]:
 
 
 def _close_autodist(m: nn.Module) -> None:
+    assert isinstance(m, AutoDist)
     m.close()
 
 
@@ -263,6 +277,7 @@ def _offload_all_sync(model: nn.Module, args: argparse.Namespace, example: tuple
 
 
 def _wait_offload(m: nn.Module) -> None:
+    assert isinstance(m, AutoDist)
     m.runtime.offload.finish_out()
 
 
@@ -292,8 +307,10 @@ CONTENDERS: dict[str, Contender] = {
     "fsdp2:compile": Contender("fsdp2:compile", _compiled(_fsdp2(True))),
     "autodist:ddp+compile": Contender("autodist:ddp+compile", _autodist_compiled("ddp"), _close_autodist, takes_budget=True),
     "autodist:fsdp+compile": Contender("autodist:fsdp+compile", _autodist_compiled("fsdp"), _close_autodist, takes_budget=True),
+    # plan="auto" with compile allowed: the search decides per block
+    "autodist:auto+compile": Contender("autodist:auto+compile", _autodist("auto", compile=True), _close_autodist, takes_budget=True),
 }
-COMPILE_CONTENDERS = ("ddp:compile", "fsdp2:compile", "autodist:ddp+compile", "autodist:fsdp+compile")
+COMPILE_CONTENDERS = ("ddp:compile", "fsdp2:compile", "autodist:ddp+compile", "autodist:fsdp+compile", "autodist:auto+compile")
 DEFAULT_CONTENDERS = [
     n for n in CONTENDERS
     if n not in ("autodist:offload-all-sync", "fsdp2:cpu-offload", "fsdp2:ckpt", "fsdp2:no-reshard:ckpt", "fsdp2:sync-every")
@@ -384,6 +401,9 @@ def run_contender(workload: Any, contender: Contender, batches: list, args: argp
             "offload_fragments": len(model.plan.offload),
             "predicted_peak": model.plan.predicted.get("peak_bytes"),
             "search_seconds": model.plan.provenance.get("search_seconds"),
+            "compiled_blocks": list(model.plan.compile),
+            "compile_backend": model.plan.compile_backend if model.plan.compile else None,
+            "predicted_compile_s": model.plan.predicted.get("compile_seconds"),
         })
     try:
         for x, y in batches[: args.warmup]:
@@ -606,6 +626,8 @@ def table(payload: dict) -> str:
                     note += f", {e['recomputed_blocks']} blocks recomputed"
                 if e.get("offload_fragments"):
                     note += f", {e['offload_fragments']} offload fragments"
+                if e.get("compiled_blocks"):
+                    note += f", {len(e['compiled_blocks'])} blocks compiled"
                 note += ")"
             if e.get("host_state_bytes"):
                 note += (
@@ -616,6 +638,7 @@ def table(payload: dict) -> str:
             sp = e.get("step_peak_bytes")
             sp = format_bytes(sp) if sp else "-"
             lines.append(f"  {name:<30}{t * 1e3:>10.1f}{ov:>10}{rd:>8}{rf:>9}{rb:>9}{sp:>12}{peak:>14}{resident:>12}{note}")
+        lines += _against_fastest_torch(mine)
         grid = {n: r for n, r in mine.items() if n.startswith("fsdp2[") and not r["error"]}
         auto = mine.get("autodist:auto")
         if grid and auto and not auto["error"]:
@@ -625,6 +648,25 @@ def table(payload: dict) -> str:
                 f"auto is {grid[best]['median_step_s'] / auto['median_step_s']:.3f}x its speed"
             )
     return "\n".join(lines)
+
+
+def _against_fastest_torch(mine: dict[str, dict]) -> list[str]:
+    """AutoDist's auto contenders against the fastest of torch's DDP and FSDP2, eager and compiled
+    (issue 45's target: auto at least as fast), and their predicted against measured step."""
+    torch_ok = {n: r for n, r in mine.items() if n in ("ddp", "ddp:compile", "fsdp2", "fsdp2:compile") and not r["error"]}
+    if not torch_ok:
+        return []
+    best = min(torch_ok, key=lambda n: torch_ok[n]["median_step_s"])
+    out = []
+    for name in ("autodist:auto", "autodist:auto+compile"):
+        r = mine.get(name)
+        if not r or r["error"]:
+            continue
+        t, b = r["median_step_s"], torch_ok[best]["median_step_s"]
+        pred = r.get("extra", {}).get("predicted_step_s")
+        err = f"; predicted {pred * 1e3:.1f} ms ({(pred - t) / t:+.1%} of measured)" if pred else ""
+        out.append(f"  {name}: {t * 1e3:.1f} ms vs fastest torch ({best}) {b * 1e3:.1f} ms: {b / t:.3f}x its speed{err}")
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -670,7 +712,8 @@ def main(argv: list[str] | None = None) -> int:
         "--models", ",".join(args.models), "--contenders", ",".join(args.contenders),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--passes", str(args.passes),
         "--size", args.size, "--device", args.device, "--mixed-precision", args.mixed_precision,
-        "--grid-passes", str(args.grid_passes), "--accum", str(args.accum), "--cache-dir", args.cache_dir or os.path.join("{tmp}", "cache"),
+        "--grid-passes", str(args.grid_passes), "--accum", str(args.accum), "--compile-backend", args.compile_backend,
+        "--cache-dir", args.cache_dir or os.path.join("{tmp}", "cache"),
     ]
     if args.fsdp_grid:
         worker_args.append("--fsdp-grid")
@@ -679,9 +722,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_limit is not None:
         worker_args += ["--memory-limit", args.memory_limit]
     t0 = time.time()
+    load_before = os.getloadavg()  # the host is shared: its load says how noisy the timings are
 
     def stamp(payload: dict, _name: str) -> None:
         payload["wall_seconds"] = time.time() - t0
+        payload["compile_backend"] = args.compile_backend
+        payload["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
         payload["command"] = "python tools/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
     return run_tool(__file__, args.nproc, worker_args, table, args.json, extra=stamp, resident=True)

@@ -72,14 +72,16 @@ def profile_cache_key(structure: Any, sig: str, name: str, **more: Any) -> str:
     """The key of a model's profile in the cache: the model's structure, the input signature
     (:func:`input_signature`), the device's name and torch version, and ``more`` (``autodist plan``
     keeps its single-process profiles apart from a job's, which are merged over ranks; a profile taken
-    under a mixed-precision policy is apart from the full-precision one)."""
+    under a mixed-precision policy is apart from the full-precision one, and one with its blocks
+    also timed compiled apart from one without)."""
     return digest({"model": structure.fingerprint(), "input": sig, "device": name, "torch": torch.__version__, **more})
 
 
 def plan_cache_key(profile_key: str, facts: dict[str, Any], **decided_by: Any) -> str:
     """The key of a searched plan: its profile's key, the machine's facts, and everything else that
     decides the plan (``decided_by``: budget, optimizer kind, plan schema, micro-batches, margins,
-    calibration, mixed precision and, only where one is used, the learned estimator)."""
+    calibration, mixed precision and, only where they are used, the learned estimator and the
+    backend blocks may be compiled with: ``AutoDist(compile=...)``)."""
     return digest({"profile": profile_key, **facts, **decided_by})
 
 

@@ -176,10 +176,12 @@ def _seed_steps(result: SearchResult) -> str:
 
 def offline_profile(
     model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict[str, Any], *, cache_dir: str | None, reprofile: bool,
+    compile_backend: str | None = None,
 ) -> tuple[Profile, str]:
     """The model's profile for ``autodist plan`` and ``autodist timeline``, and a phrase saying where
     it came from: the one cached for this model, input and machine, else (or with ``reprofile``)
-    measured here and cached.
+    measured here and cached. ``compile_backend`` (``autodist plan --compile``): every block also
+    timed compiled with it (a profile cached apart from the one without).
 
     [Note: planning twice] Profiling is robust to a busy host (thread time, a low quantile of
     several passes, retaken when they spread), but not to a host whose speed drifts: on a shared
@@ -193,12 +195,14 @@ def offline_profile(
     structure = discover(model)
     device = torch.device("cpu")
     sig = input_signature((example_inputs, example_kwargs))
-    key = profile_cache_key(structure, sig, offline_machine(1)["device_name"], measured_by="autodist plan")
+    compiled = {"compile": compile_backend} if compile_backend is not None else {}
+    key = profile_cache_key(structure, sig, offline_machine(1)["device_name"], measured_by="autodist plan", **compiled)
     if not reprofile:
         cached = cache.get("profiles", key, profile_entry)
         if cached is not None:
             return cached, f"the profile cached in {cache.path('profiles', key)} (--reprofile measures it again)"
-    profile = profile_model(model, structure, example_inputs, device=device, example_kwargs=example_kwargs)
+    profile = profile_model(model, structure, example_inputs, device=device, example_kwargs=example_kwargs,
+                            compile_backend=compile_backend)
     cache.put("profiles", key, profile.to_json())
     noisy = (
         f", on a busy host (its passes spread {profile.meta['spread']:.0%} after {profile.meta['passes']}; "
@@ -258,7 +262,12 @@ def annotate(
     }
     if r.analytic_step_s is not None:  # the learned estimator corrected the prediction
         plan.predicted["analytic_step_seconds"] = r.analytic_step_s
+    if plan.compile:  # the one-off cost of compiling its blocks, apart from the step
+        plan.predicted["compile_seconds"] = sum(c.compile_s for b, c in profile.compiled_blocks.items() if b in plan.compile)
     plan.provenance = search_provenance(result, source)
+    if profile.compile_backend:  # the search could compile blocks (and which it chose is plan.compile)
+        plan.provenance["compile_allowed"] = profile.compile_backend
+        plan.compile_backend = profile.compile_backend
     return plan
 
 

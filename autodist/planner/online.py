@@ -90,6 +90,7 @@ class Runtime(Protocol):
     budget_bytes: int
     grad_accum_steps: int | None  # the user's; None: as observed
     shard_size: int | None  # the shard groups the user asked for (2-D mesh, shard_size), if smaller than the world
+    compile_backend: str | None  # the backend blocks may be compiled with (None: never compile)
 
     def plan(self) -> Plan:
         """The plan in force."""
@@ -311,6 +312,7 @@ class AutoPlanner:
         self.device = runtime.device
         self.structure = runtime.structure
         self.mp = runtime.mixed_precision
+        self.compile_backend = runtime.compile_backend
         self.cache = Cache(cache_dir, writer=self.rank == 0)
         self.stats = LifecycleStats()
         self.state = _State.DONE
@@ -336,7 +338,9 @@ class AutoPlanner:
     def profile_key(self, sig: str) -> str:
         # a profile taken under a mixed-precision policy is another model's ([Note: profiled as it runs])
         dtype = {"compute_dtype": str(self.mp.param_dtype)} if self.mp is not None and self.mp.param_dtype is not None else {}
-        return keys.profile_cache_key(self.structure, sig, self.machine["device_name"], **dtype)
+        # ... and one with its blocks timed compiled holds more than one without
+        compiled = {"compile": self.compile_backend} if self.compile_backend is not None else {}
+        return keys.profile_cache_key(self.structure, sig, self.machine["device_name"], **dtype, **compiled)
 
     def comm_key(self) -> str:
         return keys.machine_key(self.machine)
@@ -356,6 +360,9 @@ class AutoPlanner:
             **({"blocked_wait_s": cfg.blocked_wait_s} if cfg.blocked_wait_s is not None else {}),
             mixed_precision=None if self.mp is None else [str(self.mp.param_dtype), str(self.mp.reduce_dtype)],
             **self._shard_key(),
+            # a plan searched with compiled blocks allowed (and their backend) is kept apart from one
+            # searched without; with compile off, the key holds nothing of it (as before the switch)
+            **({"compile": self.compile_backend} if self.compile_backend is not None else {}),
             # a plan the learned estimator ranked is kept apart from the analytic one (and from
             # another estimator's); with the switch off, the key holds no estimator
             **({"estimator": estimator} if (estimator := self.estimator_id()) is not None else {}),
@@ -718,13 +725,18 @@ class AutoPlanner:
             self._wrapped_inputs = (example_inputs, example_kwargs)
             return self.safe_plan(sharded=True, profiled="the example inputs are")
         if self.rank == 0:
-            logger.info("autodist: plan=auto: no cached plan for this model and input: %s", self._first_run_steps("profiling it"))
+            profiling = "profiling it" + (
+                f", every block also timed compiled with {self.compile_backend} (compile=: each distinct block is "
+                "compiled once, which can take minutes)" if self.compile_backend is not None else ""
+            )
+            logger.info("autodist: plan=auto: no cached plan for this model and input: %s", self._first_run_steps(profiling))
         with progress("profiling the model", enabled=self.rank == 0):
             prof = profile_model(
                 self.rt.module, self.structure, example_inputs, device=self.device, example_kwargs=example_kwargs,
                 contention=collective_train(self.comm.group, self.device),
                 compute_dtype=self.mp.param_dtype if self.mp is not None else None,
                 cast_inputs=self.mp.cast_forward_inputs if self.mp is not None else True,
+                compile_backend=self.compile_backend,
             )
         self.stats.profiles_measured += 1
         prof = self._merge(prof)
