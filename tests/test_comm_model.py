@@ -333,6 +333,20 @@ def test_a_collective_train_is_the_same_on_every_rank_whatever_each_asks(world2)
     assert world2.run(_trains_of_different_lengths) == [2.0, 2.0]
 
 
+def test_a_train_is_sized_at_its_all_reduces_rate_beside_the_pass_once_one_outlasted_it():
+    """[Note: a train as long as its pass], with injected timings: first TRAIN_COVER times the pass
+    at the all-reduces' time alone; then at their measured rate beside a pass, for the longest pass."""
+    from autodist.measure.sweep import TRAIN_COVER, train_length
+
+    assert TRAIN_COVER == 1.5
+    assert train_length(0.25, 0.0625) == 6  # 1.5 x 0.25 s at 62.5 ms each, alone
+    # beside a pass, 125 ms each; the pass ran 2x its time alone: 1.5 x 0.5 s / 125 ms
+    assert train_length(0.25, 0.0625, (0.125, 2.0)) == 6
+    assert train_length(0.25, 0.0625, (0.0625, 1.5)) == 9
+    assert train_length(0.25, 0.0625, (0.0625, 0.5)) == 6  # a pass never counts as shorter than alone
+    assert train_length(1e-6, 0.01) == 1 and train_length(0.25, 0.0) == 375000  # at least one; a zero time guarded
+
+
 class _Clock:
     """A clock for :func:`~autodist.measure.contention.contended_slowdown` (its ``clock``): the passes a
     test fakes advance it by the seconds they stand for, so the rounds' figures are exact, whatever

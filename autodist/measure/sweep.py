@@ -987,15 +987,38 @@ def _smoothed(measured: dict[str, list[list[float]]]) -> dict[str, list[list[flo
     return out_rows
 
 
+TRAIN_COVER = 1.5  # a profile's train of collectives lasts this many times the pass it runs beside
+
+
+def train_length(seconds: float, once: float, rate: tuple[float, float] | None = None) -> int:
+    """How many all-reduces a :class:`CollectiveTrain` for a pass of ``seconds`` (alone) queues:
+    ``TRAIN_COVER`` times the pass at ``once`` seconds each (their time alone) — or, given ``rate``
+    (seconds per all-reduce while a pass ran beside an earlier train, and the longest such a pass
+    took over its seconds alone), ``TRAIN_COVER`` times the pass as slowed at that rate.
+
+    [Note: a train as long as its pass] A train only needs to outlast the pass it contends with;
+    what it holds beyond that, the pass's caller waits out before the next pass. Sized at the
+    all-reduces' time alone it ran about three times that long beside a pass on 2 CPU ranks (the
+    pass slows them 3x): 4.5 times the pass where 1.5 were asked, and about half of a contended
+    round's time was that wait. So after a train that outlasted its pass (its rate is known: the
+    all-reduces completed while the pass ran, over the pass's time) the next ones are sized at that
+    rate, for the longest pass seen; one that ran out before its pass ended sizes the next one
+    alone-rate again (:meth:`CollectiveTrain.__call__`)."""
+    if rate is None:
+        return max(1, math.ceil(TRAIN_COVER * seconds / max(once, 1e-6)))
+    per_call, stretch = rate
+    return max(1, math.ceil(TRAIN_COVER * seconds * max(stretch, 1.0) / max(per_call, 1e-6)))
+
+
 class CollectiveTrain:
     """What :func:`~autodist.measure.trace.profile_model` computes against to measure the model's
     own slowdown while communication runs. Calling it with ``seconds`` issues, on every rank of
     ``group`` (a collective: every rank calls it at the same point), enough asynchronous
-    all-reduces of ``TRAIN_BYTES``, queued at once, to keep the backend busy for ``seconds`` of the
-    slowest rank's estimate, and returns the function that waits for them all. :meth:`largest`
-    gives a figure's largest value over the ranks, so that a decision to measure more (another
-    batch of rounds) is the same on every rank: one rank measuring on alone would wait for
-    collectives the others never issue."""
+    all-reduces of ``TRAIN_BYTES``, queued at once, to keep the backend busy for longer than a pass
+    of ``seconds`` alone takes beside them (:func:`train_length`, the slowest rank's), and returns
+    the function that waits for them all. :meth:`largest` gives a figure's largest value over the
+    ranks, so that a decision to measure more (another round) is the same on every rank: one rank
+    measuring on alone would wait for collectives the others never issue."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.group = group
@@ -1009,15 +1032,26 @@ class CollectiveTrain:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.once = (time.perf_counter() - t0) / 3
+        # (seconds per all-reduce beside a pass, the longest pass over its time alone): this rank's,
+        # from the trains that outlasted their pass ([Note: a train as long as its pass])
+        self.rate: tuple[float, float] | None = None
 
     def __call__(self, seconds: float) -> Callable[[], None]:
-        n = torch.tensor([max(1, math.ceil(1.5 * seconds / max(self.once, 1e-6)))], dtype=torch.int64, device=self.device)
+        n = torch.tensor([train_length(seconds, self.once, self.rate)], dtype=torch.int64, device=self.device)
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+        t0 = time.perf_counter()
         works = [dist.all_reduce(self.buf, group=self.group, async_op=True) for _ in range(int(n.item()))]
 
         def stop() -> None:
+            ran = time.perf_counter() - t0
+            done = sum(1 for w in works if w.is_completed())
             for w in works:
                 w.wait()
+            if 0 < done < len(works):  # it outlasted the pass: its rate beside the pass is known
+                stretch = max(ran / max(seconds, 1e-9), self.rate[1] if self.rate is not None else 1.0)
+                self.rate = (ran / done, stretch)
+            else:  # it ran out before the pass ended, or nothing completed to tell the rate
+                self.rate = None
 
         return stop
 
