@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -550,10 +551,12 @@ def _optimizer_and_contention(
             numels = [p.numel for p in structure.params.values() if p.requires_grad]
             opt_profile = estimate_optimizer(device, param_numels=numels)
         if contention is not None:
+            t0 = time.perf_counter()
             with computing_in(module, compute_dtype):
                 measured = contended_slowdown(train_backward, contention, device, agree=contention.largest)
             slowdown, sensitivity = measured.slowdown, measured.sensitivity
-            contention_meta = {"contention_rounds": measured.rounds, "contention_spread": round(measured.spread, 4)}
+            contention_meta = {"contention_rounds": measured.rounds, "contention_spread": round(measured.spread, 4),
+                               "contention_seconds": round(time.perf_counter() - t0, 3)}
     return opt_profile, slowdown, sensitivity, contention_meta
 
 
@@ -600,8 +603,10 @@ def profile_model(
     chooser = None
     if loss_fn is None:
         loss_fn = chooser = _OwnOrSurrogateLoss()
+    t_passes = time.perf_counter()
     passes = _run_passes(module, structure, tracer, clock, inputs, kwargs, loss_fn, device, compute_dtype,
                          memory=memory, warmup=warmup, repeats=repeats)
+    passes_seconds = time.perf_counter() - t_passes
     compiled: dict[str, CompiledBlockProfile] = {}
     if compile_backend is not None:
         with computing_in(module, compute_dtype):
@@ -670,6 +675,8 @@ def profile_model(
             **({"compute_dtype": str(compute_dtype).replace("torch.", "")} if compute_dtype is not None else {}),
             "spread": round(_spread(results), 4), "noisy": _spread(results) > NOISY_SPREAD, **contention_meta,
             "tracer_scale": [round(passes.scale[0], 4), round(passes.scale[1], 4)],
+            # the memory pass, the timed passes and the tracer's own time, together
+            "passes_seconds": round(passes_seconds, 3),
         },
         **loss_fields(
             counted.saved.get(LOSS, 0), peaks.get(LOSS, (0, 0)), passes.out_fp32,
@@ -730,7 +737,6 @@ def profile_compiled_blocks(
     one; the others are timed warm and name it in ``same_as``. Blocks the user compiled already are
     measured as they run, compiled and eager alike. Parameters' gradients, buffers and the RNG state
     are left as they were."""
-    import time
 
     clock = Clock(device)
     user = set(compiled_by_user(module))
