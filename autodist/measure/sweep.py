@@ -188,12 +188,13 @@ def contention_sizes(largest: float) -> list[int]:
 
     [Note: contention up to what the model sends] The simulator takes a message's contention
     figures interpolated in log size between the measured sizes, and the largest measured size's
-    beyond them. Those figures change slowly with size: between 16 and 64 MiB by 2-15% over a 4x
-    step (``benchmarks/sweepcheck-passes.json``), so over the factor of 2 or less between the
-    largest size measured and a message this reach allows, by less than the sweeps' own 8-11%
-    from one sweep to the next. The next size up would cost the most expensive rounds of the
-    sweep (a 64 MiB round takes about 0.4 s on 2 CPU ranks, the smallest ones 0.1 s) to price
-    messages the model never sends."""
+    beyond them. Those figures change slowly with size: from 16 to 64 MiB by 7.8% (the median of
+    the 72 figures of ``benchmarks/sweepcheck-passes.json``'s eight comm models; a quarter of
+    them by 13-40%) over the 4x step, so over the factor of 2 or less (half that step in log size)
+    between the largest size measured and a message this reach allows, by about half that: less
+    than the sweeps' own 8-11% from one sweep to the next. The next size up would cost the most
+    expensive rounds of the sweep (a 64 MiB round takes about 0.4 s on 2 CPU ranks, the smallest
+    ones 0.1 s) to price messages the model never sends."""
     below = [s for s in CONTENTION_SIZES if s < largest]
     above = [s for s in CONTENTION_SIZES if s >= largest][:1]
     if not below:
