@@ -50,7 +50,9 @@ def _measure(directory: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     device = torch.device("cpu")
-    model = sweep(dist.group.WORLD, device)
+    group = dist.group.WORLD
+    assert group is not None  # the default group, just made
+    model = sweep(group, device)
     if dist.get_rank() == 0:
         key = keys.machine_key(keys.machine(dist.get_world_size(), device, "gloo"))
         Cache(directory).put("comm", key, model.to_json())
