@@ -11,14 +11,18 @@ sys.path.insert(0, os.path.dirname(__file__))
 # inherit it.
 os.environ.setdefault("AUTODIST_SWEEP_PASSES", "1")
 # The comm models of this session's machines ([Note: a seed of comm models] in autodist/planner/
-# online.py): every test's fresh cache starts from them, so a comm model is measured once per
-# session and world size (and extended when a later test's model needs larger messages), not in
-# every test that plans with plan="auto". Tests whose subject is the sweep are marked `sweeps` and
-# run without the seed. Set before any rank or launched script starts: they inherit it.
+# online.py): every test's fresh cache starts from them. The session's seed starts from the ones
+# committed under tests/comm-seed/ (tests/comm_seed.py: world sizes 2 and 4, every collective at
+# every size), so no test that plans with plan="auto" sweeps; where they hold nothing for this
+# machine (another torch), a comm model is measured once per session and world size (and extended
+# when a later test's model needs larger messages). Tests whose subject is the sweep are marked
+# `sweeps` and run without the seed. Set before any rank or launched script starts: they inherit it.
 _SEED = tempfile.mkdtemp(prefix="autodist-comm-seed-")
 os.environ["AUTODIST_COMM_SEED"] = _SEED
 
-from comm_seed import set_seed  # noqa: E402
+from comm_seed import set_seed, start  # noqa: E402
+
+start(_SEED)
 
 from harness import RankPool  # noqa: E402
 

@@ -333,6 +333,20 @@ def test_a_collective_train_is_the_same_on_every_rank_whatever_each_asks(world2)
     assert world2.run(_trains_of_different_lengths) == [2.0, 2.0]
 
 
+def test_a_train_is_sized_at_its_all_reduces_rate_beside_the_pass_once_one_outlasted_it():
+    """[Note: a train as long as its pass], with injected timings: first TRAIN_COVER times the pass
+    at the all-reduces' time alone; then at their measured rate beside a pass, for the longest pass."""
+    from autodist.measure.sweep import TRAIN_COVER, train_length
+
+    assert TRAIN_COVER == 1.5
+    assert train_length(0.25, 0.0625) == 6  # 1.5 x 0.25 s at 62.5 ms each, alone
+    # beside a pass, 125 ms each; the pass ran 2x its time alone: 1.5 x 0.5 s / 125 ms
+    assert train_length(0.25, 0.0625, (0.125, 2.0)) == 6
+    assert train_length(0.25, 0.0625, (0.0625, 1.5)) == 9
+    assert train_length(0.25, 0.0625, (0.0625, 0.5)) == 6  # a pass never counts as shorter than alone
+    assert train_length(1e-6, 0.01) == 1 and train_length(0.25, 0.0) == 375000  # at least one; a zero time guarded
+
+
 class _Clock:
     """A clock for :func:`~autodist.measure.contention.contended_slowdown` (its ``clock``): the passes a
     test fakes advance it by the seconds they stand for, so the rounds' figures are exact, whatever
@@ -350,7 +364,7 @@ class _Clock:
 
 def _contention_with_a_disturbed_rank():
     """Rank 1's contended passes alternate 2 and 8 ms (a disturbed host), rank 0's are steady:
-    rank 1 alone would take more batches of rounds, each with trains the other rank must join."""
+    rank 1 alone would take more rounds, each with trains the other rank must join."""
     import itertools
 
     from autodist.measure.contention import contended_slowdown
@@ -376,22 +390,22 @@ def _contention_with_a_disturbed_rank():
 
         return done
 
-    got = contended_slowdown(train_backward, contention, torch.device("cpu"), rounds=3, reference=reference,
-                             batches=3, agree=train.largest, clock=clock)
+    got = contended_slowdown(train_backward, contention, torch.device("cpu"), max_rounds=9, reference=reference,
+                             agree=train.largest, clock=clock)
     t = torch.ones(1)
     dist.all_reduce(t)  # the ranks still pair their collectives: none left over from a train
     return got.rounds, got.spread, t.item()
 
 
 def test_every_rank_takes_as_many_contention_rounds_as_the_most_disturbed_one(world2):
-    # rank 0's rounds agree (spread 0) and would stop after one batch; rank 1's never do
+    # rank 0's rounds agree (spread 0) and would stop after the fewest; rank 1's never settle
     (rounds0, spread0, t0), (rounds1, spread1, t1) = world2.run(_contention_with_a_disturbed_rank)
     assert (rounds0, rounds1, t0, t1) == (9, 9, 2.0, 2.0)
     assert spread0 == pytest.approx(0, abs=1e-9) and spread1 == pytest.approx(3.0)
 
 
 def test_the_model_s_contended_slowdown_and_its_sensitivity_are_taken_against_the_reference_under_the_same_train():
-    from autodist.measure.contention import CONTENDED_MIN_ROUNDS, CONTENDED_ROUNDS, contended_slowdown
+    from autodist.measure.contention import CONTENDED_MAX_ROUNDS, CONTENDED_MIN_ROUNDS, contended_slowdown
 
     clock, busy = _Clock(), [False]
     calls = []
@@ -413,30 +427,35 @@ def test_the_model_s_contended_slowdown_and_its_sensitivity_are_taken_against_th
 
         return stop
 
-    got = contended_slowdown(train_backward, contention, torch.device("cpu"), rounds=3, reference=reference, clock=clock)
+    got = contended_slowdown(train_backward, contention, torch.device("cpu"), reference=reference, clock=clock)
     assert got.slowdown == pytest.approx(2.5)
     assert got.sensitivity == pytest.approx(1.25)  # 2.5 against the reference's 2.0
-    assert got.rounds == 3 and got.spread == pytest.approx(0, abs=1e-9)  # steady rounds: one batch
+    assert got.rounds == CONTENDED_MIN_ROUNDS == 3 and got.spread == pytest.approx(0, abs=1e-9)  # steady rounds: the fewest
     model, ref = [("model", False), ("model", True)], [("reference", False), ("reference", True)]
     # one pass to size the train, then each alone and under its own train, which goes first alternating
     assert calls == [("model", False)] + model + ref + ref + model + model + ref
-    # a train that slows neither: both figures 1, and one batch of the default rounds
+    # a train that slows neither: both figures 1, in the fewest rounds
+    assert CONTENDED_MIN_ROUNDS < CONTENDED_MAX_ROUNDS
     quiet = contended_slowdown(lambda: clock.spend(0.002), lambda s: (lambda: None), torch.device("cpu"),
                                reference=lambda: clock.spend(0.003), clock=clock)
-    # ... which its first rounds, all alike, end early
-    assert CONTENDED_MIN_ROUNDS < CONTENDED_ROUNDS
     assert quiet.rounds == CONTENDED_MIN_ROUNDS and (quiet.slowdown, quiet.sensitivity, quiet.spread) == pytest.approx((1.0, 1.0, 0), abs=1e-9)
 
 
-def test_a_first_batch_ends_early_only_while_all_its_rounds_agree():
-    """[the first batch ends early once all its rounds agree]: one round of the first three apart
-    keeps the batch going to its end, where the quartiles leave it out; rounds that agree end it
-    at CONTENDED_MIN_ROUNDS."""
+def test_contended_rounds_go_on_until_the_sensitivity_s_standard_error_is_within_its_bound():
+    """[Note: repeating until the estimate is known]: with injected pass times, the rounds stop at
+    the first count whose ratios' median has a standard error within CONTENDED_REL_SE of it (never
+    before CONTENDED_MIN_ROUNDS), and a host whose rounds keep spreading takes the most."""
     import itertools
 
-    from autodist.measure.contention import CONTENDED_MIN_ROUNDS, CONTENDED_ROUNDS, contended_slowdown
+    from autodist.measure.contention import (
+        CONTENDED_MAX_ROUNDS,
+        CONTENDED_MIN_ROUNDS,
+        CONTENDED_REL_SE,
+        contended_slowdown,
+    )
+    from autodist.measure.robust import relative_se
 
-    def measured(contended_model_s):
+    def measured(contended_model_s, **kw):
         clock, busy = _Clock(), [False]
         slow = iter(contended_model_s)
 
@@ -448,14 +467,39 @@ def test_a_first_batch_ends_early_only_while_all_its_rounds_agree():
             return lambda: busy.__setitem__(0, False)
 
         return contended_slowdown(train_backward, contention, torch.device("cpu"), reference=lambda: clock.spend(0.002),
-                                  clock=clock)
+                                  clock=clock, **kw)
 
-    # the model's ratios 2, 4, 2, 2, 2 (the reference is not slowed): the second round apart
-    apart = measured(itertools.chain([0.004, 0.008], itertools.repeat(0.004)))
-    assert apart.rounds == CONTENDED_ROUNDS and apart.sensitivity == pytest.approx(2.0) and apart.spread == pytest.approx(0)
-    # 2, 2.2, 2.1: within CONTENDED_SPREAD of their median
+    # ratios 2, 4, 2, 2, 2, ... (the reference is not slowed): the second round apart keeps it going
+    # until enough agreeing rounds bring the median's standard error within the bound
+    ratios = [2.0, 4.0] + [2.0] * 20
+    expected = next(n for n in range(CONTENDED_MIN_ROUNDS, len(ratios)) if relative_se(ratios[:n], median=True) <= CONTENDED_REL_SE)
+    assert CONTENDED_MIN_ROUNDS < expected < CONTENDED_MAX_ROUNDS
+    apart = measured([0.002 * r for r in ratios])
+    assert apart.rounds == expected and apart.sensitivity == pytest.approx(2.0)
+    # 2, 2.2, 2.1: their median's standard error is within the bound at the fewest rounds
+    assert relative_se([2.0, 2.2, 2.1], median=True) <= CONTENDED_REL_SE
     steady = measured(itertools.chain([0.004, 0.0044, 0.0042], itertools.repeat(0.03)))
     assert steady.rounds == CONTENDED_MIN_ROUNDS and steady.sensitivity == pytest.approx(2.1)
+    # ratios that alternate 1 and 4 never settle: the most rounds, and their median
+    spread = measured(itertools.cycle([0.002, 0.008]), max_rounds=7)
+    assert spread.rounds == 7 and spread.sensitivity == pytest.approx(1.0)
+    # an agree() that reports another rank's larger figure keeps this rank measuring as long
+    held = measured(itertools.repeat(0.004), max_rounds=6, agree=lambda x: max(x, 1.0))
+    assert held.rounds == 6
+
+
+def test_relative_standard_error_of_a_mean_and_of_a_median():
+    import math
+
+    from autodist.measure.robust import MEDIAN_SE_FACTOR, relative_se
+
+    assert relative_se([3.0]) == math.inf and relative_se([]) == math.inf
+    assert relative_se([2.0, 2.0, 2.0]) == 0.0
+    # sd 1, n 4, mean 2.5: 0.5 / 2.5
+    values = [1.0, 2.0, 3.0, 4.0]
+    sd = math.sqrt(sum((v - 2.5) ** 2 for v in values) / 3)
+    assert relative_se(values) == pytest.approx(sd / 2 / 2.5)
+    assert relative_se(values, median=True) == pytest.approx(sd / 2 * MEDIAN_SE_FACTOR / 2.5)
 
 
 def test_a_contention_measurement_whose_rounds_spread_takes_more_rounds_and_keeps_their_median():
@@ -478,9 +522,9 @@ def test_a_contention_measurement_whose_rounds_spread_takes_more_rounds_and_keep
         busy[0] = True
         return lambda: busy.__setitem__(0, False)
 
-    got = contended_slowdown(train_backward, contention, torch.device("cpu"), rounds=3, reference=reference, batches=3,
+    got = contended_slowdown(train_backward, contention, torch.device("cpu"), max_rounds=9, reference=reference,
                              clock=clock)
-    assert got.rounds == 9 and got.spread == pytest.approx(3.0)  # never steady: every batch it may take
+    assert got.rounds == 9 and got.spread == pytest.approx(3.0)  # never steady: every round it may take
     assert got.sensitivity == pytest.approx(0.5)  # rounds 0.5, 2, 0.5, ...: five of nine at 0.5
     assert got.slowdown == pytest.approx(1.0)  # the model's own: 1, 4, 1, ... (five of nine at 1)
 
@@ -488,8 +532,8 @@ def test_a_contention_measurement_whose_rounds_spread_takes_more_rounds_and_keep
 def _contention_rounds_per_cell():
     """The sweep's contention loop with each round's figures given (``_contention_round`` replaced):
     a small all-reduce steady on both ranks, a 1 MiB all-gather steady on rank 0 and not on rank 1,
-    and a 64 MiB all-reduce (its rounds fewer whatever they read). Returns the rounds each cell
-    took and the rows."""
+    a 4 MiB reduce-scatter whose rounds spread a little on both, and a 64 MiB all-reduce (its
+    rounds fewer whatever they read). Returns the rounds each cell took and the rows."""
     import itertools
 
     import autodist.measure.sweep as measure_sweep
@@ -498,7 +542,8 @@ def _contention_rounds_per_cell():
     taken = {}
     figures = {
         "steady": itertools.repeat((2.0, 3.0, 1.5)),
-        "one rank apart": itertools.cycle([(2.0, 3.0, 1.5)] if rank == 0 else [(2.0, 3.0, 1.5), (2.0, 3.9, 1.5)]),
+        "one rank apart": itertools.cycle([(2.0, 3.0, 1.5)] if rank == 0 else [(2.0, 3.0, 1.5), (2.0, 6.0, 1.5)]),
+        "a little apart": itertools.cycle([(2.0, 3.0, 1.5), (2.0, 4.5, 1.5)]),
         "long": itertools.repeat((1.2, 1.1, 1.0)),
     }
 
@@ -509,25 +554,44 @@ def _contention_rounds_per_cell():
     real = measure_sweep._contention_round
     measure_sweep._contention_round = fake_round
     try:
-        cells = [("all_reduce", 64 << 10, "steady"), ("all_gather", 1 << 20, "one rank apart"), ("all_reduce", 64 << 20, "long")]
-        rows, rounds = measure_sweep._contention(dist.group.WORLD, torch.device("cpu"), {"all_reduce": lambda n: 1e-3, "all_gather": lambda n: 1e-3},
-                                         {}, cells)
+        cells = [("all_reduce", 64 << 10, "steady"), ("all_gather", 1 << 20, "one rank apart"),
+                 ("reduce_scatter", 4 << 20, "a little apart"), ("all_reduce", 64 << 20, "long")]
+        rows, rounds = measure_sweep._contention(
+            dist.group.WORLD, torch.device("cpu"), {op: (lambda n: 1e-3) for op in ("all_reduce", "all_gather", "reduce_scatter")},
+            {}, cells)
     finally:
         measure_sweep._contention_round = real
     assert rounds == sum(taken.values())
     return [taken[c[2]] for c in cells], rows
 
 
-def test_contention_cells_whose_first_rounds_agree_on_every_rank_take_no_more(world2):
-    from autodist.measure.sweep import CONTENTION_LONG_ROUNDS, CONTENTION_MIN_ROUNDS, CONTENTION_ROUNDS
+def test_contention_cells_take_rounds_until_their_figures_are_known_on_every_rank(world2):
+    """[Note: contention rounds until the figures are known], with injected figures: a cell stops at
+    the first round count (CONTENTION_MIN_ROUNDS at least) where every figure's standard error is
+    within CONTENTION_REL_SE of it on every rank, at CONTENTION_MAX_ROUNDS (fewer at 64 MiB) at most."""
+    from autodist.measure.sweep import (
+        CONTENTION_LONG_ROUNDS,
+        CONTENTION_MAX_ROUNDS,
+        CONTENTION_MIN_ROUNDS,
+        CONTENTION_REL_SE,
+        rounds_uncertainty,
+    )
 
+    def rounds_until_known(figures):
+        return next((n for n in range(CONTENTION_MIN_ROUNDS, CONTENTION_MAX_ROUNDS)
+                     if rounds_uncertainty(figures[:n]) <= CONTENTION_REL_SE), CONTENTION_MAX_ROUNDS)
+
+    a_little = [(2.0, 3.0, 1.5), (2.0, 4.5, 1.5)] * 10
     (taken0, rows0), (taken1, rows1) = world2.run(_contention_rounds_per_cell)
-    # rank 1's all-gather rounds disagree (3.0 and 3.9): both ranks measure it to the end
-    assert taken0 == taken1 == [CONTENTION_MIN_ROUNDS, CONTENTION_ROUNDS, CONTENTION_LONG_ROUNDS]
+    # rank 1's all-gather rounds read 3.0 and 6.0 in turn and never settle: both ranks measure it to the end;
+    # the reduce-scatter's 3.0 and 4.5 settle after a few rounds (more than the fewest)
+    assert CONTENTION_MIN_ROUNDS < rounds_until_known(a_little) < CONTENTION_MAX_ROUNDS
+    assert rounds_until_known([(2.0, 3.0, 1.5), (2.0, 6.0, 1.5)] * 10) == CONTENTION_MAX_ROUNDS
+    assert taken0 == taken1 == [CONTENTION_MIN_ROUNDS, CONTENTION_MAX_ROUNDS, rounds_until_known(a_little), CONTENTION_LONG_ROUNDS]
     assert rows0 == rows1  # the slowest rank's figures
     assert rows0["all_reduce"][0] == [float(64 << 10), 2.0, 3.0, 1.5]
-    # rank 1's 3.0, 3.9, 3.0, 3.9, 3.0, trimmed of one 3.0 and one 3.9
-    assert rows0["all_gather"][0][2] == pytest.approx((3.0 + 3.0 + 3.9) / 3)
+    # rank 1's 3.0, 6.0, ... over 8 rounds, trimmed of one 3.0 and one 6.0
+    assert rows0["all_gather"][0][2] == pytest.approx((3 * 3.0 + 3 * 6.0) / 6)
 
 
 def test_sweepcheck_tells_how_far_the_comm_models_move_each_plan_s_prediction():
@@ -577,13 +641,13 @@ def test_sweepcheck_tells_how_far_the_comm_models_move_each_plan_s_prediction():
 
 def test_contention_figures_are_the_mean_of_their_middle_rounds_and_the_largest_messages_get_three():
     from autodist.measure.robust import trimmed_mean
-    from autodist.measure.sweep import CONTENTION_ROUNDS, contention_rounds
+    from autodist.measure.sweep import CONTENTION_MAX_ROUNDS, contention_rounds
 
     assert trimmed_mean([5.0, 1.0, 2.0, 3.0, 100.0]) == pytest.approx(10 / 3)  # one disturbed round either way left out
     assert trimmed_mean([4.0, 1.0, 9.0]) == 4.0  # three rounds: their median
     assert trimmed_mean([1.0, 2.0]) == 1.5 and trimmed_mean([7.0]) == 7.0
-    assert CONTENTION_ROUNDS == 5
-    assert [contention_rounds(n) for n in (64 << 10, 16 << 20, 64 << 20, 256 << 20)] == [5, 5, 3, 3]
+    assert CONTENTION_MAX_ROUNDS == 8
+    assert [contention_rounds(n) for n in (64 << 10, 16 << 20, 64 << 20, 256 << 20)] == [8, 8, 3, 3]
 
 
 # ---- what plan="auto" measures: what the model's plans can issue, and only what is missing ----------
@@ -679,12 +743,13 @@ def test_plan_auto_measures_only_what_the_model_can_issue_then_only_what_a_later
     [first] = [i for i, s in enumerate(said) if "no cached plan for this model and input" in s]
     assert first < said.index(up_front) and "taking this machine's comm model" in said[first], said[first]
     assert f"searching (at most {SearchConfig().time_budget_s:.0f} s)" in said[first]
-    # a model of 350 KiB trained: the sizes up to 1 MiB it adds, and nothing measured before
+    # a model of 350 KiB trained: the sizes up to 1 MiB it adds, contention up to 256 KiB (350 KiB lies
+    # within twice that: [Note: contention up to what the model sends]), and nothing measured before
     sweeps, text, _ = out["larger"]
     larger = CommModel.from_json(text)
     assert _measured(text) == {
         "timings": {op: [262144, 1048576] for op in ("all_reduce", "all_gather", "reduce_scatter", "d2h", "h2d")},
-        "contention": {op: [262144, 1048576] for op in ("all_reduce", "all_gather", "reduce_scatter")},
+        "contention": {op: [262144] for op in ("all_reduce", "all_gather", "reduce_scatter")},
     }
     from autodist.measure.sweep import _monotone
 
@@ -692,7 +757,7 @@ def test_plan_auto_measures_only_what_the_model_can_issue_then_only_what_a_later
         added = larger.ops[op].samples[2:]
         assert [x for x, _ in added] == [262144.0, 1048576.0], op
         assert larger.ops[op].samples == (_monotone(fit.samples + added) if op in ("d2h", "h2d", *COLLECTIVES) else None), op
-    assert [r[0] for r in larger.meta["contention_measured"]["all_gather"]] == [65536.0, 262144.0, 1048576.0]
+    assert [r[0] for r in larger.meta["contention_measured"]["all_gather"]] == [65536.0, 262144.0]
     assert larger.meta["contention_measured"]["all_gather"][0] == small.meta["contention_measured"]["all_gather"][0]
     # the same model again: nothing to measure
     assert out["again"][0] == 0 and out["again"][1] == text
@@ -713,23 +778,40 @@ def test_plan_auto_measures_only_what_the_model_can_issue_then_only_what_a_later
 
 
 def test_the_sweep_plan_follows_the_model_s_largest_messages_and_estimates_from_its_rates():
-    from autodist.measure.sweep import CONTENTION_LONG_ROUNDS, CONTENTION_ROUNDS, CommNeeds, plan_sweep
+    from autodist.measure.sweep import (
+        CONTENTION_LONG_ROUNDS,
+        CONTENTION_MAX_ROUNDS,
+        CONTENTION_MIN_ROUNDS,
+        CommNeeds,
+        contention_sizes,
+        plan_sweep,
+    )
 
     everything = plan_sweep(CommNeeds.everything(), None, 2)
     assert everything.timings["all_reduce"] == [16 << 10 << 2 * i for i in range(6)]
     assert everything.contention["all_gather"] == [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
     assert everything.first_touch and everything.overhead
-    # gradients of 5 MiB: timed up to 16 MiB (the first size at or above), contention up to 16 MiB;
-    # nothing reduced: no all-reduce or reduce-scatter; gathers up to 20 MiB
+    # nothing reduced: no all-reduce or reduce-scatter; gathers up to 20 MiB, timed up to 16 MiB (the
+    # grid's largest), contention up to 16 MiB: 20 MiB lies within twice that ([Note: contention up
+    # to what the model sends])
     plan = plan_sweep(CommNeeds({"all_gather": 20 << 20, "d2h": 20 << 20, "h2d": 20 << 20}), None, 2)
     assert set(plan.timings) == {"all_gather", "d2h", "h2d"} and set(plan.contention) == {"all_gather"}
-    assert plan.timings["all_gather"][-1] == 16 << 20 and plan.contention["all_gather"][-1] == 64 << 20
+    assert plan.timings["all_gather"][-1] == 16 << 20 and plan.contention["all_gather"][-1] == 16 << 20
+    # beyond twice the largest size below, the next size is measured too
+    assert contention_sizes(40 << 20)[-2:] == [16 << 20, 64 << 20]
+    assert contention_sizes(5 << 20) == [64 << 10, 256 << 10, 1 << 20, 4 << 20]
+    assert contention_sizes(1000) == [64 << 10] and contention_sizes(64 << 10) == [64 << 10]
+    assert contention_sizes(200 << 10) == [64 << 10, 256 << 10]
     # one rank: copies only
     assert set(plan_sweep(CommNeeds.everything(), None, 1).timings) == {"d2h", "h2d"}
-    # the estimate: passes x (timed samples x their rate + contention rounds x theirs) + the overhead
+    # the estimate: (timed samples x passes) x their rate + contention rounds (once) x theirs + the
+    # overhead; at most every pass and every round, at least two passes and the fewest rounds
     rates = {"timing_s": 0.5, "contention_round_s": 2.0, "overhead_s": 3.0}
-    rounds = 5 * CONTENTION_ROUNDS + CONTENTION_LONG_ROUNDS
-    assert everything.estimate_seconds(2, rates) == pytest.approx(2 * (30 * 0.5 + 3 * rounds * 2.0) + 3.0)
+    most = 3 * (5 * CONTENTION_MAX_ROUNDS + CONTENTION_LONG_ROUNDS)
+    fewest = 3 * (5 * CONTENTION_MIN_ROUNDS + min(CONTENTION_MIN_ROUNDS, CONTENTION_LONG_ROUNDS))
+    assert everything.estimate_seconds(3, rates) == pytest.approx(3 * 30 * 0.5 + most * 2.0 + 3.0)
+    assert everything.estimate_seconds(3, rates, fewest=True) == pytest.approx(2 * 30 * 0.5 + fewest * 2.0 + 3.0)
+    assert everything.estimate_seconds(1, rates, fewest=True) == pytest.approx(30 * 0.5 + fewest * 2.0 + 3.0)
 
 
 def test_a_stored_model_without_a_runtime_figure_has_the_overhead_measured_again():

@@ -16,7 +16,9 @@
 3. ``--cold-start``: instead of 1 and 2, the first launch on a machine with an empty cache (and no
    seed of comm models): the seconds from ``AutoDist(gpt, plan="auto", example_inputs=...)`` to the
    end of its first training step, and rank 0's ``autodist`` log lines with the seconds at which
-   each appeared, which say what took the time (profile, comm sweep, search). With ``--json`` the
+   each appeared; then where the time went, from the profile's and the comm model's records of
+   their own measurement (profile passes and contended rounds, the sweep's timings, contention
+   rounds and the rest, the search) with the rounds each took (load-independent evidence). With ``--json`` the
    figures go under ``"cold_start"`` in that file, whose other figures (from an earlier run of 1
    and 2) are kept, as a run of 1 and 2 keeps its ``"cold_start"``.
 """
@@ -156,13 +158,14 @@ def cold_start(json_path: str | None = None) -> None:
         model = wl.build()
         load = os.getloadavg()[0]
         dist.barrier()
-        t0[0] = time.perf_counter()
+        t0[0], cpu0 = time.perf_counter(), time.process_time()
         m = AutoDist(model, plan="auto", example_inputs=(x,), cache_dir=box[0])
         wrapped = time.perf_counter() - t0[0]
         opt = torch.optim.Adam(m.parameters(), lr=1e-3)
         wl.loss(m(x), y).backward()
         opt.step()
-        first_step = time.perf_counter() - t0[0]
+        first_step, cpu_s = time.perf_counter() - t0[0], time.process_time() - cpu0
+        search_s = m._auto.stats.search_seconds if m._auto is not None else 0.0
         m.close()
         stored = {}  # what the profile and the sweep took: their own records of it
         for kind in ("profiles", "comm"):
@@ -176,8 +179,13 @@ def cold_start(json_path: str | None = None) -> None:
             print(f"{t:7.1f} s  {msg}", flush=True)
         for kind, meta in stored.items():
             print(f"{kind}: {json.dumps(meta)}", flush=True)
+        parts = breakdown(stored.get("profiles", {}), stored.get("comm", {}), search_s)
+        print("where the time went: " + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items() if isinstance(v, float))
+              + f"; contention rounds: profile {parts['profile_contention_rounds']}, sweep "
+              f"{parts['sweep_contention_rounds']} (of {parts['sweep_contention_rounds_range']})", flush=True)
         print(f"cold start of gpt on {dist.get_world_size()} ranks: wrapped in {wrapped:.1f} s, first step done at "
-              f"{first_step:.1f} s (load average {load:.2f} at the start)", flush=True)
+              f"{first_step:.1f} s (load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end); rank 0's "
+              f"process took {cpu_s:.1f} s of CPU time (its threads together: what a loaded host does not inflate)", flush=True)
         if json_path:
             figures: dict[str, object] = {}
             if os.path.exists(json_path):
@@ -186,12 +194,34 @@ def cold_start(json_path: str | None = None) -> None:
             figures["cold_start"] = {
                 "model": "gpt", "world_size": dist.get_world_size(), "torch": torch.__version__,
                 "load_average_1min_at_start": load, "wrap_s": wrapped, "first_step_s": first_step,
+                "load_average_1min_at_end": os.getloadavg()[0], "rank0_cpu_s": cpu_s,
                 "log": [[round(t, 2), msg] for t, msg in lines], "profile_meta": stored.get("profiles"),
-                "comm_meta": stored.get("comm"),
+                "comm_meta": stored.get("comm"), "breakdown": parts,
             }
             with open(json_path, "w") as f:
                 json.dump(figures, f, indent=1)
     dist.destroy_process_group()
+
+
+def breakdown(profile: dict, comm: dict, search_s: float) -> dict[str, object]:
+    """Where a cold start's seconds went, from the profile's and the comm model's own records of
+    their measurement (their ``meta``) and the search's seconds: the profile's passes and contended
+    rounds, the sweep's timed samples, contention rounds and the rest (its first-touch, transient
+    and runtime-overhead figures), the search; and the rounds each took."""
+    phases = comm.get("phases_s", {})
+    sweep_s = float(comm.get("sweep_seconds", 0.0))
+    rounds = comm.get("contention_rounds", [])
+    return {
+        "profile_passes": float(profile.get("passes_seconds", 0.0)),
+        "profile_contention": float(profile.get("contention_seconds", 0.0)),
+        "sweep_timings": float(phases.get("timings", 0.0)),
+        "sweep_contention": float(phases.get("contention", 0.0)),
+        "sweep_other": max(0.0, sweep_s - float(phases.get("timings", 0.0)) - float(phases.get("contention", 0.0))),
+        "search": float(search_s),
+        "profile_contention_rounds": profile.get("contention_rounds"),
+        "sweep_contention_rounds": sum(rounds) if isinstance(rounds, list) else rounds,
+        "sweep_contention_rounds_range": f"{comm.get('contention_rounds_fewest')}-{comm.get('contention_rounds_most')}",
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-CONTENDED_ROUNDS = 5  # rounds of the model's and the reference's passes alone and under the train, per batch
-CONTENDED_BATCHES = 3  # at most this many batches ...
-CONTENDED_SPREAD = 0.25  # ... while the sensitivities' quartiles lie this far apart, relative to their median
-CONTENDED_MIN_ROUNDS = 3  # the first batch ends after this many rounds or more when all of them lie that close
+from .robust import relative_se
+
+CONTENDED_MIN_ROUNDS = 3  # rounds of the model's and the reference's passes alone and under the train: at least ...
+CONTENDED_MAX_ROUNDS = 15  # ... and at most this many, while the sensitivity's (their median's) standard error ...
+CONTENDED_REL_SE = 0.1  # ... exceeds this fraction of it ([Note: repeating until the estimate is known] in robust.py)
 
 
 @dataclass(frozen=True)
@@ -30,10 +31,6 @@ class Contention:
     spread: float
 
 
-def _range_spread(values: Sequence[float]) -> float:
-    return (max(values) - min(values)) / max(statistics.median(values), 1e-9)
-
-
 def _quartile_spread(values: Sequence[float]) -> float:
     ordered = sorted(values)
     n = len(ordered)
@@ -42,8 +39,8 @@ def _quartile_spread(values: Sequence[float]) -> float:
 
 
 def contended_slowdown(train_backward: Callable[[], None], contention: Callable[[float], Callable[[], None]],
-                       device: torch.device, rounds: int = CONTENDED_ROUNDS,
-                       reference: Callable[[], None] | None = None, batches: int = CONTENDED_BATCHES,
+                       device: torch.device, *, min_rounds: int = CONTENDED_MIN_ROUNDS,
+                       max_rounds: int = CONTENDED_MAX_ROUNDS, reference: Callable[[], None] | None = None,
                        agree: Callable[[float], float] | None = None,
                        clock: Callable[[], float] = time.perf_counter) -> Contention:
     """How many times longer the model's forward and backward (``train_backward``) take in
@@ -51,13 +48,11 @@ def contended_slowdown(train_backward: Callable[[], None], contention: Callable[
     times more that is than the reference computation's slowdown under the same train, the model's
     *sensitivity*. Each round times the model and the reference alone and under a train of their
     own, the two in turn (which goes first alternates); the slowdown is the median over rounds, the
-    sensitivity the median of each round's ratio. Rounds come in batches of ``rounds``; another
-    batch is run, up to ``batches``, while the rounds' sensitivities spread by more than
-    ``CONTENDED_SPREAD`` (a disturbed host) on any rank; the first batch ends early, after
-    ``CONTENDED_MIN_ROUNDS`` rounds or more, once all its rounds' sensitivities lie within
-    ``CONTENDED_SPREAD`` of their median (their whole range, not their quartiles: a steady host,
-    where the median of more rounds would land within that range too). ``agree`` gives a figure's largest value
-    over the ranks (``CollectiveTrain.largest``), so every rank runs as many batches, and so issues
+    sensitivity the median of each round's ratio. Rounds go on from ``min_rounds`` to ``max_rounds``
+    while the sensitivity's standard error exceeds ``CONTENDED_REL_SE`` of it on any rank
+    (:func:`~autodist.measure.robust.relative_se` of the rounds' ratios, as a median): a steady host
+    stops at the fewest, a disturbed one takes the most. ``agree`` gives a figure's largest value
+    over the ranks (``CollectiveTrain.largest``), so every rank runs as many rounds, and so issues
     as many trains, as every other; without it the figure is this process's own (one rank, or
     no collectives). ``reference``: one pass of the reference computation, by default
     :func:`~autodist.measure.sweep.reference_product` repeated for about as long as the model's
@@ -116,18 +111,15 @@ def contended_slowdown(train_backward: Callable[[], None], contention: Callable[
 
     model: list[float] = []
     ratios: list[float] = []
-    for batch in range(max(1, batches)):
-        for i in range(rounds):
-            if len(model) % 2 == 0:
-                m = under_train(train_backward)
-                ref = under_train(reference)
-            else:
-                ref = under_train(reference)
-                m = under_train(train_backward)
-            model.append(m)
-            ratios.append(max(m, 1.0) / max(ref, 1.0))
-            if batch == 0 and CONTENDED_MIN_ROUNDS <= i + 1 < rounds and agreed(_range_spread(ratios)) <= CONTENDED_SPREAD:
-                break  # the rounds so far all agree: the host is steady (see the docstring)
-        if agreed(_quartile_spread(ratios)) <= CONTENDED_SPREAD:
-            break
+    for i in range(max(1, max_rounds)):
+        if i % 2 == 0:
+            m = under_train(train_backward)
+            ref = under_train(reference)
+        else:
+            ref = under_train(reference)
+            m = under_train(train_backward)
+        model.append(m)
+        ratios.append(max(m, 1.0) / max(ref, 1.0))
+        if i + 1 >= min_rounds and agreed(relative_se(ratios, median=True)) <= CONTENDED_REL_SE:
+            break  # the sensitivity is known (see the docstring)
     return Contention(max(1.0, statistics.median(model)), statistics.median(ratios), len(ratios), _quartile_spread(ratios))

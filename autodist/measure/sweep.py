@@ -21,16 +21,17 @@ import torch.distributed as dist
 
 from ..cost.comm import TRAIN_BYTES, CommModel, OpModel, Piece, fit_op
 from ..cost.fidelity import DEFAULT_CPU_BLOCKED_WAIT_S, DEFAULT_CPU_WAIT_SCALE
-from .robust import lower_quartile, trimmed_mean
+from .robust import lower_quartile, relative_se, trimmed_mean
 
 
 @dataclass
 class SweepConfig:
-    """Sizes and repetitions of the operations' timings (3-4 s of a pass's 17-21 on 2 CPU ranks;
-    the contention figures take 13): 16 KiB to 16 MiB in 4x steps; each sample times as
-    many calls as fill ``min_run_s`` (10 to 50), spread over ``rounds`` interleaved rounds, and
-    keeps their 10th percentile ([Note: which statistic]). The timings and the contention figures
-    are measured ``passes`` times and each figure keeps its median ([Note: a sweep in passes]).
+    """Sizes and repetitions of the operations' timings (30 samples a pass, about 1.7 s on 2 idle
+    CPU ranks): 16 KiB to 16 MiB in 4x steps; each sample times as many calls as fill
+    ``min_run_s`` (10 to 50), spread over ``rounds`` interleaved rounds, and keeps their 10th
+    percentile ([Note: which statistic]). The timings are measured in up to ``passes`` passes and
+    each keeps its median ([Note: a sweep in passes]); the contention figures in the first pass only
+    ([Note: contention in the first pass]).
 
     [Note: a sweep in passes] Within a pass, rounds interleave the measurements so that a
     disturbance touches a few calls of many samples; but the host's state also moves from one
@@ -40,9 +41,8 @@ class SweepConfig:
     (8 passes, 9 sweeps) the first sweep ranked the built-in and random plans at Spearman 0.664
     and predicted five of them 11-14% slow, where each later sweep ranked them at 0.88-0.97, and
     the median of the first three sweeps' predictions at 0.965 (1.5% median error). The median of
-    three passes leaves out one pass read high or low; each pass's contention figures are relative
-    to its own base times, as a single sweep's are. ``meta["pass_spread"]`` says how far the passes
-    disagreed (a figure's range over its median, the median over the figures)."""
+    three passes leaves out one pass read high or low. ``meta["pass_spread"]`` says how far the
+    passes disagreed (a figure's range over its median, the median over the figures)."""
 
     sizes: tuple[int, ...] = tuple(16 * 1024 * 4**i for i in range(6))
     warmup: int = 2
@@ -141,14 +141,22 @@ class SweepPlan:
     def empty(self) -> bool:
         return not any(self.timings.values()) and not any(self.contention.values()) and not self.first_touch and not self.overhead
 
-    def estimate_seconds(self, passes: int, rates: dict[str, float] | None = None) -> float:
-        """About how long measuring this takes over ``passes`` passes, at ``rates`` (seconds per
+    def estimate_seconds(self, passes: int, rates: dict[str, float] | None = None, *, fewest: bool = False) -> float:
+        """About how long measuring this takes with ``passes`` passes, at ``rates`` (seconds per
         timed sample and pass, per contention round of one collective and size, and the fixed
-        cost of the runtime's overhead; a previous sweep's own, else ``SWEEP_RATES``)."""
+        cost of the runtime's overhead; a previous sweep's own, else ``SWEEP_RATES``): at most
+        (every pass times everything, every contention figure takes its most rounds), or with
+        ``fewest`` at least (two passes time everything and agree, every figure takes its fewest
+        rounds: a quiet host; see [Note: passes that agree] and [Note: contention rounds until the
+        figures are known])."""
         r = dict(SWEEP_RATES, **(rates or {}))
         cases = sum(len(v) for v in self.timings.values())
-        rounds = sum(contention_rounds(size) for sizes in self.contention.values() for size in sizes)
-        return passes * (cases * r["timing_s"] + rounds * r["contention_round_s"]) + (r["overhead_s"] if self.overhead else 0.0)
+        sizes = [size for sizes in self.contention.values() for size in sizes]
+        if fewest:
+            timed, rounds = min(passes, 2), sum(min(CONTENTION_MIN_ROUNDS, contention_rounds(size)) for size in sizes)
+        else:
+            timed, rounds = passes, sum(contention_rounds(size) for size in sizes)
+        return timed * cases * r["timing_s"] + rounds * r["contention_round_s"] + (r["overhead_s"] if self.overhead else 0.0)
 
     def describe(self) -> str:
         """What is measured, in a few words (the up-front message)."""
@@ -167,16 +175,38 @@ def _size_text(nbytes: int) -> str:
 
 
 # Seconds per timed sample and pass, per contention round of one (collective, size), and for the
-# runtime's overhead, measured on 2 CPU ranks of a 2-core host (gpt's first launch: 30 samples and
-# 84 contention rounds a pass in 3.1 and 26.3 s; the overhead 0.9 s). An estimate only where no
-# sweep of this machine left its own (``meta["rates"]``).
-SWEEP_RATES = {"timing_s": 0.1, "contention_round_s": 0.31, "overhead_s": 1.0}
+# runtime's overhead, measured on 2 CPU ranks of an idle 2-core host (gpt's first launch, load
+# average 1.2: 30 samples a pass and 252 contention rounds in 50.2 s, the rounds 44 s of it). An
+# estimate only where no sweep of this machine left its own (``meta["rates"]``).
+SWEEP_RATES = {"timing_s": 0.057, "contention_round_s": 0.176, "overhead_s": 1.0}
+
+
+def contention_sizes(largest: float) -> list[int]:
+    """The sizes of ``CONTENTION_SIZES`` a model whose largest message is ``largest`` bytes has its
+    contention figures measured at: those below it, and the next one unless ``largest`` lies within
+    ``CONTENTION_REACH`` times the largest of those (the smallest size at least).
+
+    [Note: contention up to what the model sends] The simulator takes a message's contention
+    figures interpolated in log size between the measured sizes, and the largest measured size's
+    beyond them. Those figures change slowly with size: from 16 to 64 MiB by 7.8% (the median of
+    the 72 figures of ``benchmarks/sweepcheck-passes.json``'s eight comm models; a quarter of
+    them by 13-40%) over the 4x step, so over the factor of 2 or less (half that step in log size)
+    between the largest size measured and a message this reach allows, by about half that: less
+    than the sweeps' own 8-11% from one sweep to the next. The next size up would cost the most
+    expensive rounds of the sweep (a 64 MiB round takes about 0.4 s on 2 CPU ranks, the smallest
+    ones 0.1 s) to price messages the model never sends."""
+    below = [s for s in CONTENTION_SIZES if s < largest]
+    above = [s for s in CONTENTION_SIZES if s >= largest][:1]
+    if not below:
+        return above or [CONTENTION_SIZES[0]]
+    return below + above if above and largest > CONTENTION_REACH * below[-1] else below
 
 
 def plan_sweep(needs: CommNeeds, base: CommModel | None, world: int, cfg: SweepConfig | None = None) -> SweepPlan:
     """What a sweep must measure so that the comm model prices every message ``needs`` names: the
     grid's sizes up to the first at or above each collective's largest message (two at least, for
-    a fit; host copies at every size), less what ``base`` (a stored comm model of this machine,
+    a fit; host copies at every size), its contention figures up to that message
+    (:func:`contention_sizes`), less what ``base`` (a stored comm model of this machine,
     possibly partial) already holds.
 
     [Note: measuring what the model can use] A comm model is priced at the messages a plan issues:
@@ -203,7 +233,7 @@ def plan_sweep(needs: CommNeeds, base: CommModel | None, world: int, cfg: SweepC
         elif world > 1:
             timings[op] = [s for s in _up_to(cfg.sizes, largest, 2)
                            if not {message_bytes(s, world)} <= have_times.get(op, set()) & have_host.get(op, set())]
-            contention[op] = [s for s in _up_to(CONTENTION_SIZES, largest, 1)
+            contention[op] = [s for s in contention_sizes(largest)
                               if float(message_bytes(s, world)) not in have_rows.get(op, set())]
     # fresh memory costs nothing below glibc's mmap threshold: measured once a message reaches it
     fresh = max(needs.largest.values(), default=0) >= FIRST_TOUCH_MIB[0] << 20
@@ -324,7 +354,10 @@ class _Pass:
     # [[bytes, seconds], ...] at FIRST_TOUCH_MIB: the extra cost of writing fresh memory (the slowest
     # rank's lower quartile of the pass's tries; see [Note: fresh memory, measured across the sweep])
     first_touch: list[list[float]]
-    contention_rounds: int = 0  # the contention rounds the pass took ([Note: contention rounds that agree])
+    contention_rounds: int = 0  # the contention rounds the pass took ([Note: contention rounds until the figures are known])
+    timed: int = 0  # the samples it timed ...
+    timing_s: float = 0.0  # ... in this many seconds (from its first timed call to its last figure agreed)
+    contention_s: float = 0.0  # its contention rounds' seconds
 
 
 def _measure_pass(
@@ -345,6 +378,7 @@ def _measure_pass(
     durations: list[list[float]] = [[] for _ in cases]
     fresh = _FreshMemory(device) if first_touch_wanted else None
     fresh_tries: list[list[float]] = [[] for _ in FIRST_TOUCH_MIB] if first_touch_wanted else []
+    t_timing = time.perf_counter()
     for _ in range(cfg.rounds):
         dist.barrier(group=group)
         for _, _, issue in cases[:3]:  # wake the backend's threads before the first timed call
@@ -391,9 +425,11 @@ def _measure_pass(
     # and the stored samples of the sizes it did not time)
     # an operation with no sample at all (a world of one measures no collective) has no fit
     ops = {op: fit_op(_monotone(pts)) for op, pts in _merged(base_samples, samples).items() if pts}
+    t_contention = time.perf_counter()
     contention, rounds = _contention(group, device, ops, collected, cells) if world > 1 and cells else ({}, 0)
     return _Pass(samples, host_samples, contention, spread,
-                 [[float(mib << 20), s] for mib, s in zip(FIRST_TOUCH_MIB, first_touch)], rounds)
+                 [[float(mib << 20), s] for mib, s in zip(FIRST_TOUCH_MIB, first_touch)], rounds,
+                 timed=len(cases), timing_s=t_contention - t_timing, contention_s=time.perf_counter() - t_contention)
 
 
 def _merged(base: dict[str, list[tuple[float, float]]], new: dict[str, list[tuple[float, float]]]) -> dict[str, list[tuple[float, float]]]:
@@ -501,7 +537,18 @@ def sweep(
     ``PASSES_AGREE`` (their range over their median; :func:`_unsettled`). The median of three values
     lies within the range of any two of them, so where two passes agree within 10%, a third could
     move the figure kept by 10% of it at most: it is not measured. The figures are the slowest
-    rank's, the same on every rank, so every rank measures the same again."""
+    rank's, the same on every rank, so every rank measures the same again.
+
+    [Note: contention in the first pass] The contention figures are measured once, in the first
+    pass, against its base times, each in rounds until it is known within ``CONTENTION_REL_SE``
+    ([Note: contention rounds until the figures are known]); the later passes time the operations
+    only. Measured in every pass, five rounds each, they took 44 s of a 50 s sweep of gpt's
+    messages on 2 idle CPU ranks (252 rounds: load average 1.2), the most of a first launch, and
+    the passes disagreed on them by 36% (``pass_spread``): the spread of rounds a single pass took
+    within itself. What three passes' median bought, a figure less moved by a pass read high or
+    low, the rounds' trimmed mean buys within the pass, and a pass whose rounds spread takes more
+    of them. A timing, cheap and far steadier (the 10th percentile of tens of calls), still gets
+    its passes."""
     cfg = cfg or SweepConfig()
     from ..runtime.comm import Comm, backend_workers  # the same collective calls the runtime issues
 
@@ -541,12 +588,12 @@ def sweep(
     again = {(op, float(nb)) for op, nb, _ in cases + cells} | ({("first_touch", 0.0)} if todo.first_touch else set())
     while len(passes) < n_passes and again:
         keep = [i for i, (op, nb, _) in enumerate(cases) if (op, float(nb)) in again]
-        # a pass after the first two measures again only what they disagree on ([Note: passes that agree]),
-        # its contention figures against the base times of the passes so far
+        # a pass after the first two measures again only what they disagree on ([Note: passes that agree]);
+        # the first one measures the contention figures too ([Note: contention in the first pass])
         known = _merged(base_samples, _combine(passes).samples) if passes else base_samples
         passes.append(_measure_pass(
             comm, group, device, cfg, [cases[i] for i in keep], [calls[i] for i in keep],
-            [c for c in cells if (c[0], float(c[1])) in again], probes, known, ("first_touch", 0.0) in again,
+            [] if passes else cells, probes, known, ("first_touch", 0.0) in again,
         ))
         if len(passes) >= 2:
             again = _unsettled(passes)
@@ -585,7 +632,7 @@ def sweep(
         overhead = dict(base.overhead)
     first_touch = combined.first_touch if todo.first_touch else list(base.first_touch if base is not None else [])
     n_rounds = sum(contention_rounds(nb) for _, nb, _ in cells)
-    rates = _rates(len(cases), n_rounds, len(passes), measuring, base)
+    rates = _rates(passes, base)
     model = CommModel(
         # the wait figures' calibration for the machine class (see [Note: the wait calibration])
         wait_scale=DEFAULT_CPU_WAIT_SCALE if device.type == "cpu" else 1.0,
@@ -608,8 +655,14 @@ def sweep(
             "spread": round(combined.spread, 3), "disturbed": combined.spread > DISTURBED_SPREAD, "passes": len(passes),
             # how far the passes disagreed: a figure's range over its median, the median over the figures
             "pass_spread": round(_pass_spread(passes), 3),
-            # the contention rounds each pass took, of the most it may ([Note: contention rounds that agree])
+            # the contention rounds each pass took (the first: [Note: contention in the first pass]), of
+            # the fewest and the most it may ([Note: contention rounds until the figures are known])
             "contention_rounds": [p.contention_rounds for p in passes], "contention_rounds_most": n_rounds,
+            "contention_rounds_fewest": sum(min(CONTENTION_MIN_ROUNDS, contention_rounds(nb)) for _, nb, _ in cells),
+            # where the measuring time went: every pass's timed samples and the contention rounds
+            "phases_s": {"timings": round(sum(p.timing_s for p in passes), 3),
+                         "contention": round(sum(p.contention_s for p in passes), 3),
+                         "passes": round(measuring, 3)},
             # what this sweep measured (the rest came from ``base``), and how fast, for the next estimate
             "measured": {"timings": {op: sorted(v) for op, v in todo.timings.items()},
                          "contention": {op: sorted(v) for op, v in todo.contention.items()}},
@@ -631,25 +684,28 @@ def _stored_rows(base: CommModel | None) -> dict[str, list[list[float]]]:
     return {kind: [list(r) for r in rs] for kind, rs in rows.items()}
 
 
-def _rates(cases: int, rounds: int, passes: int, seconds: float, base: CommModel | None) -> dict[str, float]:
-    """``SweepPlan.estimate_seconds``'s rates as this sweep measured them: its measuring time shared
-    between its timed samples and contention rounds in the proportion of the default rates (a sweep
-    that measured neither keeps ``base``'s)."""
-    weight = passes * (cases * SWEEP_RATES["timing_s"] + rounds * SWEEP_RATES["contention_round_s"])
-    if weight <= 0:
-        old = base.meta.get("rates") if base is not None else None
-        return dict(old) if isinstance(old, dict) else dict(SWEEP_RATES)
-    scale = seconds / weight
-    return {"timing_s": SWEEP_RATES["timing_s"] * scale, "contention_round_s": SWEEP_RATES["contention_round_s"] * scale,
-            "overhead_s": SWEEP_RATES["overhead_s"]}
+def _rates(passes: list[_Pass], base: CommModel | None) -> dict[str, float]:
+    """``SweepPlan.estimate_seconds``'s rates as this sweep measured them: the seconds its passes
+    spent per timed sample and per contention round (a rate this sweep did not measure: ``base``'s,
+    else ``SWEEP_RATES``'s)."""
+    old = base.meta.get("rates") if base is not None else None
+    rates = dict(SWEEP_RATES, **(old if isinstance(old, dict) else {}))
+    timed = sum(p.timed for p in passes)
+    rounds = sum(p.contention_rounds for p in passes)
+    if timed:
+        rates["timing_s"] = sum(p.timing_s for p in passes) / timed
+    if rounds:
+        rates["contention_round_s"] = sum(p.contention_s for p in passes) / rounds
+    return rates
 
 
 CONTENTION_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)  # message bytes measured at
-CONTENTION_ROUNDS = 5  # each (kind, size) is measured this many times, in interleaved rounds (trimmed_mean) ...
-CONTENTION_LONG_BYTES = 64 << 20  # ... but messages of this size and more ...
-CONTENTION_LONG_ROUNDS = 3  # ... this many times (their median; see [Note: stable contention figures])
-CONTENTION_MIN_ROUNDS = 3  # a (kind, size) whose first this many rounds agree ...
-CONTENTION_AGREE = 0.1  # ... this closely (range over median, every figure) takes no more ([Note: contention rounds that agree])
+CONTENTION_REACH = 2.0  # a model's largest message up to this many times the largest size below it takes its figures
+CONTENTION_MIN_ROUNDS = 3  # each (kind, size) is measured in at least this many interleaved rounds (trimmed_mean) ...
+CONTENTION_MAX_ROUNDS = 8  # ... and at most this many, while a figure's standard error ...
+CONTENTION_REL_SE = 0.12  # ... exceeds this fraction of it ([Note: repeating until the estimate is known] in robust.py)
+CONTENTION_LONG_BYTES = 64 << 20  # messages of this size and more ...
+CONTENTION_LONG_ROUNDS = 3  # ... take this many rounds at most (their median; see [Note: stable contention figures])
 CONTENTION_BUSY_S = 0.01  # each full-overlap measurement runs collectives of at least this much base time ...
 CONTENTION_MAX_CALLS = 24  # ... in at most this many calls (small ones are slowed ~10x) ...
 CONTENTION_TRAIN_S = 0.25  # ... and after the first round, in no more than fill this long at its slowdown (3 at least)
@@ -672,9 +728,10 @@ def reference_product(device: torch.device) -> Callable[[], None]:
 
 
 def contention_rounds(nbytes: int) -> int:
-    """How many rounds a contention figure of a message of ``nbytes`` is measured in (the same on
-    every rank: it depends on the size alone)."""
-    return CONTENTION_LONG_ROUNDS if nbytes >= CONTENTION_LONG_BYTES else CONTENTION_ROUNDS
+    """The most rounds a contention figure of a message of ``nbytes`` is measured in (the same on
+    every rank: it depends on the size alone); it takes fewer once its figures are known
+    (:func:`settled_cells`)."""
+    return CONTENTION_LONG_ROUNDS if nbytes >= CONTENTION_LONG_BYTES else CONTENTION_MAX_ROUNDS
 
 
 def product_rate(one: Callable[[], None], seconds: float, device: torch.device) -> float:
@@ -714,13 +771,13 @@ def _contention(
 
     [Note: stable contention figures] A single measurement of a slowdown on a shared 2-core host
     moves 2-3x between runs (the "alone" rate and the train are each taken over tens of
-    milliseconds). Every (kind, size) is measured ``CONTENTION_ROUNDS`` times in interleaved rounds,
-    with its own "alone" rate taken just before, and the mean of its middle rounds is kept
-    (:func:`trimmed_mean`: a step pays the mean over its collectives, not a typical one); then the
-    slowest rank's. Five rounds rather than three, so that one disturbed round either way is left
-    out and the mean still has three; messages of ``CONTENTION_LONG_BYTES`` and more (64 MiB) get
-    three, whose trimmed mean is their median: each of their rounds costs about 0.4 s, and five
-    would take a third of the sweep's time (:func:`contention_rounds`). What
+    milliseconds). Every (kind, size) is measured in interleaved rounds, each with its own "alone"
+    rate taken just before, until its figures are known ([Note: contention rounds until the figures
+    are known]), and the mean of its middle rounds is kept (:func:`trimmed_mean`: a step pays the
+    mean over its collectives, not a typical one); then the slowest rank's. Three rounds at least,
+    so that one disturbed round either way is left out; messages of ``CONTENTION_LONG_BYTES`` and
+    more (64 MiB) take three at most, whose trimmed mean is their median: each of their rounds costs
+    about 0.4 s (:func:`contention_rounds`). What
     remains is the host's state from minute to minute, which no statistic within a sweep removes:
     over four sweeps taken one after another the full-overlap figure of a 256 KiB all-gather read
     5.9-11.1, and ``tools/sweepcheck.py`` measures how far that moves predictions. Completion is
@@ -735,16 +792,17 @@ def _contention(
     calls = [train_calls(t_op) for t_op in t_ops]
     settled = [False for _ in cells]
     with _completion_waiter() as work_q:
-        for r in range(CONTENTION_ROUNDS):
+        for r in range(max((contention_rounds(nbytes) for _, nbytes, _ in cells), default=0)):
             if r == 1:
                 first = _max_over_ranks([rs[0][1] for rs in ratios], group, device)
                 calls = [train_calls(t_op, slow) for t_op, slow in zip(t_ops, first)]
-            if r >= CONTENTION_MIN_ROUNDS and not all(settled):
-                settled = settled_cells(ratios, _max_over_ranks([rounds_spread(rs) for rs in ratios], group, device))
-            for i in range(len(cells)) if r % 2 == 0 else reversed(range(len(cells))):
-                kind, nbytes, issue = cells[i]
-                if r >= contention_rounds(nbytes) or settled[i]:
-                    continue
+            if r >= CONTENTION_MIN_ROUNDS:
+                settled = settled_cells(ratios, _max_over_ranks([rounds_uncertainty(rs) for rs in ratios], group, device))
+            todo = [i for i, (_, nbytes, _) in enumerate(cells) if r < contention_rounds(nbytes) and not settled[i]]
+            if not todo:
+                break  # the same on every rank: the figures are agreed, the counts depend on the sizes
+            for i in todo if r % 2 == 0 else reversed(todo):
+                kind, _, issue = cells[i]
                 ratios[i].append(_contention_round(issue, t_ops[i], calls[i], one, work_q, group, device, collect.get(kind, 0.0)))
     values = [trimmed_mean([x[j] for x in rs]) for rs in ratios for j in (0, 1, 2)]
     values = _max_over_ranks(values, group, device)
@@ -754,28 +812,31 @@ def _contention(
     return {kind: sorted(rows) for kind, rows in out_rows.items()}, sum(len(rs) for rs in ratios)
 
 
-def rounds_spread(rounds: list[tuple[float, float, float]]) -> float:
-    """How far a cell's contention rounds disagree: over its three figures, the largest range over
-    the median."""
-    if len(rounds) < 2:
-        return math.inf
-    return max((max(col) - min(col)) / max(statistics.median(col), 1e-12) for col in zip(*rounds))
+def rounds_uncertainty(rounds: list[tuple[float, float, float]]) -> float:
+    """How uncertain a cell's figures still are: over its three figures, the largest standard error
+    of their rounds' mean relative to it (:func:`~autodist.measure.robust.relative_se`; ``math.inf``
+    before two rounds)."""
+    return max((relative_se(col) for col in zip(*rounds)), default=math.inf)
 
 
-def settled_cells(ratios: list[list[tuple[float, float, float]]], spreads: list[float]) -> list[bool]:
+def settled_cells(ratios: list[list[tuple[float, float, float]]], uncertainties: list[float]) -> list[bool]:
     """Which cells need no more contention rounds: those measured ``CONTENTION_MIN_ROUNDS`` times or
-    more whose rounds agree within ``CONTENTION_AGREE`` on every rank (``spreads``: each cell's
-    :func:`rounds_spread`, the largest over the ranks, so that every rank measures the same cells
-    again).
+    more whose figures are known within ``CONTENTION_REL_SE`` on every rank (``uncertainties``: each
+    cell's :func:`rounds_uncertainty`, the largest over the ranks, so that every rank measures the
+    same cells again).
 
-    [Note: contention rounds that agree] A cell's figure is the trimmed mean of its rounds, five
-    (three from ``CONTENTION_LONG_BYTES``), so that one round disturbed either way is left out
-    ([Note: stable contention figures]). Where the first three agree within 10% on every figure,
-    no round was disturbed: their trimmed mean is their median, which lies within that 10% of
-    each of them, and two more rounds of a steady host would land there too. Those rounds are
-    what a quiet host saves (most of a first launch's sweep is contention rounds); a disturbed
-    host still takes every round."""
-    return [len(rs) >= CONTENTION_MIN_ROUNDS and spread <= CONTENTION_AGREE for rs, spread in zip(ratios, spreads)]
+    [Note: contention rounds until the figures are known] A cell's figure is the trimmed mean of
+    its rounds, so that one round disturbed either way is left out ([Note: stable contention
+    figures]); it is measured until the standard error of each of its three figures is within
+    ``CONTENTION_REL_SE`` of the figure, at least ``CONTENTION_MIN_ROUNDS`` and at most
+    :func:`contention_rounds` times ([Note: repeating until the estimate is known] in
+    measure/robust.py). The bound is what the figures' use can resolve: the same figures move by
+    8-11% (median coefficient of variation; a quarter of them by 12-20%) from one sweep to the next
+    taken minutes apart, each of fifteen rounds (``benchmarks/sweepcheck-passes.json``'s four comm
+    models per checkout), and the host's state from minute to minute, which no round within a sweep
+    averages out, sets that. A quiet host, whose rounds agree, stops at the fewest rounds; a
+    disturbed one takes the most."""
+    return [len(rs) >= CONTENTION_MIN_ROUNDS and u <= CONTENTION_REL_SE for rs, u in zip(ratios, uncertainties)]
 
 
 @contextmanager
@@ -927,15 +988,38 @@ def _smoothed(measured: dict[str, list[list[float]]]) -> dict[str, list[list[flo
     return out_rows
 
 
+TRAIN_COVER = 1.5  # a profile's train of collectives lasts this many times the pass it runs beside
+
+
+def train_length(seconds: float, once: float, rate: tuple[float, float] | None = None) -> int:
+    """How many all-reduces a :class:`CollectiveTrain` for a pass of ``seconds`` (alone) queues:
+    ``TRAIN_COVER`` times the pass at ``once`` seconds each (their time alone) — or, given ``rate``
+    (seconds per all-reduce while a pass ran beside an earlier train, and the longest such a pass
+    took over its seconds alone), ``TRAIN_COVER`` times the pass as slowed at that rate.
+
+    [Note: a train as long as its pass] A train only needs to outlast the pass it contends with;
+    what it holds beyond that, the pass's caller waits out before the next pass. Sized at the
+    all-reduces' time alone it ran about three times that long beside a pass on 2 CPU ranks (the
+    pass slows them 3x): 4.5 times the pass where 1.5 were asked, and about half of a contended
+    round's time was that wait. So after a train that outlasted its pass (its rate is known: the
+    all-reduces completed while the pass ran, over the pass's time) the next ones are sized at that
+    rate, for the longest pass seen; one that ran out before its pass ended sizes the next one
+    alone-rate again (:meth:`CollectiveTrain.__call__`)."""
+    if rate is None:
+        return max(1, math.ceil(TRAIN_COVER * seconds / max(once, 1e-6)))
+    per_call, stretch = rate
+    return max(1, math.ceil(TRAIN_COVER * seconds * max(stretch, 1.0) / max(per_call, 1e-6)))
+
+
 class CollectiveTrain:
     """What :func:`~autodist.measure.trace.profile_model` computes against to measure the model's
     own slowdown while communication runs. Calling it with ``seconds`` issues, on every rank of
     ``group`` (a collective: every rank calls it at the same point), enough asynchronous
-    all-reduces of ``TRAIN_BYTES``, queued at once, to keep the backend busy for ``seconds`` of the
-    slowest rank's estimate, and returns the function that waits for them all. :meth:`largest`
-    gives a figure's largest value over the ranks, so that a decision to measure more (another
-    batch of rounds) is the same on every rank: one rank measuring on alone would wait for
-    collectives the others never issue."""
+    all-reduces of ``TRAIN_BYTES``, queued at once, to keep the backend busy for longer than a pass
+    of ``seconds`` alone takes beside them (:func:`train_length`, the slowest rank's), and returns
+    the function that waits for them all. :meth:`largest` gives a figure's largest value over the
+    ranks, so that a decision to measure more (another round) is the same on every rank: one rank
+    measuring on alone would wait for collectives the others never issue."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.group = group
@@ -949,15 +1033,26 @@ class CollectiveTrain:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.once = (time.perf_counter() - t0) / 3
+        # (seconds per all-reduce beside a pass, the longest pass over its time alone): this rank's,
+        # from the trains that outlasted their pass ([Note: a train as long as its pass])
+        self.rate: tuple[float, float] | None = None
 
     def __call__(self, seconds: float) -> Callable[[], None]:
-        n = torch.tensor([max(1, math.ceil(1.5 * seconds / max(self.once, 1e-6)))], dtype=torch.int64, device=self.device)
+        n = torch.tensor([train_length(seconds, self.once, self.rate)], dtype=torch.int64, device=self.device)
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+        t0 = time.perf_counter()
         works = [dist.all_reduce(self.buf, group=self.group, async_op=True) for _ in range(int(n.item()))]
 
         def stop() -> None:
+            ran = time.perf_counter() - t0
+            done = sum(1 for w in works if w.is_completed())
             for w in works:
                 w.wait()
+            if 0 < done < len(works):  # it outlasted the pass: its rate beside the pass is known
+                stretch = max(ran / max(seconds, 1e-9), self.rate[1] if self.rate is not None else 1.0)
+                self.rate = (ran / done, stretch)
+            else:  # it ran out before the pass ended, or nothing completed to tell the rate
+                self.rate = None
 
         return stop
 

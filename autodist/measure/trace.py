@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -433,6 +434,13 @@ def _tracer_scale(raw: list[tuple[_Pass, Any, Any, Any]], clock: Clock, forward_
 
 
 NOISY_SPREAD = 0.10  # passes whose median total time is this much above the fastest: a disturbed host
+AGREED_PASSES = 3  # the timed passes end after this many when ...
+PASSES_AGREE = 0.02  # ... their median total time is within this of the fastest ([Note: passes that agree need no more])
+
+# [Note: passes that agree need no more] Each unit's time is the lower quartile of the timed passes
+# ([Note: timing on a noisy host]). Where the first three agree within 2% in total (gpt on 2 idle
+# CPU ranks: 1.0-1.4% over five), the lower quartile of more, which lies between the fastest and
+# the median of them on a steady host, would move by less than that: the passes stop at three.
 
 
 def _spread(results: list[dict[str, Any]]) -> float:
@@ -505,9 +513,11 @@ def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer
             for _ in range(max(0, warmup - 1)):
                 one_pass()
             raw.clear()
-            for _ in range(repeats):
+            for i in range(repeats):
                 attr, last = one_pass()
                 results.append(attr)
+                if i + 1 >= AGREED_PASSES and _spread(results) <= PASSES_AGREE:
+                    break  # [Note: passes that agree need no more]
             # [Note: timing on a noisy host] Interference only ever adds time, so each time is
             # summarised by a low quantile of the passes, and a profile whose passes spread (a
             # disturbed host) is retaken with more passes; a spread that remains is recorded.
@@ -517,7 +527,7 @@ def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer
                 for _ in range(repeats):
                     attr, last = one_pass()
                     results.append(attr)
-            scale = _tracer_scale(raw, clock, lambda: loss_fn(module(*inputs, **kwargs)), repeats)
+            scale = _tracer_scale(raw, clock, lambda: loss_fn(module(*inputs, **kwargs)), min(repeats, len(results)))
             results = [_attribute(p, clock, t0, tf, tb, unit_names, scale) for p, t0, tf, tb in raw]
     finally:
         tracer.close()
@@ -541,10 +551,12 @@ def _optimizer_and_contention(
             numels = [p.numel for p in structure.params.values() if p.requires_grad]
             opt_profile = estimate_optimizer(device, param_numels=numels)
         if contention is not None:
+            t0 = time.perf_counter()
             with computing_in(module, compute_dtype):
                 measured = contended_slowdown(train_backward, contention, device, agree=contention.largest)
             slowdown, sensitivity = measured.slowdown, measured.sensitivity
-            contention_meta = {"contention_rounds": measured.rounds, "contention_spread": round(measured.spread, 4)}
+            contention_meta = {"contention_rounds": measured.rounds, "contention_spread": round(measured.spread, 4),
+                               "contention_seconds": round(time.perf_counter() - t0, 3)}
     return opt_profile, slowdown, sensitivity, contention_meta
 
 
@@ -591,8 +603,10 @@ def profile_model(
     chooser = None
     if loss_fn is None:
         loss_fn = chooser = _OwnOrSurrogateLoss()
+    t_passes = time.perf_counter()
     passes = _run_passes(module, structure, tracer, clock, inputs, kwargs, loss_fn, device, compute_dtype,
                          memory=memory, warmup=warmup, repeats=repeats)
+    passes_seconds = time.perf_counter() - t_passes
     compiled: dict[str, CompiledBlockProfile] = {}
     if compile_backend is not None:
         with computing_in(module, compute_dtype):
@@ -661,6 +675,8 @@ def profile_model(
             **({"compute_dtype": str(compute_dtype).replace("torch.", "")} if compute_dtype is not None else {}),
             "spread": round(_spread(results), 4), "noisy": _spread(results) > NOISY_SPREAD, **contention_meta,
             "tracer_scale": [round(passes.scale[0], 4), round(passes.scale[1], 4)],
+            # the memory pass, the timed passes and the tracer's own time, together
+            "passes_seconds": round(passes_seconds, 3),
         },
         **loss_fields(
             counted.saved.get(LOSS, 0), peaks.get(LOSS, (0, 0)), passes.out_fp32,
@@ -721,7 +737,6 @@ def profile_compiled_blocks(
     one; the others are timed warm and name it in ``same_as``. Blocks the user compiled already are
     measured as they run, compiled and eager alike. Parameters' gradients, buffers and the RNG state
     are left as they were."""
-    import time
 
     clock = Clock(device)
     user = set(compiled_by_user(module))

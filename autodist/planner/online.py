@@ -144,16 +144,18 @@ def _silent_comm_model(world: int, device: torch.device) -> CommModel:
 
 
 def _about(todo: SweepPlan, stored: CommModel | None) -> str:
-    """How long measuring ``todo`` takes, in words: at the rates the stored model's sweep measured on
-    this machine, else the default ones, over the passes a sweep takes."""
+    """How long measuring ``todo`` takes, in words: from the fewest to the most seconds it may take
+    (a quiet host to a disturbed one; :meth:`SweepPlan.estimate_seconds`), at the rates the stored
+    model's sweep measured on this machine, else the default ones, over the passes a sweep takes."""
     try:
         passes = sweep_passes()
     except ValueError:  # the sweep itself reports it, on every rank
         passes = 1
     rates = stored.meta.get("rates") if stored is not None else None
-    seconds = todo.estimate_seconds(passes, rates if isinstance(rates, dict) else None)
-    where = "at this machine's last measured rate" if isinstance(rates, dict) else "on 2 CPU ranks"
-    return f"about {max(1, round(seconds))} s {where}"
+    rates = rates if isinstance(rates, dict) else None
+    lo, hi = (max(1, round(todo.estimate_seconds(passes, rates, fewest=f))) for f in (True, False))
+    where = "at this machine's last measured rates" if rates is not None else "on 2 idle CPU ranks"
+    return f"about {lo} s {where}" if lo == hi else f"about {lo}-{hi} s {where}"
 
 
 def comm_needs(structure: ModelStructure) -> CommNeeds:
