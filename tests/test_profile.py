@@ -147,6 +147,27 @@ def test_the_optimizer_a_tool_trains_with_is_measured_with_its_own_state():
     assert (assumed.kind, assumed.measured, assumed.state_factor) == ("Adam", False, 2.0)
 
 
+def test_the_optimizer_fit_recovers_its_costs_on_a_model_of_many_small_tensors():
+    """The Adam estimate's two-configuration fit, with injected step times (s = a*n + b*bytes, 5%
+    off either way): on a model whose tensors average 4 KiB (the zoo's gpt-deep) the probe of tiny
+    tensors keeps the fit well conditioned, where a probe of 4 KiB tensors (the old one) made the two
+    equations nearly one and the per-tensor cost came out 10-100x off."""
+    from autodist.measure.optimizer import PROBE_NUMEL, PROBE_TENSORS, fit_step
+
+    a, b = 6e-6, 1.5e-9  # per tensor, per byte
+    n2, b2 = 580, 580 * 4096
+    for e1, e2 in ((1.05, 0.95), (0.95, 1.05), (1.0, 1.0)):
+        n1, b1 = PROBE_TENSORS, PROBE_TENSORS * PROBE_NUMEL * 4
+        per_tensor, per_byte = fit_step(n1, b1, (a * n1 + b * b1) * e1, n2, b2, (a * n2 + b * b2) * e2)
+        predicted = per_tensor * n2 + per_byte * b2
+        assert abs(per_tensor / a - 1) < 0.15, per_tensor
+        assert abs(predicted / (a * n2 + b * b2) - 1) < 0.06, predicted
+    # the old probe: 32 tensors of 1024 elements, the same bytes per tensor as the model
+    n1, b1 = 32, 32 * 4096
+    per_tensor, _ = fit_step(n1, b1, (a * n1 + b * b1) * 1.05, n2, b2, (a * n2 + b * b2) * 0.95)
+    assert per_tensor == (a * n2 + b * b2) * 0.95 / n2  # held at the model's whole step: the solve was off the scale
+
+
 def test_tied_output_layer_is_recorded_as_a_site():
     from autodist.zoo import GPT
 

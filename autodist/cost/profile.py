@@ -15,8 +15,8 @@ from typing import Any
 # of the readable schemas load with the newer fields at their defaults (no contention sensitivity,
 # no block saving after its last unit), as the committed records hold them; the cache measures a
 # model of an older schema again.
-PROFILE_SCHEMA_VERSION = 7
-READABLE_PROFILE_SCHEMAS = (3, 4, 5, 6, 7)
+PROFILE_SCHEMA_VERSION = 8
+READABLE_PROFILE_SCHEMAS = (3, 4, 5, 6, 7, 8)
 
 
 @dataclass

@@ -83,10 +83,19 @@ def measure_optimizer(module: nn.Module, make_optimizer: Callable[[list[torch.Te
     )
 
 
+# The per-tensor probe: many tensors so small that their bytes cost next to nothing, so that the
+# two-configuration fit below is well conditioned. (A probe of 1024-element tensors has the bytes per
+# tensor of a model of many small layers: the zoo's gpt-deep averages ~4 KiB a tensor, and the fit's
+# two equations were then nearly the same one, giving 364 us a tensor for an AdamW step that costs a
+# few: a 21 ms step predicted 316 ms.)
+PROBE_TENSORS, PROBE_NUMEL = 64, 16
+
+
 def _per_tensor_cost(make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer], device: torch.device) -> float:
-    """The optimizer's cost per parameter tensor: its step over 32 tensors of 1024 elements (the
-    lower quartile of 5 steps after one that creates the state), divided by 32."""
-    opt = make_optimizer(_scratch([1024] * 32, device))
+    """The optimizer's cost per parameter tensor: its step over ``PROBE_TENSORS`` tensors of
+    ``PROBE_NUMEL`` elements (the lower quartile of 5 steps after one that creates the state),
+    divided by their number."""
+    opt = make_optimizer(_scratch([PROBE_NUMEL] * PROBE_TENSORS, device))
     clock = Clock(device)
     times = []
     for k in range(6):
@@ -95,7 +104,7 @@ def _per_tensor_cost(make_optimizer: Callable[[list[torch.Tensor]], torch.optim.
         t1 = clock.mark()
         if k:
             times.append(clock.seconds(t0, t1))
-    return lower_quartile(times) / 32
+    return lower_quartile(times) / PROBE_TENSORS
 
 
 def _scratch(numels: Sequence[int], device: torch.device) -> list[torch.Tensor]:
@@ -112,10 +121,11 @@ def _step_costs(make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optim
                 device: torch.device) -> OptimizerProfile:
     """``per_tensor_s`` and ``per_byte_s`` of the optimizer ``make_optimizer`` builds, its state and
     temporary bytes per parameter byte: two configurations stepped in interleaved rounds (the
-    lower quartile of each) — 32 small tensors (the per-tensor cost) and ``params`` — each step
-    after the caches were flushed, as a step in training follows a backward that streamed
-    activations through them."""
-    configs = {"small": _scratch([1024] * 32, device), "model": params}
+    lower quartile of each) — the per-tensor probe (``PROBE_TENSORS`` tiny tensors) and ``params``
+    — each step after the caches were flushed, as a step in training follows a backward that
+    streamed activations through them. The fit is bounded by what it fits: the tensors' share is at
+    most the model configuration's whole step, the bytes get the rest."""
+    configs = {"small": _scratch([PROBE_NUMEL] * PROBE_TENSORS, device), "model": params}
     opts = {name: make_optimizer(ps) for name, ps in configs.items()}
     clock = Clock(device)  # thread time on a single-threaded CPU rank, as the units are timed
     times: dict[str, list[float]] = {k: [] for k in configs}
@@ -137,15 +147,23 @@ def _step_costs(make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optim
     state_bytes = sum(t.numel() * t.element_size() for _, t in state)
     kind = type(opts["model"]).__name__
     opts.clear()
-    # two equations, two unknowns: s = a*n + b*bytes
-    det = n1 * b2 - n2 * b1
-    per_tensor = max(0.0, (s1 * b2 - s2 * b1) / det) if det else 0.0
-    per_byte = max(0.0, (n1 * s2 - n2 * s1) / det) if det else s2 / max(b2, 1)
+    per_tensor, per_byte = fit_step(n1, b1, s1, n2, b2, s2)
     return OptimizerProfile(
         kind=kind, state_factor=state_bytes / max(b2, 1),
         state_names=sorted({k for k, _ in state}), transient_factor=transient, per_tensor_s=per_tensor,
         per_byte_s=per_byte,
     )
+
+
+def fit_step(n1: int, b1: int, s1: float, n2: int, b2: int, s2: float) -> tuple[float, float]:
+    """``(per_tensor_s, per_byte_s)`` from two steps: ``s1`` over ``n1`` tensors of ``b1`` bytes
+    (the probe) and ``s2`` over ``n2`` of ``b2`` (the model). Two equations, two unknowns
+    (``s = a*n + b*bytes``), the tensors' share held within the model's step and the bytes given
+    the rest of it."""
+    det = n1 * b2 - n2 * b1
+    per_tensor = max(0.0, (s1 * b2 - s2 * b1) / det) if det > 0 else s1 / max(n1, 1)
+    per_tensor = min(per_tensor, s2 / max(n2, 1))
+    return per_tensor, max(0.0, (s2 - per_tensor * n2) / max(b2, 1))
 
 
 def _step_transient(opt: torch.optim.Optimizer, device: torch.device) -> int:
