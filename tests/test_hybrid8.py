@@ -13,7 +13,8 @@ from __future__ import annotations
 import tempfile
 
 import pytest
-from test_hybrid import _check_loaded, _ckpt_load, _ckpt_save, _on_mesh
+from dcp_roundtrip import check_loaded, load, save
+from test_hybrid import _on_mesh
 
 from harness import RankPool
 from parity import Case, check_cases, run_cases
@@ -66,6 +67,6 @@ def test_two_meshes_of_four_ranks_each_shard_within_pairs(world8):
 
 def test_dcp_checkpoint_saved_as_2x4_loads_as_4x2_and_over_all_8(world8):
     with tempfile.TemporaryDirectory() as d:
-        world8.run(_ckpt_save, d, "fsdp", 4, True, timeout=600)
-        _check_loaded(world8.run(_ckpt_load, d, {"residency": "persistent"}, 2, True, timeout=600))
-        _check_loaded(world8.run(_ckpt_load, d, "zero2", None, True, timeout=600))
+        world8.run(save, d, "fsdp", True, 4, timeout=600)
+        check_loaded(world8.run(load, d, {"residency": "persistent"}, True, 2, timeout=600))
+        check_loaded(world8.run(load, d, "zero2", True, timeout=600))
