@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="time the model's compute on this described GPU, not this machine's: each operator of one forward "
         f"and backward priced by a roofline of its FLOPs and bytes ({describe_devices()})",
     )
-    from .plan import COMPILE_BACKENDS
+    from .compile_backends import COMPILE_BACKENDS
 
     plan.add_argument(
         "--compile", nargs="?", const="inductor", default=None, choices=COMPILE_BACKENDS, metavar="BACKEND",

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from .compile_backends import COMPILE_BACKENDS
 from .errors import PlanError
 from .structure import ModelStructure
 
@@ -29,10 +30,6 @@ PLACEMENTS = ("replicate", "shard")
 RESIDENCIES = ("after_forward", "after_backward", "persistent")
 ACCUMULATIONS = ("unsharded", "sharded")
 BUCKET_OPS = ("all_reduce", "reduce_scatter")
-# torch.compile backends a plan may name for its compiled blocks: inductor (torch's default, fused
-# kernels), aot_eager (the same graph capture and autograd split, kernels run eagerly: no C++ or
-# Triton compiler needed) and eager (graph capture only)
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 OP_FOR_PLACEMENT = {"replicate": "all_reduce", "shard": "reduce_scatter"}
 
 Window = int | Literal["memory"]
