@@ -536,20 +536,26 @@ torch.manual_seed(0)
 gen = torch.Generator().manual_seed(5)
 data = [(torch.randn(4 * world, 16, generator=gen), torch.randn(4 * world, 8, generator=gen)) for _ in range(3)]
 mine = slice(4 * rank, 4 * rank + 4)
+
+
+def train(model, ref, batches):  # AdamW on this rank's share and on the whole batch: the largest difference after
+    opt, ropt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for x, y in batches:
+        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        nn.functional.mse_loss(ref(x), y).backward()
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+    sd = model.state_dict()
+    return max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+
+
 # replicating does not fit 100 KB (parameters, gradients and AdamW's moments: 90 KiB, plus activations)
 model = AutoDist(build(), plan="auto", example_inputs=(data[0][0][mine],), cache_dir=cache_dir, memory_limit="100KB")
-opt, ropt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
-for x, y in data:
-    nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
-    nn.functional.mse_loss(ref(x), y).backward()
-    for o in (opt, ropt):
-        o.step()
-        o.zero_grad()
-sd = model.state_dict()
+diff = train(model, ref, data)
 res = {"rank": rank, "shard_ranks": model.plan.shard_ranks, "sharded": len(model.plan.sharded_units),
        "mesh": list(model.mesh.shape), "sweeps": model._auto.stats.sweeps, "source": model._auto.stats.source,
-       "all_reduces": model.runtime.comm.stats.all_reduces,
-       "diff": max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())}
+       "all_reduces": model.runtime.comm.stats.all_reduces, "diff": diff}
 model.close()
 # the same model without example inputs: a safe start on the whole world, then a switch; the hybrid
 # plan found above was chosen before a runtime existed and must not be switched to here
@@ -557,17 +563,9 @@ torch.manual_seed(0)
 ref = build()
 torch.manual_seed(0)
 model = AutoDist(build(), plan="auto", cache_dir=cache_dir, memory_limit="100KB")
-opt, ropt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
-for x, y in data + data:
-    nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
-    nn.functional.mse_loss(ref(x), y).backward()
-    for o in (opt, ropt):
-        o.step()
-        o.zero_grad()
-sd = model.state_dict()
+diff = train(model, ref, data + data)
 res["safe_start"] = {"shard_ranks": model.plan.shard_ranks, "source": model._auto.stats.source,
-                     "switches": model.runtime.stats.plan_switches,
-                     "diff": max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())}
+                     "switches": model.runtime.stats.plan_switches, "diff": diff}
 model.close()
 with open(out + f".{rank}", "w") as f:
     json.dump(res, f)
