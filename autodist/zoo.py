@@ -145,7 +145,7 @@ def resnet_workload(name: str, arch: str, image: int, classes: int, batch: int) 
 
 def zoo(size: str = "default") -> dict[str, Workload]:
     """The named workloads. ``size="tiny"`` shrinks everything for tests; ``"gpu"`` has the two GPTs
-    at one GPU's scale."""
+    and resnet18 at one GPU's scale."""
     if size == "tiny":
         return {
             "wide-mlp": mlp_workload("wide-mlp", [64, 256, 256, 64], 8),
@@ -156,8 +156,9 @@ def zoo(size: str = "default") -> dict[str, Workload]:
         }
     if size == "gpu":
         # one GPU's scale: a GPT of large layers (d=1024 x 12) and one of many small layers, as in
-        # the first GPU runs
+        # the first GPU runs; resnet18 on ImageNet-sized images
         return {
+            "resnet18": resnet_workload("resnet18", "resnet18", 224, 1000, 64),
             "gpt": gpt_workload("gpt", vocab=32768, d=1024, layers=12, heads=16, seq=512, batch=8),
             "gpt-deep": gpt_workload("gpt-deep", vocab=8192, d=256, layers=24, heads=4, seq=256, batch=8),
         }

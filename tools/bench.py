@@ -510,6 +510,18 @@ def allreduce_seconds(nbytes: int, device: torch.device) -> float:
     return statistics.median(times[1:])
 
 
+NOT_RUN = "not run: out of time (--minutes)"
+
+
+def _out_of_time(args: argparse.Namespace, device: torch.device) -> bool:
+    """Past ``--minutes`` on any rank (agreed, so every rank skips the same runs)."""
+    if args.deadline is None:
+        return False
+    late = torch.tensor([float(time.time() > args.deadline)], device=device)
+    dist.all_reduce(late, op=dist.ReduceOp.MAX)
+    return bool(late.item())
+
+
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     device = _device(args)
@@ -536,6 +548,10 @@ def worker(args: argparse.Namespace) -> None:
             schedule += [(p, list(GRID)) for p in range(args.grid_passes)]
         for _, order in schedule:
             for n in order:
+                if _out_of_time(args, device):
+                    if not by_name[n].step_times:  # a contender timed in an earlier pass keeps its times
+                        by_name[n].error = by_name[n].error or NOT_RUN
+                    continue
                 try:
                     run_contender(wl, CONTENDERS.get(n) or GRID[n], batches, args, by_name[n])
                 except Exception as e:  # a contender that cannot run is reported, not fatal
@@ -543,7 +559,7 @@ def worker(args: argparse.Namespace) -> None:
                     if rank == 0:
                         print(f"[bench] {model_name} / {n} failed: {by_name[n].error}", file=sys.stderr)
         for n, r in by_name.items():
-            if r.error is None:
+            if r.error is None and not _out_of_time(args, device):
                 try:
                     memory_pass(wl, CONTENDERS.get(n) or GRID[n], batches, args, r)
                 except Exception as e:
@@ -691,9 +707,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--grid-passes", type=int, default=1, help="passes over the grid (default: 1)")
     ap.add_argument("--cache-dir", default=None, help="AutoDist cache for plan=auto (default: a fresh temporary one)")
     ap.add_argument("--json", default=None, help="also write the results as JSON here")
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="start no contender run after this long; those left are reported as not run")
+    ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.minutes is not None and args.deadline is None:
+        args.deadline = time.time() + 60 * args.minutes
     models = zoo(args.size)
     args.models = [m for m in args.models.split(",") if m] if args.models else [m for m in DEFAULT_MODELS if m in models]
     args.contenders = [c for c in args.contenders.split(",") if c]
@@ -717,6 +738,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.fsdp_grid:
         worker_args.append("--fsdp-grid")
+    if args.deadline is not None:
+        worker_args += ["--deadline", repr(args.deadline)]
     if args.batch is not None:
         worker_args += ["--batch", str(args.batch)]
     if args.memory_limit is not None:
