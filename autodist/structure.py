@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .runtime.precision import keeps_dtype
+
 ROOT_UNIT = "(root)"
 
 
@@ -40,6 +42,8 @@ class ParamInfo:
     dtype: torch.dtype
     requires_grad: bool
     sites: tuple[tuple[str, str], ...]  # (module name, attribute) for every registration
+    # computed in its own dtype under mixed precision ([Note: batch norm keeps its dtype])
+    keeps_dtype: bool = False
 
     @property
     def numel(self) -> int:
@@ -196,6 +200,7 @@ def find_functional_uses(model: nn.Module, owned: dict[str, list[str]]) -> dict[
 def discover(model: nn.Module) -> ModelStructure:
     """Inspect ``model`` without running it."""
     sites: dict[int, list[tuple[str, str]]] = {}
+    keeps: dict[int, bool] = {}
     first: dict[int, tuple[str, nn.Parameter]] = {}
     module_types: dict[str, str] = {}
     owner_order: list[str] = []
@@ -207,6 +212,7 @@ def discover(model: nn.Module) -> ModelStructure:
                 continue
             pname = f"{mname}.{attr}" if mname else attr
             sites.setdefault(id(p), []).append((mname, attr))
+            keeps[id(p)] = keeps.get(id(p), False) or keeps_dtype(module)
             if id(p) not in first:
                 first[id(p)] = (pname, p)
                 if mname not in owned:
@@ -221,6 +227,7 @@ def discover(model: nn.Module) -> ModelStructure:
             dtype=p.dtype,
             requires_grad=p.requires_grad,
             sites=tuple(sites[pid]),
+            keeps_dtype=keeps[pid],
         )
     blocks = find_blocks(model)
     units = []

@@ -8,7 +8,9 @@ largest differences seen. Tolerances are applied by the calling test.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +23,7 @@ import models
 from autodist import AutoDist, MixedPrecision
 from autodist.builtins import block_groups
 from autodist.plan import Bucket, GatherGroup, Plan, Prefetch, UnitPlan
+from autodist.runtime.precision import keeps_dtype
 from autodist.structure import discover
 
 
@@ -37,6 +40,9 @@ class Case:
     # backward (a common loop), checking that no gradient shows before backward
     zero_grad_at: str = "after_step"
     bf16: bool = False
+    # with bf16: the reference computes as the policy does (bf16 copies of the parameters but
+    # BatchNorm's, bf16 inputs, float32 gradients summed over per-rank chunks) rather than in float32
+    bf16_reference: bool = False
     clip: float | None = None
     extra: dict = field(default_factory=dict)
     meta: bool = False  # build the AutoDist model on the meta device (the reference on the CPU)
@@ -253,15 +259,17 @@ def run_case(case: Case) -> dict[str, float]:
                 loss.backward()
             total_loss += loss.detach().float()
             # reference: concatenated batch (per-rank chunks when BatchNorm must see each rank's batch)
-            if bn:
+            if bn or case.bf16_reference:
                 bufs0 = copy.deepcopy(dict(ref.named_buffers()))
                 rank0_bufs = None
                 for r in range(world):
                     for k, v in ref.named_buffers():
                         v.copy_(bufs0[k])
                     sl = slice(r * case.per_rank, (r + 1) * case.per_rank)
-                    rl = models.loss_fn(case.model, ref(x[sl]), y[sl]) / (case.accumulate * world)
-                    rl.backward()
+                    with _as_policy(ref, case.bf16_reference):
+                        xs = x[sl].bfloat16() if case.bf16_reference and x.is_floating_point() else x[sl]
+                        rl = models.loss_fn(case.model, ref(xs).float(), y[sl]) / (case.accumulate * world)
+                        rl.backward()
                     ref_total += rl.item()
                     if r == 0:
                         rank0_bufs = {k: v.clone() for k, v in ref.named_buffers()}
@@ -315,6 +323,28 @@ def run_case(case: Case) -> dict[str, float]:
     if group is not None:
         dist.destroy_process_group(group)
     return worst
+
+
+@contextlib.contextmanager
+def _as_policy(model: torch.nn.Module, on: bool) -> Iterator[None]:
+    """Meanwhile ``model`` computes as a bf16 policy runs it: bf16 copies of its floating-point
+    parameters but BatchNorm's; the copies' gradients are added, in float32, to what the parameters
+    held before."""
+    if not on:
+        yield
+        return
+    own = {id(p) for m in model.modules() if keeps_dtype(m) for p in m.parameters(recurse=False)}
+    kept = [(p, p.data, p.grad) for p in model.parameters() if p.is_floating_point() and id(p) not in own]
+    for p, data, _ in kept:
+        p.grad = None
+        p.data = data.to(torch.bfloat16)
+    try:
+        yield
+    finally:
+        for p, data, held in kept:
+            new, p.grad = p.grad, None
+            p.data = data
+            p.grad = held if new is None else (new.float() if held is None else held + new.float())
 
 
 class _nullctx:

@@ -201,6 +201,17 @@ def test_pytorch_transformer_layers_under_ddp_with_bf16(world2):
     check(world2.run(run_case, Case(model="torch-transformer", plan="ddp", bf16=True)), atol=3e-2)
 
 
+def test_batch_norm_models_train_in_bf16_under_every_built_in_plan(world2):
+    """[Note: batch norm keeps its dtype]: a bf16 policy on a model with BatchNorm (a ResNet) failed
+    its first forward under every plan; BatchNorm's parameters now stay float32 and the model trains
+    as a single process computing the same way does (bf16 copies of the other parameters, float32
+    gradients), running statistics included."""
+    plans = ("ddp", "fsdp", "zero2")
+    results = world2.run(run_cases, [Case(model="resnet", plan=p, bf16=True, bf16_reference=True) for p in plans])
+    for i in range(len(plans)):
+        check([r[i] for r in results], atol=1e-3)
+
+
 def test_float32_and_float64_parameters_match_the_reference_when_sharded(world2):
     results = world2.run(run_cases, [Case(model="dtypes-exact", plan=p) for p in ("ddp", "fsdp", "zero2")])
     for i in range(3):

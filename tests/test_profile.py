@@ -85,6 +85,23 @@ def test_a_mixed_precision_profile_measures_the_model_as_the_policy_runs_it():
     assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight)) and model[2].weight.grad is None
 
 
+def test_a_mixed_precision_profile_keeps_batch_norm_in_its_dtype():
+    """[Note: batch norm keeps its dtype]: BatchNorm's kernels refuse parameters in a dtype other
+    than their running statistics', so a bf16 profile of a model with BatchNorm runs (it raised
+    "expected scalar type BFloat16 but found Float" when every parameter was cast) and measures the
+    layer with its float32 parameters on bf16 activations, as the runtime computes it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 36, 4))
+    x = torch.randn(4, 3, 6, 6)
+    structure = discover(model)
+    assert [n for n, p in structure.params.items() if p.keeps_dtype] == ["1.weight", "1.bias"]
+    bf16 = profile_model(model, structure, (x,), device=CPU, repeats=1, compute_dtype=torch.bfloat16)
+    mixed = copy.deepcopy(model).to(torch.bfloat16)
+    mixed[1].float()
+    assert sum(u.act_bytes for u in bf16.units) == _saved_bytes(mixed, x.to(torch.bfloat16))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
 class _Reordered(nn.Module):
     """Registration order (a, b) differs from forward order (b, a)."""
 

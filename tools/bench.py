@@ -166,6 +166,13 @@ def _fsdp2(
             apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in targets)
             blocks = [m for m in model.modules() if type(m).__name__ == "CheckpointWrapper"]
         wrapped: list[FSDPModule] = []
+        if args.mixed_precision == "bf16":
+            # BatchNorm as FSDP2 users keep it: its own group computing in float32 (its kernels refuse
+            # bf16 parameters beside float32 running statistics), its output cast back to bf16
+            keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=BF16)
+            for m in model.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    fully_shard(m, reshard_after_forward=reshard, offload_policy=policy, mp_policy=keep)
         if group > 0:
             for i in range(0, len(blocks), group):
                 chunk = blocks[i : i + group]

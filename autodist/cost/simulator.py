@@ -170,6 +170,8 @@ class Simulator:
         self.rows = {n: (p.shape[0] if p.shape else 1) for n, p in structure.params.items()}
         self.row_numel = {n: (p.numel // p.shape[0] if p.shape and p.shape[0] else 1) for n, p in structure.params.items()}
         self.floating = {n: p.dtype.is_floating_point for n, p in structure.params.items()}
+        # computed in param_dtype under the policy ([Note: batch norm keeps its dtype])
+        self.casts = {n: p.dtype.is_floating_point and not p.keeps_dtype for n, p in structure.params.items()}
         self.compute_bytes = {n: self.numel[n] * self._compute_itemsize(n) for n in self.numel}
         self.shard_numel = {n: self._shard_numel(n) for n in self.numel}
         self.full_padded_bytes = {n: world_size * self.shard_numel[n] * self._compute_itemsize(n) for n in self.numel}
@@ -339,7 +341,7 @@ class Simulator:
 
     # ------------------------------------------------------------------------------------------
     def _compute_itemsize(self, p: str) -> int:
-        if self.param_dtype is not None and self.floating[p]:
+        if self.param_dtype is not None and self.casts[p]:
             return self.param_dtype.itemsize
         return self.itemsize[p]
 
@@ -423,7 +425,7 @@ class Simulator:
 
     def _cast(self, p: str) -> bool:
         """A replicated parameter computed with in another dtype (a compute copy, mixed precision)."""
-        return self.param_dtype is not None and self.floating[p] and self.param_dtype.itemsize != self.itemsize[p]
+        return self.param_dtype is not None and self.casts[p] and self.param_dtype.itemsize != self.itemsize[p]
 
     def _recomputed_blocks(self, plan: Plan) -> dict[str, list[str]]:
         """The plan's recomputed blocks and their units in forward order (blocks the model already

@@ -35,6 +35,7 @@ from .._tree import output_leaves
 from ..cost.profile import CompiledBlockProfile, OptimizerProfile, Profile, UnitProfile, estimated_loss_memory
 from ..runtime.backward import in_backward
 from ..runtime.compiled import compiled_by_user
+from ..runtime.precision import keeps_dtype
 from ..structure import ModelStructure
 from .clock import Clock
 from .contention import contended_slowdown
@@ -313,11 +314,13 @@ def computing_in(module: nn.Module, dtype: torch.dtype | None) -> Iterator[None]
     steps 3.2-3.7x on an H100. So the forward and backward passes are profiled with the copies in
     place (and the inputs cast as the policy casts them); the optimizer, which steps the fp32 master
     parameters, is measured on those. The simulator takes the dtypes of what it moves (gathers,
-    gradients, reductions) from the policy, and the profile cache keeps the two apart."""
+    gradients, reductions) from the policy, and the profile cache keeps the two apart. BatchNorm's
+    parameters stay as they are ([Note: batch norm keeps its dtype])."""
     if dtype is None:
         yield
         return
-    kept = [(p, p.data) for p in module.parameters() if p.is_floating_point() and p.dtype != dtype]
+    own = {id(p) for m in module.modules() if keeps_dtype(m) for p in m.parameters(recurse=False)}
+    kept = [(p, p.data) for p in module.parameters() if p.is_floating_point() and p.dtype != dtype and id(p) not in own]
     with torch.no_grad():
         for p, data in kept:
             p.data = data.to(dtype)

@@ -193,7 +193,7 @@ class Engine:
                 rank=rank,
                 world_size=world,
                 use_dtensor=self.use_dtensor,
-                compute_dtype=compute_dtype if original[name].is_floating_point() else None,
+                compute_dtype=compute_dtype if original[name].is_floating_point() and not info.keeps_dtype else None,
                 device=device,
                 shard_storage=shard_storage.get(name),
             )

@@ -33,6 +33,16 @@ class MixedPrecision:
     reduce_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
 
+    # [Note: batch norm keeps its dtype] BatchNorm's kernels (CPU and cuDNN) take an input of a
+    # lower precision than the layer's parameters and running statistics, but not parameters of a
+    # dtype other than the statistics' ("Expected running_mean to have type BFloat16 but got
+    # Float"): casting its weight and bias to ``param_dtype`` while the statistics stay float32 fails
+    # the first forward, and casting the statistics too would accumulate them in bf16. So the
+    # parameters of BatchNorm layers keep their own dtype under a policy (as FSDP1's
+    # ``MixedPrecision`` did by default and torch.autocast does): the runtime makes no compute copy
+    # of them, the profile measures them so, and the simulator sizes them in their dtype. Their
+    # gradients are reduced in ``reduce_dtype`` like every other.
+
     @classmethod
     def coerce(cls, policy: object, module: nn.Module | None = None) -> MixedPrecision | None:
         """``policy`` as a ``MixedPrecision``. torch's ``MixedPrecisionPolicy`` keeps its own meaning of
@@ -60,6 +70,12 @@ class MixedPrecision:
         raise TypeError(
             f"mixed_precision must be autodist.MixedPrecision or torch's MixedPrecisionPolicy, got {type(policy).__name__}"
         )
+
+
+def keeps_dtype(module: nn.Module) -> bool:
+    """Whether ``module``'s parameters keep their dtype under a mixed-precision policy
+    ([Note: batch norm keeps its dtype])."""
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
 
 
 def cast_floats(tree: T, dtype: torch.dtype) -> T:
