@@ -328,6 +328,22 @@ def test_runtime_overheads_and_copies_are_charged_to_compute():
     assert r.step_s == pytest.approx(81.5 * MS)
 
 
+def test_the_predicted_phases_hold_the_compute_threads_work_and_not_its_waits():
+    # the step of the test above by phase: forward 1 ms gather bookkeeping + 0.5 ms copy-out + two
+    # units of 10 + 2 ms = 25.5 ms (not the 2 ms it waits for the gather); backward two units of
+    # 20 + 2 ms, the bucket's 3 ms and the collective-order check, which the host runs and waits
+    # for itself, 4 ms = 51 ms (not the wait for the reduce-scatter); the optimizer costs nothing here
+    costly = CommModel(
+        "test", 2, "cpu",
+        dict(COMM.ops, h2d=_const(0.5 * MS)),
+        overhead={"per_gather_s": 1 * MS, "per_bucket_s": 2 * MS, "per_unit_s": 4 * MS},
+    )
+    phases = Simulator(PROFILE, STRUCTURE, costly, world_size=2).phase_seconds(_one_group_sharded())
+    assert phases == pytest.approx({"forward": 25.5 * MS, "backward": 51 * MS, "optimizer": 0.0})
+    timed = replace(PROFILE, optimizer=OptimizerProfile(fixed_s=5 * MS, state_factor=2.0, transient_factor=0.0))
+    assert Simulator(timed, STRUCTURE, costly, world_size=2).phase_seconds(_one_group_sharded())["optimizer"] == pytest.approx(5 * MS)
+
+
 def test_a_group_hooked_at_its_root_is_charged_one_hooked_unit_and_each_units_own_share():
     # the same step with the figure for a unit of a group hooked at its root (autodist/schedule.py
     # [Note: hooks per gather group]): the group's two units are charged, per pass, 4/2 + 1/2 ms

@@ -374,19 +374,48 @@ def _device(args: argparse.Namespace) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
 
 
+def _phase_clock(device: torch.device) -> Callable[[], float]:
+    """Seconds since the last call (the first: since this was made), the device drained first."""
+    last = [time.perf_counter()]
+
+    def mark() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        d, last[0] = now - last[0], now
+        return d
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        last[0] = time.perf_counter()
+    return mark
+
+
 def _build(workload: Any, contender: Contender, batches: list, args: argparse.Namespace):
     torch.manual_seed(0)
     model = contender.wrap(workload.build().to(_device(args)), args, (batches[0][0].chunk(args.accum)[0],))  # one micro-batch
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+    device = _device(args)
+
+    def step(x: torch.Tensor, y: torch.Tensor, phases: dict[str, float] | None = None) -> None:
+        """One optimizer step; ``phases``: add each phase's wall time to it (forward with the loss,
+        backward, optimizer), the device synchronized at each boundary."""
+        mark = _phase_clock(device) if phases is not None else None
         n = args.accum
         for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):  # n micro-batches per optimizer step
             with contender.micro_batch(model, i == n - 1):
-                workload.loss(model(xm), ym).div(n).backward()
+                loss = workload.loss(model(xm), ym).div(n)
+                if mark is not None and phases is not None:
+                    phases["forward"] = phases.get("forward", 0.0) + mark()
+                loss.backward()
+                if mark is not None and phases is not None:
+                    phases["backward"] = phases.get("backward", 0.0) + mark()
         opt.step()
         contender.after_step(model)
         opt.zero_grad(set_to_none=True)
+        if mark is not None and phases is not None:
+            phases["optimizer"] = phases.get("optimizer", 0.0) + mark()
 
     return model, opt, step
 
@@ -411,10 +440,18 @@ def run_contender(workload: Any, contender: Contender, batches: list, args: argp
             "compiled_blocks": list(model.plan.compile),
             "compile_backend": model.plan.compile_backend if model.plan.compile else None,
             "predicted_compile_s": model.plan.predicted.get("compile_seconds"),
+            "predicted_phase_s": model.plan.predicted.get("phase_seconds"),
+            "predicted_model_s": model.plan.predicted.get("model_seconds"),
+            "predicted_exposed_comm_s": model.plan.predicted.get("exposed_comm_seconds"),
         })
     try:
-        for x, y in batches[: args.warmup]:
-            step(x, y)
+        # the last warm-up step is timed by phase, the device drained at each boundary (the timed
+        # steps are not: draining stops the host from running ahead of the device)
+        phases: dict[str, float] = {}
+        for i, (x, y) in enumerate(batches[: args.warmup]):
+            step(x, y, phases if i == args.warmup - 1 and i > 0 else None)
+        if phases:
+            res.extra.setdefault("phase_s", []).append(phases)
         _drain(model, device)
         resident.reset_peak()
         timed = batches[args.warmup :]
@@ -662,6 +699,7 @@ def table(payload: dict) -> str:
             sp = format_bytes(sp) if sp else "-"
             lines.append(f"  {name:<30}{t * 1e3:>10.1f}{ov:>10}{rd:>8}{rf:>9}{rb:>9}{sp:>12}{peak:>14}{resident:>12}{note}")
         lines += _against_fastest_torch(mine)
+        lines += _phases(mine)
         grid = {n: r for n, r in mine.items() if n.startswith("fsdp2[") and not r["error"]}
         auto = mine.get("autodist:auto")
         if grid and auto and not auto["error"]:
@@ -671,6 +709,28 @@ def table(payload: dict) -> str:
                 f"auto is {grid[best]['median_step_s'] / auto['median_step_s']:.3f}x its speed"
             )
     return "\n".join(lines)
+
+
+def _phases(mine: dict[str, dict]) -> list[str]:
+    """Each contender's last warm-up step by phase (the device drained at each boundary) and, for
+    a plan AutoDist predicted, the simulator's compute-thread time in each phase (with the model's
+    own time from the profile in parentheses)."""
+    out = []
+    for name, r in mine.items():
+        extra = r.get("extra") or {}
+        if r["error"] or not extra.get("phase_s"):
+            continue
+        measured = {k: statistics.median(p.get(k, 0.0) for p in extra["phase_s"]) for k in ("forward", "backward", "optimizer")}
+        pred, model = extra.get("predicted_phase_s") or {}, extra.get("predicted_model_s") or {}
+        parts = []
+        for k, v in measured.items():
+            cell = f"{k} {v * 1e3:.1f}"
+            if k in pred:
+                cell += f" / {pred[k] * 1e3:.1f}" + (f" ({model[k] * 1e3:.1f})" if k in model else "")
+            parts.append(cell)
+        what = "measured / predicted (model)" if pred else "measured"
+        out.append(f"  {name} phases, ms, {what}: " + ", ".join(parts))
+    return out
 
 
 def _against_fastest_torch(mine: dict[str, dict]) -> list[str]:

@@ -382,6 +382,24 @@ class Simulator:
         result.compile_s = self.compile_seconds(plan)
         return result
 
+    def phase_seconds(self, plan: Plan) -> dict[str, float]:
+        """The compute thread's predicted time in each phase of a step of ``plan`` — ``forward``
+        (the loss included), ``backward`` (to the flush), ``optimizer`` — hooks, copies and the
+        optimizer as the program charges them, waits for collectives not included: what a step
+        timed phase by phase is compared with (``tools/bench.py`` records both)."""
+        program = self.compile(plan)
+        bounds = [*program.sections, (len(program.prog), "")]
+        out = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        phase = "forward"
+        for (start, name), (end, _) in zip(bounds, bounds[1:]):
+            head = name.split(" @")[0]
+            phase = ("optimizer" if head == "optimizer" else "forward" if head in ("forward", "loss") or head.startswith("fwd ")
+                     else "backward")
+            out[phase] += sum(ins[1] for ins in program.prog[start:end] if ins[0] == COMPUTE)
+        first = bounds[0][0] if bounds else 0
+        out["forward"] += sum(ins[1] for ins in program.prog[:first] if ins[0] == COMPUTE)
+        return out
+
     def compile(self, plan: Plan) -> Program:
         """The program of one steady-state step of ``plan`` (:class:`~autodist.cost.sim.emit.StepEmitter`)."""
         return StepEmitter(self.sharded_over(plan.shard_ranks).compiled_for(plan.compile), plan).program()

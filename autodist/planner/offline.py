@@ -247,10 +247,12 @@ def search_provenance(result: SearchResult, source: str) -> dict[str, Any]:
 
 def annotate(
     result: SearchResult, structure: Any, profile: Profile, *, device: torch.device, budget_bytes: int | None, source: str,
+    sim: Simulator | None = None,
 ) -> Plan:
     """Complete the searched plan ``result.plan`` in place (and return it): the model it is made for,
     its device and budget, the prediction (with the seeds it beats, and the analytic step time where
-    the learned estimator corrected it) and its provenance."""
+    the learned estimator corrected it; with ``sim``, the step's phases beside the profile's model
+    time in them) and its provenance."""
     plan, r = result.plan, result.result
     made_for(plan, structure, optimizer_states=profile.optimizer.state_names)
     plan.device = device.type
@@ -262,6 +264,13 @@ def annotate(
     }
     if r.analytic_step_s is not None:  # the learned estimator corrected the prediction
         plan.predicted["analytic_step_seconds"] = r.analytic_step_s
+    if sim is not None:  # where the predicted time goes, to set against a step timed by phase
+        plan.predicted["phase_seconds"] = sim.phase_seconds(plan)
+        plan.predicted["model_seconds"] = {
+            "forward": profile.pre_fwd_s + profile.post_fwd_s + sum(u.fwd_s for u in profile.units),
+            "backward": profile.pre_bwd_s + profile.post_bwd_s + sum(u.bwd_s for u in profile.units),
+        }
+        plan.predicted["exposed_comm_seconds"] = r.exposed_comm_s
     if plan.compile:  # the one-off cost of compiling its blocks, apart from the step
         plan.predicted["compile_seconds"] = sum(c.compile_s for b, c in profile.compiled_blocks.items() if b in plan.compile)
     plan.provenance = search_provenance(result, source)
@@ -355,11 +364,11 @@ def plan_offline(
     prof = profile or profile_model(module, structure, example_inputs, device=device, example_kwargs=example_kwargs)
     space = space_for(prof, structure, world_size, grad_accum_steps=grad_accum_steps,
                       shard_sizes=hybrid_shard_sizes(world_size, comm.ranks_per_node))
-    _, result = search_within_budget(
+    searcher, result = search_within_budget(
         space, lambda budget: Simulator(prof, structure, comm, world_size=world_size, budget_bytes=budget),
         config, budget_bytes,
     )
     if not result.result.feasible:
         raise budget_error(budget_bytes, result, structure)
-    annotate(result, structure, prof, device=device, budget_bytes=budget_bytes, source="autodist plan")
+    annotate(result, structure, prof, device=device, budget_bytes=budget_bytes, source="autodist plan", sim=searcher.sim)
     return result.plan, result, prof

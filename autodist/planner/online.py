@@ -610,7 +610,8 @@ class AutoPlanner:
             )
         self.stats.searches += 1
         self.stats.search_seconds += result.seconds
-        annotate(result, self.structure, profile, device=self.device, budget_bytes=self.rt.budget_bytes, source="auto:search")
+        annotate(result, self.structure, profile, device=self.device, budget_bytes=self.rt.budget_bytes, source="auto:search",
+                 sim=searcher.sim)
         return result
 
     def _budget_error(self, result: SearchResult) -> BudgetError:
