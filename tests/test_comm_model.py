@@ -482,10 +482,44 @@ def test_contended_rounds_go_on_until_the_sensitivity_s_standard_error_is_within
     assert steady.rounds == CONTENDED_MIN_ROUNDS and steady.sensitivity == pytest.approx(2.1)
     # ratios that alternate 1 and 4 never settle: the most rounds, and their median
     spread = measured(itertools.cycle([0.002, 0.008]), max_rounds=7)
-    assert spread.rounds == 7 and spread.sensitivity == pytest.approx(1.0)
+    assert spread.rounds == 7 and spread.sensitivity == pytest.approx(1.0) and not spread.settled
+    assert apart.settled and steady.settled
     # an agree() that reports another rank's larger figure keeps this rank measuring as long
     held = measured(itertools.repeat(0.004), max_rounds=6, agree=lambda x: max(x, 1.0))
     assert held.rounds == 6
+
+
+def test_contended_rounds_stop_unsettled_once_their_time_is_up():
+    """Rounds that keep spreading stop at the first round that ends past ``max_seconds`` (never
+    before the fewest), reported unsettled; the time is agreed like the spread (the largest over
+    the ranks), so a rank whose own rounds were quick stops with the slow one."""
+    import itertools
+
+    from autodist.measure.contention import CONTENDED_MIN_ROUNDS, contended_slowdown
+
+    def measured(model_alone_s, **kw):
+        clock, busy = _Clock(), [False]
+        slow = itertools.cycle([1.0, 4.0])  # ratios 1 and 4 in turn: never settled
+
+        def train_backward():
+            clock.spend(model_alone_s * (next(slow) if busy[0] else 1.0))
+
+        def contention(seconds):
+            busy[0] = True
+            return lambda: busy.__setitem__(0, False)
+
+        return contended_slowdown(train_backward, contention, torch.device("cpu"), reference=lambda: clock.spend(model_alone_s),
+                                  clock=clock, **kw)
+
+    # a round: the model alone and under the train (1 or 4 times as long), the reference alone and
+    # under it (not slowed): with passes of 0.2 s the rounds take 0.8 and 1.4 s in turn and end at
+    # 0.8, 2.2, 3.0, 4.4, 5.2 and 6.6 s, the first past 6 s
+    got = measured(0.2, max_seconds=6.0)
+    assert not got.settled and got.rounds == 6
+    # quick passes: the spread alone decides, up to max_rounds
+    assert measured(0.001, max_seconds=6.0, max_rounds=8).rounds == 8
+    # a quick rank held by a slow one's elapsed time (agree: the largest over the ranks)
+    assert measured(0.001, max_seconds=6.0, max_rounds=8, agree=lambda x: max(x, 7.0)).rounds == CONTENDED_MIN_ROUNDS
 
 
 def test_relative_standard_error_of_a_mean_and_of_a_median():

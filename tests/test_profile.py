@@ -102,6 +102,22 @@ def test_a_mixed_precision_profile_keeps_batch_norm_in_its_dtype():
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+def test_an_unsettled_contention_sensitivity_is_not_stored_as_the_model_s(monkeypatch):
+    """[Note: an unsettled sensitivity]: rounds that still spread when their time was up give the
+    neutral 1 (the model slows as the reference does), and the meta says so; settled rounds give
+    their median."""
+    import autodist.measure.trace as trace
+    from autodist.measure.contention import Contention
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    train = type("Train", (), {"largest": staticmethod(lambda x: x)})()
+    for settled, expected in ((False, 1.0), (True, 1.7)):
+        monkeypatch.setattr(trace, "contended_slowdown", lambda *a, settled=settled, **k: Contention(2.2, 1.7, 6, 0.9, settled))
+        _, slowdown, sensitivity, meta = trace._optimizer_and_contention(
+            model, discover(model), lambda: None, CPU, None, train, None)
+        assert (slowdown, sensitivity, meta["contention_settled"]) == (2.2, expected, settled)
+
+
 class _Reordered(nn.Module):
     """Registration order (a, b) differs from forward order (b, a)."""
 

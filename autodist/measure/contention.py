@@ -16,6 +16,7 @@ from .robust import relative_se
 CONTENDED_MIN_ROUNDS = 3  # rounds of the model's and the reference's passes alone and under the train: at least ...
 CONTENDED_MAX_ROUNDS = 15  # ... and at most this many, while the sensitivity's (their median's) standard error ...
 CONTENDED_REL_SE = 0.1  # ... exceeds this fraction of it ([Note: repeating until the estimate is known] in robust.py)
+CONTENDED_MAX_SECONDS = 6.0  # ... and no more rounds begin once the rounds have taken this long (past the fewest)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class Contention:
     sensitivity: float
     rounds: int
     spread: float
+    settled: bool = True  # the sensitivity's standard error came within CONTENDED_REL_SE of it
 
 
 def _quartile_spread(values: Sequence[float]) -> float:
@@ -40,7 +42,8 @@ def _quartile_spread(values: Sequence[float]) -> float:
 
 def contended_slowdown(train_backward: Callable[[], None], contention: Callable[[float], Callable[[], None]],
                        device: torch.device, *, min_rounds: int = CONTENDED_MIN_ROUNDS,
-                       max_rounds: int = CONTENDED_MAX_ROUNDS, reference: Callable[[], None] | None = None,
+                       max_rounds: int = CONTENDED_MAX_ROUNDS, max_seconds: float = CONTENDED_MAX_SECONDS,
+                       reference: Callable[[], None] | None = None,
                        agree: Callable[[float], float] | None = None,
                        clock: Callable[[], float] = time.perf_counter) -> Contention:
     """How many times longer the model's forward and backward (``train_backward``) take in
@@ -51,8 +54,9 @@ def contended_slowdown(train_backward: Callable[[], None], contention: Callable[
     sensitivity the median of each round's ratio. Rounds go on from ``min_rounds`` to ``max_rounds``
     while the sensitivity's standard error exceeds ``CONTENDED_REL_SE`` of it on any rank
     (:func:`~autodist.measure.robust.relative_se` of the rounds' ratios, as a median): a steady host
-    stops at the fewest, a disturbed one takes the most. ``agree`` gives a figure's largest value
-    over the ranks (``CollectiveTrain.largest``), so every rank runs as many rounds, and so issues
+    stops at the fewest, a disturbed one takes the most, or as many as begin within
+    ``max_seconds`` (by ``clock``, the longest of the ranks'); then ``settled`` is False. ``agree``
+    gives a figure's largest value over the ranks (``CollectiveTrain.largest``), so every rank runs as many rounds, and so issues
     as many trains, as every other; without it the figure is this process's own (one rank, or
     no collectives). ``reference``: one pass of the reference computation, by default
     :func:`~autodist.measure.sweep.reference_product` repeated for about as long as the model's
@@ -111,6 +115,8 @@ def contended_slowdown(train_backward: Callable[[], None], contention: Callable[
 
     model: list[float] = []
     ratios: list[float] = []
+    settled = False
+    start = clock()
     for i in range(max(1, max_rounds)):
         if i % 2 == 0:
             m = under_train(train_backward)
@@ -120,6 +126,12 @@ def contended_slowdown(train_backward: Callable[[], None], contention: Callable[
             m = under_train(train_backward)
         model.append(m)
         ratios.append(max(m, 1.0) / max(ref, 1.0))
-        if i + 1 >= min_rounds and agreed(relative_se(ratios, median=True)) <= CONTENDED_REL_SE:
+        if i + 1 < min_rounds:
+            continue
+        if agreed(relative_se(ratios, median=True)) <= CONTENDED_REL_SE:
+            settled = True
             break  # the sensitivity is known (see the docstring)
-    return Contention(max(1.0, statistics.median(model)), statistics.median(ratios), len(ratios), _quartile_spread(ratios))
+        if agreed(clock() - start) >= max_seconds:
+            break  # every rank stops together: the figure is agreed like the spread
+    return Contention(max(1.0, statistics.median(model)), statistics.median(ratios), len(ratios), _quartile_spread(ratios),
+                      settled)
