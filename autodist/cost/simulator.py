@@ -50,14 +50,11 @@ from .sim.program import (
     COMPUTE,
     GATHERED,
     GRADIENTS,
-    ISSUE,
     LIBRARIES,
-    MEM,
     N_CATEGORIES,
     OPTIMIZER,
     ORDER_CHECK_BYTES,
     PARAMETERS,
-    WAIT,
     CommOp,
     DurationEstimator,
     Event,
@@ -66,9 +63,6 @@ from .sim.program import (
     SimResult,
     scaled,
 )
-
-# the program's opcodes under the names autodist/lab/learned.py and lab/graph.py read them by
-_C, _ISSUE, _WAIT, _MEM = COMPUTE, ISSUE, WAIT, MEM
 
 __all__ = [
     "ACTIVATIONS", "CATEGORY_NAMES", "COMM", "GATHERED", "GRADIENTS", "LIBRARIES", "N_CATEGORIES", "OPTIMIZER",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cost.sim.program import COMPUTE, ISSUE, WAIT
 from ..cost.simulator import Program, SimResult, Simulator
 from ..plan import Plan
 
@@ -138,7 +139,6 @@ class _GraphBuilder:
     def _replay(self) -> tuple[dict[int, tuple[float, float]], list[float]]:
         """The compute thread's clock, replayed: each timed instruction's span, and when each
         instruction starts (one more entry: the end)."""
-        from ..cost.simulator import _C, _WAIT  # the program's opcodes
 
         prog, ops = self.program.prog, self.program.ops
         compute_events = iter([e for e in self.analytic.events if e.stream == "compute"])
@@ -147,11 +147,11 @@ class _GraphBuilder:
         at: list[float] = []
         for i, ins in enumerate(prog):
             at.append(t)
-            if ins[0] == _C and ins[1] > 0:
+            if ins[0] == COMPUTE and ins[1] > 0:
                 ev = next(compute_events)
                 span[i] = (ev.start, ev.end)
                 t = ev.end
-            elif ins[0] == _WAIT:
+            elif ins[0] == WAIT:
                 t = max(t, ops[ins[1]].end)
         at.append(t)
         return span, at
@@ -166,7 +166,6 @@ class _GraphBuilder:
         self.n_sections = len(self.names)
 
     def _add_section(self, i0: int, i1: int, name: str) -> None:
-        from ..cost.simulator import _C, _ISSUE, _WAIT
 
         prog, at = self.program.prog, self.at
         node = len(self.names)
@@ -174,7 +173,7 @@ class _GraphBuilder:
         mine, spans, issues, waits = [], [], 0, 0
         for i in range(i0, i1):
             ins = prog[i]
-            if ins[0] == _C:
+            if ins[0] == COMPUTE:
                 mine.append(i)
                 label = ins[2]
                 part = (
@@ -185,11 +184,11 @@ class _GraphBuilder:
                 parts[part] += max(ins[1], 0.0)
                 if i in self.span:
                     spans.append(self.span[i])
-            elif ins[0] == _ISSUE:
+            elif ins[0] == ISSUE:
                 issues += 1
                 self.issued_by.setdefault(ins[1], node)
                 self.issue_time.setdefault(ins[1], at[i])
-            elif ins[0] == _WAIT:
+            elif ins[0] == WAIT:
                 waits += 1
                 if ins[1] not in self.waited_by:
                     self.waited_by[ins[1]] = node
@@ -367,7 +366,6 @@ def corrected_durations(graph: ScheduleGraph, program: Program, log_ratio: torch
     ``nodes``, a boolean per node, among those) gets ``exp(log_ratio) * max(analytic, FLOOR_S)``;
     other nodes keep theirs. With the measured targets as ``log_ratio`` and their mask as ``nodes``
     this is the *replay*: the simulator timing the durations a run measured."""
-    from ..cost.simulator import _C
 
     keep = set(kinds)
     durations: dict[int, float] = {}
@@ -381,7 +379,7 @@ def corrected_durations(graph: ScheduleGraph, program: Program, log_ratio: torch
             k = graph.op[i]
             op_seconds[k] = program.ops[k].seconds * r if analytic >= FLOOR_S else max(program.ops[k].seconds, FLOOR_S) * r
             continue
-        mine = [j for j in graph.instructions[i] if program.prog[j][0] == _C]
+        mine = [j for j in graph.instructions[i] if program.prog[j][0] == COMPUTE]
         if not mine:
             continue
         for j in mine:
