@@ -39,10 +39,10 @@ class Case:
     # "before_backward": zero_grad(set_to_none=True) between the step's first forward and its
     # backward (a common loop), checking that no gradient shows before backward
     zero_grad_at: str = "after_step"
+    # a bf16 policy; the reference then computes as the policy does (bf16 copies of the parameters
+    # but BatchNorm's, bf16 inputs, float32 gradients summed over per-rank chunks): the same
+    # arithmetic on one process, so the tolerances stay those of float32
     bf16: bool = False
-    # with bf16: the reference computes as the policy does (bf16 copies of the parameters but
-    # BatchNorm's, bf16 inputs, float32 gradients summed over per-rank chunks) rather than in float32
-    bf16_reference: bool = False
     clip: float | None = None
     extra: dict = field(default_factory=dict)
     meta: bool = False  # build the AutoDist model on the meta device (the reference on the CPU)
@@ -236,6 +236,7 @@ def run_case(case: Case) -> dict[str, float]:
     ropt = _optimizer(case.optim, ref.parameters())
     gen = torch.Generator().manual_seed(1234)
     bn = _has_bn(ref)
+    as_run = case.bf16  # the reference computes as the bf16 policy does
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "buffer": 0.0}
     ref_params = dict(ref.named_parameters())
     for step in range(case.steps):
@@ -259,15 +260,15 @@ def run_case(case: Case) -> dict[str, float]:
                 loss.backward()
             total_loss += loss.detach().float()
             # reference: concatenated batch (per-rank chunks when BatchNorm must see each rank's batch)
-            if bn or case.bf16_reference:
+            if bn or as_run:
                 bufs0 = copy.deepcopy(dict(ref.named_buffers()))
                 rank0_bufs = None
                 for r in range(world):
                     for k, v in ref.named_buffers():
                         v.copy_(bufs0[k])
                     sl = slice(r * case.per_rank, (r + 1) * case.per_rank)
-                    with _as_policy(ref, case.bf16_reference):
-                        xs = x[sl].bfloat16() if case.bf16_reference and x.is_floating_point() else x[sl]
+                    with as_policy(ref, as_run):
+                        xs = x[sl].bfloat16() if as_run and x.is_floating_point() else x[sl]
                         rl = models.loss_fn(case.model, ref(xs).float(), y[sl]) / (case.accumulate * world)
                         rl.backward()
                     ref_total += rl.item()
@@ -326,7 +327,7 @@ def run_case(case: Case) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def _as_policy(model: torch.nn.Module, on: bool) -> Iterator[None]:
+def as_policy(model: torch.nn.Module, on: bool) -> Iterator[None]:
     """Meanwhile ``model`` computes as a bf16 policy runs it: bf16 copies of its floating-point
     parameters but BatchNorm's; the copies' gradients are added, in float32, to what the parameters
     held before."""

@@ -102,6 +102,20 @@ def test_a_check_whose_repeated_measurement_disagrees_is_not_stored_and_says_why
     assert "`autodist cache clear --kind fidelity` removes it" in text
 
 
+def test_a_check_refused_for_its_error_warns_of_no_stored_record(tmp_path, monkeypatch, caplog):
+    """A check whose median error is past the cap is not stored; it said so and then warned that
+    "this machine's fidelity record ... is not used", as if one had been stored (the report took
+    its margins from the record it had just refused)."""
+    from autodist.cli import render_check
+
+    with caplog.at_level(logging.WARNING, logger="autodist"):
+        payload = _check_with_injected_timings(tmp_path, monkeypatch, repeat_factor=1.0, error=0.4)
+    assert "median step-time error" in payload["refused"] and payload["record_path"] is None
+    assert not [r for r in caplog.records if "fidelity record" in r.getMessage()]
+    assert payload["margins"]["prefer_seed_within"] == SearchConfig().prefer_seed_within
+    assert f"Not stored: {payload['refused']}." in render_check(payload)
+
+
 def test_a_check_whose_repeated_measurement_agrees_is_stored_and_says_how_to_undo_it(tmp_path, monkeypatch):
     from autodist.cli import render_check
     from autodist.planner.offline import offline_search_config as _search_config

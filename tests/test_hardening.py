@@ -3,7 +3,8 @@ backward, control flow that differs between steps or ranks, a failing rank, real
 (``nn.MultiheadAttention``), mixed parameter dtypes, optimizers built before wrapping, and hooks
 that stay scoped to the wrapped model.
 
-Tolerances as test_shard: 2e-5 in float32; bf16 compute 3e-2.
+Tolerances as test_shard: 2e-5 in float32; bf16 compute 1e-4 against a reference computing as the
+policy does.
 """
 
 from __future__ import annotations
@@ -198,18 +199,19 @@ def test_pytorch_transformer_layers_train_under_sharded_plans(world2):
 
 
 def test_pytorch_transformer_layers_under_ddp_with_bf16(world2):
-    check(world2.run(run_case, Case(model="torch-transformer", plan="ddp", bf16=True)), atol=3e-2)
+    check(world2.run(run_case, Case(model="torch-transformer", plan="ddp", bf16=True)), atol=1e-4)
 
 
 def test_batch_norm_models_train_in_bf16_under_every_built_in_plan(world2):
     """[Note: batch norm keeps its dtype]: a bf16 policy on a model with BatchNorm (a ResNet) failed
     its first forward under every plan; BatchNorm's parameters now stay float32 and the model trains
     as a single process computing the same way does (bf16 copies of the other parameters, float32
-    gradients), running statistics included."""
+    gradients), running statistics included. (Against a float32 reference the gradients differ by
+    up to 0.1 here: bf16's own error on this model.)"""
     plans = ("ddp", "fsdp", "zero2")
-    results = world2.run(run_cases, [Case(model="resnet", plan=p, bf16=True, bf16_reference=True) for p in plans])
+    results = world2.run(run_cases, [Case(model="resnet", plan=p, bf16=True) for p in plans])
     for i in range(len(plans)):
-        check([r[i] for r in results], atol=1e-3)
+        check([r[i] for r in results], atol=1e-4)
 
 
 def test_float32_and_float64_parameters_match_the_reference_when_sharded(world2):

@@ -232,7 +232,9 @@ def _payload(
     if req.record and refused is None:
         path = Cache(req.cache_dir).put("fidelity", machine_key(facts), record.to_json())
         stored = str(path) if path else None
-    cfg = SearchConfig.for_machine(record)
+    # the margins plan="auto" takes from it; a refused record is never stored, and so changes nothing
+    # (for_machine would warn about it as if it were stored)
+    cfg = SearchConfig() if refused is not None else SearchConfig.for_machine(record)
     return {
         "model": req.model, "world_size": world, "device": facts["device_name"], "backend": facts["backend"],
         "input_shape": list(req.input_shape), "accum": req.accum, "steps": req.steps, "passes": PASSES,
