@@ -412,6 +412,9 @@ class _FakeClock:
     def seconds(self, a: float, b: float) -> float:
         return b - a
 
+    def host_seconds(self, a: float, b: float) -> float:
+        return b - a  # the issuing thread's time is the device's here, as on a CPU
+
 
 def test_the_profilers_own_time_is_scaled_out_of_the_units_times():
     """Traced passes whose forward took 10 and backward 20 (time units) where the same passes with
@@ -432,8 +435,11 @@ def test_the_profilers_own_time_is_scaled_out_of_the_units_times():
         clock.now += 4.0
         return _Loss()
 
-    scale = _tracer_scale(raw, clock, forward_loss, repeats=3)
+    bare: dict[str, float] = {}
+    scale = _tracer_scale(raw, clock, forward_loss, repeats=3, bare=bare)
     assert scale == pytest.approx((0.4, 0.75))
+    # the untraced passes, kept for the profile's meta (on an accelerator, with the host's own)
+    assert bare == pytest.approx({"forward": 4.0, "backward": 15.0, "host_forward": 4.0, "host_backward": 15.0})
     attr = _attribute(p, clock, 0.0, 10.0, 30.0, ["a", "b"], scale)
     assert attr["fwd"] == pytest.approx({"a": 0.4 * 6, "b": 0.4 * 2})
     assert attr["pre_fwd"] + attr["post_fwd"] + sum(attr["fwd"].values()) == pytest.approx(4.0)

@@ -723,12 +723,16 @@ def _phases(mine: dict[str, dict]) -> list[str]:
         measured = {k: statistics.median(p.get(k, 0.0) for p in extra["phase_s"]) for k in ("forward", "backward", "optimizer")}
         pred, model = extra.get("predicted_phase_s") or {}, extra.get("predicted_model_s") or {}
         parts = []
+        host = any(f"host_{k}" in model for k in measured)
         for k, v in measured.items():
             cell = f"{k} {v * 1e3:.1f}"
             if k in pred:
-                cell += f" / {pred[k] * 1e3:.1f}" + (f" ({model[k] * 1e3:.1f})" if k in model else "")
+                cell += f" / {pred[k] * 1e3:.1f}"
+                if k in model:
+                    issued = f", host {model[f'host_{k}'] * 1e3:.1f}" if f"host_{k}" in model else ""
+                    cell += f" (model {model[k] * 1e3:.1f}{issued})"
             parts.append(cell)
-        what = "measured / predicted (model)" if pred else "measured"
+        what = "measured / predicted (the profile's model time" + (", and the host's time issuing it" if host else "") + ")" if pred else "measured"
         out.append(f"  {name} phases, ms, {what}: " + ", ".join(parts))
     return out
 

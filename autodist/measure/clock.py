@@ -9,7 +9,8 @@ import torch
 
 
 class Clock:
-    """CUDA events on CUDA (resolved after the pass). On the CPU, with one intra-op thread (as every
+    """CUDA events on CUDA (resolved after the pass; each mark also holds the host's wall time,
+    :meth:`host_seconds`). On the CPU, with one intra-op thread (as every
     rank under torchrun computes), the thread's CPU time: it counts the computation and not the
     time the thread waited — for a core another process held, or for a collective — so a busy host
     does not inflate the profile (see [Note: timing on a noisy host] in autodist/measure/trace.py);
@@ -24,11 +25,19 @@ class Clock:
         if self.cuda:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
-            return e
+            return e, time.perf_counter()
         return self._now()
 
     def seconds(self, a: Any, b: Any) -> float:
         if self.cuda:
             torch.cuda.synchronize()
-            return a.elapsed_time(b) / 1e3
+            return a[0].elapsed_time(b[0]) / 1e3
+        return b - a
+
+    def host_seconds(self, a: Any, b: Any) -> float:
+        """The issuing thread's wall time between two marks: on CUDA what the host took to issue the
+        work between them (it runs ahead of the device where the device sets the pace, and the
+        device waits for it where the host does); elsewhere :meth:`seconds`."""
+        if self.cuda:
+            return b[1] - a[1]
         return b - a

@@ -400,7 +400,7 @@ def _attribute(pass_: _Pass, clock: Clock, t0: Any, t_fwd_end: Any, t_bwd_end: A
 
 
 def _tracer_scale(raw: list[tuple[_Pass, Any, Any, Any]], clock: Clock, forward_loss: Callable[[], torch.Tensor | None],
-                  repeats: int) -> tuple[float, float]:
+                  repeats: int, bare: dict[str, float] | None = None) -> tuple[float, float]:
     """What the traced passes' forward and backward intervals are multiplied by so that they sum to
     the time of the same passes with the tracer not recording (its hooks return at once; the
     gradient hook still frees each gradient as it arrives, so memory stays that of one step).
@@ -419,6 +419,8 @@ def _tracer_scale(raw: list[tuple[_Pass, Any, Any, Any]], clock: Clock, forward_
         return 1.0, 1.0
     bare_f: list[float] = []
     bare_b: list[float] = []
+    host_f: list[float] = []
+    host_b: list[float] = []
     for _ in range(max(3, repeats)):
         t0 = clock.mark()
         loss = forward_loss()
@@ -429,6 +431,11 @@ def _tracer_scale(raw: list[tuple[_Pass, Any, Any, Any]], clock: Clock, forward_
         del loss
         bare_f.append(clock.seconds(t0, t_fwd))
         bare_b.append(clock.seconds(t_fwd, t_bwd))
+        host_f.append(clock.host_seconds(t0, t_fwd))
+        host_b.append(clock.host_seconds(t_fwd, t_bwd))
+    if bare is not None:  # the bare passes' medians: on the device's clock and the issuing thread's
+        bare.update(forward=statistics.median(bare_f), backward=statistics.median(bare_b),
+                    host_forward=statistics.median(host_f), host_backward=statistics.median(host_b))
     traced_f = statistics.median(clock.seconds(t0, tf) for _, t0, tf, _ in raw)
     traced_b = statistics.median(clock.seconds(tf, tb) for _, _, tf, tb in raw)
     f = min(1.0, statistics.median(bare_f) / traced_f) if traced_f > 0 else 1.0
@@ -468,6 +475,9 @@ class _Passes:
     peaks: dict[str, tuple[int, int]]
     library: int
     scale: tuple[float, float] = (1.0, 1.0)  # forward and backward intervals scaled by, to take the profiler's time out
+    # the untraced passes' forward and backward, on the device's clock and the issuing thread's
+    # (``forward``, ``backward``, ``host_forward``, ``host_backward``; see :func:`_tracer_scale`)
+    bare: dict[str, float] = field(default_factory=dict)
 
 
 def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer, clock: Clock,
@@ -481,6 +491,7 @@ def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer
     last: _Pass | None = None
     out_fp32 = 0
     scale = (1.0, 1.0)
+    bare: dict[str, float] = {}
 
     try:
         with _preserved(module, device), computing_in(module, compute_dtype):
@@ -530,11 +541,11 @@ def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer
                 for _ in range(repeats):
                     attr, last = one_pass()
                     results.append(attr)
-            scale = _tracer_scale(raw, clock, lambda: loss_fn(module(*inputs, **kwargs)), min(repeats, len(results)))
+            scale = _tracer_scale(raw, clock, lambda: loss_fn(module(*inputs, **kwargs)), min(repeats, len(results)), bare)
             results = [_attribute(p, clock, t0, tf, tb, unit_names, scale) for p, t0, tf, tb in raw]
     finally:
         tracer.close()
-    return _Passes(results, counted, last, out_fp32, peaks, library, scale)
+    return _Passes(results, counted, last, out_fp32, peaks, library, scale, bare)
 
 
 def _optimizer_and_contention(
@@ -687,6 +698,9 @@ def profile_model(
             **({"compute_dtype": str(compute_dtype).replace("torch.", "")} if compute_dtype is not None else {}),
             "spread": round(_spread(results), 4), "noisy": _spread(results) > NOISY_SPREAD, **contention_meta,
             "tracer_scale": [round(passes.scale[0], 4), round(passes.scale[1], 4)],
+            # on an accelerator, the untraced passes on the device's clock and the issuing thread's:
+            # a host time near the device's is a step the host's dispatch sets the pace of
+            **({"bare_pass_s": {k: round(v, 6) for k, v in passes.bare.items()}} if device.type == "cuda" and passes.bare else {}),
             # the memory pass, the timed passes and the tracer's own time, together
             "passes_seconds": round(passes_seconds, 3),
         },

@@ -270,6 +270,9 @@ def annotate(
             "forward": profile.pre_fwd_s + profile.post_fwd_s + sum(u.fwd_s for u in profile.units),
             "backward": profile.pre_bwd_s + profile.post_bwd_s + sum(u.bwd_s for u in profile.units),
         }
+        bare = profile.meta.get("bare_pass_s") or {}
+        if "host_forward" in bare and "host_backward" in bare:  # on an accelerator: what issuing the model took the host
+            plan.predicted["model_seconds"].update(host_forward=bare["host_forward"], host_backward=bare["host_backward"])
         plan.predicted["exposed_comm_seconds"] = r.exposed_comm_s
     if plan.compile:  # the one-off cost of compiling its blocks, apart from the step
         plan.predicted["compile_seconds"] = sum(c.compile_s for b, c in profile.compiled_blocks.items() if b in plan.compile)
