@@ -563,11 +563,12 @@ def test_a_contention_measurement_whose_rounds_spread_takes_more_rounds_and_keep
     assert got.slowdown == pytest.approx(1.0)  # the model's own: 1, 4, 1, ... (five of nine at 1)
 
 
-def _contention_rounds_per_cell():
+def _contention_rounds_per_cell(seconds_per_round: float = 0.0):
     """The sweep's contention loop with each round's figures given (``_contention_round`` replaced):
     a small all-reduce steady on both ranks, a 1 MiB all-gather steady on rank 0 and not on rank 1,
     a 4 MiB reduce-scatter whose rounds spread a little on both, and a 64 MiB all-reduce (its
-    rounds fewer whatever they read). Returns the rounds each cell took and the rows."""
+    rounds fewer whatever they read). ``seconds_per_round``: what each round advances the clock the
+    loop reads its time from. Returns the rounds each cell took and the rows."""
     import itertools
 
     import autodist.measure.sweep as measure_sweep
@@ -581,8 +582,11 @@ def _contention_rounds_per_cell():
         "long": itertools.repeat((1.2, 1.1, 1.0)),
     }
 
+    now = [0.0]
+
     def fake_round(issue, t_op, k, one, work_q, group, device, collect_s):
         taken[issue] = taken.get(issue, 0) + 1
+        now[0] += seconds_per_round
         return next(figures[issue])
 
     real = measure_sweep._contention_round
@@ -592,11 +596,28 @@ def _contention_rounds_per_cell():
                  ("reduce_scatter", 4 << 20, "a little apart"), ("all_reduce", 64 << 20, "long")]
         rows, rounds = measure_sweep._contention(
             dist.group.WORLD, torch.device("cpu"), {op: (lambda n: 1e-3) for op in ("all_reduce", "all_gather", "reduce_scatter")},
-            {}, cells)
+            {}, cells, clock=lambda: now[0])
     finally:
         measure_sweep._contention_round = real
     assert rounds == sum(taken.values())
     return [taken[c[2]] for c in cells], rows
+
+
+def test_contention_rounds_begin_no_more_once_their_time_is_up(world2):
+    """[Note: contention rounds within a time], with injected figures and a clock each round
+    advances: past the fewest rounds, the first round count whose rounds have taken
+    CONTENTION_MAX_SECONDS ends every cell, on both ranks alike; the cells keep the rounds they have."""
+    from autodist.measure.sweep import CONTENTION_MAX_SECONDS, CONTENTION_MIN_ROUNDS
+
+    # four cells a round (then three: the steady one settles at the fewest), a second each: past
+    # the fewest rounds (3 x 4 = 12 s) the time is up at once
+    per_round = CONTENTION_MAX_SECONDS / 8
+    (taken0, rows0), (taken1, rows1) = world2.run(_contention_rounds_per_cell, per_round)
+    assert taken0 == taken1 == [CONTENTION_MIN_ROUNDS] * 4
+    assert rows0 == rows1 and rows0["all_reduce"][0] == [float(64 << 10), 2.0, 3.0, 1.5]
+    # rounds quick enough leave the spread alone to decide (the test below)
+    (quick0, _), _ = world2.run(_contention_rounds_per_cell, 1e-6)
+    assert quick0[1] > CONTENTION_MIN_ROUNDS
 
 
 def test_contention_cells_take_rounds_until_their_figures_are_known_on_every_rank(world2):

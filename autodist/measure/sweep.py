@@ -704,6 +704,7 @@ CONTENTION_REACH = 2.0  # a model's largest message up to this many times the la
 CONTENTION_MIN_ROUNDS = 3  # each (kind, size) is measured in at least this many interleaved rounds (trimmed_mean) ...
 CONTENTION_MAX_ROUNDS = 8  # ... and at most this many, while a figure's standard error ...
 CONTENTION_REL_SE = 0.12  # ... exceeds this fraction of it ([Note: repeating until the estimate is known] in robust.py)
+CONTENTION_MAX_SECONDS = 8.0  # ... and no round begins past the fewest once the rounds have taken this long
 CONTENTION_LONG_BYTES = 64 << 20  # messages of this size and more ...
 CONTENTION_LONG_ROUNDS = 3  # ... take this many rounds at most (their median; see [Note: stable contention figures])
 CONTENTION_BUSY_S = 0.01  # each full-overlap measurement runs collectives of at least this much base time ...
@@ -751,7 +752,7 @@ def product_rate(one: Callable[[], None], seconds: float, device: torch.device) 
 
 def _contention(
     group: dist.ProcessGroup, device: torch.device, ops: dict[str, OpModel], collect: dict[str, float],
-    cells: list[tuple[str, int, Any]],
+    cells: list[tuple[str, int, Any]], clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[dict[str, list[list[float]]], int]:
     """Per collective kind and message size of ``cells`` ((kind, message bytes, issue)): [bytes,
     compute slowdown while it runs, its slowdown while compute runs, its wait figure], as measured
@@ -783,8 +784,18 @@ def _contention(
     5.9-11.1, and ``tools/sweepcheck.py`` measures how far that moves predictions. Completion is
     seen by a waiter thread (gloo's list reduce-scatter cannot be polled), so the compute thread
     notices it within one product.
+
+    [Note: contention rounds within a time] Past the fewest rounds, no round begins once the
+    rounds have taken ``CONTENTION_MAX_SECONDS`` (by ``clock``, the longest of the ranks'): on a
+    disturbed host, whose cells never settle, the most rounds of every cell took 15-18 s of a 37 s
+    first launch on 2 CPU ranks, to narrow figures that move 8-11% from one sweep to the next anyway
+    ([Note: contention rounds until the figures are known]). A cell cut so keeps the trimmed mean of
+    the rounds it has, as one that reached its most rounds unsettled does; the comm model's meta
+    has the rounds taken beside the fewest and the most there could be. A steady host's cells
+    settle before the time is up.
     """
     one = reference_product(device)
+    start = clock()
     ratios: list[list[tuple[float, float, float]]] = [[] for _ in cells]
     # ops, hence each train's calls, agree across ranks; after the first round, the slowest rank's
     # slowdowns of that round do too (see [Note: a train of bounded length])
@@ -797,7 +808,10 @@ def _contention(
                 first = _max_over_ranks([rs[0][1] for rs in ratios], group, device)
                 calls = [train_calls(t_op, slow) for t_op, slow in zip(t_ops, first)]
             if r >= CONTENTION_MIN_ROUNDS:
-                settled = settled_cells(ratios, _max_over_ranks([rounds_uncertainty(rs) for rs in ratios], group, device))
+                agreed = _max_over_ranks([*(rounds_uncertainty(rs) for rs in ratios), clock() - start], group, device)
+                settled = settled_cells(ratios, agreed[:-1])
+                if agreed[-1] >= CONTENTION_MAX_SECONDS:  # every rank alike ([Note: contention rounds within a time])
+                    break
             todo = [i for i, (_, nbytes, _) in enumerate(cells) if r < contention_rounds(nbytes) and not settled[i]]
             if not todo:
                 break  # the same on every rank: the figures are agreed, the counts depend on the sizes
