@@ -214,3 +214,64 @@ def test_offloaded_state_stays_on_the_host_until_the_synchronising_backward(worl
     for start, after0, after1, after_sync in world2.run(_device_bytes_over_micro_batches):
         assert after0 == after1 == start
         assert after_sync > start
+
+
+def _tied_peak() -> tuple[int, int, int]:
+    """A GPT whose output layer is its embedding (``head.weight is wte.weight``), replicated, all of
+    its Adam state offloaded and copied back at its first backward unit, so that the step's peak
+    falls late in backward: (predicted peak, measured peak, the embedding's bytes)."""
+    from autodist.cost.comm import CommModel
+    from autodist.cost.simulator import Simulator
+    from autodist.measure.memory import measure_step_peak
+    from autodist.measure.trace import profile_model
+    from autodist.sched.space import PlanSpace
+    from autodist.structure import discover
+    from autodist.zoo import GPT
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return GPT(8192, 128, 2, 2, 32)
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x, y = torch.randint(0, 8192, (1, 32), generator=gen), torch.randint(0, 8192, (1, 32), generator=gen)
+    plain = build()
+    structure = discover(plain)
+    assert structure.params["wte.weight"].sites == (("wte", "weight"), ("head", "weight"))
+    prof = profile_model(plain, structure, (x,), device=torch.device("cpu"), repeats=1, loss_fn=lambda out: loss(out, y))
+    space = PlanSpace(structure, 2, [u.name for u in prof.units], prof.ready_order, state_names=STATES["adamw"])
+    first_backward = f"backward:{structure.units[-1].name}"
+    plan = dataclasses.replace(space.to_plan(space.ddp()), offload=[
+        OffloadFragment(p, s, (0, info.numel), "step", first_backward) for p, info in structure.params.items() for s in STATES["adamw"]
+    ])
+    comm = CommModel.analytic(2, bandwidth_bytes_s=1e9, latency_s=1e-4)
+    predicted = Simulator(prof, structure, comm, world_size=2).run(plan).peak_bytes
+    model = AutoDist(build(), plan=plan)
+    opt = _opt("adamw", model.parameters())
+
+    def step() -> None:
+        loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+
+    def live() -> list[torch.Tensor]:
+        held = list(model.runtime.held_tensors()) + [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
+        return held + [p.grad for p in model.parameters() if p.grad is not None] + [x, y]
+
+    measured = measure_step_peak(step, torch.device("cpu"), live)
+    model.close()
+    return predicted, measured, structure.params["wte.weight"].nbytes
+
+
+def test_a_tied_parameters_first_gradient_is_held_through_backward(world2):
+    """[Note: a tied parameter's first gradient]: the output layer's contribution to the embedding's
+    gradient waits in autograd for the embedding's own until the end of backward. With the peak
+    there (the optimizer state copied back early in backward) the prediction was the embedding's
+    4 MiB short (30.1 against 34.1 MiB measured); now it is within 0.1%."""
+    for predicted, measured, embedding in world2.run(_tied_peak):
+        assert abs(predicted - measured) <= 0.001 * measured, (predicted, measured, embedding)

@@ -317,6 +317,8 @@ class StepEmitter:
         back_at = self.offload.back_at if sync else {}
         uprof, bwd_name, bwd_fire, site_uses, uses = sim.uprof, self.bwd_name, self.bwd_fire, sim.site_uses, sim.uses
         hook_s, grad_hook_s = self.hook_s, self.grad_hook_s
+        held_grads = sim.held_grads  # [Note: a tied parameter's first gradient] in cost/simulator.py
+        holding: dict[str, int] = {}
         ready_at_start, ready_at_end = self.ready_at_start, self.ready_at_end
         before, after, block_last_bwd = rc.before, rc.after, rc.block_last_bwd
         group_of_unit, ensure, backward_ended = gathers.group_of_unit, gathers.ensure, gathers.backward_ended
@@ -329,6 +331,10 @@ class StepEmitter:
                 self.offload.copy_back(back_at[f"backward:{u}"])
             if u in site_uses:
                 gathers.ensure_owners(site_uses[u])
+            for owner, nbytes in held_grads.get(u, ()):
+                if owner not in begun and owner != u:  # the owner's backward, and its sum, come later
+                    emit((MEM, nbytes, GRADIENTS))
+                    holding[owner] = holding.get(owner, 0) + nbytes
             for owner in uses[u]:  # gathered for its backward (a gathered group needs nothing)
                 grp = group_of_unit.get(owner)
                 if grp is not None and grp.state != "gathered":
@@ -341,6 +347,8 @@ class StepEmitter:
             if up is not None:
                 emit((COMPUTE, max(0.0, up.bwd_s + hook_s.get(u, 0.0) + grad_hook_s.get(u, 0.0)), name, up.bwd_peak_bytes))
                 emit((MEM, -up.act_bytes, ACTIVATIONS))
+            if u in holding:
+                emit((MEM, -holding.pop(u), GRADIENTS))
             for p in ready_at_start.get(u, ()):
                 gathers_ready(p)
                 reductions_ready(p, sync)
