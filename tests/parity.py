@@ -23,7 +23,7 @@ import models
 from autodist import AutoDist, MixedPrecision
 from autodist.builtins import block_groups
 from autodist.plan import Bucket, GatherGroup, Plan, Prefetch, UnitPlan
-from autodist.runtime.precision import keeps_dtype
+from autodist.runtime.precision import cast_by_policy
 from autodist.structure import discover
 
 
@@ -334,8 +334,7 @@ def as_policy(model: torch.nn.Module, on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    own = {id(p) for m in model.modules() if keeps_dtype(m) for p in m.parameters(recurse=False)}
-    kept = [(p, p.data, p.grad) for p in model.parameters() if p.is_floating_point() and id(p) not in own]
+    kept = [(p, p.data, p.grad) for p in cast_by_policy(model, torch.bfloat16)]
     for p, data, _ in kept:
         p.grad = None
         p.data = data.to(torch.bfloat16)

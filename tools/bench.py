@@ -374,21 +374,23 @@ def _device(args: argparse.Namespace) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
 
 
-def _phase_clock(device: torch.device) -> Callable[[], float]:
-    """Seconds since the last call (the first: since this was made), the device drained first."""
+def _phase_clock(device: torch.device, phases: dict[str, float] | None) -> Callable[[str], None]:
+    """``lap(phase)``: add the seconds since the last lap (the first: since this was made) to
+    ``phases[phase]``, the device drained first; without ``phases``, nothing (nor any drain)."""
+    if phases is None:
+        return lambda phase: None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     last = [time.perf_counter()]
 
-    def mark() -> float:
+    def lap(phase: str) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         now = time.perf_counter()
-        d, last[0] = now - last[0], now
-        return d
+        phases[phase] = phases.get(phase, 0.0) + now - last[0]
+        last[0] = now
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        last[0] = time.perf_counter()
-    return mark
+    return lap
 
 
 def _build(workload: Any, contender: Contender, batches: list, args: argparse.Namespace):
@@ -401,21 +403,18 @@ def _build(workload: Any, contender: Contender, batches: list, args: argparse.Na
     def step(x: torch.Tensor, y: torch.Tensor, phases: dict[str, float] | None = None) -> None:
         """One optimizer step; ``phases``: add each phase's wall time to it (forward with the loss,
         backward, optimizer), the device synchronized at each boundary."""
-        mark = _phase_clock(device) if phases is not None else None
+        lap = _phase_clock(device, phases)
         n = args.accum
         for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):  # n micro-batches per optimizer step
             with contender.micro_batch(model, i == n - 1):
                 loss = workload.loss(model(xm), ym).div(n)
-                if mark is not None and phases is not None:
-                    phases["forward"] = phases.get("forward", 0.0) + mark()
+                lap("forward")
                 loss.backward()
-                if mark is not None and phases is not None:
-                    phases["backward"] = phases.get("backward", 0.0) + mark()
+                lap("backward")
         opt.step()
         contender.after_step(model)
         opt.zero_grad(set_to_none=True)
-        if mark is not None and phases is not None:
-            phases["optimizer"] = phases.get("optimizer", 0.0) + mark()
+        lap("optimizer")
 
     return model, opt, step
 

@@ -152,11 +152,11 @@ class Simulator:
         self.block_of = {u.name: u.block for u in structure.units}
         # modules that register parameters of other units but own none (a tied output layer)
         self.site_uses: dict[str, list[str]] = {}
+        site_params: dict[str, list[str]] = {}  # the unit such a module follows -> the parameters it registers
         for mname, after in profile.site_after.items():
-            owners = [
-                unit_of_param[p] for p, info in structure.params.items() for m, _ in info.sites if m == mname
-            ]
-            for owner in dict.fromkeys(owners):
+            params = [p for p, info in structure.params.items() if any(m == mname for m, _ in info.sites)]
+            site_params.setdefault(after, []).extend(params)
+            for owner in dict.fromkeys(unit_of_param[p] for p in params):
                 self.site_uses.setdefault(after, []).append(owner)
         # per-parameter sizes
         self.numel = {n: p.numel for n, p in structure.params.items()}
@@ -178,11 +178,10 @@ class Simulator:
         # backward. Measured on the zoo's gpt (an 8192 x 256 embedding, 8 MiB): a plan whose peak
         # falls late in backward (optimizer state copied back there) measured 104.7 MiB against
         # 96.7 predicted without it, 96.7 + 8 with it (docs/fidelity.md, "Version 16").
-        self.held_grads: dict[str, list[tuple[str, int]]] = {}  # unit the site follows -> [(owner unit, bytes)]
-        for mname, after in profile.site_after.items():
-            for pname, info in structure.params.items():
-                if info.requires_grad and any(m == mname for m, _ in info.sites):
-                    self.held_grads.setdefault(after, []).append((unit_of_param[pname], self.compute_bytes[pname]))
+        self.held_grads: dict[str, list[tuple[str, int]]] = {  # unit the site follows -> [(owner unit, bytes)]
+            after: [(unit_of_param[p], self.compute_bytes[p]) for p in params if structure.params[p].requires_grad]
+            for after, params in site_params.items()
+        }
         self.shard_numel = {n: self._shard_numel(n) for n in self.numel}
         self.full_padded_bytes = {n: world_size * self.shard_numel[n] * self._compute_itemsize(n) for n in self.numel}
         self._time_cache: dict[tuple[str, int], float] = {}
@@ -398,16 +397,13 @@ class Simulator:
         optimizer as the program charges them, waits for collectives not included: what a step
         timed phase by phase is compared with (``tools/bench.py`` records both)."""
         program = self.compile(plan)
-        bounds = [*program.sections, (len(program.prog), "")]
+        bounds = [(0, "forward"), *program.sections, (len(program.prog), "")]  # what precedes the first section is forward's
         out = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
-        phase = "forward"
         for (start, name), (end, _) in zip(bounds, bounds[1:]):
             head = name.split(" @")[0]
             phase = ("optimizer" if head == "optimizer" else "forward" if head in ("forward", "loss") or head.startswith("fwd ")
                      else "backward")
             out[phase] += sum(ins[1] for ins in program.prog[start:end] if ins[0] == COMPUTE)
-        first = bounds[0][0] if bounds else 0
-        out["forward"] += sum(ins[1] for ins in program.prog[:first] if ins[0] == COMPUTE)
         return out
 
     def compile(self, plan: Plan) -> Program:

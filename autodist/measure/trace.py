@@ -35,7 +35,7 @@ from .._tree import output_leaves
 from ..cost.profile import CompiledBlockProfile, OptimizerProfile, Profile, UnitProfile, estimated_loss_memory
 from ..runtime.backward import in_backward
 from ..runtime.compiled import compiled_by_user
-from ..runtime.precision import keeps_dtype
+from ..runtime.precision import cast_by_policy, cast_floats
 from ..structure import ModelStructure
 from .clock import Clock
 from .contention import contended_slowdown
@@ -319,8 +319,7 @@ def computing_in(module: nn.Module, dtype: torch.dtype | None) -> Iterator[None]
     if dtype is None:
         yield
         return
-    own = {id(p) for m in module.modules() if keeps_dtype(m) for p in m.parameters(recurse=False)}
-    kept = [(p, p.data) for p in module.parameters() if p.is_floating_point() and p.dtype != dtype and id(p) not in own]
+    kept = [(p, p.data) for p in cast_by_policy(module, dtype)]
     with torch.no_grad():
         for p, data in kept:
             p.data = data.to(dtype)
@@ -330,12 +329,6 @@ def computing_in(module: nn.Module, dtype: torch.dtype | None) -> Iterator[None]
         for p, data in kept:
             p.data = data
             p.grad = None  # a gradient of the copy, in its dtype
-
-
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree)
 
 
 def _attribute(pass_: _Pass, clock: Clock, t0: Any, t_fwd_end: Any, t_bwd_end: Any, units: list[str],
@@ -619,7 +612,7 @@ def profile_model(
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs)
     kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in (example_kwargs or {}).items()}
     if compute_dtype is not None and cast_inputs:
-        inputs, kwargs = _cast_floating((inputs, kwargs), compute_dtype)
+        inputs, kwargs = cast_floats((inputs, kwargs), compute_dtype)
     clock = Clock(device)
     unit_names = [u.name for u in structure.units]
     tracer = UnitTracer(module, structure, clock)

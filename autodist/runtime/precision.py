@@ -78,6 +78,13 @@ def keeps_dtype(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.batchnorm._BatchNorm)
 
 
+def cast_by_policy(module: nn.Module, dtype: torch.dtype) -> list[nn.Parameter]:
+    """The parameters of ``module`` a policy computing in ``dtype`` makes copies of: the
+    floating-point ones of another dtype, but those of modules that keep theirs (:func:`keeps_dtype`)."""
+    own = {id(p) for m in module.modules() if keeps_dtype(m) for p in m.parameters(recurse=False)}
+    return [p for p in module.parameters() if p.is_floating_point() and p.dtype != dtype and id(p) not in own]
+
+
 def cast_floats(tree: T, dtype: torch.dtype) -> T:
     """``tree`` with its floating-point tensors in ``dtype`` (the same containers)."""
     from torch.utils._pytree import tree_map
