@@ -1,7 +1,7 @@
 """Timelines of one training step — simulated or measured — as Chrome traces and PNG plots.
 
-A :class:`Timeline` is a list of intervals on named streams (``compute``, ``comm``, ``copy``) plus a
-memory curve. ``from_simulation`` converts a simulator result; ``from_profiler_trace`` converts a
+A :class:`Timeline` is a list of intervals on named streams (``compute``, ``comm``, ``copy``, and
+``host`` for an asynchronous device) plus a memory curve. ``from_simulation`` converts a simulator result; ``from_profiler_trace`` converts a
 ``torch.profiler`` Chrome trace of a real step (the runtime labels its collectives and hooks
 ``autodist::…``; gloo runs collectives on its own threads, recorded as ``gloo:…``), so a simulated
 and a measured step of the same plan can be laid side by side. ``to_chrome_trace`` writes JSON that
@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-STREAMS = ("compute", "comm", "copy")
+STREAMS = ("compute", "comm", "copy", "host")
 
 
 @dataclass
@@ -193,7 +193,8 @@ def _short_name(iv: Interval, kind: str) -> str:
 def lanes(timeline: Timeline) -> list[tuple[str, list[Interval]]]:
     """Rows of the picture, top to bottom: the compute stream split at the start of backward into
     ``compute: forward`` and ``compute: backward`` (the optimizer step is in the second), then
-    ``comm`` and ``copy``; rows with nothing in them are left out."""
+    ``comm``, ``copy`` and, on an asynchronous device, ``host`` (what the host thread spent issuing
+    each segment); rows with nothing in them are left out."""
     compute = [i for i in timeline.intervals if i.stream == "compute"]
     starts = [i.start for i in compute if i.name == "loss backward" or i.name.startswith("bwd ")]
     rows: list[tuple[str, list[Interval]]] = []

@@ -50,6 +50,7 @@ def _check_with_injected_timings(tmp_path: Path, monkeypatch, *, repeat_factor: 
     sweep the check ran."""
     import autodist.measure.fidelity as measure_fidelity
     import autodist.measure.sweep as measure_sweep
+    import autodist.planner.online  # noqa: F401  (imported first: it binds the real sweep, not the patched one below)
     from autodist.cli import build_parser, cmd_check
     from autodist.cost.comm import CommModel
 

@@ -405,6 +405,7 @@ class _FakeClock:
 
     def __init__(self) -> None:
         self.now = 0.0
+        self.leads: list[float] = []  # what each pass asked the device to be held for (Clock.lead)
 
     def mark(self) -> float:
         return self.now
@@ -414,6 +415,9 @@ class _FakeClock:
 
     def host_seconds(self, a: float, b: float) -> float:
         return b - a  # the issuing thread's time is the device's here, as on a CPU
+
+    def lead(self, seconds: float) -> None:
+        self.leads.append(seconds)
 
 
 def test_the_profilers_own_time_is_scaled_out_of_the_units_times():
@@ -436,8 +440,10 @@ def test_the_profilers_own_time_is_scaled_out_of_the_units_times():
         return _Loss()
 
     bare: dict[str, float] = {}
-    scale = _tracer_scale(raw, clock, forward_loss, repeats=3, bare=bare)
-    assert scale == pytest.approx((0.4, 0.75))
+    scale = _tracer_scale(raw, clock, forward_loss, repeats=3, bare=bare, lead=7.0)
+    # on the device's clock and on the host's (the same here), every bare pass led as asked
+    assert scale == pytest.approx((0.4, 0.75, 0.4, 0.75)) and clock.leads == [7.0] * 3
+    scale = scale[:2]
     # the untraced passes, kept for the profile's meta (on an accelerator, with the host's own)
     assert bare == pytest.approx({"forward": 4.0, "backward": 15.0, "host_forward": 4.0, "host_backward": 15.0})
     attr = _attribute(p, clock, 0.0, 10.0, 30.0, ["a", "b"], scale)
@@ -451,4 +457,4 @@ def test_the_profilers_own_time_is_scaled_out_of_the_units_times():
         clock.now += 12.0
         return _Loss()
 
-    assert _tracer_scale([(p, 0.0, 10.0, 25.0)], clock, slow_forward, repeats=3) == (1.0, 1.0)
+    assert _tracer_scale([(p, 0.0, 10.0, 25.0)], clock, slow_forward, repeats=3) == (1.0, 1.0, 1.0, 1.0)

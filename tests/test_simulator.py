@@ -699,3 +699,80 @@ def test_a_program_is_timed_alone():
     # the staging buffer is held from the issue to the gather's completion, beside the gathered bytes
     assert r.peak_bytes == 150 and not r.feasible
     assert r.breakdown["gathered full parameters"] == 100 and r.breakdown["communication buffers in flight"] == 50
+
+
+def test_an_asynchronous_device_runs_the_host_and_the_compute_stream_on_clocks_of_their_own():
+    """[Note: two clocks on an asynchronous device]: compute instructions with host-only seconds and
+    an issue time, on a device whose kernels run apart from the host, against the same program on a
+    synchronous one (a CPU: every instruction's seconds in turn, the extra fields ignored)."""
+    from autodist.cost.sim.execute import execute
+    from autodist.cost.sim.program import COMPUTE, ISSUE, WAIT, CommOp
+
+    prog = [
+        (COMPUTE, 3 * MS, "a", 0, 1 * MS, 1 * MS),  # 1 ms of hooks, 1 ms issuing 2 ms of kernels
+        (ISSUE, 0),  # a 4 ms all-reduce
+        (COMPUTE, 10 * MS, "b", 0, 0.0, 1 * MS),
+        (COMPUTE, 5 * MS, "hooks", 0, 5 * MS, 0.0),  # the host's alone
+        (WAIT, 0),
+        (COMPUTE, 1 * MS, "c", 0, 0.0, 6 * MS),  # issuing it takes the host longer than running it
+    ]
+
+    def run(asynchronous):
+        ops = [CommOp("all_reduce", "r", 1000, 4 * MS, 0)]
+        return execute(prog, ops, [0] * 7, comm=COMM, sensitivity=1.0, budget=None, record=True,
+                       asynchronous=asynchronous)
+
+    gpu = run(True)
+    # host: a 0..2, b 2..3, hooks 3..8, c 8..14. Device: a's 2 ms 0..2; the all-reduce 2..6 beside
+    # b 2..12; the wait finds it done; c starts at 12 (the host began issuing it at 8), runs to 13
+    # and ends when the host has issued the last of it, 14: 1 ms waiting for the host
+    assert gpu.step_s == pytest.approx(14 * MS)
+    assert gpu.compute_s == pytest.approx(13 * MS) and gpu.host_s == pytest.approx(14 * MS)
+    assert gpu.host_bound_s == pytest.approx(1 * MS) and gpu.exposed_comm_s == pytest.approx(0.0)
+    comm_event = next(e for e in gpu.events if e.stream == "comm")
+    assert (comm_event.start, comm_event.end) == (pytest.approx(2 * MS), pytest.approx(6 * MS))
+    host = [(e.name, round(e.start / MS, 6), round(e.end / MS, 6)) for e in gpu.events if e.stream == "host"]
+    assert host == [("a", 0, 2), ("b", 2, 3), ("hooks", 3, 8), ("c", 8, 14)]
+    cpu = run(False)
+    # one clock: a 0..3, the all-reduce 3..7 beside b 3..13, hooks 13..18, c 18..19
+    assert cpu.step_s == pytest.approx(19 * MS) and cpu.compute_s == pytest.approx(19 * MS)
+    assert cpu.host_s == 0.0 and not [e for e in cpu.events if e.stream == "host"]
+
+
+def test_on_an_asynchronous_device_a_collective_starts_when_the_host_issues_it_and_a_wait_holds_the_stream_only():
+    from autodist.cost.sim.execute import execute
+    from autodist.cost.sim.program import COMPUTE, ISSUE, WAIT, CommOp
+
+    prog = [(COMPUTE, 1 * MS, "a", 0, 0.0, 5 * MS), (ISSUE, 0), (WAIT, 0), (COMPUTE, 1 * MS, "b", 0, 0.0, 1 * MS)]
+    ops = [CommOp("all_reduce", "r", 1000, 4 * MS, 0)]
+    r = execute(prog, ops, [0] * 7, comm=COMM, sensitivity=1.0, budget=None, record=True, asynchronous=True)
+    # host: a 0..5, b 5..6. Device: a 0..1, idle to 5 (waiting for the host); the all-reduce 5..9,
+    # issued at 5; the stream waits for it; b, issued at 5, runs 9..10. The host never waited.
+    assert ops[0].start == pytest.approx(5 * MS) and ops[0].end == pytest.approx(9 * MS)
+    assert r.step_s == pytest.approx(10 * MS) and r.host_s == pytest.approx(6 * MS)
+    assert r.host_bound_s == pytest.approx(4 * MS) and r.exposed_comm_s == pytest.approx(4 * MS)
+
+
+def test_on_a_gpu_the_runtimes_host_work_hides_under_the_devices_compute():
+    """What a bucket costs the host (its bookkeeping and launch, ``per_bucket_s``) lengthens a CPU
+    step by as much, and a GPU step not at all while the device is the slower clock (measured on one
+    H100: a bf16 GPT whose plan was searched with the bucket's cost on the device's timeline ran
+    27.8 ms against 23.9 for the plan it was predicted to beat: docs/fidelity.md, "Version 17")."""
+    plan = Plan(
+        world_size=2,
+        units=[UnitPlan("u0", ["u0.w"], "replicate"), UnitPlan("u1", ["u1.w"], "replicate")],
+        gather_groups=[],
+        buckets=[Bucket(["u1.w"], "all_reduce"), Bucket(["u0.w"], "all_reduce")],
+    )
+    costly = replace(COMM, overhead={"per_bucket_s": 2 * MS})
+    issued = [replace(u, fwd_host_s=1 * MS, bwd_host_s=1 * MS) for u in PROFILE.units]
+
+    def step(device, comm):
+        return Simulator(replace(PROFILE, units=issued, device=device), STRUCTURE, comm, world_size=2).run(plan).step_s
+
+    # CPU: forward 20; u1's backward 20..40, its bucket 2 ms, all-reduce 42..46 beside u0's
+    # backward 42..62, its bucket 2 ms, all-reduce 64..68, waited for: 68 (64 without the cost)
+    assert step("cpu", costly) == pytest.approx(68 * MS) and step("cpu", COMM) == pytest.approx(64 * MS)
+    # GPU: the host issues each unit in 1 ms and does each bucket's 2 ms while the device computes:
+    # the all-reduces run 40..44 and 60..64, whatever the bucket costs the host
+    assert step("cuda", costly) == pytest.approx(64 * MS) and step("cuda", COMM) == pytest.approx(64 * MS)

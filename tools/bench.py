@@ -442,6 +442,9 @@ def run_contender(workload: Any, contender: Contender, batches: list, args: argp
             "predicted_phase_s": model.plan.predicted.get("phase_seconds"),
             "predicted_model_s": model.plan.predicted.get("model_seconds"),
             "predicted_exposed_comm_s": model.plan.predicted.get("exposed_comm_seconds"),
+            # on an asynchronous device: the host's predicted issuing and the device's wait for it
+            "predicted_host_s": model.plan.predicted.get("host_seconds"),
+            "predicted_waiting_for_host_s": model.plan.predicted.get("waiting_for_host_seconds"),
         })
     try:
         # the last warm-up step is timed by phase, the device drained at each boundary (the timed
@@ -732,7 +735,11 @@ def _phases(mine: dict[str, dict]) -> list[str]:
                     cell += f" (model {model[k] * 1e3:.1f}{issued})"
             parts.append(cell)
         what = "measured / predicted (the profile's model time" + (", and the host's time issuing it" if host else "") + ")" if pred else "measured"
-        out.append(f"  {name} phases, ms, {what}: " + ", ".join(parts))
+        line = f"  {name} phases, ms, {what}: " + ", ".join(parts)
+        if extra.get("predicted_host_s"):  # [Note: two clocks on an asynchronous device]
+            line += (f"; predicted host {extra['predicted_host_s'] * 1e3:.1f} ms, device waiting for it "
+                     f"{(extra.get('predicted_waiting_for_host_s') or 0.0) * 1e3:.1f} ms")
+        out.append(line)
     return out
 
 

@@ -63,7 +63,7 @@ UNDO = "`autodist cache clear --kind fidelity` removes it"
 # Raised whenever the simulator's timing or memory model changes: fidelity records and learned
 # estimators of another version are stale (``autodist check`` measures again). What each version
 # changed is in docs/CHANGELOG.md, what it did to the zoo's predictions in docs/fidelity.md.
-SIMULATOR_VERSION = 16
+SIMULATOR_VERSION = 17
 
 # [Note: the wait calibration] The sweep measures how much slower a collective runs while the
 # compute thread waits for it (the third contention figure) with a single collective, both ranks in

@@ -15,8 +15,8 @@ from typing import Any
 # of the readable schemas load with the newer fields at their defaults (no contention sensitivity,
 # no block saving after its last unit), as the committed records hold them; the cache measures a
 # model of an older schema again.
-PROFILE_SCHEMA_VERSION = 8
-READABLE_PROFILE_SCHEMAS = (3, 4, 5, 6, 7, 8)
+PROFILE_SCHEMA_VERSION = 9
+READABLE_PROFILE_SCHEMAS = (3, 4, 5, 6, 7, 8, 9)
 
 
 @dataclass
@@ -41,6 +41,11 @@ class UnitProfile:
     # whether the unit's forward receives a tensor that requires grad (then the end of its backward is
     # signalled by its inputs' gradients; else by its parameters' — see runtime/backward.py)
     input_requires_grad: bool = True
+    # on an asynchronous device (CUDA): the host's time to issue the unit's forward and backward
+    # ([Note: device and host times of a unit] in autodist/measure/trace.py); 0 on the CPU, whose
+    # ``fwd_s``/``bwd_s`` count the issuing already
+    fwd_host_s: float = 0.0
+    bwd_host_s: float = 0.0
 
 
 @dataclass
@@ -200,6 +205,7 @@ def slowest(profiles: list[Profile]) -> Profile:
             if o is None:
                 continue
             u.fwd_s, u.bwd_s = max(u.fwd_s, o.fwd_s), max(u.bwd_s, o.bwd_s)
+            u.fwd_host_s, u.bwd_host_s = max(u.fwd_host_s, o.fwd_host_s), max(u.bwd_host_s, o.bwd_host_s)
             u.act_bytes = max(u.act_bytes, o.act_bytes)
             u.fwd_peak_bytes = max(u.fwd_peak_bytes, o.fwd_peak_bytes)
             u.bwd_peak_bytes = max(u.bwd_peak_bytes, o.bwd_peak_bytes)
@@ -236,6 +242,8 @@ def typical(profiles: list[Profile]) -> Profile:
         seen = [by[u.name] for by in units if u.name in by]
         u.fwd_s = statistics.median(x.fwd_s for x in seen)
         u.bwd_s = statistics.median(x.bwd_s for x in seen)
+        u.fwd_host_s = statistics.median(x.fwd_host_s for x in seen)
+        u.bwd_host_s = statistics.median(x.bwd_host_s for x in seen)
     for key in ("pre_fwd_s", "post_fwd_s", "pre_bwd_s", "post_bwd_s"):
         setattr(out, key, statistics.median(getattr(p, key) for p in profiles))
     for key in ("per_tensor_s", "per_byte_s", "fixed_s"):

@@ -9,7 +9,8 @@ memory curve and its peak (docs/design.md, "Simulator").
    (``autodist/schedule.py``). The program does not depend on timing.
 2. **Run** (:mod:`.sim.execute`): the program on the compute thread and two background queues —
    collectives and offload copies — with the compute thread's own share of each collective, the
-   slowdown of each while they overlap, and the cost of a wait that blocks.
+   slowdown of each while they overlap, and the cost of a wait that blocks; on an asynchronous
+   device (a GPU) the compute thread is two clocks, the host issuing and the compute stream running.
 
 Memory is tracked per event: static state (shards, replicas, optimizer state, persistent full
 parameters, reduction buffers, and the previous step's reduce-scatter outputs until the forward
@@ -119,6 +120,9 @@ class Simulator:
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.estimator = estimator
+        # kernels run apart from the host that issues them: two clocks ([Note: two clocks on an
+        # asynchronous device] in sim/execute.py)
+        self.asynchronous = profile.device != "cpu"
         self.order = [u.name for u in profile.units]
         known = set(self.order)
         self.order += [u.name for u in structure.units if u.name not in known]
@@ -413,7 +417,8 @@ class Simulator:
     def _execute(self, prog: list[Instruction], ops: list[CommOp], static: list[int], record: bool) -> SimResult:
         """``prog`` timed (:func:`~autodist.cost.sim.execute.execute`) on this simulator's machine."""
         return execute(prog, ops, static, comm=self.comm, sensitivity=self._compute_sensitivity(),
-                       budget=self.budget, record=record, slowdowns=self._slowdowns, rates=self._rates)
+                       budget=self.budget, record=record, slowdowns=self._slowdowns, rates=self._rates,
+                       asynchronous=self.asynchronous)
 
     def _rates(self, op: str, nbytes: int) -> tuple[float, float, float, float]:
         """A collective's rates on the timeline (:func:`~.sim.execute.op_rates`), cached by

@@ -393,10 +393,12 @@ def _attribute(pass_: _Pass, clock: Clock, t0: Any, t_fwd_end: Any, t_bwd_end: A
 
 
 def _tracer_scale(raw: list[tuple[_Pass, Any, Any, Any]], clock: Clock, forward_loss: Callable[[], torch.Tensor | None],
-                  repeats: int, bare: dict[str, float] | None = None) -> tuple[float, float]:
+                  repeats: int, bare: dict[str, float] | None = None, lead: float = 0.0) -> tuple[float, float, float, float]:
     """What the traced passes' forward and backward intervals are multiplied by so that they sum to
     the time of the same passes with the tracer not recording (its hooks return at once; the
-    gradient hook still frees each gradient as it arrives, so memory stays that of one step).
+    gradient hook still frees each gradient as it arrives, so memory stays that of one step): on
+    the device's clock, and (the last two) on the host's (``lead``: :meth:`Clock.lead` before each
+    pass, as the traced passes had).
 
     [Note: the profiler's own time] Every unit boundary and every gradient arrival runs a Python
     hook that marks the time (and, at a unit's exit, registers the hook that marks its backward).
@@ -409,12 +411,13 @@ def _tracer_scale(raw: list[tuple[_Pass, Any, Any, Any]], clock: Clock, forward_
     (medians; never above 1): each unit keeps its share. Where compute sets the pace the hooks
     overlap it and the factor is about 1."""
     if not raw:
-        return 1.0, 1.0
+        return 1.0, 1.0, 1.0, 1.0
     bare_f: list[float] = []
     bare_b: list[float] = []
     host_f: list[float] = []
     host_b: list[float] = []
     for _ in range(max(3, repeats)):
+        clock.lead(lead)
         t0 = clock.mark()
         loss = forward_loss()
         t_fwd = clock.mark()
@@ -429,12 +432,30 @@ def _tracer_scale(raw: list[tuple[_Pass, Any, Any, Any]], clock: Clock, forward_
     if bare is not None:  # the bare passes' medians: on the device's clock and the issuing thread's
         bare.update(forward=statistics.median(bare_f), backward=statistics.median(bare_b),
                     host_forward=statistics.median(host_f), host_backward=statistics.median(host_b))
-    traced_f = statistics.median(clock.seconds(t0, tf) for _, t0, tf, _ in raw)
-    traced_b = statistics.median(clock.seconds(tf, tb) for _, _, tf, tb in raw)
-    f = min(1.0, statistics.median(bare_f) / traced_f) if traced_f > 0 else 1.0
-    b = min(1.0, statistics.median(bare_b) / traced_b) if traced_b > 0 else 1.0
-    return f, b
+    def factor(bare_times: list[float], traced: float) -> float:
+        return min(1.0, statistics.median(bare_times) / traced) if traced > 0 else 1.0
 
+    return (
+        factor(bare_f, statistics.median(clock.seconds(t0, tf) for _, t0, tf, _ in raw)),
+        factor(bare_b, statistics.median(clock.seconds(tf, tb) for _, _, tf, tb in raw)),
+        factor(host_f, statistics.median(clock.host_seconds(t0, tf) for _, t0, tf, _ in raw)),
+        factor(host_b, statistics.median(clock.host_seconds(tf, tb) for _, _, tf, tb in raw)),
+    )
+
+
+# [Note: device and host times of a unit] On CUDA a unit's kernels run after the host has issued
+# them, so a unit has two times: the device's (its kernels) and the host's (issuing them: Python,
+# dispatch, launches). The simulator keeps both ([Note: two clocks on an asynchronous device] in
+# autodist/cost/sim/execute.py). Events recorded between units measure the device's time only
+# while the device has the next kernels queued; where the host sets the pace (small layers, bf16)
+# they measure the host's instead. So each timed pass is preceded by a sleep on the device
+# (``Clock.lead``) of about the host's time for the previous pass: the host issues the whole pass
+# while the device sleeps, and the intervals between the events are the kernels' own. The host's
+# time per unit is read from the same marks on the host's clock, and scaled like the device's to
+# take the tracer's hooks out ([Note: the profiler's own time]). Unverified on a GPU: a pass of
+# more kernels than the launch queue holds (about a thousand) makes the host wait for the device
+# partway, which then counts in the host's times.
+LEAD_OVER_HOST = 1.25  # the device sleeps this many times the host's time for the previous pass
 
 NOISY_SPREAD = 0.10  # passes whose median total time is this much above the fastest: a disturbed host
 AGREED_PASSES = 3  # the timed passes end after this many when ...
@@ -468,6 +489,9 @@ class _Passes:
     peaks: dict[str, tuple[int, int]]
     library: int
     scale: tuple[float, float] = (1.0, 1.0)  # forward and backward intervals scaled by, to take the profiler's time out
+    # on an asynchronous device: every timed pass's attribution on the host's clock (the host's
+    # time to issue each unit: [Note: device and host times of a unit]); empty elsewhere
+    host_results: list[dict[str, Any]] = field(default_factory=list)
     # the untraced passes' forward and backward, on the device's clock and the issuing thread's
     # (``forward``, ``backward``, ``host_forward``, ``host_backward``; see :func:`_tracer_scale`)
     bare: dict[str, float] = field(default_factory=dict)
@@ -481,10 +505,12 @@ def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer
     buffers and RNG state left as found; ``tracer`` is closed at the end."""
     unit_names = [u.name for u in structure.units]
     results = []
+    host_results: list[dict[str, Any]] = []
     last: _Pass | None = None
     out_fp32 = 0
     scale = (1.0, 1.0)
     bare: dict[str, float] = {}
+    lead = 0.0  # [Note: device and host times of a unit]
 
     try:
         with _preserved(module, device), computing_in(module, compute_dtype):
@@ -493,8 +519,9 @@ def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer
             raw: list[tuple[_Pass, Any, Any, Any]] = []
 
             def one_pass(saved: bool = False) -> tuple[dict[str, Any], _Pass]:
-                nonlocal out_fp32
+                nonlocal out_fp32, lead
                 p = _Pass()
+                clock.lead(lead)
                 with tracer.recording(p, saved=saved):
                     t0 = clock.mark()
                     out = module(*inputs, **kwargs)
@@ -509,6 +536,8 @@ def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer
                     t_bwd = clock.mark()
                 del loss
                 raw.append((p, t0, t_fwd, t_bwd))
+                if clock.cuda:
+                    lead = LEAD_OVER_HOST * clock.host_seconds(t0, t_bwd)
                 return _attribute(p, clock, t0, t_fwd, t_bwd, unit_names), p
 
             # [Note: timed passes carry no byte accounting] What a unit saves for backward is
@@ -534,11 +563,16 @@ def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer
                 for _ in range(repeats):
                     attr, last = one_pass()
                     results.append(attr)
-            scale = _tracer_scale(raw, clock, lambda: loss_fn(module(*inputs, **kwargs)), min(repeats, len(results)), bare)
+            f, b, host_f, host_b = _tracer_scale(raw, clock, lambda: loss_fn(module(*inputs, **kwargs)),
+                                                 min(repeats, len(results)), bare, lead)
+            scale = (f, b)
             results = [_attribute(p, clock, t0, tf, tb, unit_names, scale) for p, t0, tf, tb in raw]
+            if clock.cuda:
+                on_host = clock.host_view()
+                host_results = [_attribute(p, on_host, t0, tf, tb, unit_names, (host_f, host_b)) for p, t0, tf, tb in raw]
     finally:
         tracer.close()
-    return _Passes(results, counted, last, out_fp32, peaks, library, scale, bare)
+    return _Passes(results, counted, last, out_fp32, peaks, library, scale, bare=bare, host_results=host_results)
 
 
 def _optimizer_and_contention(
@@ -643,8 +677,8 @@ def profile_model(
     seq = list(dict.fromkeys(u for _, kind, u in last.fwd if kind == "enter"))
     order = seq + [u for u in unit_names if u not in set(seq)]
 
-    def med(key: str, u: str) -> float:
-        return lower_quartile([r[key][u] for r in results])
+    def med(key: str, u: str, of: list[dict[str, Any]] = results) -> float:
+        return lower_quartile([r[key][u] for r in of]) if of else 0.0
 
     units = [
         UnitProfile(
@@ -657,6 +691,8 @@ def profile_model(
             bwd_peak_bytes=peaks.get(u, (0, 0))[1],
             ready=results[-1]["ready"].get(u, []),
             input_requires_grad=last.input_grad.get(u, True),
+            fwd_host_s=med("fwd", u, passes.host_results),
+            bwd_host_s=med("bwd", u, passes.host_results),
         )
         for u in order
     ]

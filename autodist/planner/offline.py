@@ -274,6 +274,9 @@ def annotate(
         if "host_forward" in bare and "host_backward" in bare:  # on an accelerator: what issuing the model took the host
             plan.predicted["model_seconds"].update(host_forward=bare["host_forward"], host_backward=bare["host_backward"])
         plan.predicted["exposed_comm_seconds"] = r.exposed_comm_s
+        if r.host_s:  # an asynchronous device: the host's issuing, and the device's wait for it
+            plan.predicted["host_seconds"] = r.host_s
+            plan.predicted["waiting_for_host_seconds"] = r.host_bound_s
     if plan.compile:  # the one-off cost of compiling its blocks, apart from the step
         plan.predicted["compile_seconds"] = sum(c.compile_s for b, c in profile.compiled_blocks.items() if b in plan.compile)
     plan.provenance = search_provenance(result, source)

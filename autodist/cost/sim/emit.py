@@ -188,8 +188,10 @@ class StepEmitter:
         opt = sim.profile.optimizer
         ovh = sim.comm.overhead
         self.opt_s = opt.step_seconds(self.local_tensors, self.local_master)
+        self.opt_host_s = 0.0  # of opt_s, the host's alone: DTensor's dispatch of a sharded step
         if any(u.placement == "shard" for u in plan.units):
-            self.opt_s += ovh.get("dtensor_opt_per_tensor_s", 0.0) * self.local_tensors
+            self.opt_host_s = ovh.get("dtensor_opt_per_tensor_s", 0.0) * self.local_tensors
+            self.opt_s += self.opt_host_s
         self.hook_s: dict[str, float] = {}
         if self.gathers.groups:
             per_unit = ovh.get("per_unit_s", 0.0)
@@ -255,7 +257,8 @@ class StepEmitter:
             self.reductions.release_carried()
         self.offload.finish_out()
         # the runtime's fixed work per step (a comm model measured before this figure existed has none)
-        emit((COMPUTE, prof.pre_fwd_s + self.sim.comm.overhead.get("per_step_s", 0.0), "forward", 0))
+        per_step = self.sim.comm.overhead.get("per_step_s", 0.0)
+        emit((COMPUTE, prof.pre_fwd_s + per_step, "forward", 0, per_step, 0.0))
         fcur = TriggerCursor(self.fwd_trig)
         trig, n_trig = fcur.trig, len(fcur.trig)
         gathers.fire(fcur, -1)
@@ -280,7 +283,8 @@ class StepEmitter:
             if fcur.next < n_trig and trig[fcur.next].at <= pos:
                 gathers.fire(fcur, pos)
             if up is not None:
-                emit((COMPUTE, up.fwd_s + hook_s.get(u, 0.0), name, up.fwd_peak_bytes))
+                hook = hook_s.get(u, 0.0)
+                emit((COMPUTE, up.fwd_s + hook, name, up.fwd_peak_bytes, hook, up.fwd_host_s))
                 if u not in in_recomputed:
                     emit((MEM, up.act_bytes, ACTIVATIONS))
             used_by[u] = used
@@ -345,7 +349,8 @@ class StepEmitter:
             if u in before:
                 rc.run(before, u, bcur)
             if up is not None:
-                emit((COMPUTE, max(0.0, up.bwd_s + hook_s.get(u, 0.0) + grad_hook_s.get(u, 0.0)), name, up.bwd_peak_bytes))
+                hook = hook_s.get(u, 0.0) + grad_hook_s.get(u, 0.0)
+                emit((COMPUTE, max(0.0, up.bwd_s + hook), name, up.bwd_peak_bytes, hook, up.bwd_host_s))
                 emit((MEM, -up.act_bytes, ACTIVATIONS))
             if u in holding:
                 emit((MEM, -holding.pop(u), GRADIENTS))
@@ -371,7 +376,8 @@ class StepEmitter:
         self.reductions.flush()
         gathers.free_unless_persistent()
         if gathers.groups:  # the collective-order check (runtime/comm.py): a small all-reduce, waited for on the CPU
-            emit((COMPUTE, sim._order_check_s(), "collective-order check", 0))
+            check = sim._order_check_s()
+            emit((COMPUTE, check, "collective-order check", 0, check, 0.0))
 
     def _optimizer_step(self) -> None:
         """The sync point (every offloaded fragment is back before the step), the optimizer step,
@@ -384,6 +390,6 @@ class StepEmitter:
         if self.cast_copies:
             out.emit((MEM, -self.cast_copies, PARAMETERS))
         out.emit((MEM, self.opt_transient, OPTIMIZER))
-        out.emit((COMPUTE, self.opt_s, "optimizer", 0))
+        out.emit((COMPUTE, self.opt_s, "optimizer", 0, self.opt_host_s, 0.0))
         out.emit((MEM, -self.opt_transient, OPTIMIZER))
         self.gathers.issue_refresh()

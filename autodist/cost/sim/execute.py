@@ -1,5 +1,7 @@
 """Time a compiled step (:func:`execute`): the program runs on the compute thread and two
-background queues — collectives (one at a time in issue order) and offload copies.
+background queues — collectives (one at a time in issue order) and offload copies; on an
+asynchronous device the compute thread is two clocks, the host's and the compute stream's
+([Note: two clocks on an asynchronous device]).
 
 The compute thread pays its own share of every collective (issuing it and collecting it:
 ``CommModel.host``), of writing freshly allocated memory where the runtime allocates it each step
@@ -88,6 +90,25 @@ Slowdowns = Callable[..., tuple[float, float, float]]  # CommModel.slowdowns(op,
 # where it does not, this under-counts a buffer.
 
 
+# [Note: two clocks on an asynchronous device] On a CPU the thread that runs the runtime's hooks
+# also computes: a step is one clock, and every instruction's seconds are spent on it in turn. On
+# a GPU the host thread only issues kernels, and they run later on the device's compute stream; a
+# step is as long as the slower of the two, and where the host is slower (small layers, bf16, the
+# runtime's Python hooks) the device stands idle between kernels. The simulator then keeps two
+# clocks (``Timeline.h``, the host's; ``Timeline.t``, the compute stream's): a compute instruction
+# spends its host-only seconds and its issue time on the host clock; its device part starts when
+# the host begins issuing it or when the stream is free, whichever is later, and ends no earlier
+# than the host has issued the last of it. A collective is issued at the host's time and starts
+# once the stream has done what was issued before it (NCCL's stream waits on the compute stream)
+# and its queue is free; a wait holds the compute stream, not the host (``work.wait()`` on NCCL).
+# While the stream waits for the host, the background queues run as during a wait. The two clocks
+# start together, as after the per-step synchronisation a training loop that logs its loss does;
+# the step ends when both have. Not modelled: the host blocking on the device (the offload's
+# host-side waits, a full launch queue), and the caching allocator's frees, which happen on the
+# host's clock while memory is logged on the stream's. Unverified on a GPU (docs/fidelity.md,
+# "Version 17").
+
+
 Rates = Callable[[str, int], tuple[float, float, float, float]]  # (kind, nbytes) -> an op's four rates (see op_rates)
 
 
@@ -106,7 +127,7 @@ class Timeline:
     copies; each runs one operation at a time) while a program runs (:meth:`run`)."""
 
     def __init__(self, ops: list[CommOp], comm: CommModel, sensitivity: float, record: bool,
-                 slowdowns: Slowdowns | None = None, rates: Rates | None = None) -> None:
+                 slowdowns: Slowdowns | None = None, rates: Rates | None = None, *, asynchronous: bool = False) -> None:
         self.ops = ops
         self.record = record
         if rates is None:
@@ -140,6 +161,11 @@ class Timeline:
         self.mem_c: list[int] = []
         self.events: list[Event] = []
         self.compute_total = 0.0
+        # [Note: two clocks on an asynchronous device]
+        self.asynchronous = asynchronous
+        self.h = 0.0  # the host's clock (the issuing thread's)
+        self.host_total = 0.0  # the host's own work and issuing, in seconds
+        self.host_bound = 0.0  # the compute stream's idle time waiting for the host
         # [Note: collectives taken up at once]
         self.workers = max(1, comm.workers)
         self.taken_up = [0, 0]  # collectives each group's workers hold
@@ -205,12 +231,13 @@ class Timeline:
         the scheduling of the other rank's threads; a large one runs at nearly full speed), until
         the operation waited for is done."""
         ops, cur, rem = self.ops, self.cur, self.rem
-        op_rc, op_rm, rate_w = self.op_rc, self.op_rm, self.rate_w
+        op_rc, op_rm = self.op_rc, self.op_rm
         timed, record = self.timed, self.record
         mem_t, mem_d, mem_c = self.mem_t.append, self.mem_d.append, self.mem_c.append
-        end_current = self.end_current
-        t = self.t
-        compute_total = self.compute_total
+        end_current, queues_alone = self.end_current, self.queues_alone
+        t, h = self.t, self.h
+        asynchronous = self.asynchronous
+        compute_total, host_total, host_bound = self.compute_total, self.host_total, self.host_bound
         for ins in prog:
             code = ins[0]
             if code == MEM:
@@ -219,11 +246,25 @@ class Timeline:
                 mem_c(ins[2])
             elif code == COMPUTE:
                 dur, spike = ins[1], ins[3]
+                if asynchronous and len(ins) > 4:  # [Note: two clocks on an asynchronous device]
+                    host_s = ins[4] + ins[5]
+                    if host_s > 0:
+                        if record:
+                            self.events.append(Event("host", ins[2], h, h + host_s))
+                        issue_from = h
+                        h += host_s
+                        host_total += host_s
+                        dur -= ins[4]
+                        if t < issue_from:  # the device waits for the host to issue the segment
+                            host_bound += issue_from - t
+                            t = queues_alone(t, None, issue_from)
                 if dur <= 0:
                     if spike:  # a transient of no measurable duration still counts for the peak
                         self.mem_t.extend((t, t))
                         self.mem_d.extend((spike, -spike))
                         self.mem_c.extend((ACTIVATIONS, ACTIVATIONS))
+                    if record and asynchronous and ins[1] > 0:  # (one compute event per timed instruction)
+                        self.events.append(Event("compute", ins[2], t, t))
                     continue
                 compute_total += dur
                 seg_start = t
@@ -264,6 +305,9 @@ class Timeline:
                     t = t_m
                     rem[s] = 0.0
                     end_current(s, t)
+                if t < h:  # the device cannot finish before the host has issued the last of it
+                    host_bound += h - t
+                    t = queues_alone(t, None, h)
                 if spike:
                     mem_t(t)
                     mem_d(-spike)
@@ -271,6 +315,9 @@ class Timeline:
                 if record:
                     self.events.append(Event("compute", ins[2], seg_start, t))
             elif code == ISSUE:
+                if t < h:  # the host issues it at h: the device has had nothing more to do since t
+                    host_bound += h - t
+                    t = queues_alone(t, None, h)
                 i = ins[1]
                 s = ops[i].stream
                 if s == 0:
@@ -282,35 +329,52 @@ class Timeline:
                 self.queue[s].append(i)
                 if cur[s] < 0:
                     self.start_next(s, t)
-            else:  # WAIT
+            else:  # WAIT (on an asynchronous device the compute stream waits, not the host)
                 waited = ops[ins[1]]
                 # a wait blocks on a collective not yet done (on a world of one nothing is issued:
                 # its collectives take no time, and waiting for one does nothing)
                 blocked = waited.end < 0 and waited.stream == 0 and waited.seconds > 0
-                while waited.end < 0:
-                    c0, c1 = cur
-                    if c0 >= 0 and c1 >= 0:
-                        # the one that finishes first (the communication queue on a tie)
-                        d0, d1 = rem[0] * rate_w[c0], rem[1] * rate_w[c1]
-                        s, dt = (0, d0) if d0 <= d1 else (1, d1)
-                        rem[0] -= dt / rate_w[c0]
-                        rem[1] -= dt / rate_w[c1]
-                    elif c0 >= 0 or c1 >= 0:
-                        s = 0 if c0 >= 0 else 1
-                        dt = rem[s] * rate_w[cur[s]]
-                    else:
-                        break
-                    rem[s] = 0.0
-                    t += dt
-                    end_current(s, t)
+                if waited.end < 0:
+                    t = queues_alone(t, waited)
                 if blocked:
                     t += self.blocked_wait_s  # the whole step's, queues included ([Note: what a blocked wait costs])
                 if timed:
                     mem_t(t)
                     mem_d(0)
                     mem_c(WAITED)
-        self.t = t
-        self.compute_total = compute_total
+        self.t, self.h = t, h
+        self.compute_total, self.host_total, self.host_bound = compute_total, host_total, host_bound
+
+    def queues_alone(self, t: float, waited: CommOp | None, until: float = math.inf) -> float:
+        """Run the background queues from ``t`` while the compute thread (on an asynchronous device:
+        the compute stream) does nothing — each operation at its rate while compute waits — until
+        ``waited`` is done, or (``waited`` None) until the time ``until``; the time then."""
+        cur, rem, rate_w, end_current = self.cur, self.rem, self.rate_w, self.end_current
+        while waited is None or waited.end < 0:
+            c0, c1 = cur
+            if c0 >= 0 and c1 >= 0:
+                # the one that finishes first (the communication queue on a tie)
+                d0, d1 = rem[0] * rate_w[c0], rem[1] * rate_w[c1]
+                s, dt = (0, d0) if d0 <= d1 else (1, d1)
+            elif c0 >= 0 or c1 >= 0:
+                s = 0 if c0 >= 0 else 1
+                dt = rem[s] * rate_w[cur[s]]
+            else:
+                break
+            if t + dt > until:  # the time comes before the next operation ends
+                dt = until - t
+                if c0 >= 0:
+                    rem[0] -= dt / rate_w[c0]
+                if c1 >= 0:
+                    rem[1] -= dt / rate_w[c1]
+                return until
+            if c0 >= 0 and c1 >= 0:
+                rem[0] -= dt / rate_w[c0]
+                rem[1] -= dt / rate_w[c1]
+            rem[s] = 0.0
+            t += dt
+            end_current(s, t)
+        return t if waited is not None else max(t, until)
 
 
 def merged_memory(mem_log: MemoryLog, timed: MemoryLog) -> MemoryLog:
@@ -438,14 +502,15 @@ def _columns(times: list[float], deltas: list[int], cats: list[int]) -> Columns 
 
 def execute(prog: list[Instruction], ops: list[CommOp], static: list[int], *, comm: CommModel,
             sensitivity: float, budget: int | None, record: bool, slowdowns: Slowdowns | None = None,
-            rates: Rates | None = None) -> SimResult:
+            rates: Rates | None = None, asynchronous: bool = False) -> SimResult:
     """Time ``prog`` (issuing ``ops``) from the ``static`` memory by category (``sensitivity``: the
     model's compute slowdown under communication relative to the comm model's reference;
     ``slowdowns``: ``comm.slowdowns``, or a cache of it; ``rates``: :func:`op_rates` of them, or a
-    cache of it)."""
-    tl = Timeline(ops, comm, sensitivity, record, slowdowns, rates)
+    cache of it; ``asynchronous``: a device whose kernels run apart from the host that issues them,
+    [Note: two clocks on an asynchronous device])."""
+    tl = Timeline(ops, comm, sensitivity, record, slowdowns, rates, asynchronous=asynchronous)
     tl.run(prog)
-    step_s = tl.t
+    step_s = max(tl.t, tl.h)
     mem = memory_peak((tl.mem_t, tl.mem_d, tl.mem_c), tl.timed, static, record)
     return SimResult(
         step_s=step_s,
@@ -455,7 +520,9 @@ def execute(prog: list[Instruction], ops: list[CommOp], static: list[int], *, co
         budget_bytes=budget,
         compute_s=tl.compute_total,
         comm_s=sum(op.seconds for op in ops if op.stream == 0),
-        exposed_comm_s=max(0.0, step_s - tl.compute_total),
+        exposed_comm_s=max(0.0, step_s - tl.compute_total - tl.host_bound),
+        host_s=tl.host_total,
+        host_bound_s=tl.host_bound,
         events=tl.events,
         memory=mem.curve,
         gathers=sum(1 for op in ops if op.kind == "all_gather"),

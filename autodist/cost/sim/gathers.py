@@ -175,7 +175,7 @@ class Gathers:
         out, c = self.out, grp.costs
         emit = out.emit
         if c.issue_s:
-            emit((COMPUTE, c.issue_s, "gather bookkeeping", 0))
+            emit((COMPUTE, c.issue_s, "gather bookkeeping", 0, c.issue_s, 0.0))
         # the backend writes the gathered tensor into memory allocated for it now (c.gather_s)
         grp.op = out.add_op(CommOp("all_gather", c.gather_label, grp.msg_bytes, c.gather_s, c.staging_bytes))
         grp.state = "issued"
@@ -327,4 +327,4 @@ class Gathers:
         (which runs in the next step's preamble)."""
         refresh_s = sum(g.costs.issue_s for g in self.groups if g.residency == "persistent")
         if refresh_s:
-            self.out.emit((COMPUTE, refresh_s, "gather bookkeeping", 0))
+            self.out.emit((COMPUTE, refresh_s, "gather bookkeeping", 0, refresh_s, 0.0))

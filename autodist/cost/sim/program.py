@@ -14,7 +14,11 @@ from ...schedule import ActionLog
 ORDER_CHECK_BYTES = 16 * 8  # the collective-order check's message (runtime/comm.py CollectiveSequence.digest)
 
 # program opcodes: an instruction is ``(COMPUTE, seconds, name, transient bytes)``, ``(ISSUE, op)``,
-# ``(WAIT, op)`` (``op``: an index into ``Program.ops``) or ``(MEM, bytes, category)``
+# ``(WAIT, op)`` (``op``: an index into ``Program.ops``) or ``(MEM, bytes, category)``. A compute
+# instruction may carry two more fields, ``(COMPUTE, seconds, name, transient bytes, host only,
+# issue)``: of its ``seconds``, those the host thread spends on its own (the runtime's hooks, the
+# bookkeeping and issuing of collectives), and the host's time to issue the rest, the device's work
+# ([Note: two clocks on an asynchronous device] in execute.py; both 0 when absent)
 COMPUTE, ISSUE, WAIT, MEM = 0, 1, 2, 3
 Instruction = tuple  # one of the four shapes above
 
@@ -75,11 +79,16 @@ class SimResult:
     actions: ActionLog | None = None  # what the runtime will do, in its own vocabulary
     analytic_step_s: float | None = None  # with an estimator: the analytic model's step time before correction
     compile_s: float = 0.0  # the one-off cost of compiling the plan's compiled blocks (not in step_s)
+    # on an asynchronous device: the host's own work and issuing, and the time the compute stream
+    # stood idle waiting for the host to issue its next work (0 on a CPU)
+    host_s: float = 0.0
+    host_bound_s: float = 0.0
 
     def summary(self) -> str:
+        host = f", host {self.host_s * 1e3:.1f}, waiting for the host {self.host_bound_s * 1e3:.1f}" if self.host_s else ""
         return (
             f"step {self.step_s * 1e3:.1f} ms (compute {self.compute_s * 1e3:.1f}, comm {self.comm_s * 1e3:.1f}, "
-            f"exposed {self.exposed_comm_s * 1e3:.1f}), peak {self.peak_bytes / 2**20:.1f} MiB"
+            f"exposed {self.exposed_comm_s * 1e3:.1f}{host}), peak {self.peak_bytes / 2**20:.1f} MiB"
             + ("" if self.feasible else " — over budget")
         )
 
@@ -119,8 +128,10 @@ def scaled(program: Program, durations: dict[int, float], op_seconds: list[float
     """``program``'s instructions and operations with the given durations, ready to be timed again."""
     prog = list(program.prog)
     for i, d in durations.items():
-        code, _, name, spike = prog[i]
-        prog[i] = (code, d, name, spike)
+        code, total, name, spike, *host = prog[i]
+        if host and total > 0:  # the host's own part scales with the rest
+            host = [host[0] * d / total, host[1]]
+        prog[i] = (code, d, name, spike, *host)
     ops = [replace(op, seconds=sec, start=-1.0, end=-1.0) for op, sec in zip(program.ops, op_seconds)]
     return prog, ops
 

@@ -74,5 +74,6 @@ class Recomputation:
             self.gathers.fire(cursor, self.need[r])
         for b in blocks:
             ups = [sim.uprof[x] for x in self.blocks[b] if x in sim.uprof]
-            out.emit((COMPUTE, sum(x.fwd_s for x in ups), f"recompute {b}", max((x.fwd_peak_bytes for x in ups), default=0)))
+            out.emit((COMPUTE, sum(x.fwd_s for x in ups), f"recompute {b}", max((x.fwd_peak_bytes for x in ups), default=0),
+                      0.0, sum(x.fwd_host_s for x in ups)))
             out.emit((MEM, sum(x.act_bytes for x in ups), ACTIVATIONS))

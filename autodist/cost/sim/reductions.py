@@ -27,6 +27,7 @@ class BucketCosts:
     seconds: float  # the collective (hybrid sharding: then the all-reduce across the replicas)
     staging_bytes: int  # the backend's buffer for it (an all-reduce: while it runs)
     trainable: int  # its parameters that get gradients
+    host_s: float = 0.0  # of copy_in_s, the host's own: the runtime's work per bucket and the issue
 
 
 @dataclass(slots=True)
@@ -119,7 +120,8 @@ class Reductions:
         host = sim._host(op, msg)
         fresh = sim._first_touch(in_bytes) if op == "reduce_scatter" else 0.0
         copy_in = self.per_bucket + host + fresh + 2 * sim._memcpy(msg)
-        return BucketCosts(msg, in_bytes, out_bytes, copy_in, secs, staging, sum(p in sim.trainable for p in params))
+        return BucketCosts(msg, in_bytes, out_bytes, copy_in, secs, staging, sum(p in sim.trainable for p in params),
+                           self.per_bucket + host)
 
     def start_micro_batch(self, sync: bool) -> None:
         """A micro-batch reduces every bucket when it synchronises, else only those accumulated sharded."""
@@ -153,7 +155,7 @@ class Reductions:
     def launch(self, bk: Bucket) -> None:
         out, c = self.out, bk.costs
         # copy-in of the gradients and the pre-division, both a pass over the message (its costs)
-        out.emit((COMPUTE, c.copy_in_s, "bucket copy-in", 0))
+        out.emit((COMPUTE, c.copy_in_s, "bucket copy-in", 0, c.host_s, 0.0))
         if bk.op == "reduce_scatter" and not bk.allocated:
             # the gradients held so far are copied into the input, then dropped
             out.emit((MEM, bk.in_bytes, COMM))
