@@ -456,6 +456,7 @@ def _tracer_scale(raw: list[tuple[_Pass, Any, Any, Any]], clock: Clock, forward_
 # more kernels than the launch queue holds (about a thousand) makes the host wait for the device
 # partway, which then counts in the host's times.
 LEAD_OVER_HOST = 1.25  # the device sleeps this many times the host's time for the previous pass
+MAX_LEAD_S = 1.0  # (the first pass, which loads kernels and libraries, takes the host far longer)
 
 NOISY_SPREAD = 0.10  # passes whose median total time is this much above the fastest: a disturbed host
 AGREED_PASSES = 3  # the timed passes end after this many when ...
@@ -537,7 +538,7 @@ def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer
                 del loss
                 raw.append((p, t0, t_fwd, t_bwd))
                 if clock.cuda:
-                    lead = LEAD_OVER_HOST * clock.host_seconds(t0, t_bwd)
+                    lead = min(MAX_LEAD_S, LEAD_OVER_HOST * clock.host_seconds(t0, t_bwd))
                 return _attribute(p, clock, t0, t_fwd, t_bwd, unit_names), p
 
             # [Note: timed passes carry no byte accounting] What a unit saves for backward is
