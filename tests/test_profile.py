@@ -420,6 +420,55 @@ class _FakeClock:
         self.leads.append(seconds)
 
 
+def test_on_cuda_each_unit_is_timed_on_the_devices_clock_and_the_hosts_with_the_device_held_before_each_pass(monkeypatch):
+    """The CUDA path of the profile ([Note: device and host times of a unit]) run on the CPU with
+    CUDA's events, sleep and synchronisation faked: events read the host's clock plus the time the
+    fake device sleeps, so a unit's device time is its host time here. Every timed pass is preceded
+    by a sleep of about 1.25x the host's time for the pass before it, and every unit gets a host
+    time to issue its forward and backward."""
+    import time as time_module
+
+    import autodist.measure.clock as clock_module
+    import autodist.measure.trace as trace
+
+    slept: list[int] = []
+
+    class _Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.t = 0.0
+
+        def record(self, stream=None) -> None:
+            self.t = time_module.perf_counter()
+
+        def elapsed_time(self, other: "_Event") -> float:
+            return (other.t - self.t) * 1e3
+
+        def synchronize(self) -> None:
+            pass
+
+    class _CudaLike(clock_module.Clock):
+        def __init__(self, device: torch.device) -> None:
+            super().__init__(device)
+            self.cuda = True
+            self._cycles_per_s = 1e9  # (the rate _sleep_rate would time)
+
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: slept.append(cycles))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(trace, "Clock", _CudaLike)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
+    structure = discover(model)
+    prof = profile_model(model, structure, (torch.randn(8, 16),), device=CPU, repeats=3, memory=False)
+    assert prof.units and all(u.fwd_host_s > 0 and u.bwd_host_s > 0 for u in prof.units)
+    # the first pass (which counts the saved bytes) is not led; each pass after it is, by 1.25x the
+    # host's time for the pass before, at most 1 s, and so are the bare passes
+    assert len(slept) >= 2 * 3 and all(0 < c <= trace.MAX_LEAD_S * 1e9 for c in slept)
+    # on a CPU nothing is led and no host time is recorded apart: the unit's time counts its issuing
+    monkeypatch.undo()
+    cpu = profile_model(model, structure, (torch.randn(8, 16),), device=CPU, repeats=3, memory=False)
+    assert all(u.fwd_host_s == 0.0 and u.bwd_host_s == 0.0 for u in cpu.units)
+
+
 def test_the_profilers_own_time_is_scaled_out_of_the_units_times():
     """Traced passes whose forward took 10 and backward 20 (time units) where the same passes with
     the tracer not recording take 4 and 15: every interval is scaled by 0.4 (forward) and 0.75

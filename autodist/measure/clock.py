@@ -64,6 +64,7 @@ class _HostView(Clock):
 
     def __init__(self, clock: Clock) -> None:
         super().__init__(clock.device)
+        self.cuda = clock.cuda
 
     def seconds(self, a: Any, b: Any) -> float:
         return self.host_seconds(a, b)
