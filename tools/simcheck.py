@@ -92,7 +92,7 @@ def worker(args: argparse.Namespace) -> None:
     comm = sweep(dist.group.WORLD, device)
     reprofile = Reprofile(prof, lambda: profile_model(
         plain, structure, (x0,), device=device, loss_fn=lambda out: wl.loss(out, y0), optimizer=optimizer_for,
-        memory=False, contention=train, compute_dtype=compute_dtype,
+        memory=False, compute_dtype=compute_dtype,  # the sensitivity is the first profile's (as autodist check's)
     ))
 
     space = space_for(prof, structure, world, grad_accum_steps=args.accum)

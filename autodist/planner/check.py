@@ -112,10 +112,11 @@ def run_check(req: CheckRequest, device: torch.device, backend: str, say: Callab
     train = measure_sweep.collective_train(group, device)
     model = model.to(device)
 
-    def profile(memory: bool = True) -> Profile:
+    def profile(memory: bool = True, contention: bool = True) -> Profile:
         return profile_model(
             model, structure, (x0,), device=device, loss_fn=lambda out: _loss(out, None),
-            example_kwargs=req.kwargs_of(x0), optimizer=measure_fidelity.optimizer_for, contention=train, memory=memory,
+            example_kwargs=req.kwargs_of(x0), optimizer=measure_fidelity.optimizer_for,
+            contention=train if contention else None, memory=memory,
         )
 
     if rank == 0:
@@ -125,7 +126,11 @@ def run_check(req: CheckRequest, device: torch.device, backend: str, say: Callab
     t_profile = time.perf_counter()
     prof = measure_fidelity.slowest_over_ranks(profile())
     t_profile = time.perf_counter() - t_profile
-    reprofile = measure_fidelity.Reprofile(prof, lambda: profile(memory=False))
+    # the profiles after each pass re-time the model, whose speed drifts with the host's ([Note: a
+    # host whose speed drifts]); its contention sensitivity, a ratio of two slowdowns measured in
+    # the same rounds, does not drift with it and is the first profile's (its rounds took 6 of the
+    # 9 s of each profile of gpt on 2 CPU ranks)
+    reprofile = measure_fidelity.Reprofile(prof, lambda: profile(memory=False, contention=False))
     facts = machine(world, device, backend)
     comm, comm_source = check_comm_model(req, structure, facts, group, device, say)
     if rank == 0:
@@ -143,7 +148,7 @@ def run_check(req: CheckRequest, device: torch.device, backend: str, say: Callab
         for name, g, searched in chosen
     ]
     if rank == 0:
-        say(f"[autodist check] measuring {len(checks)} plans: about {measuring_seconds(checks, req.steps, t_profile):.0f} s "
+        say(f"[autodist check] measuring {len(checks)} plans: about {measuring_seconds(checks, req.steps, t_profile - prof.meta.get('contention_seconds', 0.0)):.0f} s "
             "at their predicted step times")
 
     def wrap(plan: Any) -> nn.Module:
@@ -176,7 +181,7 @@ def run_check(req: CheckRequest, device: torch.device, backend: str, say: Callab
 def measuring_seconds(checks: list[measure_fidelity.Checked], steps: int, profile_s: float) -> float:
     """About how long measuring ``checks`` takes: each plan's predicted step over ``PASSES`` passes
     of ``WARMUP_STEPS + steps`` steps, and the profile taken after each pass (``profile_s``, as long
-    as the first took)."""
+    as the first took less its contention rounds)."""
     return PASSES * (sum(c.predicted.step_s for c in checks) * (WARMUP_STEPS + steps) + profile_s)
 
 
