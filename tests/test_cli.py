@@ -487,7 +487,7 @@ def test_planning_twice_plans_from_the_same_cached_profile_and_reprofile_measure
     for i, extra in enumerate(([], [], ["--reprofile"])):
         out = tmp_path / f"p{i}.json"
         run = subprocess.run(
-            [sys.executable, "-m", "autodist.cli", "plan", "--model", "autodist.zoo:gpt", "--input-shape", "4,128",
+            [sys.executable, "-m", "autodist.cli", "plan", "--model", "autodist.zoo:gpt", "--input-shape", "2,32",
              "--input-dtype", "int64", "--input-high", "8192", "--world-size", "8", "--memory-limit", "40GiB",
              "--interconnect", "nvlink4", "--out", str(out), "--cache-dir", str(tmp_path / "cache"), *extra],
             capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)),
