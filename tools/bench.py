@@ -443,6 +443,10 @@ def run_contender(workload: Any, contender: Contender, batches: list, args: argp
             "predicted_model_s": model.plan.predicted.get("model_seconds"),
             "predicted_exposed_comm_s": model.plan.predicted.get("exposed_comm_seconds"),
             # on an asynchronous device: the host's predicted issuing and the device's wait for it
+            # the built-in plans the search started from, as it predicted them (its seeds: the
+            # plans autodist:ddp, autodist:fsdp and autodist:zero2 run, ddp's buckets in the
+            # profile's gradient order)
+            "predicted_seeds_s": {k: v * model.plan.predicted["step_seconds"] for k, v in model.plan.predicted.get("vs", {}).items()},
             "predicted_host_s": model.plan.predicted.get("host_seconds"),
             "predicted_waiting_for_host_s": model.plan.predicted.get("waiting_for_host_seconds"),
         })
@@ -701,6 +705,7 @@ def table(payload: dict) -> str:
             sp = format_bytes(sp) if sp else "-"
             lines.append(f"  {name:<30}{t * 1e3:>10.1f}{ov:>10}{rd:>8}{rf:>9}{rb:>9}{sp:>12}{peak:>14}{resident:>12}{note}")
         lines += _against_fastest_torch(mine)
+        lines += _seeds_predicted(mine)
         lines += _phases(mine)
         grid = {n: r for n, r in mine.items() if n.startswith("fsdp2[") and not r["error"]}
         auto = mine.get("autodist:auto")
@@ -711,6 +716,24 @@ def table(payload: dict) -> str:
                 f"auto is {grid[best]['median_step_s'] / auto['median_step_s']:.3f}x its speed"
             )
     return "\n".join(lines)
+
+
+def _seeds_predicted(mine: dict[str, dict]) -> list[str]:
+    """``autodist:auto``'s predictions of the built-in plans it started its search from, against
+    those plans measured in the same launch (``autodist:ddp``, ...): more points of the simulator's
+    error than auto's own plan alone."""
+    out = []
+    for name, r in mine.items():
+        seeds = (r.get("extra") or {}).get("predicted_seeds_s") or {}
+        cells = []
+        for seed, predicted in seeds.items():
+            measured = mine.get(f"autodist:{seed}")
+            if measured and not measured["error"] and predicted:
+                t = measured["median_step_s"]
+                cells.append(f"{seed} {predicted * 1e3:.1f} / {t * 1e3:.1f} ({(predicted - t) / t * 100:+.1f}%)")
+        if cells:
+            out.append(f"  {name}'s predictions of the built-in plans, ms, predicted / measured: " + ", ".join(cells))
+    return out
 
 
 def _phases(mine: dict[str, dict]) -> list[str]:
