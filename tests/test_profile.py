@@ -420,25 +420,39 @@ class _FakeClock:
         self.leads.append(seconds)
 
 
-def test_on_cuda_each_unit_is_timed_on_the_devices_clock_and_the_hosts_with_the_device_held_before_each_pass(monkeypatch):
-    """The CUDA path of the profile ([Note: device and host times of a unit]) run on the CPU with
-    CUDA's events, sleep and synchronisation faked: events read the host's clock plus the time the
-    fake device sleeps, so a unit's device time is its host time here. Every timed pass is preceded
-    by a sleep of about 1.25x the host's time for the pass before it, and every unit gets a host
-    time to issue its forward and backward."""
+class _SyncingMLP(nn.Module):
+    """A model whose forward waits for the device partway (as ``.item()`` or ``nonzero`` do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        torch.cuda.synchronize()
+        return self.b(h.relu())
+
+
+def _fake_cuda(monkeypatch) -> list[float]:
+    """CUDA's events, sleep and synchronisation faked on the CPU, and the profile's clock taking the
+    CUDA path: an event reads twice the host's clock (a device whose intervals are twice the
+    host's), ``torch.cuda._sleep`` holds the fake device (at 1e9 cycles a second) and
+    ``synchronize`` waits until it is free. Returns the seconds each sleep asked for."""
     import time as time_module
 
     import autodist.measure.clock as clock_module
     import autodist.measure.trace as trace
 
-    slept: list[int] = []
+    slept: list[float] = []
+    busy_until = [0.0]
 
     class _Event:
         def __init__(self, enable_timing: bool = False) -> None:
             self.t = 0.0
 
         def record(self, stream=None) -> None:
-            self.t = time_module.perf_counter()
+            self.t = 2 * time_module.perf_counter()
 
         def elapsed_time(self, other: "_Event") -> float:
             return (other.t - self.t) * 1e3
@@ -446,27 +460,68 @@ def test_on_cuda_each_unit_is_timed_on_the_devices_clock_and_the_hosts_with_the_
         def synchronize(self) -> None:
             pass
 
+    def sleep(cycles: int) -> None:
+        slept.append(cycles / 1e9)
+        busy_until[0] = time_module.perf_counter() + cycles / 1e9
+
+    def synchronize(*_a, **_k) -> None:
+        time_module.sleep(max(0.0, busy_until[0] - time_module.perf_counter()))
+
     class _CudaLike(clock_module.Clock):
         def __init__(self, device: torch.device) -> None:
             super().__init__(device)
             self.cuda = True
             self._cycles_per_s = 1e9  # (the rate _sleep_rate would time)
 
+        def mark(self) -> tuple[_Event, float]:  # Clock.mark's pair, both read at one instant
+            e, now = _Event(), time_module.perf_counter()
+            e.t = 2 * now
+            return e, now
+
     monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: slept.append(cycles))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", sleep)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
     monkeypatch.setattr(trace, "Clock", _CudaLike)
+    return slept
+
+
+def test_on_cuda_each_unit_is_timed_on_the_devices_clock_and_the_hosts_with_the_device_held_before_each_pass(monkeypatch):
+    """The CUDA path of the profile ([Note: device and host times of a unit]) on the CPU, CUDA
+    faked (``_fake_cuda``: the device's intervals twice the host's): each unit's device time and
+    host time come from their own clocks, and every timed pass is led by one sleep, 1.25x the
+    host's time for the first pass."""
+    from autodist.measure.trace import LEAD_OVER_HOST
+
+    slept = _fake_cuda(monkeypatch)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
     structure = discover(model)
     prof = profile_model(model, structure, (torch.randn(8, 16),), device=CPU, repeats=3, memory=False)
     assert prof.units and all(u.fwd_host_s > 0 and u.bwd_host_s > 0 for u in prof.units)
-    # the first pass (which counts the saved bytes) is not led; each pass after it is, by 1.25x the
-    # host's time for the pass before, at most 1 s, and so are the bare passes
-    assert len(slept) >= 2 * 3 and all(0 < c <= trace.MAX_LEAD_S * 1e9 for c in slept)
+    for u in prof.units:
+        assert u.fwd_s == pytest.approx(2 * u.fwd_host_s) and u.bwd_s == pytest.approx(2 * u.bwd_host_s)
+    assert prof.post_fwd_host_s > 0 and prof.post_fwd_s == pytest.approx(2 * prof.post_fwd_host_s)
+    assert prof.meta["host_times"] == "measured"
+    # the timed passes and the untraced ones each led, all by the same sleep: 1.25x the first
+    # pass's host time, which (it counts the saved bytes too) is longer than any timed pass's
+    assert len(slept) >= 2 * 3 and len(set(slept)) == 1
+    assert slept[0] / LEAD_OVER_HOST > (prof.pre_fwd_host_s + prof.post_fwd_host_s + prof.pre_bwd_host_s
+                                        + sum(u.fwd_host_s + u.bwd_host_s for u in prof.units))
     # on a CPU nothing is led and no host time is recorded apart: the unit's time counts its issuing
     monkeypatch.undo()
     cpu = profile_model(model, structure, (torch.randn(8, 16),), device=CPU, repeats=3, memory=False)
-    assert all(u.fwd_host_s == 0.0 and u.bwd_host_s == 0.0 for u in cpu.units)
+    assert all(u.fwd_host_s == 0.0 and u.bwd_host_s == 0.0 for u in cpu.units) and "host_times" not in cpu.meta
+
+
+def test_on_cuda_a_model_that_waits_for_the_device_keeps_no_host_times(monkeypatch):
+    """A forward that waits for the device waits out the lead: its host times would hold the
+    device's, and none are kept (the simulator then has only the runtime's own work on the host's
+    clock), the meta says why."""
+    _fake_cuda(monkeypatch)
+    model = _SyncingMLP()
+    prof = profile_model(model, discover(model), (torch.randn(8, 16),), device=CPU, repeats=3, memory=False)
+    assert all(u.fwd_host_s == 0.0 and u.bwd_host_s == 0.0 for u in prof.units) and prof.post_fwd_host_s == 0.0
+    assert prof.meta["host_times"] == "none: the host waited for the device"
+    assert all(u.fwd_s > 0 for u in prof.units)
 
 
 def test_the_profilers_own_time_is_scaled_out_of_the_units_times():

@@ -723,20 +723,41 @@ def test_an_asynchronous_device_runs_the_host_and_the_compute_stream_on_clocks_o
                        asynchronous=asynchronous)
 
     gpu = run(True)
-    # host: a 0..2, b 2..3, hooks 3..8, c 8..14. Device: a's 2 ms 0..2; the all-reduce 2..6 beside
-    # b 2..12; the wait finds it done; c starts at 12 (the host began issuing it at 8), runs to 13
-    # and ends when the host has issued the last of it, 14: 1 ms waiting for the host
+    # host: a's hooks 0..1 and its issue 1..2, b 2..3, hooks 3..8, c 8..14. Device: idle until the
+    # host issues a (1 ms waiting for the host), a's 2 ms 1..3; the all-reduce, issued at 2, starts
+    # when the stream has done a, 3..7, beside b 3..13; the wait finds it done; c, issued from 8,
+    # runs 13..14, as the host issues the last of it
     assert gpu.step_s == pytest.approx(14 * MS)
     assert gpu.compute_s == pytest.approx(13 * MS) and gpu.host_s == pytest.approx(14 * MS)
     assert gpu.host_bound_s == pytest.approx(1 * MS) and gpu.exposed_comm_s == pytest.approx(0.0)
     comm_event = next(e for e in gpu.events if e.stream == "comm")
-    assert (comm_event.start, comm_event.end) == (pytest.approx(2 * MS), pytest.approx(6 * MS))
+    assert (comm_event.start, comm_event.end) == (pytest.approx(3 * MS), pytest.approx(7 * MS))
     host = [(e.name, round(e.start / MS, 6), round(e.end / MS, 6)) for e in gpu.events if e.stream == "host"]
     assert host == [("a", 0, 2), ("b", 2, 3), ("hooks", 3, 8), ("c", 8, 14)]
     cpu = run(False)
     # one clock: a 0..3, the all-reduce 3..7 beside b 3..13, hooks 13..18, c 18..19
     assert cpu.step_s == pytest.approx(19 * MS) and cpu.compute_s == pytest.approx(19 * MS)
     assert cpu.host_s == 0.0 and not [e for e in cpu.events if e.stream == "host"]
+
+
+def test_on_an_asynchronous_device_what_the_host_has_not_issued_does_not_run_and_its_last_work_is_not_communication():
+    """A segment with no issue time of its own (the loss, after the hooks) starts no earlier than the
+    host's clock; the host's work after the stream's last ends the step, and counts as the
+    device waiting for the host, not as exposed communication."""
+    from autodist.cost.sim.execute import execute
+    from autodist.cost.sim.program import COMPUTE
+
+    def run(prog):
+        return execute(prog, [], [0] * 7, comm=COMM, sensitivity=1.0, budget=None, record=False, asynchronous=True)
+
+    # hooks 0..5 on the host; the loss then runs 5..7 on the device
+    r = run([(COMPUTE, 5 * MS, "hooks", 0, 5 * MS, 0.0), (COMPUTE, 2 * MS, "loss", 0)])
+    assert r.step_s == pytest.approx(7 * MS) and r.host_bound_s == pytest.approx(5 * MS)
+    # the optimizer: issued 0..1 on the host, its 2 ms of kernels 0..2 on the device; then 3 ms of
+    # bookkeeping on the host, 1..4: a 4 ms step, the last 2 ms of it the host's alone
+    r = run([(COMPUTE, 2 * MS, "optimizer", 0, 0.0, 1 * MS), (COMPUTE, 3 * MS, "gather bookkeeping", 0, 3 * MS, 0.0)])
+    assert r.step_s == pytest.approx(4 * MS) and r.exposed_comm_s == pytest.approx(0.0)
+    assert r.host_bound_s == pytest.approx(2 * MS)
 
 
 def test_on_an_asynchronous_device_a_collective_starts_when_the_host_issues_it_and_a_wait_holds_the_stream_only():
@@ -776,3 +797,11 @@ def test_on_a_gpu_the_runtimes_host_work_hides_under_the_devices_compute():
     # GPU: the host issues each unit in 1 ms and does each bucket's 2 ms while the device computes:
     # the all-reduces run 40..44 and 60..64, whatever the bucket costs the host
     assert step("cuda", costly) == pytest.approx(64 * MS) and step("cuda", COMM) == pytest.approx(64 * MS)
+    # by phase, each the longer of the stream's work and the host's: the backward's 40 ms of kernels
+    # against the host's 2 ms of issue and 4 of buckets; a host issuing each forward in 15 ms
+    # makes the forward its 30
+    gpu = Simulator(replace(PROFILE, units=issued, device="cuda"), STRUCTURE, costly, world_size=2)
+    assert gpu.phase_seconds(plan) == pytest.approx({"forward": 20 * MS, "backward": 40 * MS, "optimizer": 0.0})
+    slow_host = [replace(u, fwd_host_s=15 * MS) for u in issued]
+    gpu = Simulator(replace(PROFILE, units=slow_host, device="cuda"), STRUCTURE, costly, world_size=2)
+    assert gpu.phase_seconds(plan)["forward"] == pytest.approx(30 * MS)

@@ -442,11 +442,11 @@ def run_contender(workload: Any, contender: Contender, batches: list, args: argp
             "predicted_phase_s": model.plan.predicted.get("phase_seconds"),
             "predicted_model_s": model.plan.predicted.get("model_seconds"),
             "predicted_exposed_comm_s": model.plan.predicted.get("exposed_comm_seconds"),
-            # on an asynchronous device: the host's predicted issuing and the device's wait for it
             # the built-in plans the search started from, as it predicted them (its seeds: the
             # plans autodist:ddp, autodist:fsdp and autodist:zero2 run, ddp's buckets in the
             # profile's gradient order)
             "predicted_seeds_s": {k: v * model.plan.predicted["step_seconds"] for k, v in model.plan.predicted.get("vs", {}).items()},
+            # on an asynchronous device: the host's predicted issuing and the device's wait for it
             "predicted_host_s": model.plan.predicted.get("host_seconds"),
             "predicted_waiting_for_host_s": model.plan.predicted.get("waiting_for_host_seconds"),
         })

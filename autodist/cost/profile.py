@@ -82,6 +82,12 @@ class CompiledBlockProfile:
     eager_bwd_s: float
     compile_s: float = 0.0
     same_as: str = ""  # the earlier block of the same class, parameter shapes and input signature
+    # on an asynchronous device: the host's time to issue the compiled and the eager block (0: not
+    # measured, on the CPU, whose times count the issuing)
+    host_fwd_s: float = 0.0
+    host_bwd_s: float = 0.0
+    eager_host_fwd_s: float = 0.0
+    eager_host_bwd_s: float = 0.0
 
     @property
     def fwd_scale(self) -> float:
@@ -92,6 +98,15 @@ class CompiledBlockProfile:
     def bwd_scale(self) -> float:
         return self.bwd_s / self.eager_bwd_s if self.eager_bwd_s > 0 else 1.0
 
+    @property
+    def host_fwd_scale(self) -> float:
+        """Compiled over eager time to issue the forward (the device's ratio where not measured)."""
+        return self.host_fwd_s / self.eager_host_fwd_s if self.host_fwd_s > 0 and self.eager_host_fwd_s > 0 else self.fwd_scale
+
+    @property
+    def host_bwd_scale(self) -> float:
+        return self.host_bwd_s / self.eager_host_bwd_s if self.host_bwd_s > 0 and self.eager_host_bwd_s > 0 else self.bwd_scale
+
 
 @dataclass
 class Profile:
@@ -101,6 +116,10 @@ class Profile:
     post_fwd_s: float = 0.0  # after the last unit, including the loss
     pre_bwd_s: float = 0.0  # backward before the first unit's (the loss's backward)
     post_bwd_s: float = 0.0
+    # on an asynchronous device: the host's time to issue the three above (see UnitProfile.fwd_host_s)
+    pre_fwd_host_s: float = 0.0
+    post_fwd_host_s: float = 0.0
+    pre_bwd_host_s: float = 0.0
     batch_signature: str = ""
     device: str = "cpu"
     optimizer: OptimizerProfile = field(default_factory=OptimizerProfile)
@@ -211,7 +230,7 @@ def slowest(profiles: list[Profile]) -> Profile:
             u.bwd_peak_bytes = max(u.bwd_peak_bytes, o.bwd_peak_bytes)
         for key in (
             "pre_fwd_s", "post_fwd_s", "pre_bwd_s", "post_bwd_s", "loss_act_bytes", "loss_fwd_peak_bytes", "loss_bwd_peak_bytes",
-            "library_bytes",
+            "library_bytes", "pre_fwd_host_s", "post_fwd_host_s", "pre_bwd_host_s",
         ):
             setattr(out, key, max(getattr(out, key), getattr(other, key)))
         out.optimizer.per_byte_s = max(out.optimizer.per_byte_s, other.optimizer.per_byte_s)
@@ -221,7 +240,8 @@ def slowest(profiles: list[Profile]) -> Profile:
         for b, c in out.compiled_blocks.items():
             theirs = other.compiled_blocks.get(b)
             if theirs is not None:
-                for key in ("fwd_s", "bwd_s", "eager_fwd_s", "eager_bwd_s", "compile_s"):
+                for key in ("fwd_s", "bwd_s", "eager_fwd_s", "eager_bwd_s", "compile_s", "host_fwd_s", "host_bwd_s",
+                            "eager_host_fwd_s", "eager_host_bwd_s"):
                     setattr(c, key, max(getattr(c, key), getattr(theirs, key)))
         for key in ("contended_slowdown", "contention_sensitivity"):
             if getattr(other, key) is not None:
@@ -244,7 +264,7 @@ def typical(profiles: list[Profile]) -> Profile:
         u.bwd_s = statistics.median(x.bwd_s for x in seen)
         u.fwd_host_s = statistics.median(x.fwd_host_s for x in seen)
         u.bwd_host_s = statistics.median(x.bwd_host_s for x in seen)
-    for key in ("pre_fwd_s", "post_fwd_s", "pre_bwd_s", "post_bwd_s"):
+    for key in ("pre_fwd_s", "post_fwd_s", "pre_bwd_s", "post_bwd_s", "pre_fwd_host_s", "post_fwd_host_s", "pre_bwd_host_s"):
         setattr(out, key, statistics.median(getattr(p, key) for p in profiles))
     for key in ("per_tensor_s", "per_byte_s", "fixed_s"):
         setattr(out.optimizer, key, statistics.median(getattr(p.optimizer, key) for p in profiles))

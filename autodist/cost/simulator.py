@@ -230,7 +230,8 @@ class Simulator:
         program (gathers, frees, activations and recomputation per unit, as the runtime's one site
         on the block does them at its boundary), with their forward and backward times scaled by the
         block's measured compiled-over-eager ratio (``Profile.compiled_blocks``; 1 where not
-        measured). Every gradient the block's units produce arrives when the last of them ends its
+        measured), and on an asynchronous device their host times by the ratio of the host's times
+        to issue it (fewer, larger kernels: there often the larger gain). Every gradient the block's units produce arrives when the last of them ends its
         backward: the compiled backward is one autograd node, and its gradients reach their
         buckets only when it returns — later than eager, which is what compiling can cost in overlap.
         The emitter fires prefetch at the block's boundary (:class:`~.sim.emit.StepEmitter`)."""
@@ -250,7 +251,9 @@ class Simulator:
             measured = self.profile.compiled_blocks.get(b)
             up = self.uprof.get(u)
             if measured is not None and up is not None:
-                sim.uprof[u] = replace(up, fwd_s=up.fwd_s * measured.fwd_scale, bwd_s=up.bwd_s * measured.bwd_scale)
+                sim.uprof[u] = replace(up, fwd_s=up.fwd_s * measured.fwd_scale, bwd_s=up.bwd_s * measured.bwd_scale,
+                                       fwd_host_s=up.fwd_host_s * measured.host_fwd_scale,
+                                       bwd_host_s=up.bwd_host_s * measured.host_bwd_scale)
         orders = self.orders()
         last_bwd: dict[str, str] = {}
         for u in orders.bstart:
@@ -399,16 +402,27 @@ class Simulator:
         """The compute thread's predicted time in each phase of a step of ``plan`` — ``forward``
         (the loss included), ``backward`` (to the flush), ``optimizer`` — hooks, copies and the
         optimizer as the program charges them, waits for collectives not included: what a step
-        timed phase by phase is compared with (``tools/bench.py`` records both)."""
+        timed phase by phase is compared with (``tools/bench.py`` records both). On an asynchronous
+        device, where the bench drains the device at each phase's end, each phase is the longer of
+        its work on the compute stream and its work on the host ([Note: two clocks on an
+        asynchronous device] in sim/execute.py)."""
         program = self.compile(plan)
         bounds = [(0, "forward"), *program.sections, (len(program.prog), "")]  # what precedes the first section is forward's
-        out = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        device = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        host = dict(device)
         for (start, name), (end, _) in zip(bounds, bounds[1:]):
             head = name.split(" @")[0]
             phase = ("optimizer" if head == "optimizer" else "forward" if head in ("forward", "loss") or head.startswith("fwd ")
                      else "backward")
-            out[phase] += sum(ins[1] for ins in program.prog[start:end] if ins[0] == COMPUTE)
-        return out
+            for ins in program.prog[start:end]:
+                if ins[0] != COMPUTE:
+                    continue
+                if self.asynchronous and len(ins) > 4:
+                    device[phase] += ins[1] - ins[4]
+                    host[phase] += ins[4] + ins[5]
+                else:
+                    device[phase] += ins[1]
+        return {k: max(v, host[k]) for k, v in device.items()}
 
     def compile(self, plan: Plan) -> Program:
         """The program of one steady-state step of ``plan`` (:class:`~autodist.cost.sim.emit.StepEmitter`)."""

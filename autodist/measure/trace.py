@@ -449,14 +449,18 @@ def _tracer_scale(raw: list[tuple[_Pass, Any, Any, Any]], clock: Clock, forward_
 # autodist/cost/sim/execute.py). Events recorded between units measure the device's time only
 # while the device has the next kernels queued; where the host sets the pace (small layers, bf16)
 # they measure the host's instead. So each timed pass is preceded by a sleep on the device
-# (``Clock.lead``) of about the host's time for the previous pass: the host issues the whole pass
-# while the device sleeps, and the intervals between the events are the kernels' own. The host's
-# time per unit is read from the same marks on the host's clock, and scaled like the device's to
-# take the tracer's hooks out ([Note: the profiler's own time]). Unverified on a GPU: a pass of
-# more kernels than the launch queue holds (about a thousand) makes the host wait for the device
-# partway, which then counts in the host's times.
-LEAD_OVER_HOST = 1.25  # the device sleeps this many times the host's time for the previous pass
-MAX_LEAD_S = 1.0  # (the first pass, which loads kernels and libraries, takes the host far longer)
+# (``Clock.lead``) of 1.25 times the host's time for the first pass, which was not led (and counts
+# the saved bytes besides: slower than the timed ones): the host issues the whole pass while the
+# device sleeps, and the intervals between the events are the kernels' own. The host's time per
+# unit (and for the glue before, between and after the units) is read from the same marks on the
+# host's clock, and scaled like the device's to take the tracer's hooks out ([Note: the profiler's
+# own time]). A led pass the host took as long as the lead for had it wait for the device (a
+# model that reads a value back, ``.item()`` or ``nonzero``; a pass of more kernels than the launch
+# queue holds, about a thousand): its host times would hold the device's, so none are kept (the
+# profile's ``meta.host_times`` says so) and the simulator has only the runtime's own work on the
+# host's clock. Unverified on a GPU.
+LEAD_OVER_HOST = 1.25  # the device sleeps this many times the host's time for the first pass
+MAX_LEAD_S = 1.0  # (the first pass loads kernels and libraries: it can take the host far longer)
 
 NOISY_SPREAD = 0.10  # passes whose median total time is this much above the fastest: a disturbed host
 AGREED_PASSES = 3  # the timed passes end after this many when ...
@@ -493,6 +497,7 @@ class _Passes:
     # on an asynchronous device: every timed pass's attribution on the host's clock (the host's
     # time to issue each unit: [Note: device and host times of a unit]); empty elsewhere
     host_results: list[dict[str, Any]] = field(default_factory=list)
+    host_waited: bool = False  # on an asynchronous device: the host waited for the device in a pass
     # the untraced passes' forward and backward, on the device's clock and the issuing thread's
     # (``forward``, ``backward``, ``host_forward``, ``host_backward``; see :func:`_tracer_scale`)
     bare: dict[str, float] = field(default_factory=dict)
@@ -520,7 +525,7 @@ def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer
             raw: list[tuple[_Pass, Any, Any, Any]] = []
 
             def one_pass(saved: bool = False) -> tuple[dict[str, Any], _Pass]:
-                nonlocal out_fp32, lead
+                nonlocal out_fp32
                 p = _Pass()
                 clock.lead(lead)
                 with tracer.recording(p, saved=saved):
@@ -537,8 +542,6 @@ def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer
                     t_bwd = clock.mark()
                 del loss
                 raw.append((p, t0, t_fwd, t_bwd))
-                if clock.cuda:
-                    lead = min(MAX_LEAD_S, LEAD_OVER_HOST * clock.host_seconds(t0, t_bwd))
                 return _attribute(p, clock, t0, t_fwd, t_bwd, unit_names), p
 
             # [Note: timed passes carry no byte accounting] What a unit saves for backward is
@@ -547,6 +550,9 @@ def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer
             # time lands in the units' times, and the runtime, which has no such hook, runs faster
             # than profiled. So one pass counts the bytes and the timed passes only mark times.
             _, counted = one_pass(saved=True)
+            if clock.cuda:  # the first pass, not led: the host's own pace ([Note: device and host times of a unit])
+                _, t0, _, t_bwd = raw[-1]
+                lead = min(MAX_LEAD_S, LEAD_OVER_HOST * clock.host_seconds(t0, t_bwd))
             for _ in range(max(0, warmup - 1)):
                 one_pass()
             raw.clear()
@@ -568,12 +574,17 @@ def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer
                                                  min(repeats, len(results)), bare, lead)
             scale = (f, b)
             results = [_attribute(p, clock, t0, tf, tb, unit_names, scale) for p, t0, tf, tb in raw]
-            if clock.cuda:
+            # a led pass the host took at least the lead for waited for the device (the model reads a
+            # value back: ``.item()``, ``nonzero``; or the launch queue filled): its host times hold
+            # the device's, and no pass's are kept
+            waited = clock.cuda and any(clock.host_seconds(t0, tb) >= lead for _, t0, _, tb in raw)
+            if clock.cuda and not waited:
                 on_host = clock.host_view()
                 host_results = [_attribute(p, on_host, t0, tf, tb, unit_names, (host_f, host_b)) for p, t0, tf, tb in raw]
     finally:
         tracer.close()
-    return _Passes(results, counted, last, out_fp32, peaks, library, scale, bare=bare, host_results=host_results)
+    return _Passes(results, counted, last, out_fp32, peaks, library, scale, bare=bare, host_results=host_results,
+                   host_waited=clock.cuda and not host_results)
 
 
 def _optimizer_and_contention(
@@ -681,6 +692,9 @@ def profile_model(
     def med(key: str, u: str, of: list[dict[str, Any]] = results) -> float:
         return lower_quartile([r[key][u] for r in of]) if of else 0.0
 
+    def glue(key: str, of: list[dict[str, Any]]) -> float:
+        return lower_quartile([r[key] for r in of]) if of else 0.0
+
     units = [
         UnitProfile(
             name=u,
@@ -707,9 +721,12 @@ def profile_model(
     return Profile(
         units=units,
         ready_order=results[-1]["order"],
-        pre_fwd_s=lower_quartile([r["pre_fwd"] for r in results]),
-        post_fwd_s=lower_quartile([r["post_fwd"] for r in results]),
-        pre_bwd_s=lower_quartile([r["pre_bwd"] for r in results]),
+        pre_fwd_s=glue("pre_fwd", results),
+        post_fwd_s=glue("post_fwd", results),
+        pre_bwd_s=glue("pre_bwd", results),
+        pre_fwd_host_s=glue("pre_fwd", passes.host_results),
+        post_fwd_host_s=glue("post_fwd", passes.host_results),
+        pre_bwd_host_s=glue("pre_bwd", passes.host_results),
         batch_signature=sig,
         device=device.type,
         optimizer=opt_profile,
@@ -731,6 +748,9 @@ def profile_model(
             # on an accelerator, the untraced passes on the device's clock and the issuing thread's:
             # a host time near the device's is a step the host's dispatch sets the pace of
             **({"bare_pass_s": {k: round(v, 6) for k, v in passes.bare.items()}} if device.type == "cuda" and passes.bare else {}),
+            # [Note: device and host times of a unit]: "measured", or "none: the host waited for the device"
+            **({"host_times": "measured" if passes.host_results else "none: the host waited for the device"}
+               if passes.host_results or passes.host_waited else {}),
             # the memory pass, the timed passes and the tracer's own time, together
             "passes_seconds": round(passes_seconds, 3),
         },
@@ -766,9 +786,13 @@ def _block_inputs(module: nn.Module, blocks: list[str], inputs: tuple, kwargs: d
     return captured
 
 
-def _time_block(fn: Callable[..., Any], args: tuple, kwargs: dict, clock: Clock) -> tuple[float, float]:
-    """One forward and backward of ``fn`` on fresh leaves of ``args``: (forward, backward) seconds."""
+def _time_block(fn: Callable[..., Any], args: tuple, kwargs: dict, clock: Clock,
+                lead: float = 0.0) -> tuple[float, float, float, float]:
+    """One forward and backward of ``fn`` on fresh leaves of ``args``, the device held for ``lead``
+    seconds first (:meth:`Clock.lead`): (forward, backward) seconds on the device's clock, then on
+    the host's ([Note: device and host times of a unit])."""
     a = tuple(x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in args)
+    clock.lead(lead)
     t0 = clock.mark()
     out = fn(*a, **kwargs)
     t1 = clock.mark()
@@ -776,7 +800,7 @@ def _time_block(fn: Callable[..., Any], args: tuple, kwargs: dict, clock: Clock)
     if leaves:
         torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
     t2 = clock.mark()
-    return clock.seconds(t0, t1), clock.seconds(t1, t2)
+    return clock.seconds(t0, t1), clock.seconds(t1, t2), clock.host_seconds(t0, t1), clock.host_seconds(t1, t2)
 
 
 def profile_compiled_blocks(
@@ -807,21 +831,31 @@ def profile_compiled_blocks(
                 for x in tree_flatten((args, kw))[0]
             )
             key = (type(block).__qualname__, tuple((n, tuple(p.shape), str(p.dtype)) for n, p in block.named_parameters()), sig)
-            # the forward alone, as the runtime compiles it (recompute.py, compiled.py): no hooks
-            eager = [_time_block(block.forward, args, kw, clock) for _ in range(repeats + 1)][1:]  # one warm-up
+            # the forward alone, as the runtime compiles it (recompute.py, compiled.py): no hooks;
+            # on CUDA each run led by 1.25x the host's time for the eager warm-up's, so that the
+            # device's times are the kernels' own ([Note: device and host times of a unit])
+            _, _, hf, hb = _time_block(block.forward, args, kw, clock)
+            lead = min(MAX_LEAD_S, LEAD_OVER_HOST * (hf + hb)) if clock.cuda else 0.0
+            eager = [_time_block(block.forward, args, kw, clock, lead) for _ in range(repeats)]
             fn = block if name in user else torch.compile(block.forward, backend=backend)
             w0 = time.perf_counter()
             _time_block(fn, args, kw, clock)
             first = time.perf_counter() - w0
             w0 = time.perf_counter()
-            warm = [_time_block(fn, args, kw, clock)]
+            warm = [_time_block(fn, args, kw, clock, lead)]
             again = time.perf_counter() - w0
-            warm += [_time_block(fn, args, kw, clock) for _ in range(repeats - 1)]
+            warm += [_time_block(fn, args, kw, clock, lead) for _ in range(repeats - 1)]
             same = first_of.setdefault(key, name)
+
+            def lq(runs: list[tuple[float, float, float, float]], k: int) -> float:
+                return lower_quartile([r[k] for r in runs])
+
             out[name] = CompiledBlockProfile(
-                fwd_s=lower_quartile([f for f, _ in warm]), bwd_s=lower_quartile([b for _, b in warm]),
-                eager_fwd_s=lower_quartile([f for f, _ in eager]), eager_bwd_s=lower_quartile([b for _, b in eager]),
-                compile_s=max(0.0, first - again), same_as="" if same == name else same,
+                fwd_s=lq(warm, 0), bwd_s=lq(warm, 1), eager_fwd_s=lq(eager, 0), eager_bwd_s=lq(eager, 1),
+                compile_s=max(0.0, first - (again - lead)),  # (the later run waited out its lead)
+                same_as="" if same == name else same,
+                **({"host_fwd_s": lq(warm, 2), "host_bwd_s": lq(warm, 3), "eager_host_fwd_s": lq(eager, 2),
+                    "eager_host_bwd_s": lq(eager, 3)} if clock.cuda else {}),
             )
             for p in block.parameters():
                 p.grad = None

@@ -258,7 +258,7 @@ class StepEmitter:
         self.offload.finish_out()
         # the runtime's fixed work per step (a comm model measured before this figure existed has none)
         per_step = self.sim.comm.overhead.get("per_step_s", 0.0)
-        emit((COMPUTE, prof.pre_fwd_s + per_step, "forward", 0, per_step, 0.0))
+        emit((COMPUTE, prof.pre_fwd_s + per_step, "forward", 0, per_step, prof.pre_fwd_host_s))
         fcur = TriggerCursor(self.fwd_trig)
         trig, n_trig = fcur.trig, len(fcur.trig)
         gathers.fire(fcur, -1)
@@ -301,7 +301,7 @@ class StepEmitter:
         out.section(f"loss{at}")
         gathers.free_unless_persistent("after_forward")
         self.offload.finish_out()  # copy-outs started at forward units
-        emit((COMPUTE, prof.post_fwd_s, "loss", prof.loss_fwd_peak_bytes))
+        emit((COMPUTE, prof.post_fwd_s, "loss", prof.loss_fwd_peak_bytes, 0.0, prof.post_fwd_host_s))
         emit((MEM, prof.loss_act_bytes, ACTIVATIONS))
 
     def _backward(self, sync: bool, at: str) -> None:
@@ -310,7 +310,7 @@ class StepEmitter:
         prof = sim.profile
         emit, prog, section = out.emit, out.prog, out.sections.append
         out.section(f"loss backward{at}")
-        emit((COMPUTE, prof.pre_bwd_s, "loss backward", prof.loss_bwd_peak_bytes))
+        emit((COMPUTE, prof.pre_bwd_s, "loss backward", prof.loss_bwd_peak_bytes, 0.0, prof.pre_bwd_host_s))
         emit((MEM, -prof.loss_act_bytes, ACTIVATIONS))
         bcur = TriggerCursor(self.bwd_trig)
         trig, n_trig = bcur.trig, len(bcur.trig)

@@ -96,17 +96,21 @@ Slowdowns = Callable[..., tuple[float, float, float]]  # CommModel.slowdowns(op,
 # step is as long as the slower of the two, and where the host is slower (small layers, bf16, the
 # runtime's Python hooks) the device stands idle between kernels. The simulator then keeps two
 # clocks (``Timeline.h``, the host's; ``Timeline.t``, the compute stream's): a compute instruction
-# spends its host-only seconds and its issue time on the host clock; its device part starts when
-# the host begins issuing it or when the stream is free, whichever is later, and ends no earlier
-# than the host has issued the last of it. A collective is issued at the host's time and starts
+# spends its host-only seconds (the runtime's hooks, first) and then its issue time on the host
+# clock; its device part starts when the host begins issuing it or when the stream is free,
+# whichever is later, and ends no earlier than the host has issued the last of it (an instruction
+# without an issue time starts no earlier than the host's clock). A collective is issued at the host's time and starts
 # once the stream has done what was issued before it (NCCL's stream waits on the compute stream)
 # and its queue is free; a wait holds the compute stream, not the host (``work.wait()`` on NCCL).
 # While the stream waits for the host, the background queues run as during a wait. The two clocks
 # start together, as after the per-step synchronisation a training loop that logs its loss does;
-# the step ends when both have. Not modelled: the host blocking on the device (the offload's
-# host-side waits, a full launch queue), and the caching allocator's frees, which happen on the
-# host's clock while memory is logged on the stream's. Unverified on a GPU (docs/fidelity.md,
-# "Version 17").
+# the step ends when both have. A GPU profile without host times (one scaled from a described
+# device, ``autodist plan --device``; one recorded from the first steps, whose device times are
+# the host's pace already) has every unit's issue time 0: only the runtime's own work is on the
+# host's clock. Not modelled: the host blocking on the device (the offload's host-side waits, a
+# bucket whose gradients did not all arrive, whose used-flags the host reads, a full launch
+# queue), and the caching allocator's frees, which happen on the host's clock while memory is
+# logged on the stream's. Unverified on a GPU (docs/fidelity.md, "Version 17").
 
 
 Rates = Callable[[str, int], tuple[float, float, float, float]]  # (kind, nbytes) -> an op's four rates (see op_rates)
@@ -246,18 +250,20 @@ class Timeline:
                 mem_c(ins[2])
             elif code == COMPUTE:
                 dur, spike = ins[1], ins[3]
-                if asynchronous and len(ins) > 4:  # [Note: two clocks on an asynchronous device]
-                    host_s = ins[4] + ins[5]
-                    if host_s > 0:
+                if asynchronous:  # [Note: two clocks on an asynchronous device]
+                    if len(ins) > 4 and ins[4] + ins[5] > 0:
                         if record:
-                            self.events.append(Event("host", ins[2], h, h + host_s))
+                            self.events.append(Event("host", ins[2], h, h + ins[4] + ins[5]))
+                        h += ins[4]  # the host's own work (the hooks) first, then it issues the rest
                         issue_from = h
-                        h += host_s
-                        host_total += host_s
+                        h += ins[5]
+                        host_total += ins[4] + ins[5]
                         dur -= ins[4]
-                        if t < issue_from:  # the device waits for the host to issue the segment
-                            host_bound += issue_from - t
-                            t = queues_alone(t, None, issue_from)
+                    else:
+                        issue_from = h
+                    if dur > 0 and t < issue_from:  # the stream has had nothing more to run since t
+                        host_bound += issue_from - t
+                        t = queues_alone(t, None, issue_from)
                 if dur <= 0:
                     if spike:  # a transient of no measurable duration still counts for the peak
                         self.mem_t.extend((t, t))
@@ -511,6 +517,7 @@ def execute(prog: list[Instruction], ops: list[CommOp], static: list[int], *, co
     tl = Timeline(ops, comm, sensitivity, record, slowdowns, rates, asynchronous=asynchronous)
     tl.run(prog)
     step_s = max(tl.t, tl.h)
+    host_bound = tl.host_bound + max(0.0, tl.h - tl.t)  # (the host's work after the stream's last)
     mem = memory_peak((tl.mem_t, tl.mem_d, tl.mem_c), tl.timed, static, record)
     return SimResult(
         step_s=step_s,
@@ -520,9 +527,9 @@ def execute(prog: list[Instruction], ops: list[CommOp], static: list[int], *, co
         budget_bytes=budget,
         compute_s=tl.compute_total,
         comm_s=sum(op.seconds for op in ops if op.stream == 0),
-        exposed_comm_s=max(0.0, step_s - tl.compute_total - tl.host_bound),
+        exposed_comm_s=max(0.0, step_s - tl.compute_total - host_bound),
         host_s=tl.host_total,
-        host_bound_s=tl.host_bound,
+        host_bound_s=host_bound,
         events=tl.events,
         memory=mem.curve,
         gathers=sum(1 for op in ops if op.kind == "all_gather"),
