@@ -351,6 +351,16 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def _stderr_digest(err: str | bytes | None) -> str:
+    """What a failed run's stderr says: the lines that name an error (a rank's traceback or abort
+    comes early, and torchrun's own report fills the end), then the end."""
+    text = err.decode(errors="replace") if isinstance(err, bytes) else (err or "")
+    lines = text.splitlines()
+    keys = ("Error", "error:", "Traceback", "terminate", "Abort", "abort", "what():", "Exception")
+    named = [line for line in lines if any(k in line for k in keys)][:40]
+    return "\n".join(named) + "\n...\n" + text[-1500:]
+
+
 def _bench(args: argparse.Namespace, nproc: int, d: str) -> tuple[dict, list[str]]:
     """tools/bench.py at one GPU's scale (tiny on a dry run), fp32 and bf16."""
     out, lines = {}, []
@@ -370,13 +380,13 @@ def _bench(args: argparse.Namespace, nproc: int, d: str) -> tuple[dict, list[str
             rc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
         except subprocess.TimeoutExpired as e:
             out[precision] = {"error": f"stopped after {left:.0f} s: out of time (--minutes)",
-                              "stderr": (e.stderr or b"")[-2000:].decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")[-2000:]}
+                              "stderr": _stderr_digest(e.stderr)}
             lines.append((e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or "").strip())
             continue
         lines.append(rc.stdout.strip())
         print(rc.stdout.strip(), flush=True)
         if rc.returncode != 0 or not os.path.exists(path):
-            out[precision] = {"error": f"exit code {rc.returncode}", "stderr": rc.stderr[-2000:]}
+            out[precision] = {"error": f"exit code {rc.returncode}", "stderr": _stderr_digest(rc.stderr)}
             continue
         with open(path) as f:
             out[precision] = json.load(f)
