@@ -89,11 +89,24 @@ def _train_against_reference(device, rank, world, model_name, plan, extra, micro
             with ctx:
                 models.loss_fn(model_name, model(x[mine]).float(), y[mine]).div(micro).backward()
             # under a bf16 policy the reference computes as the policy does (bf16 copies but
-            # BatchNorm's, bf16 inputs, float32 gradients): the same arithmetic on one process
+            # BatchNorm's, bf16 inputs, float32 gradients), and rank by rank, as the ranks do: the
+            # same arithmetic on one process (bf16 sums a batch of 2 and one of 4 apart; BatchNorm
+            # normalises each rank's batch); its buffers then are rank 0's, which every rank's
+            # next forward starts from (broadcast, as DDP's), and which rank 0 reports
             policy = "mixed_precision" in extra
-            with as_policy(ref, policy):
-                xr = x.bfloat16() if policy and x.is_floating_point() else x
-                models.loss_fn(model_name, ref(xr).float(), y).div(micro).backward()
+            before = {k: v.clone() for k, v in ref.named_buffers()}
+            first_rank = before
+            for r in range(world):
+                for k, v in ref.named_buffers():
+                    v.copy_(before[k])
+                chunk = slice(r * 2, (r + 1) * 2)
+                with as_policy(ref, policy):
+                    xr = x[chunk].bfloat16() if policy and x.is_floating_point() else x[chunk]
+                    models.loss_fn(model_name, ref(xr).float(), y[chunk]).div(micro * world).backward()
+                if r == 0:
+                    first_rank = {k: v.clone() for k, v in ref.named_buffers()}
+            for k, v in ref.named_buffers():
+                v.copy_(first_rank[k])
         for o in (opt, ropt):
             o.step()
             o.zero_grad()
