@@ -244,8 +244,8 @@ def _common_module(names: Sequence[str]) -> str:
 def collapsed_groups(plan: Plan, structure: ModelStructure, *, memo: dict | None = None) -> dict[int, str]:
     """Gather group index -> its root module, for the groups enacted at one module (see [Note:
     hooks per gather group]). ``memo``: where a caller that asks for many plans of one model keeps
-    each group's answer, by its units and the plan's recomputed blocks (the rest of the rule is the
-    structure's)."""
+    what the structure alone decides for each group, by its units (a pass over every unit and
+    parameter); the plan's recomputed blocks are checked against it each time."""
     anchored = {a.split(":", 1)[1] for f in plan.offload for a in (f.out_after, f.back_from) if ":" in a}
     module_of: dict[str, str] | None = None
     out: dict[int, str] = {}
@@ -253,24 +253,30 @@ def collapsed_groups(plan: Plan, structure: ModelStructure, *, memo: dict | None
         units = set(g.units)
         if len(units) < 2 or units & anchored:
             continue
-        key = ("collapsed group", tuple(g.units), tuple(plan.recompute))
+        key = ("collapsed group", tuple(g.units))
         if memo is not None and key in memo:
             root = memo[key]
         else:
             if module_of is None:
                 module_of = {u.name: u.module_name for u in structure.units}
-            root = _group_root(g.units, plan.recompute, structure, module_of)
+            root = _structural_root(g.units, structure, module_of)
             if memo is not None:
                 memo[key] = root
-        if root is not None:
+        if root is not None and not _recomputed_across(root, plan.recompute):
             out[gi] = root
     return out
 
 
-def _group_root(group_units: Sequence[str], recompute: Sequence[str], structure: ModelStructure,
-                module_of: dict[str, str]) -> str | None:
+def _recomputed_across(root: str, recompute: Sequence[str]) -> bool:
+    """Whether a recomputed block encloses the module ``root`` or lies within it (the group is then
+    not enacted at ``root``: see [Note: hooks per gather group])."""
+    return any(encloses(b, root) or b == root or encloses(root, b) for b in recompute)
+
+
+def _structural_root(group_units: Sequence[str], structure: ModelStructure, module_of: dict[str, str]) -> str | None:
     """The module a gather group of ``group_units`` (two or more, no offload anchored at them) is
-    enacted at under a plan recomputing ``recompute``, or None (see [Note: hooks per gather group])."""
+    enacted at as far as the model's structure decides, whatever the plan recomputes, or None (see
+    [Note: hooks per gather group])."""
     units = set(group_units)
     if any(u not in module_of for u in units):
         return None
@@ -281,8 +287,6 @@ def _group_root(group_units: Sequence[str], recompute: Sequence[str], structure:
 
     if any(inside(m) != (u in units) for u, m in module_of.items()):
         return None  # another group's unit lies under the root, or the root's units are not all here
-    if any(encloses(b, root) or inside(b) for b in recompute):
-        return None
     unit_of_param = structure.unit_of_param
     for pname, info in structure.params.items():
         ours = unit_of_param[pname] in units
