@@ -64,10 +64,12 @@ def _peak_reset(device):
 
 
 def _train_against_reference(device, rank, world, model_name, plan, extra, micro, steps=3):
-    """Max parameter difference after ``steps`` SGD steps of AutoDist against the single-process
-    reference on the same device (computing as the mixed-precision policy does, where ``extra``
-    has one), and whether every managed tensor is on ``device``."""
+    """Max parameter (and buffer) difference after ``steps`` SGD steps of AutoDist against the
+    single-process reference on the same device (computing as the mixed-precision policy does,
+    where ``extra`` has one), the largest over the ranks, and whether every managed tensor is on
+    ``device``."""
     import torch
+    import torch.distributed as dist
 
     import models
     from autodist import AutoDist
@@ -80,6 +82,7 @@ def _train_against_reference(device, rank, world, model_name, plan, extra, micro
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(0)
+    bufs: list[dict[str, torch.Tensor]] = []  # each rank's buffers (BatchNorm's statistics)
     for _ in range(steps):
         for m in range(micro):
             x, y = models.batch(model_name, 2 * world, gen)
@@ -91,27 +94,33 @@ def _train_against_reference(device, rank, world, model_name, plan, extra, micro
             # under a bf16 policy the reference computes as the policy does (bf16 copies but
             # BatchNorm's, bf16 inputs, float32 gradients), and rank by rank, as the ranks do: the
             # same arithmetic on one process (bf16 sums a batch of 2 and one of 4 apart; BatchNorm
-            # normalises each rank's batch); its buffers then are rank 0's, which every rank's
-            # next forward starts from (broadcast, as DDP's), and which rank 0 reports
+            # normalises each rank's batch). Each rank's buffers are kept apart: a forward after a
+            # synchronised one (the first micro-batch of a step) starts from rank 0's, broadcast as
+            # DDP's ([Note: when buffers are broadcast] in autodist/runtime/engine.py), one under
+            # no_sync from the rank's own; this rank's are the reference's at the end
             policy = "mixed_precision" in extra
-            before = {k: v.clone() for k, v in ref.named_buffers()}
-            first_rank = before
+            if m == 0:
+                base = bufs[0] if bufs else {k: v.clone() for k, v in ref.named_buffers()}
+                bufs = [dict(base) for _ in range(world)]
             for r in range(world):
                 for k, v in ref.named_buffers():
-                    v.copy_(before[k])
+                    v.copy_(bufs[r][k])
                 chunk = slice(r * 2, (r + 1) * 2)
                 with as_policy(ref, policy):
                     xr = x[chunk].bfloat16() if policy and x.is_floating_point() else x[chunk]
                     models.loss_fn(model_name, ref(xr).float(), y[chunk]).div(micro * world).backward()
-                if r == 0:
-                    first_rank = {k: v.clone() for k, v in ref.named_buffers()}
-            for k, v in ref.named_buffers():
-                v.copy_(first_rank[k])
+                bufs[r] = {k: v.clone() for k, v in ref.named_buffers()}
         for o in (opt, ropt):
             o.step()
             o.zero_grad()
+    for k, v in ref.named_buffers():
+        v.copy_(bufs[rank][k])
     sd = model.state_dict()
     diff = max((sd[k].float() - v.float()).abs().max().item() for k, v in ref.state_dict().items())
+    if world > 1:  # every rank's against its own reference; rank 0 reports the largest
+        worst = torch.tensor([diff], device=device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        diff = worst.item()
     on_device = all(mp.local.device == device for mp in model.runtime.params.values())
     policy = model.runtime.launch_policy
     model.close()
