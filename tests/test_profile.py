@@ -434,15 +434,21 @@ class _SyncingMLP(nn.Module):
         return self.b(h.relu())
 
 
-def _fake_cuda(monkeypatch) -> list[float]:
+def _fake_cuda(monkeypatch, stalled: list[float] | None = None) -> list[float]:
     """CUDA's events, sleep and synchronisation faked on the CPU, and the profile's clock taking the
     CUDA path: an event reads twice the host's clock (a device whose intervals are twice the
     host's), ``torch.cuda._sleep`` holds the fake device (at 1e9 cycles a second) and
-    ``synchronize`` waits until it is free. Returns the seconds each sleep asked for."""
+    ``synchronize`` waits until it is free. The host's clock reads ``stalled[0]`` seconds ahead
+    (a host stalled for that long). Returns the seconds each sleep asked for."""
     import time as time_module
 
     import autodist.measure.clock as clock_module
     import autodist.measure.trace as trace
+
+    ahead = stalled if stalled is not None else [0.0]
+
+    def now() -> float:
+        return time_module.perf_counter() + ahead[0]
 
     slept: list[float] = []
     busy_until = [0.0]
@@ -452,7 +458,7 @@ def _fake_cuda(monkeypatch) -> list[float]:
             self.t = 0.0
 
         def record(self, stream=None) -> None:
-            self.t = 2 * time_module.perf_counter()
+            self.t = 2 * now()
 
         def elapsed_time(self, other: "_Event") -> float:
             return (other.t - self.t) * 1e3
@@ -462,10 +468,10 @@ def _fake_cuda(monkeypatch) -> list[float]:
 
     def sleep(cycles: int) -> None:
         slept.append(cycles / 1e9)
-        busy_until[0] = time_module.perf_counter() + cycles / 1e9
+        busy_until[0] = now() + cycles / 1e9
 
     def synchronize(*_a, **_k) -> None:
-        time_module.sleep(max(0.0, busy_until[0] - time_module.perf_counter()))
+        time_module.sleep(max(0.0, busy_until[0] - now()))
 
     class _CudaLike(clock_module.Clock):
         def __init__(self, device: torch.device) -> None:
@@ -474,9 +480,9 @@ def _fake_cuda(monkeypatch) -> list[float]:
             self._cycles_per_s = 1e9  # (the rate _sleep_rate would time)
 
         def mark(self) -> tuple[_Event, float]:  # Clock.mark's pair, both read at one instant
-            e, now = _Event(), time_module.perf_counter()
-            e.t = 2 * now
-            return e, now
+            e, t = _Event(), now()
+            e.t = 2 * t
+            return e, t
 
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "_sleep", sleep)
@@ -489,7 +495,7 @@ def test_on_cuda_each_unit_is_timed_on_the_devices_clock_and_the_hosts_with_the_
     """The CUDA path of the profile ([Note: device and host times of a unit]) on the CPU, CUDA
     faked (``_fake_cuda``: the device's intervals twice the host's): each unit's device time and
     host time come from their own clocks, and every timed pass is led by one sleep, 1.25x the
-    host's time for the first pass."""
+    host's time for the first pass (at least ``MIN_LEAD_S``)."""
     from autodist.measure.trace import LEAD_OVER_HOST
 
     slept = _fake_cuda(monkeypatch)
@@ -510,6 +516,37 @@ def test_on_cuda_each_unit_is_timed_on_the_devices_clock_and_the_hosts_with_the_
     monkeypatch.undo()
     cpu = profile_model(model, structure, (torch.randn(8, 16),), device=CPU, repeats=3, memory=False)
     assert all(u.fwd_host_s == 0.0 and u.bwd_host_s == 0.0 for u in cpu.units) and "host_times" not in cpu.meta
+
+
+class _StallingMLP(nn.Module):
+    """An MLP whose ``stall_at``-th forward finds the host stalled for a second (another process
+    took the core), read on the fake CUDA clock (``_fake_cuda``'s ``stalled``)."""
+
+    def __init__(self, stalled: list[float], stall_at: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 8)
+        self.stalled, self.stall_at, self.calls = stalled, stall_at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.a(x)
+        if self.calls == self.stall_at:
+            self.stalled[0] += 1.0
+        return self.b(h.relu())
+
+
+def test_on_cuda_a_pass_the_host_stalled_in_is_dropped_on_both_clocks(monkeypatch):
+    """One timed pass whose host stalled past the lead (a busy host), of three or more: it is
+    dropped, and the host times come from the others ([Note: device and host times of a unit])."""
+    stalled = [0.0]
+    _fake_cuda(monkeypatch, stalled)
+    model = _StallingMLP(stalled, stall_at=3)  # the first pass counts the bytes; the 3rd call is the 2nd timed
+    prof = profile_model(model, discover(model), (torch.randn(8, 16),), device=CPU, repeats=3, memory=False)
+    assert prof.meta["host_times"] == "measured"
+    for u in prof.units:
+        assert 0 < u.fwd_host_s < 0.1 and u.bwd_host_s > 0
+        assert u.fwd_s == pytest.approx(2 * u.fwd_host_s) and u.bwd_s == pytest.approx(2 * u.bwd_host_s)
 
 
 def test_on_cuda_a_model_that_waits_for_the_device_keeps_no_host_times(monkeypatch):

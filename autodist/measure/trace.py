@@ -450,16 +450,21 @@ def _tracer_scale(raw: list[tuple[_Pass, Any, Any, Any]], clock: Clock, forward_
 # while the device has the next kernels queued; where the host sets the pace (small layers, bf16)
 # they measure the host's instead. So each timed pass is preceded by a sleep on the device
 # (``Clock.lead``) of 1.25 times the host's time for the first pass, which was not led (and counts
-# the saved bytes besides: slower than the timed ones): the host issues the whole pass while the
-# device sleeps, and the intervals between the events are the kernels' own. The host's time per
+# the saved bytes besides: slower than the timed ones), and at least 20 ms (more than a busy host
+# mostly stalls a pass for): the host issues the whole pass while the device sleeps, and the
+# intervals between the events are the kernels' own. The host's time per
 # unit (and for the glue before, between and after the units) is read from the same marks on the
 # host's clock, and scaled like the device's to take the tracer's hooks out ([Note: the profiler's
-# own time]). A led pass the host took as long as the lead for had it wait for the device (a
-# model that reads a value back, ``.item()`` or ``nonzero``; a pass of more kernels than the launch
-# queue holds, about a thousand): its host times would hold the device's, so none are kept (the
-# profile's ``meta.host_times`` says so) and the simulator has only the runtime's own work on the
-# host's clock. Unverified on a GPU.
+# own time]). A led pass the host took as long as the lead for either had it wait for the device
+# (a model that reads a value back, ``.item()`` or ``nonzero``; a pass of more kernels than the
+# launch queue holds, about a thousand), or was stalled (a busy host: another process took the
+# core); its host times would hold the device's, and the device, having caught up, then ran at the
+# host's pace. A model that waits does in every pass: where half the passes or more took the lead,
+# no host times are kept (the profile's ``meta.host_times`` says so) and the simulator has only the
+# runtime's own work on the host's clock (the device's times after the first wait are then the
+# host's pace); otherwise the passes that took it are dropped, on both clocks. Unverified on a GPU.
 LEAD_OVER_HOST = 1.25  # the device sleeps this many times the host's time for the first pass
+MIN_LEAD_S = 0.02
 MAX_LEAD_S = 1.0  # (the first pass loads kernels and libraries: it can take the host far longer)
 
 NOISY_SPREAD = 0.10  # passes whose median total time is this much above the fastest: a disturbed host
@@ -497,7 +502,7 @@ class _Passes:
     # on an asynchronous device: every timed pass's attribution on the host's clock (the host's
     # time to issue each unit: [Note: device and host times of a unit]); empty elsewhere
     host_results: list[dict[str, Any]] = field(default_factory=list)
-    host_waited: bool = False  # on an asynchronous device: the host waited for the device in a pass
+    host_waited: bool = False  # on an asynchronous device: the host waited for the device in most passes
     # the untraced passes' forward and backward, on the device's clock and the issuing thread's
     # (``forward``, ``backward``, ``host_forward``, ``host_backward``; see :func:`_tracer_scale`)
     bare: dict[str, float] = field(default_factory=dict)
@@ -552,7 +557,7 @@ def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer
             _, counted = one_pass(saved=True)
             if clock.cuda:  # the first pass, not led: the host's own pace ([Note: device and host times of a unit])
                 _, t0, _, t_bwd = raw[-1]
-                lead = min(MAX_LEAD_S, LEAD_OVER_HOST * clock.host_seconds(t0, t_bwd))
+                lead = min(MAX_LEAD_S, max(MIN_LEAD_S, LEAD_OVER_HOST * clock.host_seconds(t0, t_bwd)))
             for _ in range(max(0, warmup - 1)):
                 one_pass()
             raw.clear()
@@ -570,14 +575,17 @@ def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer
                 for _ in range(repeats):
                     attr, last = one_pass()
                     results.append(attr)
+            # a led pass the host took at least the lead for waited for the device (the model reads a
+            # value back: ``.item()``, ``nonzero``; or the launch queue filled) or was stalled (a busy
+            # host): see [Note: device and host times of a unit]
+            kept = [r for r in raw if clock.host_seconds(r[1], r[3]) < lead] if clock.cuda else raw
+            waited = 2 * len(kept) <= len(raw)
+            if not waited:
+                raw[:] = kept
             f, b, host_f, host_b = _tracer_scale(raw, clock, lambda: loss_fn(module(*inputs, **kwargs)),
-                                                 min(repeats, len(results)), bare, lead)
+                                                 min(repeats, len(raw)), bare, lead)
             scale = (f, b)
             results = [_attribute(p, clock, t0, tf, tb, unit_names, scale) for p, t0, tf, tb in raw]
-            # a led pass the host took at least the lead for waited for the device (the model reads a
-            # value back: ``.item()``, ``nonzero``; or the launch queue filled): its host times hold
-            # the device's, and no pass's are kept
-            waited = clock.cuda and any(clock.host_seconds(t0, tb) >= lead for _, t0, _, tb in raw)
             if clock.cuda and not waited:
                 on_host = clock.host_view()
                 host_results = [_attribute(p, on_host, t0, tf, tb, unit_names, (host_f, host_b)) for p, t0, tf, tb in raw]
