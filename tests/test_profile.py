@@ -289,6 +289,11 @@ def test_profiles_merge_into_the_slowest_rank_and_into_the_typical_of_several_ti
     assert t.contended_slowdown == 2.0 and t.contention_sensitivity == 1.0 and t.meta["profiles"] == 3
     assert typical([b]).contended_slowdown is None and typical([b]).contention_sensitivity is None
     assert t.units[0].act_bytes == 100  # sizes from the first
+    # host times (a CUDA profile's): the median over the profiles that kept them, the largest over ranks
+    a.units[0].fwd_host_s, c.units[0].fwd_host_s, c.post_fwd_host_s = 0.5, 1.5, 0.25
+    t = typical([a, b, c])
+    assert (t.units[0].fwd_host_s, t.units[0].bwd_host_s, t.post_fwd_host_s) == (1.0, 0.0, 0.25)
+    assert slowest([a, c]).units[0].fwd_host_s == 1.5 and slowest([a, c]).post_fwd_host_s == 0.25
 
 
 def test_a_plan_measured_twice_tells_the_measurement_s_own_noise():

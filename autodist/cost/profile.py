@@ -262,10 +262,14 @@ def typical(profiles: list[Profile]) -> Profile:
         seen = [by[u.name] for by in units if u.name in by]
         u.fwd_s = statistics.median(x.fwd_s for x in seen)
         u.bwd_s = statistics.median(x.bwd_s for x in seen)
-        u.fwd_host_s = statistics.median(x.fwd_host_s for x in seen)
-        u.bwd_host_s = statistics.median(x.bwd_host_s for x in seen)
-    for key in ("pre_fwd_s", "post_fwd_s", "pre_bwd_s", "post_bwd_s", "pre_fwd_host_s", "post_fwd_host_s", "pre_bwd_host_s"):
+        # host times: over the profiles that kept them (a CUDA profile whose host waited for the
+        # device keeps none: [Note: device and host times of a unit])
+        u.fwd_host_s = _median_of_measured([x.fwd_host_s for x in seen])
+        u.bwd_host_s = _median_of_measured([x.bwd_host_s for x in seen])
+    for key in ("pre_fwd_s", "post_fwd_s", "pre_bwd_s", "post_bwd_s"):
         setattr(out, key, statistics.median(getattr(p, key) for p in profiles))
+    for key in ("pre_fwd_host_s", "post_fwd_host_s", "pre_bwd_host_s"):
+        setattr(out, key, _median_of_measured([getattr(p, key) for p in profiles]))
     for key in ("per_tensor_s", "per_byte_s", "fixed_s"):
         setattr(out.optimizer, key, statistics.median(getattr(p.optimizer, key) for p in profiles))
     for key in ("contended_slowdown", "contention_sensitivity"):
@@ -273,6 +277,14 @@ def typical(profiles: list[Profile]) -> Profile:
         setattr(out, key, statistics.median(measured) if measured else None)
     out.meta = dict(out.meta, profiles=len(profiles))
     return out
+
+
+def _median_of_measured(values: list[float]) -> float:
+    """The median of the values that were measured (nonzero); 0 where none was."""
+    import statistics
+
+    measured = [v for v in values if v > 0]
+    return statistics.median(measured) if measured else 0.0
 
 
 def static_profile(structure: Any) -> Profile:

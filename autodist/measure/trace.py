@@ -464,7 +464,7 @@ def _tracer_scale(raw: list[tuple[_Pass, Any, Any, Any]], clock: Clock, forward_
 # runtime's own work on the host's clock (the device's times after the first wait are then the
 # host's pace); otherwise the passes that took it are dropped, on both clocks. Unverified on a GPU.
 LEAD_OVER_HOST = 1.25  # the device sleeps this many times the host's time for the first pass
-MIN_LEAD_S = 0.02
+MIN_LEAD_S = 0.02  # (a busy host's stalls of a pass are mostly shorter)
 MAX_LEAD_S = 1.0  # (the first pass loads kernels and libraries: it can take the host far longer)
 
 NOISY_SPREAD = 0.10  # passes whose median total time is this much above the fastest: a disturbed host
