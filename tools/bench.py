@@ -449,6 +449,8 @@ def run_contender(workload: Any, contender: Contender, batches: list, args: argp
             # on an asynchronous device: the host's predicted issuing and the device's wait for it
             "predicted_host_s": model.plan.predicted.get("host_seconds"),
             "predicted_waiting_for_host_s": model.plan.predicted.get("waiting_for_host_seconds"),
+            # whether the profile kept the units' host times ([Note: device and host times of a unit])
+            "profile_host_times": model.plan.provenance.get("profile_host_times"),
         })
     try:
         # the last warm-up step is timed by phase, the device drained at each boundary (the timed
@@ -762,6 +764,8 @@ def _phases(mine: dict[str, dict]) -> list[str]:
         if extra.get("predicted_host_s"):  # [Note: two clocks on an asynchronous device]
             line += (f"; predicted host {extra['predicted_host_s'] * 1e3:.1f} ms, device waiting for it "
                      f"{(extra.get('predicted_waiting_for_host_s') or 0.0) * 1e3:.1f} ms")
+        if extra.get("profile_host_times"):
+            line += f"; the profile's host times: {extra['profile_host_times']}"
         out.append(line)
     return out
 

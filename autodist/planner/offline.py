@@ -280,6 +280,8 @@ def annotate(
     if plan.compile:  # the one-off cost of compiling its blocks, apart from the step
         plan.predicted["compile_seconds"] = sum(c.compile_s for b, c in profile.compiled_blocks.items() if b in plan.compile)
     plan.provenance = search_provenance(result, source)
+    if "host_times" in profile.meta:  # on an accelerator: whether the units' host times were kept
+        plan.provenance["profile_host_times"] = profile.meta["host_times"]
     if profile.compile_backend:  # the search could compile blocks (and which it chose is plan.compile)
         plan.provenance["compile_allowed"] = profile.compile_backend
         plan.compile_backend = profile.compile_backend
