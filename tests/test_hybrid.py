@@ -432,83 +432,11 @@ def test_dcp_checkpoints_load_across_shard_sizes_and_world_sizes(world2, world4,
         check_loaded(world2.run(load, d, "zero2", via_module, timeout=300))
 
 
-# ---- shard_size="node" under torchrun, two emulated nodes of two ranks ---------------------------
+# ---- two emulated nodes of two ranks under torchrun ----------------------------------------------
+# Both cases run in one launch (each launch starts six interpreters): ``shard_size="node"`` with the
+# fsdp plan, then plan="auto" pricing the two levels.
 
-NODE_SCRIPT = """
-import json, sys
-import torch
-import torch.distributed as dist
-from torch import nn
-from autodist import AutoDist
-
-torch.manual_seed(0)
-build = lambda: nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 7))
-ref = build()
-torch.manual_seed(0)
-model = AutoDist(build(), plan="fsdp", shard_size="node")
-opt, ropt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
-rank, world = dist.get_rank(), dist.get_world_size()
-gen = torch.Generator().manual_seed(5)
-for _ in range(3):
-    x, y = torch.randn(4 * world, 13, generator=gen), torch.randn(4 * world, 7, generator=gen)
-    nn.functional.mse_loss(model(x[4 * rank : 4 * rank + 4]), y[4 * rank : 4 * rank + 4]).backward()
-    nn.functional.mse_loss(ref(x), y).backward()
-    for o in (opt, ropt):
-        o.step()
-        o.zero_grad()
-sd = model.state_dict()
-diff = max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
-w = dict(model.named_parameters())["0.weight"]
-out = {"rank": rank, "shard_size": model.plan.shard_size, "mesh": list(model.mesh.shape),
-       "local_rows": w.to_local().shape[0], "diff": diff, "all_reduces": model.runtime.comm.stats.all_reduces}
-model.close()
-with open(sys.argv[1] + f".{rank}", "w") as f:
-    json.dump(out, f)
-"""
-
-
-def _on_two_nodes(tmp_path, script_text: str, *args: str) -> list[dict]:
-    """Run ``script_text`` under two torchrun launchers of two ranks each (``--nnodes 2``, static
-    rendezvous on this host; torchrun sets ``LOCAL_WORLD_SIZE`` to 2) with ``args`` and the path
-    its ranks write their JSON results to (``out.<rank>``); returns them by rank."""
-    import json
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    script = tmp_path / "train.py"
-    script.write_text(script_text)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
-               OMP_NUM_THREADS="1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launchers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2", "--node_rank",
-             str(node), "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(tmp_path / "out"),
-             *args],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for node in range(2)
-    ]
-    outputs = [p.communicate(timeout=600)[0] for p in launchers]
-    assert all(p.returncode == 0 for p in launchers), "\n".join(outputs)[-4000:]
-    return [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(4)]
-
-
-def test_shard_size_node_shards_within_each_torchrun_node(tmp_path):
-    """``shard_size="node"`` reads ``LOCAL_WORLD_SIZE`` (2), shards within each node and replicates
-    across the two, and trains as the single-process reference does."""
-    for r in _on_two_nodes(tmp_path, NODE_SCRIPT):
-        assert r["shard_size"] == 2 and r["mesh"] == [2, 2] and r["all_reduces"] > 0, r
-        assert r["local_rows"] == (19 if r["rank"] % 2 == 0 else 18), r  # 37 rows over a node of 2
-        assert r["diff"] < ATOL, r
-
-
-AUTO_NODE_SCRIPT = """
+TWO_NODES_SCRIPT = """
 import json, sys
 import torch
 import torch.distributed as dist
@@ -522,64 +450,135 @@ out, cache_dir = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 cpu = torch.device("cpu")
-if rank == 0:  # both levels described in the cache, the link between nodes 100x slower: nothing is swept
-    cache = Cache(cache_dir, writer=True)
-    within = CommModel.analytic(2, bandwidth_bytes_s=2e9, latency_s=2e-5, backend="gloo", device="cpu")
-    across = CommModel.analytic(2, bandwidth_bytes_s=2e7, latency_s=2e-3, backend="gloo", device="cpu")
-    cache.put("comm", keys.machine_key(keys.machine(2, cpu, "gloo")), within.to_json())
-    cache.put("comm", keys.machine_key({**keys.machine(2, cpu, "gloo"), "level": "across nodes"}), across.to_json())
-dist.barrier()
-torch.manual_seed(0)
-build = lambda: nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
-ref = build()
-torch.manual_seed(0)
-gen = torch.Generator().manual_seed(5)
-data = [(torch.randn(4 * world, 16, generator=gen), torch.randn(4 * world, 8, generator=gen)) for _ in range(3)]
-mine = slice(4 * rank, 4 * rank + 4)
 
 
-def train(model, ref, batches):  # AdamW on this rank's share and on the whole batch: the largest difference after
+def node_case():
+    torch.manual_seed(0)
+    build = lambda: nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 7))
+    ref = build()
+    torch.manual_seed(0)
+    model = AutoDist(build(), plan="fsdp", shard_size="node")
     opt, ropt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for x, y in batches:
-        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        x, y = torch.randn(4 * world, 13, generator=gen), torch.randn(4 * world, 7, generator=gen)
+        nn.functional.mse_loss(model(x[4 * rank : 4 * rank + 4]), y[4 * rank : 4 * rank + 4]).backward()
         nn.functional.mse_loss(ref(x), y).backward()
         for o in (opt, ropt):
             o.step()
             o.zero_grad()
     sd = model.state_dict()
-    return max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    diff = max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    w = dict(model.named_parameters())["0.weight"]
+    res = {"rank": rank, "shard_size": model.plan.shard_size, "mesh": list(model.mesh.shape),
+           "local_rows": w.to_local().shape[0], "diff": diff, "all_reduces": model.runtime.comm.stats.all_reduces}
+    model.close()
+    return res
 
 
-# replicating does not fit 100 KB (parameters, gradients and AdamW's moments: 90 KiB, plus activations)
-model = AutoDist(build(), plan="auto", example_inputs=(data[0][0][mine],), cache_dir=cache_dir, memory_limit="100KB")
-diff = train(model, ref, data)
-res = {"rank": rank, "shard_ranks": model.plan.shard_ranks, "sharded": len(model.plan.sharded_units),
-       "mesh": list(model.mesh.shape), "sweeps": model._auto.stats.sweeps, "source": model._auto.stats.source,
-       "all_reduces": model.runtime.comm.stats.all_reduces, "diff": diff}
-model.close()
-# the same model without example inputs: a safe start on the whole world, then a switch; the hybrid
-# plan found above was chosen before a runtime existed and must not be switched to here
-torch.manual_seed(0)
-ref = build()
-torch.manual_seed(0)
-model = AutoDist(build(), plan="auto", cache_dir=cache_dir, memory_limit="100KB")
-diff = train(model, ref, data + data)
-res["safe_start"] = {"shard_ranks": model.plan.shard_ranks, "source": model._auto.stats.source,
-                     "switches": model.runtime.stats.plan_switches, "diff": diff}
-model.close()
+def auto_case():
+    if rank == 0:  # both levels described in the cache, the link between nodes 100x slower: nothing is swept
+        cache = Cache(cache_dir, writer=True)
+        within = CommModel.analytic(2, bandwidth_bytes_s=2e9, latency_s=2e-5, backend="gloo", device="cpu")
+        across = CommModel.analytic(2, bandwidth_bytes_s=2e7, latency_s=2e-3, backend="gloo", device="cpu")
+        cache.put("comm", keys.machine_key(keys.machine(2, cpu, "gloo")), within.to_json())
+        cache.put("comm", keys.machine_key({**keys.machine(2, cpu, "gloo"), "level": "across nodes"}), across.to_json())
+    dist.barrier()
+    torch.manual_seed(0)
+    build = lambda: nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+    ref = build()
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(5)
+    data = [(torch.randn(4 * world, 16, generator=gen), torch.randn(4 * world, 8, generator=gen)) for _ in range(3)]
+    mine = slice(4 * rank, 4 * rank + 4)
+
+    def train(model, ref, batches):  # AdamW on this rank's share and on the whole batch: the largest difference after
+        opt, ropt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for x, y in batches:
+            nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+            nn.functional.mse_loss(ref(x), y).backward()
+            for o in (opt, ropt):
+                o.step()
+                o.zero_grad()
+        sd = model.state_dict()
+        return max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+
+    # replicating does not fit 100 KB (parameters, gradients and AdamW's moments: 90 KiB, plus activations)
+    model = AutoDist(build(), plan="auto", example_inputs=(data[0][0][mine],), cache_dir=cache_dir, memory_limit="100KB")
+    diff = train(model, ref, data)
+    res = {"rank": rank, "shard_ranks": model.plan.shard_ranks, "sharded": len(model.plan.sharded_units),
+           "mesh": list(model.mesh.shape), "sweeps": model._auto.stats.sweeps, "source": model._auto.stats.source,
+           "all_reduces": model.runtime.comm.stats.all_reduces, "diff": diff}
+    model.close()
+    # the same model without example inputs: a safe start on the whole world, then a switch; the hybrid
+    # plan found above was chosen before a runtime existed and must not be switched to here
+    torch.manual_seed(0)
+    ref = build()
+    torch.manual_seed(0)
+    model = AutoDist(build(), plan="auto", cache_dir=cache_dir, memory_limit="100KB")
+    diff = train(model, ref, data + data)
+    res["safe_start"] = {"shard_ranks": model.plan.shard_ranks, "source": model._auto.stats.source,
+                         "switches": model.runtime.stats.plan_switches, "diff": diff}
+    model.close()
+    return res
+
+
+res = {"node": node_case(), "auto": auto_case()}
 with open(out + f".{rank}", "w") as f:
     json.dump(res, f)
 """
 
 
-def test_auto_on_two_nodes_prices_each_level_and_shards_within_nodes(tmp_path):
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory) -> list[dict]:
+    """Run TWO_NODES_SCRIPT under two torchrun launchers of two ranks each (``--nnodes 2``, static
+    rendezvous on this host; torchrun sets ``LOCAL_WORLD_SIZE`` to 2); its results by rank."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    tmp_path = tmp_path_factory.mktemp("two-nodes")
+    script = tmp_path / "train.py"
+    script.write_text(TWO_NODES_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
+               OMP_NUM_THREADS="1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launchers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2", "--node_rank",
+             str(node), "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(tmp_path / "out"),
+             str(tmp_path / "cache")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for node in range(2)
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in launchers]
+    assert all(p.returncode == 0 for p in launchers), "\n".join(outputs)[-4000:]
+    return [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(4)]
+
+
+def test_shard_size_node_shards_within_each_torchrun_node(two_nodes):
+    """``shard_size="node"`` reads ``LOCAL_WORLD_SIZE`` (2), shards within each node and replicates
+    across the two, and trains as the single-process reference does."""
+    for r in (res["node"] for res in two_nodes):
+        assert r["shard_size"] == 2 and r["mesh"] == [2, 2] and r["all_reduces"] > 0, r
+        assert r["local_rows"] == (19 if r["rank"] % 2 == 0 else 18), r  # 37 rows over a node of 2
+        assert r["diff"] < ATOL, r
+
+
+def test_auto_on_two_nodes_prices_each_level_and_shards_within_nodes(two_nodes):
     """[Note: the two levels measured online]: on two nodes of two ranks, plan="auto" takes a comm
     model per level (here both described in the cache, so nothing is swept), and with the link
     between nodes 100x slower and a budget replication does not fit, shards within each node
     (hybrid, chosen by the search: no shard_size was asked for), trains as the single-process
     reference does. The same model launched next without example inputs starts on the whole world
     and switches to a plan searched for it, not to the hybrid one."""
-    for r in _on_two_nodes(tmp_path, AUTO_NODE_SCRIPT, str(tmp_path / "cache")):
+    for r in (res["auto"] for res in two_nodes):
         assert r["source"] == "search" and r["sweeps"] == 0, r
         assert r["sharded"] > 0 and r["shard_ranks"] == 2 and r["mesh"] == [2, 2], r
         assert r["all_reduces"] > 0, r  # the shards all-reduced across the nodes
