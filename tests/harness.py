@@ -1,4 +1,4 @@
-"""Run test functions on N gloo ranks that are started once and reused.
+"""Run test functions on N gloo ranks that are spawned once and reused.
 
 ``RankPool(world_size)`` starts ``world_size`` worker processes that form a gloo process group and
 then wait for work. ``pool.run(fn, *args)`` runs ``fn(*args)`` on every rank at once (``fn`` must be
@@ -31,7 +31,6 @@ DEFAULT_TIMEOUT_S = 180.0  # each is a guard against a hang, stretched by load_f
 START_TIMEOUT_S = 120.0
 FAILURE_GRACE_S = 15.0
 COLLECTIVE_TIMEOUT_S = 90.0
-PRELOAD = ["torch", "torch.distributed", "autodist", "models", "parity"]
 
 
 class RankFailure(AssertionError):
@@ -54,21 +53,14 @@ def _free_port() -> int:
 
 
 def _watch_parent(parent_pid: int) -> None:
-    # a forked worker's parent is the fork server, not the test process: watch the test process itself
     while True:
-        try:
-            os.kill(parent_pid, 0)
-        except ProcessLookupError:
+        if os.getppid() != parent_pid:
             os._exit(3)
         time.sleep(1.0)
 
 
-def _worker(
-    rank: int, world_size: int, port: int, conn: Any, parent_pid: int, sys_path: list[str], env: dict[str, str]
-) -> None:
+def _worker(rank: int, world_size: int, port: int, conn: Any, parent_pid: int, sys_path: list[str]) -> None:
     sys.path[:] = sys_path
-    os.environ.clear()  # the test process's environment now, not the fork server's when it started
-    os.environ.update(env)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -111,17 +103,14 @@ class RankPool:
 
     # -- lifecycle --------------------------------------------------------------------------------
     def _start(self) -> None:
-        # Workers fork from a server that has imported torch and the test helpers once (spawning
-        # each imports them again: seconds per rank on a small host, 8 ranks at a time in test_hybrid8)
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
+        ctx = mp.get_context("spawn")
         port = _free_port()
         self._procs, self._conns = [], []
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_worker,
-                args=(rank, self.world_size, port, child, os.getpid(), list(sys.path), dict(os.environ)),
+                args=(rank, self.world_size, port, child, os.getpid(), list(sys.path)),
                 daemon=True,
                 name=f"autodist-test-rank{rank}",
             )
