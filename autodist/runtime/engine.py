@@ -869,25 +869,33 @@ class Engine:
             self.reducer.attach_views(step.deferred)
 
     def _make_grad_hook(self, mp: ManagedParam):
+        # Runs once per parameter per backward, from C++, on the thread that issues the step's
+        # kernels: on a model of many small layers its Python is step time on a GPU (issue 41).
+        # What does not change over the parameter's life is looked up here, once.
         group = self.group_of_param.get(id(mp))
+        name, key = mp.name, id(mp)
+        stash = self.reduce_dtype(mp) if mp.needs_swap and self.reduce_dtype(mp) != mp.compute_dtype else None
 
         def on_grad_ready(param: torch.Tensor) -> None:
             step = self._step
             if not step.in_backward:
                 self._on_backward_start()
-            first = mp.name not in step.ready_set
+            ready = step.ready_set
+            first = key not in ready
             if first:
-                step.ready_set.add(mp.name)
-                step.ready_order.append(mp.name)
+                ready.add(key)
+                step.ready_order.append(name)
                 if group is not None:
                     group.grads_ready += 1
                     self._maybe_free_after_backward(group)
             else:
                 self.stats.late_gradients += 1
-            if step.sync or self.reducer.takes(mp):
-                self.reducer.on_ready(mp, first=first, defer=id(mp) in step.deferred)
-            elif mp.needs_swap and self.reduce_dtype(mp) != mp.compute_dtype:
-                mp.stash_full_grad(self.reduce_dtype(mp))  # accumulate over micro-batches in the reduce dtype
+            reducer = self.reducer
+            entry = reducer.slot.get(key)
+            if entry is not None and entry[0].taking:
+                reducer.take(entry, mp, first, key in step.deferred)
+            elif stash is not None and not step.sync:
+                mp.stash_full_grad(stash)  # accumulate over micro-batches in the reduce dtype
 
         return on_grad_ready
 

@@ -65,6 +65,7 @@ class BucketRuntime:
         self.op = op
         self.params = params
         self.every = False  # reduced in every micro-batch, also those that do not synchronise
+        self.taking = True  # reduced in the current backward (set by Reducer.begin)
         self.record: Callable[[str, object], None] | None = None  # the engine's action log, when on
         self.dtype = reduce_dtype
         self.comm = comm
@@ -99,6 +100,7 @@ class BucketRuntime:
         if op == "reduce_scatter":  # its collective writes it whole: storage from the first launch on
             self.buffer.untyped_storage().resize_(0)
         self._grad_objs: list[torch.Tensor | None] = [None] * self.n
+        self._swaps = [mp.needs_swap for mp in params]  # fixed for a parameter's life
         self._saved: dict[int, torch.Tensor] = {}
         # the slots that may hold their view as ``.grad`` before backward (see [Note: views attached
         # before backward])
@@ -241,13 +243,12 @@ class BucketRuntime:
         self.ready[slot] = True
         self.pending -= 1
         if self.op == "all_reduce":
-            view = self.views[slot]
-            if not mp.needs_swap:
+            if not self._swaps[slot]:
                 g = mp.visible.grad  # autograd accumulated straight into the visible parameter
                 if (g is not None and g is self._grad_objs[slot]) or self._is_slot_view(g, slot):
                     self.action[slot] = _KEEP
                 else:
-                    view.copy_(self._arrived(g, mp))
+                    self.views[slot].copy_(self._arrived(g, mp))
                     obj = self.grad_obj(slot)
                     if obj is not None:
                         # the gradient lives in the bucket from now on: autograd's tensor goes now,
@@ -440,7 +441,8 @@ class Reducer:
         """A new backward: every bucket takes part if it synchronises; otherwise only the buckets
         reduced in every micro-batch (sharded units accumulating sharded gradients)."""
         self.active = self.buckets if sync else [b for b in self.buckets if b.every]
-        self._active = {id(b) for b in self.active}
+        for b in self.buckets:
+            b.taking = sync or b.every
         self.next_launch = 0
         self.next_finish = 0
 
@@ -450,16 +452,14 @@ class Reducer:
             if b._attachable:
                 b.attach_views(skip)
 
-    def takes(self, mp: ManagedParam) -> bool:
-        """Whether ``mp``'s gradient is reduced in this backward."""
-        entry = self.slot.get(id(mp))
-        return entry is not None and id(entry[0]) in self._active
-
-    def on_ready(self, mp: ManagedParam, *, first: bool = True, defer: bool = False) -> None:
-        """``mp``'s gradient was accumulated (``first``: for the first time this step). ``defer``:
-        it may accumulate again (reentrant checkpointing of a shared parameter): take it at the flush."""
-        entry = self.slot.get(id(mp))
-        if entry is None or defer or id(entry[0]) not in self._active:
+    def take(self, entry: tuple[BucketRuntime, int], mp: ManagedParam, first: bool, defer: bool) -> None:
+        """``mp``'s gradient was accumulated (``first``: for the first time this step); ``entry`` is
+        its bucket and slot (from :attr:`slot`), a bucket reduced in this backward (``taking``).
+        ``defer``: it may accumulate again (reentrant checkpointing of a shared parameter): take it
+        at the flush. The engine's gradient hook looks ``entry`` up itself: this runs once per
+        parameter per backward, on the thread that issues the step's kernels.
+        """
+        if defer:
             return
         bucket, slot = entry
         if not first or bucket.ready[slot]:

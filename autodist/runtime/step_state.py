@@ -55,7 +55,7 @@ class StepState:
     bwd_current: str | None = None  # the unit whose backward is running
     anchors: dict[str, str | None] = field(default_factory=dict)  # recomputed unit -> anchor, this step
     ready_order: list[str] = field(default_factory=list)
-    ready_set: set[str] = field(default_factory=set)
+    ready_set: set[int] = field(default_factory=set)  # managed param ids whose gradient arrived
     expects_backward: bool = False
     grad_sites: set[int] = field(default_factory=set)  # sites that ran forward with gradients
     uses: dict[int, int] = field(default_factory=dict)  # managed param id -> forward uses this step
