@@ -8,7 +8,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -54,6 +54,23 @@ def run_tool(script: str, nproc: int, worker_args: list[str], table: Callable[[d
         with open(json_path, "w") as f:
             json.dump(payload, f, indent=1)
     return 0
+
+
+def exit_rank() -> NoReturn:
+    """End a tool's rank process once its results are written, skipping the interpreter's
+    finalisation.
+
+    [Note: a rank's exit after torch's DDP] torch's DDP issues its all-reduces inside
+    ``loss.backward()``, where torch has stashed a Python object in thread-local state; each work
+    captures it, and gloo's worker thread may drop the last reference as the interpreter finalises,
+    and abort the process taking the GIL ("terminate called without an active exception"; see [Note:
+    a collective issued in backward outliving the interpreter] in ``autodist/runtime/comm.py``,
+    which keeps AutoDist's own collectives free of it). The tool had written its results by then,
+    yet its launch failed: 4 of 32 launches of ``tools/bench.py --models gpt-deep --contenders
+    compute,ddp,autodist:ddp --passes 4`` on 2 CPU ranks, always after the last model's results."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def report(text: str, payload: Any, path: str | None) -> None:

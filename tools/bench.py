@@ -51,7 +51,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _launch import max_over_ranks, run_tool  # noqa: E402
+from _launch import exit_rank, max_over_ranks, run_tool  # noqa: E402
 
 from autodist import AutoDist, MixedPrecision  # noqa: E402
 from autodist.cost.budget import format_bytes  # noqa: E402
@@ -832,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         worker(args)
-        return 0
+        exit_rank()  # [Note: a rank's exit after torch's DDP] in tools/_launch.py
     worker_args = [
         "--models", ",".join(args.models), "--contenders", ",".join(args.contenders),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--passes", str(args.passes),
