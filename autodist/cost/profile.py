@@ -8,6 +8,7 @@ simulator combines it with a plan and a comm model. Times are per step on this r
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -253,8 +254,6 @@ def typical(profiles: list[Profile]) -> Profile:
     """One profile from several of the same model taken at different times: each time the median
     of the profiles' (a host whose speed drifts: see [Note: a host whose speed drifts] in
     ``autodist/measure/fidelity.py``). Sizes, orders and everything else come from the first."""
-    import statistics
-
     base = profiles[0]
     out = Profile.from_json(base.to_json())
     units = [{u.name: u for u in p.units} for p in profiles]
@@ -281,8 +280,6 @@ def typical(profiles: list[Profile]) -> Profile:
 
 def _median_of_measured(values: list[float]) -> float:
     """The median of the values that were measured (nonzero); 0 where none was."""
-    import statistics
-
     measured = [v for v in values if v > 0]
     return statistics.median(measured) if measured else 0.0
 

@@ -870,11 +870,12 @@ class Engine:
 
     def _make_grad_hook(self, mp: ManagedParam):
         # Runs once per parameter per backward, from C++, on the thread that issues the step's
-        # kernels: on a model of many small layers its Python is step time on a GPU (issue 41).
-        # What does not change over the parameter's life is looked up here, once.
+        # kernels: on a model of many small layers its Python is step time on a GPU. What does not
+        # change over the parameter's life is looked up here, once.
         group = self.group_of_param.get(id(mp))
         name, key = mp.name, id(mp)
-        stash = self.reduce_dtype(mp) if mp.needs_swap and self.reduce_dtype(mp) != mp.compute_dtype else None
+        reduce_dtype = self.reduce_dtype(mp)
+        stash = reduce_dtype if mp.needs_swap and reduce_dtype != mp.compute_dtype else None
 
         def on_grad_ready(param: torch.Tensor) -> None:
             step = self._step

@@ -100,7 +100,6 @@ class BucketRuntime:
         if op == "reduce_scatter":  # its collective writes it whole: storage from the first launch on
             self.buffer.untyped_storage().resize_(0)
         self._grad_objs: list[torch.Tensor | None] = [None] * self.n
-        self._swaps = [mp.needs_swap for mp in params]  # fixed for a parameter's life
         self._saved: dict[int, torch.Tensor] = {}
         # the slots that may hold their view as ``.grad`` before backward (see [Note: views attached
         # before backward])
@@ -243,7 +242,7 @@ class BucketRuntime:
         self.ready[slot] = True
         self.pending -= 1
         if self.op == "all_reduce":
-            if not self._swaps[slot]:
+            if not mp.needs_swap:
                 g = mp.visible.grad  # autograd accumulated straight into the visible parameter
                 if (g is not None and g is self._grad_objs[slot]) or self._is_slot_view(g, slot):
                     self.action[slot] = _KEEP
