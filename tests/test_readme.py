@@ -3,7 +3,8 @@ them leads somewhere.
 
 ``tests/readme.py`` reads the commands from their text; each kind runs where it fits:
 ``torchrun … examples/*.py`` in test_examples.py (fewer steps and a smaller model, by flags appended
-to the README's command), ``autodist …`` in test_cli.py (in order, as written), ``pip install`` is the
+to the README's command), ``autodist …`` in test_cli.py (in order, as written; ``autodist check`` with flags appended for a
+smaller batch and fewer plans and steps), ``pip install`` is the
 environment this suite runs in and ``python -m pytest`` is this suite (CI runs the README's test
 command verbatim: .ci/run). The developer tools (``python tools/*.py``) run for minutes; here they
 parse and check the README's arguments (models and contenders exist), as they do before launching.
