@@ -166,6 +166,8 @@ class Engine:
         # optimizers seen stepping: True = over this model's parameters (hooks bound to it)
         self._optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._in_step: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # between pre and post hook
+        self._step_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizers.step_view
+        self.configured = 0  # how many times _configure ran: a plan's groups and buckets are this one's
         self._drop_global_hooks = False
         self.step_listeners: list = []  # called with the optimizer after each step over these parameters
 
@@ -229,6 +231,7 @@ class Engine:
         already fixed by the managed parameters)."""
         self.plan = plan
         self._windows = windows
+        self.configured += 1
         unit_plan = {u.name: u for u in plan.units}
         self.groups: list[GatherGroupRuntime] = []
         self.group_of_unit: dict[str, GatherGroupRuntime] = {}

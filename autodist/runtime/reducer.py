@@ -108,6 +108,10 @@ class BucketRuntime:
             if op == "all_reduce" and not mp.needs_swap and not mp.is_dtensor and mp.dtype == reduce_dtype
             and mp.requires_grad
         ]
+        # (slot, visible parameter, key) of each: what attach_views reads once per backward
+        self._attach = [(i, params[i].visible, id(params[i])) for i in self._attachable]
+        for i in self._attachable:
+            self._grad_objs[i] = self.views[i]  # a plain parameter's gradient object is its view
         self.reset()
 
     def release_if_unused(self) -> None:
@@ -144,19 +148,22 @@ class BucketRuntime:
     def attach_views(self, skip: set[int]) -> None:
         """Make the zeroed slot view the ``.grad`` of every attachable parameter that has none
         (``skip``: ids of parameters not to attach). See [Note: views attached before backward]."""
-        todo = [i for i in self._attachable if self.params[i].visible.grad is None and id(self.params[i]) not in skip]
+        if skip:
+            todo = [(i, vis) for i, vis, key in self._attach if vis.grad is None and key not in skip]
+        else:
+            todo = [(i, vis) for i, vis, _ in self._attach if vis.grad is None]
         if not todo:
             return
         views = self.views
         with torch.no_grad():
-            torch._foreach_zero_([views[i] for i in todo])
-        objs = self._grad_objs
-        for i in todo:
-            obj = objs[i]
-            if obj is None:
-                obj = objs[i] = views[i]
-            self.params[i].visible.grad = obj
-            self.attached[i] = True
+            if len(todo) == self.n:  # every slot (the common case): one fill of the bucket, not one per view
+                self.buffer[: self.total].zero_()
+            else:
+                torch._foreach_zero_([views[i] for i, _ in todo])
+        attached = self.attached
+        for i, vis in todo:
+            vis.grad = views[i]
+            attached[i] = True
 
     def reset(self) -> None:
         self.attached = [False] * self.n
