@@ -23,15 +23,24 @@ def _visible_params(plan):
     keys_ok = list(model.state_dict()) == list(plain.state_dict())
     full = all(type(v) is torch.Tensor for v in model.state_dict().values())
     is_module = model.module.__class__ is plain.__class__
+    x, y = models.batch("gpt", 2, torch.Generator().manual_seed(dist.get_rank()))
+    models.loss_fn("gpt", model(x), y).backward()
+    # gradients as FSDP2's: each the parameter's type, shape and placements; a DTensor gradient on
+    # its parameter's own spec object (runtime/params.py [Note: a gradient shares its parameter's spec])
+    grads = [(p, p.grad) for p in model.parameters()]
+    grads_like = all(type(g) is type(p.data) and g.shape == p.shape for p, g in grads)
+    specs = [g._spec is p._spec for p, g in grads if hasattr(p, "_spec")]
     model.close()
-    return {"same": got == expected, "kinds": sorted(kinds), "keys_ok": keys_ok, "full": full, "is_module": is_module}
+    return {"same": got == expected, "kinds": sorted(kinds), "keys_ok": keys_ok, "full": full, "is_module": is_module,
+            "grads_like": grads_like, "specs": specs}
 
 
 @pytest.mark.parametrize("plan", ["ddp", "fsdp"])
 def test_visible_parameters_keep_names_shapes_dtypes(world2, plan):
     for r in world2.run(_visible_params, plan):
-        assert r["same"] and r["keys_ok"] and r["full"] and r["is_module"]
+        assert r["same"] and r["keys_ok"] and r["full"] and r["is_module"] and r["grads_like"]
         assert r["kinds"] == (["Tensor"] if plan == "ddp" else ["DTensor"])
+        assert r["specs"] == ([] if plan == "ddp" else [True] * len(r["specs"])) and (plan == "ddp" or r["specs"])
 
 
 def _load_across_plans(src_plan, dst_plan):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,15 @@ class _DtypeLayout:
     sizes: list[int]
     total: int
     contiguous_send: torch.Tensor | None = None
+    _outs: list[torch.Tensor] = field(default_factory=list)
+
+    def outs(self) -> list[torch.Tensor]:
+        """Each parameter's padded full storage as (ranks, its shard), where the gathered rows go:
+        aliases made on the first gather and kept (the storage behind them is resized, never
+        replaced), not two views per parameter per gather."""
+        if len(self._outs) != len(self.params):
+            self._outs = [mp.full_padded_2d() for mp in self.params]
+        return self._outs
 
     def find_contiguous_send(self) -> None:
         """If every shard is already in ``dtype`` and they are adjacent in memory, send in place."""
@@ -198,7 +207,7 @@ class GatherGroupRuntime:
             recv = inflight.buffers[0].view(world, lay.total)
             for mp in lay.params:
                 mp.alloc_full()
-            torch.split_with_sizes_copy(recv, lay.sizes, dim=1, out=[mp.full_padded_2d() for mp in lay.params])
+            torch.split_with_sizes_copy(recv, lay.sizes, dim=1, out=lay.outs())
             release(recv, *(() if lay.contiguous_send is not None else inflight.buffers[1:]))
         self._inflight.clear()  # drops the buffers: they have been waited on
         self.state = GroupState.GATHERED

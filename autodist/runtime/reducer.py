@@ -100,6 +100,8 @@ class BucketRuntime:
         if op == "reduce_scatter":  # its collective writes it whole: storage from the first launch on
             self.buffer.untyped_storage().resize_(0)
         self._grad_objs: list[torch.Tensor | None] = [None] * self.n
+        self._swapped = [mp.needs_swap for mp in params]  # fixed for a parameter's life; read on every hook
+        self._all_used: dict[torch.dtype, torch.Tensor] = {}  # a reduce-scatter's flags when nothing is missing
         self._saved: dict[int, torch.Tensor] = {}
         # the slots that may hold their view as ``.grad`` before backward (see [Note: views attached
         # before backward])
@@ -223,8 +225,13 @@ class BucketRuntime:
             elif got.dtype != dtype:
                 got = got.to(dtype)
             parts.append(got)
-        flags = torch.ones(self.n, dtype=dtype, device=self.device) if not missing else self._flags().to(dtype)
-        parts.append(flags.expand(self.world, self.n))
+        if missing:
+            parts.append(self._flags().to(dtype).expand(self.world, self.n))
+        else:  # every gradient arrived: the same ones each launch, made once (no fill kernel a step)
+            ones = self._all_used.get(dtype)
+            if ones is None:
+                ones = self._all_used[dtype] = torch.ones(self.n, dtype=dtype, device=self.device).expand(self.world, self.n)
+            parts.append(ones)
         if dtype == self.dtype:
             torch._chunk_cat(parts, 0, self.world, out=self._rs_input())
             return
@@ -249,7 +256,7 @@ class BucketRuntime:
         self.ready[slot] = True
         self.pending -= 1
         if self.op == "all_reduce":
-            if not mp.needs_swap:
+            if not self._swapped[slot]:
                 g = mp.visible.grad  # autograd accumulated straight into the visible parameter
                 if (g is not None and g is self._grad_objs[slot]) or self._is_slot_view(g, slot):
                     self.action[slot] = _KEEP
