@@ -138,10 +138,13 @@ def _runtime_overhead(mesh_size, fail_on=None):
 
 def _sane(figures):
     """Figures a measurement gives on any host, however loaded (load only makes them larger):
-    a unit costs something, the rest nothing less than nothing."""
-    per_unit, per_gather, per_bucket, per_tensor, per_param, per_step, per_grouped_unit = figures
+    a unit costs something, the rest nothing less than nothing; the per-parameter figure is taken
+    between models of hundreds of parameters ([Note: the per-parameter cost at a model's scale])."""
+    from autodist.measure.overhead import WIDE_UNITS
+
+    per_unit, per_gather, per_bucket, per_tensor, per_param, per_step, per_grouped_unit, per_param_at = figures
     return all(math.isfinite(f) for f in figures) and per_unit > 0 and min(
-        per_gather, per_bucket, per_tensor, per_param, per_step, per_grouped_unit) >= 0
+        per_gather, per_bucket, per_tensor, per_param, per_step, per_grouped_unit) >= 0 and per_param_at == 2 * WIDE_UNITS
 
 
 def test_the_runtime_overhead_over_the_whole_job_is_measured_on_one_rank_groups(world2):

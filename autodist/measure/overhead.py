@@ -44,6 +44,9 @@ class RuntimeOverhead:
     # a unit of a gather group enacted at its root module (autodist/schedule.py [Note: hooks per gather
     # group]): its parameters' swaps and gradient hooks, and its share of the root's hooks
     per_grouped_unit_s: float = 0.0
+    # the parameters of the smaller model per_param_s was measured between (and one twice its size;
+    # [Note: the per-parameter cost at a model's scale]); 0: before it was taken at a model's scale
+    per_param_at: int = 0
 
 
 ROUNDS = 8  # interleaved rounds over the configurations (see [Note: stable overhead figures])
@@ -128,20 +131,20 @@ def measure_runtime_overhead(device: torch.device, comm: Comm) -> RuntimeOverhea
     values = torch.tensor(figures, dtype=torch.float64, device=device)
     if comm.world_size > 1:
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=comm.group)
-    u, g, b, d, r, f, c = values.tolist()
+    u, g, b, d, r, f, c, at = values.tolist()
     return RuntimeOverhead(
         per_unit_s=u, per_gather_s=g, per_bucket_s=b, dtensor_opt_per_tensor_s=d, per_param_s=r, per_step_s=f,
-        per_grouped_unit_s=c,
+        per_grouped_unit_s=c, per_param_at=int(at),
     )
 
 
 CHILD_TIMEOUT_S = 300.0
-FIGURES = 7  # what _measure returns
+FIGURES = 8  # what _measure returns
 _LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _in_a_child(device: torch.device) -> tuple[str | None, list[float]]:
-    """(None, the seven figures) measured in a child process, or (what went wrong, [])."""
+    """(None, the eight figures) measured in a child process, or (what went wrong, [])."""
     import autodist
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(autodist.__file__)))
@@ -167,9 +170,24 @@ def _in_a_child(device: torch.device) -> tuple[str | None, list[float]]:
     return None, figures
 
 
-def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12) -> list[float]:
+WIDE_UNITS = 150  # units of the models the per-parameter figure is measured between (and twice as many)
+
+
+def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12, wide: int = WIDE_UNITS) -> list[float]:
     """[per unit, per gather, per bucket, DTensor optimizer per tensor, per replicated parameter,
-    per step, per unit of a group hooked at its root] in seconds, on ``comm``."""
+    per step, per unit of a group hooked at its root, the parameters the per-parameter figure was
+    measured at] in seconds (the last a count), on ``comm``.
+
+    [Note: the per-parameter cost at a model's scale] A replicated parameter's gradient hook, its
+    bucket slot and the view attached as its gradient cost more per parameter in a model of
+    hundreds of parameters than in one of tens: the objects each touches no longer stay in the
+    CPU's caches between steps. Measured between models of 24 and 48 parameters it read 3.1 us on
+    the development host, between 300 and 600 parameters 5.0 us, and gpt-deep's 580 parameters
+    under ``ddp`` cost its step 3.7 ms over the unwrapped model's where the small models' figure
+    predicted 1.2 (tools/bench.py, one rank). Real models have hundreds of parameter tensors (a
+    Llama of 8B: 291; of 70B: 723), so the figure is taken between ``wide`` units (two parameters
+    each) and twice as many; the fixed cost per step still comes from the small pair, whose line
+    through the origin the other figures are solved against."""
     from ..plan import Bucket, GatherGroup, Plan, Prefetch, UnitPlan
     from ..runtime.engine import Engine
     from ..structure import discover
@@ -204,10 +222,13 @@ def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12
     # B: one group of every unit, hooked at the root (the model); B1: the same, every unit hooked
     configurations = {
         "A": plan(True, True), "B": plan(False, False), "B1": plan(False, False), "C": plan(True, False),
-        "D": replicated(units), "D2": replicated(2 * units),
+        "D": replicated(units), "D2": replicated(2 * units), "W": replicated(wide), "W2": replicated(2 * wide),
     }
+    sizes = {"D2": 2 * units, "W": wide, "W2": 2 * wide}
+    plain_w, plain_w2 = make(wide), make(2 * wide)
+    steps["plainW"], steps["plainW2"] = _train_step(plain_w, plain_w, x), _train_step(plain_w2, plain_w2, x)
     for key, the_plan in configurations.items():
-        module = make(2 * units if key == "D2" else units)
+        module = make(sizes.get(key, units))
         engine = Engine(
             module, the_plan, discover(module), comm=comm, mesh=mesh, device=device,
             mixed_precision=None, broadcast_buffers=False, collapse=key != "B1",
@@ -230,8 +251,11 @@ def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12
     # the runtime's fixed work per step (root forward, start and end of backward, its one bucket's
     # launch); twice the units tell the two apart
     d1, d2 = timings["D"] - timings["plain"], timings["D2"] - timings["plain2"]
-    per_param = max(0.0, (d2 - d1) / (2 * k))
-    per_step = max(0.0, d1 - 2 * k * per_param)
+    small_per_param = max(0.0, (d2 - d1) / (2 * k))
+    per_step = max(0.0, d1 - 2 * k * small_per_param)
+    # [Note: the per-parameter cost at a model's scale]
+    w1, w2 = timings["W"] - timings["plainW"], timings["W2"] - timings["plainW2"]
+    per_param = max(0.0, (w2 - w1) / (2 * wide))
     unit = max(0.0, (timings["B1"] - timings["plain"] - gather - bucket - per_step) / k)
     grouped = max(0.0, (timings["B"] - timings["plain"] - gather - bucket - per_step) / k)
 
@@ -250,7 +274,7 @@ def _measure(device: torch.device, comm: Comm, mesh: DeviceMesh, units: int = 12
     opt_dts = torch.optim.AdamW(dts, lr=1e-3)
     opt = _interleaved({"plain": opt_plain.step, "dtensor": opt_dts.step}, device, warmup=1)
     dt_extra = max(0.0, (opt["dtensor"] - opt["plain"]) / n)
-    return [unit, gather, bucket, dt_extra, per_param, per_step, grouped]
+    return [unit, gather, bucket, dt_extra, per_param, per_step, grouped, float(2 * wide)]
 
 
 def _child(argv: list[str] | None = None) -> None:
