@@ -49,14 +49,14 @@ def stale_weight_scenario(kind: str, steps: int = 4, per_rank: int = 2) -> float
     something writes the shards behind the refresh in flight. Returns the largest difference."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ref, base = models.make("gpt"), models.make("gpt")
-    grouping = "unit" if kind == "param-group-added" else "all"  # a group per unit: the added ones' own
+    grouping = "unit" if kind.startswith("param-group") else "all"  # a group per unit: the added ones' own
     model = AutoDist(base, plan=make_plan(base, world, residency="persistent", grouping=grouping))
 
     def optimizers(params):
         params = list(params)
         if kind == "data-optimizer":
             return [DataSGD(params, lr=0.05)]
-        if kind == "param-group-added":  # the rest is added after step 1
+        if kind in ("param-group-added", "param-group-edited"):  # the rest added, or swapped in, after step 1
             return [DataSGD(params[: len(params) // 2], lr=0.05)]
         if kind == "two-optimizers":
             return [torch.optim.SGD(params[::2], lr=0.05, momentum=0.9), torch.optim.SGD(params[1::2], lr=0.05)]
@@ -85,6 +85,11 @@ def stale_weight_scenario(kind: str, steps: int = 4, per_rank: int = 2) -> float
                 for o, m in ((opts[0], model), (ropts[0], ref)):
                     params = list(m.parameters())
                     o.add_param_group({"params": params[len(params) // 2 :]})
+            elif kind == "param-group-edited":  # ... also when the same list is edited in place
+                for o, m in ((opts[0], model), (ropts[0], ref)):
+                    params = list(m.parameters())
+                    held = o.param_groups[0]["params"]
+                    held[:] = params[len(params) - len(held) :]
         sd = model.state_dict()
         for k, v in ref.state_dict().items():
             worst = max(worst, (sd[k] - v).abs().max().item())
@@ -92,7 +97,8 @@ def stale_weight_scenario(kind: str, steps: int = 4, per_rank: int = 2) -> float
     return worst
 
 
-@pytest.mark.parametrize("kind", ["load-state-dict", "data-optimizer", "in-place-edit", "two-optimizers", "param-group-added"])
+@pytest.mark.parametrize("kind", ["load-state-dict", "data-optimizer", "in-place-edit", "two-optimizers", "param-group-added",
+                                  "param-group-edited"])
 def test_persistent_groups_never_compute_with_stale_weights(world2, kind):
     for worst in world2.run(stale_weight_scenario, kind):
         assert worst <= ATOL, f"{kind}: parameters {worst:.3g} away from the reference"
