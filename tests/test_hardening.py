@@ -58,6 +58,8 @@ def stale_weight_scenario(kind: str, steps: int = 4, per_rank: int = 2) -> float
             return [DataSGD(params, lr=0.05)]
         if kind in ("param-group-added", "param-group-edited"):  # the rest added, or swapped in, after step 1
             return [DataSGD(params[: len(params) // 2], lr=0.05)]
+        if kind == "added-to-a-foreign-optimizer":  # over none of the model's parameters until step 1
+            return [DataSGD([torch.nn.Parameter(torch.zeros(2))], lr=0.05)]
         if kind == "two-optimizers":
             return [torch.optim.SGD(params[::2], lr=0.05, momentum=0.9), torch.optim.SGD(params[1::2], lr=0.05)]
         return [torch.optim.SGD(params, lr=0.05, momentum=0.9)]
@@ -90,6 +92,10 @@ def stale_weight_scenario(kind: str, steps: int = 4, per_rank: int = 2) -> float
                     params = list(m.parameters())
                     held = o.param_groups[0]["params"]
                     held[:] = params[len(params) - len(held) :]
+            elif kind == "added-to-a-foreign-optimizer":  # its steps seen so far were not over this model
+                for o, m in ((opts[0], model), (ropts[0], ref)):
+                    m.zero_grad()
+                    o.add_param_group({"params": list(m.parameters())})
         sd = model.state_dict()
         for k, v in ref.state_dict().items():
             worst = max(worst, (sd[k] - v).abs().max().item())
@@ -98,7 +104,7 @@ def stale_weight_scenario(kind: str, steps: int = 4, per_rank: int = 2) -> float
 
 
 @pytest.mark.parametrize("kind", ["load-state-dict", "data-optimizer", "in-place-edit", "two-optimizers", "param-group-added",
-                                  "param-group-edited"])
+                                  "param-group-edited", "added-to-a-foreign-optimizer"])
 def test_persistent_groups_never_compute_with_stale_weights(world2, kind):
     for worst in world2.run(stale_weight_scenario, kind):
         assert worst <= ATOL, f"{kind}: parameters {worst:.3g} away from the reference"

@@ -165,6 +165,7 @@ class Engine:
         self.actions: ActionLog | None = None
         # optimizers seen stepping: True = over this model's parameters (hooks bound to it)
         self._optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._foreign: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # not ours: optimizers.params_key
         self._in_step: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # between pre and post hook
         self._step_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizers.step_view
         self.configured = 0  # how many times _configure ran: a plan's groups and buckets are this one's

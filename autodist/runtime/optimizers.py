@@ -26,10 +26,13 @@ if TYPE_CHECKING:
 def watch(engine: Engine, optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` updates this model's parameters. The first time an optimizer over
     them steps, hooks are bound to it; once the bound optimizers cover every trainable
-    parameter, the process-wide step hooks are removed."""
+    parameter, the process-wide step hooks are removed. One over none of them is looked at again
+    when its parameters change (``add_param_group`` of this model's after it stepped)."""
     ours = engine._optimizers.get(optimizer)
-    if ours is not None:
-        return ours
+    if ours:
+        return True
+    if ours is not None and engine._foreign.get(optimizer) == params_key(optimizer):
+        return False  # over none of this model's parameters, and its parameters are as they were
     held = [p for grp in optimizer.param_groups for p in grp["params"]]
     stale = [p for p in held if (r := engine._replaced.get(id(p))) is not None and r() is p]
     if stale:
@@ -41,6 +44,8 @@ def watch(engine: Engine, optimizer: torch.optim.Optimizer) -> bool:
         )
     ours = any(id(p) in engine._visible_map for p in held)
     engine._optimizers[optimizer] = ours
+    if not ours:  # looked at again once its parameters change (``add_param_group`` of this model's)
+        engine._foreign[optimizer] = params_key(optimizer)
     if ours:
         hooks = getattr(optimizer, "_autodist_step_hooks", None)
         if hooks is None:
@@ -82,8 +87,13 @@ class StepView:
     persistent: tuple[GatherGroupRuntime, ...]
 
 
+def params_key(optimizer: torch.optim.Optimizer) -> tuple:
+    """Every parameter's id, by parameter group: changes when the optimizer's parameters do."""
+    return tuple(tuple(map(id, g["params"])) for g in optimizer.param_groups)
+
+
 def step_view(engine: Engine, optimizer: torch.optim.Optimizer) -> StepView:
-    key = (engine.configured, tuple(tuple(map(id, g["params"])) for g in optimizer.param_groups))
+    key = (engine.configured, params_key(optimizer))
     view = engine._step_views.get(optimizer)
     if view is not None and view.key == key:
         return view
