@@ -166,7 +166,8 @@ class Engine:
         # optimizers seen stepping: True = over this model's parameters (hooks bound to it)
         self._optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._foreign: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # not ours: optimizers.params_key
-        self._in_step: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # between pre and post hook
+        # between an optimizer's pre and post step hooks: its optimizers.StepView
+        self._in_step: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._step_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizers.step_view
         self.configured = 0  # how many times _configure ran: a plan's groups and buckets are this one's
         self._drop_global_hooks = False

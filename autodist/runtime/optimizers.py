@@ -111,8 +111,7 @@ def step_view(engine: Engine, optimizer: torch.optim.Optimizer) -> StepView:
 def before_optimizer_step(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
     if not watch(engine, optimizer) or engine._in_step.get(optimizer):
         return  # not ours, or the other of the two hooks (process-wide, bound) already ran
-    engine._in_step[optimizer] = True
-    view = step_view(engine, optimizer)
+    view = engine._in_step[optimizer] = step_view(engine, optimizer)  # the post hook's too
     for g in view.groups:  # the step writes the shards: gathers still reading them finish first
         g.quiesce()
     if engine.offload.active:
@@ -122,10 +121,9 @@ def before_optimizer_step(engine: Engine, optimizer: torch.optim.Optimizer) -> N
 
 
 def on_optimizer_step(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
-    if not engine._in_step.get(optimizer):
+    view = engine._in_step.pop(optimizer, None)  # the pre hook's (the step changes no parameter list)
+    if view is None:
         return
-    engine._in_step[optimizer] = False
-    view = step_view(engine, optimizer)
     # In the sequence the end-of-backward check compares: a rank that skipped this step (a
     # GradScaler that found inf/NaN in its own gradient shards) is reported, not left to diverge.
     engine.comm.sequence.record("optimizer_step", str(len(view.params)))
