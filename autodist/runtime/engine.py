@@ -163,14 +163,13 @@ class Engine:
         self.observer = None  # plan="auto"'s step recorder while it profiles (autodist/planner/recorder.py)
         # the actions taken, in the schedule's vocabulary (autodist/schedule.py); None: not recorded
         self.actions: ActionLog | None = None
-        # optimizers seen stepping: True = over this model's parameters (hooks bound to it)
+        # optimizers seen stepping: True = over this model's parameters (optimizers.watch)
         self._optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._foreign: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # not ours: optimizers.params_key
         # between an optimizer's pre and post step hooks: its optimizers.StepView
         self._in_step: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._step_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizers.step_view
         self.configured = 0  # how many times _configure ran: a plan's groups and buckets are this one's
-        self._drop_global_hooks = False
         self.step_listeners: list = []  # called with the optimizer after each step over these parameters
 
         if plan.world_size != comm.world_size or plan.shard_ranks != comm.shard_size:
@@ -399,8 +398,8 @@ class Engine:
         for mp in self.params.values():
             if mp.requires_grad:
                 self._handles.append(mp.full.register_post_accumulate_grad_hook(self._make_grad_hook(mp)))
-        # Optimizer hooks: process-wide until an optimizer over every trainable parameter has been
-        # seen, then only on those optimizers (see ``watch`` in optimizers.py).
+        # Optimizer hooks: process-wide while the model is wrapped (see [Note: process-wide
+        # optimizer hooks] in optimizers.py).
         self._opt_global_handles.append(optim_hooks.register_optimizer_step_pre_hook(weak_optimizer_hook(self, "pre")))
         self._opt_global_handles.append(optim_hooks.register_optimizer_step_post_hook(weak_optimizer_hook(self, "post")))
 
@@ -528,10 +527,6 @@ class Engine:
             if g.state is GroupState.GATHERING:
                 g.wait()
         self._remove_hooks()
-        for opt in list(self._optimizers.keys()):
-            handles: dict[int, list[RemovableHandle]] = getattr(opt, "_autodist_step_hooks", {})
-            for h in handles.pop(id(self), []):
-                h.remove()
 
     # ------------------------------------------------------------------------------------------
     # root forward
@@ -587,11 +582,6 @@ class Engine:
         for g in self.groups:
             g.recheck()
         self.reducer.begin(sync=self._step.sync)
-        if self._drop_global_hooks:
-            for h in self._opt_global_handles:
-                h.remove()
-            self._opt_global_handles.clear()
-            self._drop_global_hooks = False
         for b in self.reducer.buckets:
             b.release_if_unused()
         if self.offload.active:

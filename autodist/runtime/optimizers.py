@@ -1,11 +1,22 @@
 """The runtime's optimizer hooks: before a step over this model's parameters, wait for gathers that
 read the shards and bring offloaded state back; after it, refresh persistent groups and
-compute-dtype copies and start offload copy-outs. Process-wide step hooks (installed by
-:meth:`~autodist.runtime.engine.Engine._install_hooks`) until the optimizers bound here cover every
-trainable parameter, then hooks on those optimizers alone (:func:`watch`); an optimizer over
-offloaded state is bound to the offload manager and its state dicts kept complete
-(:func:`adopt_optimizer`). Each function takes the :class:`~autodist.runtime.engine.Engine` whose
-parameters the optimizer updates."""
+compute-dtype copies and start offload copy-outs. The hooks are process-wide for the engine's
+life (installed by :meth:`~autodist.runtime.engine.Engine._install_hooks`, removed by its
+``close``); :func:`watch` tells this model's optimizers from others. An optimizer over offloaded
+state is bound to the offload manager and its state dicts kept complete (:func:`adopt_optimizer`).
+Each function takes the :class:`~autodist.runtime.engine.Engine` whose parameters the optimizer
+updates.
+
+[Note: process-wide optimizer hooks] Nothing tells a library that a user built a new optimizer:
+torch has no hook on an optimizer's construction, and a step that writes ``p.data`` (Lion, many
+research optimizers) moves no version counter a later forward could see. So the step hooks stay
+process-wide as long as the model is wrapped. They were once dropped as soon as the optimizers
+seen covered every parameter (hooks bound to those optimizers instead): a second optimizer built
+later over the same parameters then stepped unseen, and a persistent group kept computing with the
+weights of before its steps (0.007 from the reference after two steps, ``test_hardening``'s
+``new-optimizer``). What the process-wide hooks cost is one dictionary lookup per step of each
+optimizer in the process (this model's and any other's: :func:`watch`), the same as a bound
+hook's."""
 
 from __future__ import annotations
 
@@ -24,10 +35,9 @@ if TYPE_CHECKING:
 
 
 def watch(engine: Engine, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` updates this model's parameters. The first time an optimizer over
-    them steps, hooks are bound to it; once the bound optimizers cover every trainable
-    parameter, the process-wide step hooks are removed. One over none of them is looked at again
-    when its parameters change (``add_param_group`` of this model's after it stepped)."""
+    """Whether ``optimizer`` updates this model's parameters, worked out the first time it steps.
+    One over none of them is looked at again when its parameters change (``add_param_group`` of
+    this model's after it stepped)."""
     ours = engine._optimizers.get(optimizer)
     if ours:
         return True
@@ -46,18 +56,6 @@ def watch(engine: Engine, optimizer: torch.optim.Optimizer) -> bool:
     engine._optimizers[optimizer] = ours
     if not ours:  # looked at again once its parameters change (``add_param_group`` of this model's)
         engine._foreign[optimizer] = params_key(optimizer)
-    if ours:
-        hooks = getattr(optimizer, "_autodist_step_hooks", None)
-        if hooks is None:
-            hooks = {}
-            setattr(optimizer, "_autodist_step_hooks", hooks)  # noqa: B010 (an attribute of the user's object)
-        hooks[id(engine)] = [
-            optimizer.register_step_pre_hook(weak_optimizer_hook(engine, "pre")),
-            optimizer.register_step_post_hook(weak_optimizer_hook(engine, "post")),
-        ]
-        covered = {id(p) for opt, o in engine._optimizers.items() if o for g in opt.param_groups for p in g["params"]}
-        # removed at the next forward: not while torch iterates the process-wide hooks
-        engine._drop_global_hooks = all(id(mp.visible) in covered for mp in engine.params.values() if mp.requires_grad)
     return ours
 
 
@@ -109,8 +107,8 @@ def step_view(engine: Engine, optimizer: torch.optim.Optimizer) -> StepView:
 
 
 def before_optimizer_step(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
-    if not watch(engine, optimizer) or engine._in_step.get(optimizer):
-        return  # not ours, or the other of the two hooks (process-wide, bound) already ran
+    if not watch(engine, optimizer):
+        return
     view = engine._in_step[optimizer] = step_view(engine, optimizer)  # the post hook's too
     for g in view.groups:  # the step writes the shards: gathers still reading them finish first
         g.quiesce()
