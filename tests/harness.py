@@ -53,14 +53,22 @@ def _free_port() -> int:
 
 
 def _watch_parent(parent_pid: int) -> None:
+    """Exit once the process that owns the pool is gone (a rank from the fork server is not its child)."""
     while True:
-        if os.getppid() != parent_pid:
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
             os._exit(3)
+        except PermissionError:  # alive, and not ours to signal
+            pass
         time.sleep(1.0)
 
 
-def _worker(rank: int, world_size: int, port: int, conn: Any, parent_pid: int, sys_path: list[str]) -> None:
+def _worker(rank: int, world_size: int, port: int, conn: Any, parent_pid: int, sys_path: list[str],
+            environ: dict[str, str]) -> None:
     sys.path[:] = sys_path
+    os.environ.clear()  # the parent's environment as it is now, as a spawned process would have it
+    os.environ.update(environ)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -95,6 +103,20 @@ def _worker(rank: int, world_size: int, port: int, conn: Any, parent_pid: int, s
         pass
 
 
+def _context() -> Any:
+    """Where ranks start from: a fork server that has imported torch, where there is one (a rank
+    then starts in a fraction of a second: each spawned one imported torch afresh, about 1.7 s of
+    CPU, 13 s of wall time for a pool of 8 on 2 cores); else a fresh interpreter. The fork server
+    runs no torch operation before it forks (no thread pool, no device), and a rank takes the
+    parent's environment and ``sys.path`` as they are when it starts (:func:`_worker`), not the
+    server's."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
 class RankPool:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
@@ -103,14 +125,14 @@ class RankPool:
 
     # -- lifecycle --------------------------------------------------------------------------------
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         port = _free_port()
         self._procs, self._conns = [], []
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_worker,
-                args=(rank, self.world_size, port, child, os.getpid(), list(sys.path)),
+                args=(rank, self.world_size, port, child, os.getpid(), list(sys.path), dict(os.environ)),
                 daemon=True,
                 name=f"autodist-test-rank{rank}",
             )
