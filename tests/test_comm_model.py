@@ -366,8 +366,8 @@ class _Clock:
 
 
 def _contention_with_a_disturbed_rank():
-    """Rank 1's contended passes alternate 2 and 8 ms (a disturbed host), rank 0's are steady:
-    rank 1 alone would take more rounds, each with trains the other rank must join."""
+    """Rank 1's second contended pass is twice as long as its others (a disturbed host), rank 0's
+    are steady: rank 1 alone would take more rounds, each with trains the other rank must join."""
     import itertools
 
     from autodist.measure.contention import contended_slowdown
@@ -375,7 +375,7 @@ def _contention_with_a_disturbed_rank():
 
     train = collective_train(dist.group.WORLD, torch.device("cpu"))
     clock, busy = _Clock(), [False]
-    slow = itertools.cycle([0.002, 0.008] if dist.get_rank() == 1 else [0.004])
+    slow = itertools.chain([0.004, 0.008], itertools.repeat(0.004)) if dist.get_rank() == 1 else itertools.repeat(0.004)
 
     def train_backward():
         clock.spend(next(slow) if busy[0] else 0.002)
@@ -393,18 +393,25 @@ def _contention_with_a_disturbed_rank():
 
         return done
 
-    got = contended_slowdown(train_backward, contention, torch.device("cpu"), max_rounds=9, reference=reference,
+    got = contended_slowdown(train_backward, contention, torch.device("cpu"), reference=reference,
                              agree=train.largest, clock=clock)
     t = torch.ones(1)
     dist.all_reduce(t)  # the ranks still pair their collectives: none left over from a train
-    return got.rounds, got.spread, t.item()
+    return got.rounds, got.sensitivity, got.stopped_by, t.item()
 
 
 def test_every_rank_takes_as_many_contention_rounds_as_the_most_disturbed_one(world2):
-    # rank 0's rounds agree (spread 0) and would stop after the fewest; rank 1's never settle
-    (rounds0, spread0, t0), (rounds1, spread1, t1) = world2.run(_contention_with_a_disturbed_rank)
-    assert (rounds0, rounds1, t0, t1) == (9, 9, 2.0, 2.0)
-    assert spread0 == pytest.approx(0, abs=1e-9) and spread1 == pytest.approx(3.0)
+    from autodist.measure.contention import CONTENDED_MAX_ROUNDS, CONTENDED_REL_SE
+    from autodist.measure.robust import relative_se
+
+    # rank 0's ratios are 1, 1, 1 (settled at the fewest rounds); rank 1's 1, 2, 1, 1, ...: settled
+    # once enough agreeing rounds outvote the second
+    ratios = [1.0, 2.0] + [1.0] * CONTENDED_MAX_ROUNDS
+    expected = next(n for n in range(3, CONTENDED_MAX_ROUNDS + 1) if relative_se(ratios[:n], median=True) <= CONTENDED_REL_SE)
+    assert expected > 3
+    (rounds0, sens0, why0, t0), (rounds1, sens1, why1, t1) = world2.run(_contention_with_a_disturbed_rank)
+    assert (rounds0, rounds1, t0, t1) == (expected, expected, 2.0, 2.0)
+    assert (sens0, sens1, why0, why1) == (1.0, 1.0, "settled", "settled")
 
 
 def test_the_model_s_contended_slowdown_and_its_sensitivity_are_taken_against_the_reference_under_the_same_train():
@@ -483,13 +490,18 @@ def test_contended_rounds_go_on_until_the_sensitivity_s_standard_error_is_within
     assert relative_se([2.0, 2.2, 2.1], median=True) <= CONTENDED_REL_SE
     steady = measured(itertools.chain([0.004, 0.0044, 0.0042], itertools.repeat(0.03)))
     assert steady.rounds == CONTENDED_MIN_ROUNDS and steady.sensitivity == pytest.approx(2.1)
-    # ratios that alternate 1 and 4 never settle: the most rounds, and their median
+    # ratios that alternate 1 and 4 could not settle in the rounds left even if every further one
+    # agreed: they stop at the fewest, unsettled ([Note: stopping rounds that cannot settle])
     spread = measured(itertools.cycle([0.002, 0.008]), max_rounds=7)
-    assert spread.rounds == 7 and spread.sensitivity == pytest.approx(1.0) and not spread.settled
-    assert apart.settled and steady.settled
-    # an agree() that reports another rank's larger figure keeps this rank measuring as long
-    held = measured(itertools.repeat(0.004), max_rounds=6, agree=lambda x: max(x, 1.0))
-    assert held.rounds == 6
+    assert (spread.rounds, spread.stopped_by, spread.settled) == (CONTENDED_MIN_ROUNDS, "hopeless", False)
+    assert spread.sensitivity == pytest.approx(1.0)
+    assert (apart.stopped_by, steady.stopped_by) == ("settled", "settled")
+    # an agree() that reports another rank's larger standard error (and a best case of its own that
+    # can still settle) keeps this rank measuring as long: agree is called with the standard error,
+    # the elapsed time and the best case, in that order, each round past the fewest
+    figures = itertools.cycle([lambda x: max(x, 0.5), lambda x: x, lambda x: x])
+    held = measured(itertools.repeat(0.004), max_rounds=6, agree=lambda x: next(figures)(x))
+    assert (held.rounds, held.stopped_by) == (6, "rounds")
 
 
 def test_contended_rounds_stop_unsettled_once_their_time_is_up():
@@ -516,13 +528,28 @@ def test_contended_rounds_stop_unsettled_once_their_time_is_up():
 
     # a round: the model alone and under the train (1 or 4 times as long), the reference alone and
     # under it (not slowed): with passes of 0.2 s the rounds take 0.8 and 1.4 s in turn and end at
-    # 0.8, 2.2, 3.0, 4.4, 5.2 and 6.6 s, the first past 6 s
-    got = measured(0.2, max_seconds=6.0)
-    assert not got.settled and got.rounds == 6
-    # quick passes: the spread alone decides, up to max_rounds
-    assert measured(0.001, max_seconds=6.0, max_rounds=8).rounds == 8
+    # 0.8, 2.2 and 3.0 s: past 2 s, but never before the fewest rounds
+    got = measured(0.2, max_seconds=2.0)
+    assert (got.settled, got.rounds, got.stopped_by) == (False, CONTENDED_MIN_ROUNDS, "time")
     # a quick rank held by a slow one's elapsed time (agree: the largest over the ranks)
-    assert measured(0.001, max_seconds=6.0, max_rounds=8, agree=lambda x: max(x, 7.0)).rounds == CONTENDED_MIN_ROUNDS
+    held = measured(0.001, max_seconds=6.0, max_rounds=8, agree=lambda x: max(x, 7.0))
+    assert (held.rounds, held.stopped_by) == (CONTENDED_MIN_ROUNDS, "time")
+
+
+def test_rounds_that_cannot_settle_in_the_rounds_left_stop():
+    """[Note: stopping rounds that cannot settle]: the best case supposes every round to come reads
+    the median; the rounds to come are those that begin within the time at the rounds' mean
+    duration, and within max_rounds."""
+    from autodist.measure.contention import CONTENDED_REL_SE, best_case_se, rounds_within
+    from autodist.measure.robust import relative_se
+
+    assert rounds_within(3, 3.0, 6.0, 15) == 6  # rounds of 1 s: three more begin at 3, 4 and 5 s
+    assert rounds_within(3, 3.3, 6.0, 15) == 6 and rounds_within(3, 2.9, 6.0, 15) == 7
+    assert rounds_within(3, 0.003, 6.0, 15) == 15 and rounds_within(3, 7.0, 6.0, 15) == 3
+    assert best_case_se([2.0, 4.0, 2.0], 6) == pytest.approx(relative_se([2.0, 4.0, 2.0, 2.0, 2.0, 2.0], median=True))
+    assert best_case_se([2.0, 4.0, 2.0], 2) == pytest.approx(relative_se([2.0, 4.0, 2.0], median=True))
+    # 2, 4, 2 can still settle in fifteen rounds, not in six
+    assert best_case_se([2.0, 4.0, 2.0], 15) <= CONTENDED_REL_SE < best_case_se([2.0, 4.0, 2.0], 6)
 
 
 def test_relative_standard_error_of_a_mean_and_of_a_median():
@@ -539,7 +566,7 @@ def test_relative_standard_error_of_a_mean_and_of_a_median():
     assert relative_se(values, median=True) == pytest.approx(sd / 2 * MEDIAN_SE_FACTOR / 2.5)
 
 
-def test_a_contention_measurement_whose_rounds_spread_takes_more_rounds_and_keeps_their_median():
+def test_a_contention_measurement_whose_rounds_cannot_settle_stops_and_keeps_their_median():
     import itertools
 
     from autodist.measure.contention import contended_slowdown
@@ -561,9 +588,10 @@ def test_a_contention_measurement_whose_rounds_spread_takes_more_rounds_and_keep
 
     got = contended_slowdown(train_backward, contention, torch.device("cpu"), max_rounds=9, reference=reference,
                              clock=clock)
-    assert got.rounds == 9 and got.spread == pytest.approx(3.0)  # never steady: every round it may take
-    assert got.sensitivity == pytest.approx(0.5)  # rounds 0.5, 2, 0.5, ...: five of nine at 0.5
-    assert got.slowdown == pytest.approx(1.0)  # the model's own: 1, 4, 1, ... (five of nine at 1)
+    # rounds 0.5, 2, 0.5 could not settle in nine even if the rest agreed: the fewest, their median
+    assert (got.rounds, got.stopped_by) == (3, "hopeless") and got.spread == pytest.approx(3.0)
+    assert got.sensitivity == pytest.approx(0.5)  # two of three at 0.5
+    assert got.slowdown == pytest.approx(1.0)  # the model's own: 1, 4, 1
 
 
 def _contention_rounds_per_cell(seconds_per_round: float = 0.0):

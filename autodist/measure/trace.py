@@ -617,16 +617,17 @@ def _optimizer_and_contention(
                 measured = contended_slowdown(train_backward, contention, device, agree=contention.largest)
             slowdown, sensitivity = measured.slowdown, measured.sensitivity
             if not measured.settled:
-                # [Note: an unsettled sensitivity] Rounds that still spread when their time is up
-                # (a shared CPU host: one round's ratio reads anything from 0.6 to 3) say nothing
-                # the search can use; the median of such rounds is not stored as the model's
-                # figure. The model is taken to slow as the reference computation does (1: the
+                # [Note: an unsettled sensitivity] Rounds that still spread when their time is up,
+                # or that could no longer settle in the rounds left ([Note: stopping rounds that
+                # cannot settle] in contention.py; a shared CPU host: one round's ratio reads
+                # anything from 0.6 to 3), say nothing the search can use; the median of such
+                # rounds is not stored as the model's figure. The model is taken to slow as the reference computation does (1: the
                 # comm model's own slowdowns), which is what those rounds average on such hosts
                 # ([Note: the model's own contention] in contention.py); the meta records it.
                 sensitivity = 1.0
             contention_meta = {"contention_rounds": measured.rounds, "contention_spread": round(measured.spread, 4),
                                "contention_seconds": round(time.perf_counter() - t0, 3),
-                               "contention_settled": measured.settled}
+                               "contention_settled": measured.settled, "contention_stopped_by": measured.stopped_by}
     return opt_profile, slowdown, sensitivity, contention_meta
 
 
