@@ -433,6 +433,37 @@ def _build(workload: Any, contender: Contender, batches: list, args: argparse.Na
     return model, opt, step
 
 
+def _plan_extra(model: nn.Module, res: Result) -> None:
+    """What AutoDist planned and predicted for ``model``, into ``res.extra`` (nothing for other contenders)."""
+    if not (isinstance(model, AutoDist) and model.plan.predicted):
+        return
+    res.extra.update({
+        "predicted_step_s": model.plan.predicted.get("step_seconds"),
+        "predicted_peak_bytes": model.plan.predicted.get("peak_bytes"),
+        "plan": model.plan.label,
+        "sharded_units": len(model.plan.sharded_units),
+        "recomputed_blocks": len(model.plan.recompute),
+        "offload_fragments": len(model.plan.offload),
+        "predicted_peak": model.plan.predicted.get("peak_bytes"),
+        "search_seconds": model.plan.provenance.get("search_seconds"),
+        "compiled_blocks": list(model.plan.compile),
+        "compile_backend": model.plan.compile_backend if model.plan.compile else None,
+        "predicted_compile_s": model.plan.predicted.get("compile_seconds"),
+        "predicted_phase_s": model.plan.predicted.get("phase_seconds"),
+        "predicted_model_s": model.plan.predicted.get("model_seconds"),
+        "predicted_exposed_comm_s": model.plan.predicted.get("exposed_comm_seconds"),
+        # the built-in plans the search started from, as it predicted them (its seeds: the
+        # plans autodist:ddp, autodist:fsdp and autodist:zero2 run, ddp's buckets in the
+        # profile's gradient order)
+        "predicted_seeds_s": {k: v * model.plan.predicted["step_seconds"] for k, v in model.plan.predicted.get("vs", {}).items()},
+        # on an asynchronous device: the host's predicted issuing and the device's wait for it
+        "predicted_host_s": model.plan.predicted.get("host_seconds"),
+        "predicted_waiting_for_host_s": model.plan.predicted.get("waiting_for_host_seconds"),
+        # whether the profile kept the units' host times ([Note: device and host times of a unit])
+        "profile_host_times": model.plan.provenance.get("profile_host_times"),
+    })
+
+
 def run_contender(workload: Any, contender: Contender, batches: list, args: argparse.Namespace, res: Result) -> None:
     """One timed pass: warm-up steps, then the timed steps as one window ending with ``_drain``."""
     device = _device(args)
@@ -440,32 +471,7 @@ def run_contender(workload: Any, contender: Contender, batches: list, args: argp
     gc.collect()
     base = resident.current()
     model, _, step = _build(workload, contender, batches, args)
-    if isinstance(model, AutoDist) and model.plan.predicted:
-        res.extra.update({
-            "predicted_step_s": model.plan.predicted.get("step_seconds"),
-            "predicted_peak_bytes": model.plan.predicted.get("peak_bytes"),
-            "plan": model.plan.label,
-            "sharded_units": len(model.plan.sharded_units),
-            "recomputed_blocks": len(model.plan.recompute),
-            "offload_fragments": len(model.plan.offload),
-            "predicted_peak": model.plan.predicted.get("peak_bytes"),
-            "search_seconds": model.plan.provenance.get("search_seconds"),
-            "compiled_blocks": list(model.plan.compile),
-            "compile_backend": model.plan.compile_backend if model.plan.compile else None,
-            "predicted_compile_s": model.plan.predicted.get("compile_seconds"),
-            "predicted_phase_s": model.plan.predicted.get("phase_seconds"),
-            "predicted_model_s": model.plan.predicted.get("model_seconds"),
-            "predicted_exposed_comm_s": model.plan.predicted.get("exposed_comm_seconds"),
-            # the built-in plans the search started from, as it predicted them (its seeds: the
-            # plans autodist:ddp, autodist:fsdp and autodist:zero2 run, ddp's buckets in the
-            # profile's gradient order)
-            "predicted_seeds_s": {k: v * model.plan.predicted["step_seconds"] for k, v in model.plan.predicted.get("vs", {}).items()},
-            # on an asynchronous device: the host's predicted issuing and the device's wait for it
-            "predicted_host_s": model.plan.predicted.get("host_seconds"),
-            "predicted_waiting_for_host_s": model.plan.predicted.get("waiting_for_host_seconds"),
-            # whether the profile kept the units' host times ([Note: device and host times of a unit])
-            "profile_host_times": model.plan.provenance.get("profile_host_times"),
-        })
+    _plan_extra(model, res)
     try:
         # the last warm-up step is timed by phase, the device drained at each boundary (the timed
         # steps are not: draining stops the host from running ahead of the device)
@@ -490,6 +496,57 @@ def run_contender(workload: Any, contender: Contender, batches: list, args: argp
     finally:
         contender.close(model)
         model = step = None  # released before collecting (step() holds the optimizer)
+        gc.collect()
+
+
+def run_interleaved(workload: Any, names: list[str], batches: list, args: argparse.Namespace,
+                    results: dict[str, Result]) -> None:
+    """``--interleave``: every contender built at once, then their steps in turn (contender A's step,
+    B's, ..., the order reversed every other round), each step timed alone from a barrier to the
+    end of a ``_drain`` and recorded as the slowest rank's; ``--steps`` x ``--passes`` timed steps
+    each, after ``--warmup``.
+
+    [Note: paired steps] On a shared 2-core host the passes of the default mode move by +-10 ms for
+    a 260 ms step (the host's state from one contender's window to the next): the zoo's gpt on 2
+    ranks read AutoDist ``ddp`` 11.3 ms above torch's DDP in one run, 3.5 ms in the next, with
+    every pass inside the other's range. Steps of the two taken in turn, seconds apart, see the
+    same host; the difference of each pair of neighbouring steps cancels what the host does to
+    both, and the median of those differences says which contender is faster. The step is timed
+    with its drain, so work a plan leaves in flight across steps (persistent refreshes, offload
+    copy-outs) is waited for within it: compare such plans in the default mode. With every
+    contender's model alive at once, each step also starts with caches the others' steps filled:
+    absolute times read higher than in the default mode (gpt-deep's unwrapped step 44.8 against
+    40.4 ms on one rank), so predictions are compared with the default mode's."""
+    device = _device(args)
+    built: dict[str, tuple] = {}
+    try:
+        for n in names:
+            try:
+                built[n] = _build(workload, CONTENDERS.get(n) or GRID[n], batches, args)
+                _plan_extra(built[n][0], results[n])
+            except Exception as e:  # a contender that cannot be built is reported, not fatal
+                results[n].error = f"{type(e).__name__}: {e}"
+        for model, _, step in built.values():
+            for x, y in batches[: args.warmup]:
+                step(x, y)
+            _drain(model, device)
+        live = [n for n in names if n in built]
+        timed = batches[args.warmup :]
+        for i in range(args.steps * args.passes):
+            x, y = timed[i % len(timed)]
+            for n in live if i % 2 == 0 else live[::-1]:
+                model, _, step = built[n]
+                dist.barrier()
+                t0 = time.perf_counter()
+                step(x, y)
+                _drain(model, device)
+                results[n].step_times.append(max_over_ranks(time.perf_counter() - t0))
+        for n in live:
+            results[n].extra["interleaved"] = True
+    finally:
+        for n, (model, _, _) in built.items():
+            (CONTENDERS.get(n) or GRID[n]).close(model)
+        built.clear()
         gc.collect()
 
 
@@ -613,6 +670,9 @@ def worker(args: argparse.Namespace) -> None:
             for n in GRID:
                 by_name[n] = Result(model_name, n)
             schedule += [(p, list(GRID)) for p in range(args.grid_passes)]
+        if args.interleave:
+            run_interleaved(wl, names, batches, args, by_name)
+            schedule = []
         for _, order in schedule:
             for n in order:
                 if _out_of_time(args, device):
@@ -646,6 +706,7 @@ def worker(args: argparse.Namespace) -> None:
             "size": args.size,
             "steps": args.steps,
             "passes": args.passes,
+            "interleave": args.interleave,
             "memory_limit": args.memory_limit,
             "accum": args.accum,
             "allreduce_all_grads_s": comm_only,
@@ -726,6 +787,7 @@ def table(payload: dict) -> str:
             sp = format_bytes(sp) if sp else "-"
             lines.append(f"  {name:<30}{t * 1e3:>10.1f}{ov:>10}{rd:>8}{rf:>9}{rb:>9}{sp:>12}{peak:>14}{resident:>12}{note}")
         lines += _against_fastest_torch(mine)
+        lines += _paired(mine)
         lines += _seeds_predicted(mine)
         lines += _phases(mine)
         grid = {n: r for n, r in mine.items() if n.startswith("fsdp2[") and not r["error"]}
@@ -737,6 +799,28 @@ def table(payload: dict) -> str:
                 f"auto is {grid[best]['median_step_s'] / auto['median_step_s']:.3f}x its speed"
             )
     return "\n".join(lines)
+
+
+def _paired(mine: dict[str, dict]) -> list[str]:
+    """Under ``--interleave``: each contender's steps minus the neighbouring steps of torch's DDP and
+    FSDP2 (and ``compute``), the median difference and its quartiles ([Note: paired steps])."""
+    out = []
+    bases = [b for b in ("compute", "ddp", "fsdp2") if b in mine and not mine[b]["error"]]
+    for name, r in mine.items():
+        if r["error"] or not (r.get("extra") or {}).get("interleaved"):
+            continue
+        cells = []
+        for b in bases:
+            if b == name:
+                continue
+            diffs = sorted((t - u) * 1e3 for t, u in zip(r["step_times_s"], mine[b]["step_times_s"]))
+            if len(diffs) >= 4:
+                q = statistics.quantiles(diffs, n=4)
+                cells.append(f"{b} {statistics.median(diffs):+.2f} ({q[0]:+.2f} to {q[2]:+.2f})")
+        if cells:
+            out.append(f"  {name} minus its neighbouring steps, ms, median (quartiles) over "
+                       f"{len(r['step_times_s'])}: " + ", ".join(cells))
+    return out
 
 
 def _seeds_predicted(mine: dict[str, dict]) -> list[str]:
@@ -826,6 +910,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager", "eager"],
                     help="torch.compile backend of the compile contenders (default: inductor)")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches (of --batch each) per optimizer step (default: 1)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="build every contender at once and time their steps in turn, each alone (see [Note: paired "
+                         "steps]); reports the median difference of neighbouring steps")
     ap.add_argument("--fsdp-grid", action="store_true", help="also run FSDP2's knob grid (18 configurations)")
     ap.add_argument("--grid-passes", type=int, default=1, help="passes over the grid (default: 1)")
     ap.add_argument("--cache-dir", default=None, help="AutoDist cache for plan=auto (default: a fresh temporary one)")
@@ -865,6 +952,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.fsdp_grid:
         worker_args.append("--fsdp-grid")
+    if args.interleave:
+        if args.fsdp_grid:
+            print("bench: --interleave does not take --fsdp-grid (the grid's 18 configurations at once)", file=sys.stderr)
+            return 2
+        worker_args.append("--interleave")
     if args.deadline is not None:
         worker_args += ["--deadline", repr(args.deadline)]
     if args.batch is not None:
