@@ -65,3 +65,43 @@ def test_host_resident_state_is_measured_from_the_buffers_that_hold_it(world2):
     for r in world2.run(_left_running_after_drain):
         measured, buffers, _bookkeeping = r["host"]
         assert measured == buffers > 0
+
+
+def _interleaved_order():
+    """``run_interleaved`` with each contender's step replaced by one that logs its name."""
+    bench = _bench()
+    log = []
+
+    def build(workload, contender, batches, args):
+        model = torch.nn.Linear(2, 2)
+        return model, None, lambda x, y, name=contender.name: log.append(name)
+
+    real, bench._build = bench._build, build
+    try:
+        args = type("Args", (), {"steps": 2, "passes": 2, "warmup": 1, "device": "cpu"})()
+        names = ["compute", "ddp", "fsdp2"]  # (closed as torch models are: a plain module stands in)
+        results = {n: bench.Result("m", n) for n in names}
+        bench.run_interleaved(None, names, [(None, None)] * 3, args, results)
+    finally:
+        bench._build = real
+    return log, {n: (len(r.step_times), r.extra.get("interleaved")) for n, r in results.items()}
+
+
+def test_interleaved_steps_alternate_their_order_and_each_contender_takes_steps_times_passes(world2):
+    a, b, c = "compute", "ddp", "fsdp2"
+    for log, timed in world2.run(_interleaved_order):
+        assert log == [a, b, c] + [a, b, c, c, b, a] * 2  # warm-up, then rounds in alternating order
+        assert timed == {a: (4, True), b: (4, True), c: (4, True)}
+
+
+def test_paired_differences_are_taken_step_by_step():
+    bench = _bench()
+    ddp = [0.100, 0.200, 0.150, 0.120]
+    mine = {
+        "ddp": {"error": None, "step_times_s": ddp, "extra": {"interleaved": True}},
+        # 1, 2, 3 and 4 ms above its neighbouring DDP steps, however far those move
+        "autodist:ddp": {"error": None, "step_times_s": [t + d for t, d in zip(ddp, (0.001, 0.002, 0.003, 0.004))],
+                         "extra": {"interleaved": True}},
+    }
+    line = [x for x in bench._paired(mine) if x.startswith("  autodist:ddp")][0]
+    assert "over 4: ddp +2.50 (+1.25 to +3.75)" in line, line
