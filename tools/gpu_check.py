@@ -27,7 +27,9 @@ Checks (``--checks``):
   (``max_memory_allocated``) stays within the budget and is compared with the plan's prediction
   (target: within 5%);
 * ``bench`` — ``tools/bench.py`` at one GPU's scale (a GPT of large layers and one of many small
-  layers), fp32 and bf16: step time, overhead over the unwrapped model, peak, auto's prediction.
+  layers), fp32 and bf16: step time, overhead over the unwrapped model, peak, auto's prediction;
+  then the many-small-layer GPT's wrappers timed step by step in turn (``--interleave``): AutoDist's
+  per-step cost against DDP's and FSDP2's as median differences of neighbouring steps.
 
 Everything goes into one JSON (``--json``); ``--minutes`` bounds the run (what did not start in time
 is reported as not run) and ``--trace-dir`` keeps the allocator's history of the budget cases.
@@ -384,34 +386,42 @@ def _stderr_digest(err: str | bytes | None) -> str:
 
 
 def _bench(args: argparse.Namespace, nproc: int, d: str) -> tuple[dict, list[str]]:
-    """tools/bench.py at one GPU's scale (tiny on a dry run), fp32 and bf16."""
+    """tools/bench.py at one GPU's scale (tiny on a dry run), fp32 and bf16; then, with fp32 among
+    them, the many-small-layer GPT's wrappers step by step in turn (``--interleave``, [Note: paired
+    steps] in bench.py): each wrapper's per-step host cost against torch's on the workload where
+    it is step time, as a median difference of neighbouring steps."""
     out, lines = {}, []
     size = "tiny" if args.device == "cpu" else "gpu"
-    for precision in args.precisions:
-        path = os.path.join(d, f"bench-{precision}.json")
+    runs = [(precision, precision, ["--models", "gpt,gpt-deep",
+                                    "--contenders", "compute,ddp,autodist:ddp,fsdp2,autodist:fsdp,autodist:auto",
+                                    "--steps", "3" if args.quick else "8", "--passes", "1" if args.quick else "2"])
+            for precision in args.precisions]
+    if "none" in args.precisions:
+        runs.append(("paired", "none", ["--models", "gpt-deep", "--interleave",
+                                        "--contenders", "compute,ddp,autodist:ddp,fsdp2,autodist:fsdp",
+                                        "--steps", "2" if args.quick else "8", "--passes", "2"]))
+    for key, precision, chosen in runs:
+        path = os.path.join(d, f"bench-{key}.json")
         cmd = [sys.executable, os.path.join(HERE, "bench.py"), "--device", args.device, "--size", size,
-               "--models", "gpt,gpt-deep", "--mixed-precision", precision, "--nproc", str(nproc),
-               "--contenders", "compute,ddp,autodist:ddp,fsdp2,autodist:fsdp,autodist:auto",
-               "--steps", "3" if args.quick else "8", "--warmup", "2", "--passes", "1" if args.quick else "2",
-               "--json", path]
+               "--mixed-precision", precision, "--nproc", str(nproc), "--warmup", "2", *chosen, "--json", path]
         left = args.deadline - time.time() if args.deadline else None
         if left is not None and left < 30:
-            out[precision] = {"error": "not run: out of time (--minutes)"}
+            out[key] = {"error": "not run: out of time (--minutes)"}
             continue
         try:
             rc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
         except subprocess.TimeoutExpired as e:
-            out[precision] = {"error": f"stopped after {left:.0f} s: out of time (--minutes)",
-                              "stderr": _stderr_digest(e.stderr)}
+            out[key] = {"error": f"stopped after {left:.0f} s: out of time (--minutes)",
+                        "stderr": _stderr_digest(e.stderr)}
             lines.append((e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or "").strip())
             continue
         lines.append(rc.stdout.strip())
         print(rc.stdout.strip(), flush=True)
         if rc.returncode != 0 or not os.path.exists(path):
-            out[precision] = {"error": f"exit code {rc.returncode}", "stderr": _stderr_digest(rc.stderr)}
+            out[key] = {"error": f"exit code {rc.returncode}", "stderr": _stderr_digest(rc.stderr)}
             continue
         with open(path) as f:
-            out[precision] = json.load(f)
+            out[key] = json.load(f)
     return out, lines
 
 
@@ -504,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_bench:
         for precision, result in payload["bench"].items():
             ok = "error" not in result
-            print(f"  [{'ran' if ok else 'FAILED'}] bench ({'bf16' if precision == 'bf16' else 'fp32'})"
+            what = {"bf16": "bf16", "paired": "fp32, gpt-deep's steps in turn"}.get(precision, "fp32")
+            print(f"  [{'ran' if ok else 'FAILED'}] bench ({what})"
                   + ("" if ok else f": {result['error']}\n{result.get('stderr', '')}"))
             failed += not ok
         for t in tables:
