@@ -570,7 +570,7 @@ def test_the_profilers_own_time_is_scaled_out_of_the_units_times():
     """Traced passes whose forward took 10 and backward 20 (time units) where the same passes with
     the tracer not recording take 4 and 15: every interval is scaled by 0.4 (forward) and 0.75
     (backward), so each unit keeps its share and the sums are the bare passes' times."""
-    from autodist.measure.trace import _attribute, _Pass, _tracer_scale
+    from autodist.measure.trace import _attribute, _bare_pass, _Pass, _tracer_scale
 
     clock = _FakeClock()
     p = _Pass(fwd=[(1.0, "enter", "a"), (7.0, "exit", "a"), (7.0, "enter", "b"), (9.0, "exit", "b")],
@@ -586,7 +586,8 @@ def test_the_profilers_own_time_is_scaled_out_of_the_units_times():
         return _Loss()
 
     bare: dict[str, float] = {}
-    scale = _tracer_scale(raw, clock, forward_loss, repeats=3, bare=bare, lead=7.0)
+    passes = [_bare_pass(clock, forward_loss, lead=7.0) for _ in range(3)]
+    scale = _tracer_scale(raw, clock, passes, bare=bare)
     # on the device's clock and on the host's (the same here), every bare pass led as asked
     assert scale == pytest.approx((0.4, 0.75, 0.4, 0.75)) and clock.leads == [7.0] * 3
     scale = scale[:2]
@@ -603,4 +604,27 @@ def test_the_profilers_own_time_is_scaled_out_of_the_units_times():
         clock.now += 12.0
         return _Loss()
 
-    assert _tracer_scale([(p, 0.0, 10.0, 25.0)], clock, slow_forward, repeats=3) == (1.0, 1.0, 1.0, 1.0)
+    slow = [_bare_pass(clock, slow_forward) for _ in range(3)]
+    assert _tracer_scale([(p, 0.0, 10.0, 25.0)], clock, slow) == (1.0, 1.0, 1.0, 1.0)
+
+
+def test_each_bare_pass_follows_a_traced_one(monkeypatch):
+    """[Note: bare passes beside the traced ones]: the passes the tracer's time is scaled against are
+    taken one after each timed traced pass, so a host whose pace changes during the profile
+    changes both alike; as many of them as timed passes, three at least."""
+    import autodist.measure.trace as trace
+
+    events = []
+    real = trace._bare_pass
+
+    def bare_pass(*args, **kwargs):
+        events.append("bare")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trace, "_bare_pass", bare_pass)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    model.register_forward_pre_hook(lambda m, a: events.append("forward"))
+    prof = profile_model(model, discover(model), (torch.randn(4, 8),), device=CPU, repeats=5, memory=False)
+    timed = events[events.index("bare") - 1 :]  # from the first timed traced pass on
+    assert timed == ["forward", "bare", "forward"] * (len(timed) // 3) and len(timed) // 3 >= 3, events
+    assert prof.meta["passes"] == len(timed) // 3

@@ -392,13 +392,30 @@ def _attribute(pass_: _Pass, clock: Clock, t0: Any, t_fwd_end: Any, t_bwd_end: A
     }
 
 
-def _tracer_scale(raw: list[tuple[_Pass, Any, Any, Any]], clock: Clock, forward_loss: Callable[[], torch.Tensor | None],
-                  repeats: int, bare: dict[str, float] | None = None, lead: float = 0.0) -> tuple[float, float, float, float]:
+def _bare_pass(clock: Clock, forward_loss: Callable[[], torch.Tensor | None], lead: float = 0.0) -> tuple[float, float, float, float]:
+    """One forward and backward with the tracer not recording (its hooks return at once; the
+    gradient hook still frees each gradient as it arrives, so memory stays that of one step): its
+    forward and backward on the device's clock and on the host's (``lead``: :meth:`Clock.lead`
+    before it, as the traced passes had)."""
+    clock.lead(lead)
+    t0 = clock.mark()
+    loss = forward_loss()
+    t_fwd = clock.mark()
+    if loss is not None:
+        loss.backward()
+    t_bwd = clock.mark()
+    del loss
+    return (clock.seconds(t0, t_fwd), clock.seconds(t_fwd, t_bwd),
+            clock.host_seconds(t0, t_fwd), clock.host_seconds(t_fwd, t_bwd))
+
+
+def _tracer_scale(raw: list[tuple[_Pass, Any, Any, Any]], clock: Clock,
+                  bare_passes: list[tuple[float, float, float, float]],
+                  bare: dict[str, float] | None = None) -> tuple[float, float, float, float]:
     """What the traced passes' forward and backward intervals are multiplied by so that they sum to
-    the time of the same passes with the tracer not recording (its hooks return at once; the
-    gradient hook still frees each gradient as it arrives, so memory stays that of one step): on
-    the device's clock, and (the last two) on the host's (``lead``: :meth:`Clock.lead` before each
-    pass, as the traced passes had).
+    the time of the same passes with the tracer not recording (``bare_passes``, of
+    :func:`_bare_pass`): on the device's clock, and (the last two) on the host's. ``bare``: filled
+    with the bare passes' medians.
 
     [Note: the profiler's own time] Every unit boundary and every gradient arrival runs a Python
     hook that marks the time (and, at a unit's exit, registers the hook that marks its backward).
@@ -409,29 +426,21 @@ def _tracer_scale(raw: list[tuple[_Pass, Any, Any, Any]], clock: Clock, forward_
     model's time alone. The hooks' cost is not even over the intervals (a unit's exit costs more
     than its entry), so the intervals are scaled, forward and backward apart, by bare / traced
     (medians; never above 1): each unit keeps its share. Where compute sets the pace the hooks
-    overlap it and the factor is about 1."""
-    if not raw:
+    overlap it and the factor is about 1.
+
+    [Note: bare passes beside the traced ones] The bare passes are taken one after each traced
+    pass, not after all of them: the factor is a ratio of two timings, and a host whose state
+    changed between the two sets moves it by as much. Taken after the traced passes, the zoo's
+    gpt-deep on one CPU rank, beside another job's tests, profiled a forward of 5.9 ms for one
+    that runs 10.3 (factor about 0.28 where 0.45 is usual), and ``plan="auto"`` predicted its step
+    31% short; the passes themselves agreed within 1%, so nothing flagged it."""
+    if not raw or not bare_passes:
         return 1.0, 1.0, 1.0, 1.0
-    bare_f: list[float] = []
-    bare_b: list[float] = []
-    host_f: list[float] = []
-    host_b: list[float] = []
-    for _ in range(max(3, repeats)):
-        clock.lead(lead)
-        t0 = clock.mark()
-        loss = forward_loss()
-        t_fwd = clock.mark()
-        if loss is not None:
-            loss.backward()
-        t_bwd = clock.mark()
-        del loss
-        bare_f.append(clock.seconds(t0, t_fwd))
-        bare_b.append(clock.seconds(t_fwd, t_bwd))
-        host_f.append(clock.host_seconds(t0, t_fwd))
-        host_b.append(clock.host_seconds(t_fwd, t_bwd))
+    bare_f, bare_b, host_f, host_b = (list(col) for col in zip(*bare_passes))
     if bare is not None:  # the bare passes' medians: on the device's clock and the issuing thread's
         bare.update(forward=statistics.median(bare_f), backward=statistics.median(bare_b),
                     host_forward=statistics.median(host_f), host_backward=statistics.median(host_b))
+
     def factor(bare_times: list[float], traced: float) -> float:
         return min(1.0, statistics.median(bare_times) / traced) if traced > 0 else 1.0
 
@@ -470,6 +479,7 @@ MAX_LEAD_S = 1.0  # (the first pass loads kernels and libraries: it can take the
 NOISY_SPREAD = 0.10  # passes whose median total time is this much above the fastest: a disturbed host
 AGREED_PASSES = 3  # the timed passes end after this many when ...
 PASSES_AGREE = 0.02  # ... their median total time is within this of the fastest ([Note: passes that agree need no more])
+MIN_BARE_PASSES = 3  # passes with the tracer not recording: one after each traced pass, at least this many
 
 # [Note: passes that agree need no more] Each unit's time is the lower quartile of the timed passes
 # ([Note: timing on a noisy host]). Where the first three agree within 2% in total (gpt on 2 idle
@@ -561,8 +571,19 @@ def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer
             for _ in range(max(0, warmup - 1)):
                 one_pass()
             raw.clear()
+            bare_passes: list[tuple[float, float, float, float]] = []
+
+            def forward_loss() -> torch.Tensor | None:
+                return loss_fn(module(*inputs, **kwargs))
+
+            def traced_then_bare() -> tuple[dict[str, Any], _Pass]:
+                # [Note: bare passes beside the traced ones] in _tracer_scale
+                out = one_pass()
+                bare_passes.append(_bare_pass(clock, forward_loss, lead))
+                return out
+
             for i in range(repeats):
-                attr, last = one_pass()
+                attr, last = traced_then_bare()
                 results.append(attr)
                 if i + 1 >= AGREED_PASSES and _spread(results) <= PASSES_AGREE:
                     break  # [Note: passes that agree need no more]
@@ -573,8 +594,10 @@ def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer
                 if _spread(results) <= NOISY_SPREAD:
                     break
                 for _ in range(repeats):
-                    attr, last = one_pass()
+                    attr, last = traced_then_bare()
                     results.append(attr)
+            while len(bare_passes) < MIN_BARE_PASSES:
+                bare_passes.append(_bare_pass(clock, forward_loss, lead))
             # a led pass the host took at least the lead for waited for the device (the model reads a
             # value back: ``.item()``, ``nonzero``; or the launch queue filled) or was stalled (a busy
             # host): see [Note: device and host times of a unit]
@@ -582,8 +605,7 @@ def _run_passes(module: nn.Module, structure: ModelStructure, tracer: UnitTracer
             waited = 2 * len(kept) <= len(raw)
             if not waited:
                 raw[:] = kept
-            f, b, host_f, host_b = _tracer_scale(raw, clock, lambda: loss_fn(module(*inputs, **kwargs)),
-                                                 min(repeats, len(raw)), bare, lead)
+            f, b, host_f, host_b = _tracer_scale(raw, clock, bare_passes, bare)
             scale = (f, b)
             results = [_attribute(p, clock, t0, tf, tb, unit_names, scale) for p, t0, tf, tb in raw]
             if clock.cuda and not waited:
