@@ -244,14 +244,26 @@ class AutoDist(nn.Module):
                 self._agree(self._auto.profile_wrapped)
         from .metrics import StepMeter
 
+        # The meter reaches this wrapper weakly: the finalizer below keeps the meter alive, and a
+        # meter holding the wrapper would keep a model the user dropped without close() (its
+        # runtime, its process-wide optimizer hooks) alive until the process ends.
+        me = weakref.ref(self)
         self._meter = StepMeter(
             self._comm.stats, device, self.budget_bytes, self._comm.world_size, self._comm.rank, log_every,
-            live=self._held_tensors, host_state=self._host_state,
-            predicted_peak=lambda: self._engine.plan.predicted.get("peak_bytes"),
+            live=lambda: w._held_tensors() if (w := me()) is not None else [],
+            host_state=lambda: w._host_state() if (w := me()) is not None else [],
+            predicted_peak=lambda: w._engine.plan.predicted.get("peak_bytes") if (w := me()) is not None else None,
         )
         self._engine.step_listeners.append(self._meter.on_optimizer_step)
         # the last step is logged even if close() is never called
         self._meter_done = weakref.finalize(self, self._meter.close)
+        # [Note: a model dropped without close()] The runtime's gradient hooks sit on the
+        # parameters' gradient accumulators, which autograd holds in C++ where the garbage
+        # collector cannot see them: a model the user drops without close() stayed alive with its
+        # runtime, its parameters and its process-wide optimizer hooks until the process ended.
+        # When this wrapper goes, its hooks go too (nothing collective: a collector may run at any
+        # time on any rank), and the rest is ordinary garbage.
+        self._unhook = weakref.finalize(self, self._engine.remove_hooks)
         if self._comm.rank == 0:
             source = "file" if isinstance(plan, (str, os.PathLike)) and plan not in PLAN_CHOICES else (
                 "built-in" if plan in BUILTIN_PLANS else "object" if isinstance(plan, Plan) else "auto"
@@ -569,6 +581,7 @@ class AutoDist(nn.Module):
             return
         self._closed = True
         self._meter_done()
+        self._unhook.detach()
         self._engine.close()
         self._comm.destroy()
         self.module.__dict__.pop(_MANAGED, None)

@@ -2,6 +2,7 @@
 and the last one, and nothing stays registered after ``close()``."""
 
 import logging
+import weakref
 
 import pytest
 import torch
@@ -92,6 +93,32 @@ def test_close_leaves_no_optimizer_hook_behind(world2):
     for before, during, after in world2.run(_hooks_after_close):
         assert during == before + 1
         assert after == before
+
+
+def _hooks_after_dropping_unclosed_models():
+    import gc
+
+    before = len(optim_hooks._global_optimizer_post_hooks)
+    engines = []
+    for _ in range(3):
+        model = AutoDist(models.make("mlp"), plan="ddp")
+        engines.append(weakref.ref(model.runtime))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = models.batch("mlp", 4, torch.Generator().manual_seed(0))
+        for _ in range(2):
+            models.loss_fn("mlp", model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        del model, opt  # never closed
+        gc.collect()
+    return before, len(optim_hooks._global_optimizer_post_hooks), sum(e() is not None for e in engines)
+
+
+def test_a_model_dropped_without_close_is_freed_with_its_optimizer_hooks(world2):
+    # [Note: a model dropped without close()]: the step meter's finalizer kept the wrapper alive, and
+    # the gradient hooks the runtime (the process-wide optimizer hooks with it)
+    for before, after, alive in world2.run(_hooks_after_dropping_unclosed_models):
+        assert (after, alive) == (before, 0)
 
 
 def _optimizer_of_another_model():

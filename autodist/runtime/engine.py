@@ -338,7 +338,7 @@ class Engine:
         for g in self.groups:
             if g.state is not GroupState.SHARDED:
                 g.free()
-        self._remove_hooks()
+        self.remove_hooks()
         self._step = StepState(gen=self._next_gen())
         self._configure(plan, windows)
 
@@ -360,7 +360,7 @@ class Engine:
         self.actions = ActionLog() if on else None
         return self.actions
 
-    def _remove_hooks(self) -> None:
+    def remove_hooks(self) -> None:
         for h in self._handles + self._module_handles + self._opt_global_handles:
             h.remove()
         self._handles.clear()
@@ -516,17 +516,20 @@ class Engine:
         return watch
 
     def close(self) -> None:
-        """Remove all hooks; wait for anything in flight; bring offloaded state back."""
-        self.comm.finish_sequence_check()
-        self._swap_root(False)
-        self.recompute.remove()
-        self.compiled.remove()
-        self.offload.close()
-        self.reducer.reset()
-        for g in self.groups:
-            if g.state is GroupState.GATHERING:
-                g.wait()
-        self._remove_hooks()
+        """Remove all hooks; wait for anything in flight; bring offloaded state back. The hooks go
+        even when one of the others raises (a peer's failure seen by the sequence check)."""
+        try:
+            self.comm.finish_sequence_check()
+            self._swap_root(False)
+            self.recompute.remove()
+            self.compiled.remove()
+            self.offload.close()
+            self.reducer.reset()
+            for g in self.groups:
+                if g.state is GroupState.GATHERING:
+                    g.wait()
+        finally:
+            self.remove_hooks()
 
     # ------------------------------------------------------------------------------------------
     # root forward

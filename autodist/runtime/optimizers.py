@@ -14,9 +14,10 @@ process-wide as long as the model is wrapped. They were once dropped as soon as 
 seen covered every parameter (hooks bound to those optimizers instead): a second optimizer built
 later over the same parameters then stepped unseen, and a persistent group kept computing with the
 weights of before its steps (0.007 from the reference after two steps, ``test_hardening``'s
-``new-optimizer``). What the process-wide hooks cost is one dictionary lookup per step of each
-optimizer in the process (this model's and any other's: :func:`watch`), the same as a bound
-hook's."""
+``new-optimizer``). What the process-wide hooks cost is a dictionary lookup per step of this
+model's optimizers, the same as a bound hook's, and for another model's optimizer the tuple of its
+parameters' ids, built and compared in C (:func:`watch`); a model dropped without ``close()``
+takes them with it ([Note: a model dropped without close()] in autodist/wrapper.py)."""
 
 from __future__ import annotations
 
