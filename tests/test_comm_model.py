@@ -546,10 +546,16 @@ def test_rounds_that_cannot_settle_in_the_rounds_left_stop():
     assert rounds_within(3, 3.0, 6.0, 15) == 6  # rounds of 1 s: three more begin at 3, 4 and 5 s
     assert rounds_within(3, 3.3, 6.0, 15) == 6 and rounds_within(3, 2.9, 6.0, 15) == 7
     assert rounds_within(3, 0.003, 6.0, 15) == 15 and rounds_within(3, 7.0, 6.0, 15) == 3
-    assert best_case_se([2.0, 4.0, 2.0], 6) == pytest.approx(relative_se([2.0, 4.0, 2.0, 2.0, 2.0, 2.0], median=True))
+    # the best over one value read by every further round: no worse than the median's or the mean's
+    for padded in ([2.0, 4.0, 2.0, 2.0, 2.0, 2.0], [2.0, 4.0, 2.0] + [8.0 / 3] * 3):
+        assert best_case_se([2.0, 4.0, 2.0], 6) <= relative_se(padded, median=True) + 1e-12
     assert best_case_se([2.0, 4.0, 2.0], 2) == pytest.approx(relative_se([2.0, 4.0, 2.0], median=True))
     # 2, 4, 2 can still settle in fifteen rounds, not in six
     assert best_case_se([2.0, 4.0, 2.0], 15) <= CONTENDED_REL_SE < best_case_se([2.0, 4.0, 2.0], 6)
+    # 2.0, 2.78, 1.81 then 2.2 twice settle in five rounds (padding with their median, 2.0, would not)
+    settled = relative_se([2.0, 2.78, 1.81, 2.2, 2.2], median=True)
+    assert settled <= CONTENDED_REL_SE < relative_se([2.0, 2.78, 1.81, 2.0, 2.0], median=True)
+    assert best_case_se([2.0, 2.78, 1.81], 5) <= settled
 
 
 def test_relative_standard_error_of_a_mean_and_of_a_median():
