@@ -5,6 +5,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import models
@@ -67,31 +68,53 @@ def test_host_resident_state_is_measured_from_the_buffers_that_hold_it(world2):
         assert measured == buffers > 0
 
 
-def _interleaved_order():
-    """``run_interleaved`` with each contender's step replaced by one that logs its name."""
+def _interleaved_order(fails: str | None = None, on_rank: int | None = None):
+    """``run_interleaved`` with each contender's step replaced by one that logs its name;
+    ``fails``: that contender's third step raises (on ``on_rank`` only, or on every rank)."""
+    import torch.distributed as dist
+
     bench = _bench()
     log = []
 
     def build(workload, contender, batches, args):
         model = torch.nn.Linear(2, 2)
-        return model, None, lambda x, y, name=contender.name: log.append(name)
+
+        def step(x, y, name=contender.name):
+            log.append(name)
+            if name == fails and log.count(name) == 3 and on_rank in (None, dist.get_rank()):
+                raise RuntimeError("CUDA out of memory (a stand-in)")
+
+        return model, None, step
 
     real, bench._build = bench._build, build
     try:
-        args = type("Args", (), {"steps": 2, "passes": 2, "warmup": 1, "device": "cpu"})()
+        args = type("Args", (), {"steps": 2, "passes": 2, "warmup": 1, "device": "cpu", "deadline": None})()
         names = ["compute", "ddp", "fsdp2"]  # (closed as torch models are: a plain module stands in)
         results = {n: bench.Result("m", n) for n in names}
         bench.run_interleaved(None, names, [(None, None)] * 3, args, results)
     finally:
         bench._build = real
-    return log, {n: (len(r.step_times), r.extra.get("interleaved")) for n, r in results.items()}
+    return log, {n: (len(r.step_times), r.extra.get("interleaved"), r.error) for n, r in results.items()}
 
 
 def test_interleaved_steps_alternate_their_order_and_each_contender_takes_steps_times_passes(world2):
     a, b, c = "compute", "ddp", "fsdp2"
     for log, timed in world2.run(_interleaved_order):
         assert log == [a, b, c] + [a, b, c, c, b, a] * 2  # warm-up, then rounds in alternating order
-        assert timed == {a: (4, True), b: (4, True), c: (4, True)}
+        assert timed == {a: (4, True, None), b: (4, True, None), c: (4, True, None)}
+
+
+@pytest.mark.parametrize("on_rank", [None, 1], ids=["every-rank", "one-rank"])
+def test_a_contender_failing_mid_run_is_dropped_on_every_rank_and_the_rest_go_on(world2, on_rank):
+    a, b, c = "compute", "ddp", "fsdp2"
+    for rank, (log, timed) in enumerate(world2.run(_interleaved_order, b, on_rank)):
+        # ddp's third step (its second timed one) fails: it is dropped from then on, everywhere
+        assert log == [a, b, c] + [a, b, c] + [c, b, a] + [a, c] + [c, a], log
+        assert timed[a] == (4, True, None) and timed[c] == (4, True, None)
+        steps, interleaved, error = timed[b]
+        assert (steps, interleaved) == (1, None)
+        assert error == ("RuntimeError: CUDA out of memory (a stand-in)" if on_rank in (None, rank)
+                         else "failed on another rank"), error
 
 
 def test_paired_differences_are_taken_step_by_step():

@@ -504,7 +504,8 @@ def run_interleaved(workload: Any, names: list[str], batches: list, args: argpar
     """``--interleave``: every contender built at once, then their steps in turn (contender A's step,
     B's, ..., the order reversed every other round), each step timed alone from a barrier to the
     end of a ``_drain`` and recorded as the slowest rank's; ``--steps`` x ``--passes`` timed steps
-    each, after ``--warmup``.
+    each, after ``--warmup`` (fewer past ``--minutes``). A contender that fails to build, warm up or
+    step on any rank is dropped on every rank with its error, and the others go on.
 
     [Note: paired steps] On a shared 2-core host the passes of the default mode move by +-10 ms for
     a 260 ms step (the host's state from one contender's window to the next): the zoo's gpt on 2
@@ -519,28 +520,55 @@ def run_interleaved(workload: Any, names: list[str], batches: list, args: argpar
     40.4 ms on one rank), so predictions are compared with the default mode's."""
     device = _device(args)
     built: dict[str, tuple] = {}
+
+    def agreed(n: str, what: Callable[[], None]) -> bool:
+        """Run ``what`` for contender ``n``; False on every rank if it raised on any (reported as
+        the contender's error), so every rank drops the same contenders and pairs its barriers."""
+        try:
+            what()
+            ok = 1.0
+        except Exception as e:  # a contender that cannot run is reported, not fatal
+            results[n].error = f"{type(e).__name__}: {e}"
+            ok = 0.0
+        flag = torch.tensor([ok], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if flag.item() < 1.0:
+            results[n].error = results[n].error or "failed on another rank"
+            return False
+        return True
+
+    def build(n: str) -> None:
+        built[n] = _build(workload, CONTENDERS.get(n) or GRID[n], batches, args)
+        _plan_extra(built[n][0], results[n])
+
+    def warm(n: str) -> None:
+        model, _, step = built[n]
+        for x, y in batches[: args.warmup]:
+            step(x, y)
+        _drain(model, device)
+
     try:
-        for n in names:
-            try:
-                built[n] = _build(workload, CONTENDERS.get(n) or GRID[n], batches, args)
-                _plan_extra(built[n][0], results[n])
-            except Exception as e:  # a contender that cannot be built is reported, not fatal
-                results[n].error = f"{type(e).__name__}: {e}"
-        for model, _, step in built.values():
-            for x, y in batches[: args.warmup]:
-                step(x, y)
-            _drain(model, device)
-        live = [n for n in names if n in built]
+        live = [n for n in names if agreed(n, lambda n=n: build(n)) and agreed(n, lambda n=n: warm(n))]
         timed = batches[args.warmup :]
         for i in range(args.steps * args.passes):
+            if _out_of_time(args, device):
+                break  # (agreed) the steps timed so far stand
             x, y = timed[i % len(timed)]
-            for n in live if i % 2 == 0 else live[::-1]:
-                model, _, step = built[n]
+            for n in list(live) if i % 2 == 0 else live[::-1]:
+                elapsed = [0.0]
+
+                def one(n: str = n, x: torch.Tensor = x, y: torch.Tensor = y, elapsed: list = elapsed) -> None:
+                    model, _, step = built[n]
+                    t0 = time.perf_counter()
+                    step(x, y)
+                    _drain(model, device)
+                    elapsed[0] = time.perf_counter() - t0
+
                 dist.barrier()
-                t0 = time.perf_counter()
-                step(x, y)
-                _drain(model, device)
-                results[n].step_times.append(max_over_ranks(time.perf_counter() - t0))
+                if not agreed(n, one):
+                    live.remove(n)  # dropped on every rank alike; its earlier steps are kept
+                    continue
+                results[n].step_times.append(max_over_ranks(elapsed[0]))
         for n in live:
             results[n].extra["interleaved"] = True
     finally:
@@ -805,9 +833,10 @@ def _paired(mine: dict[str, dict]) -> list[str]:
     """Under ``--interleave``: each contender's steps minus the neighbouring steps of torch's DDP and
     FSDP2 (and ``compute``), the median difference and its quartiles ([Note: paired steps])."""
     out = []
-    bases = [b for b in ("compute", "ddp", "fsdp2") if b in mine and not mine[b]["error"]]
+    # a base whose memory pass failed still has its steps
+    bases = [b for b in ("compute", "ddp", "fsdp2") if b in mine and mine[b].get("step_times_s")]
     for name, r in mine.items():
-        if r["error"] or not (r.get("extra") or {}).get("interleaved"):
+        if not r.get("step_times_s") or not (r.get("extra") or {}).get("interleaved"):
             continue
         cells = []
         for b in bases:
