@@ -11,6 +11,10 @@ A timeout guards against a hang only: it stretches with the machine's load (:fun
 a run that is slow because the machine is busy is not taken for one that hangs.
 Workers exit when the pool closes, when the parent process dies, or at interpreter exit: nothing is
 left behind.
+
+Tests that launch commands of their own (torchrun, the CLI, a script) use :func:`run_commands`: the
+same guard, stretched the same way, and a command that outlives it is killed with every process it
+started.
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -44,6 +50,72 @@ def load_factor() -> float:
         return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
     except OSError:  # no load average on this platform
         return 1.0
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def repo_env(**overrides: str) -> dict[str, str]:
+    """This process's environment with the repository first on ``PYTHONPATH`` (a command run from a
+    test imports the autodist under test) and ``overrides`` set."""
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **overrides}
+
+
+def run_commands(cmds: Sequence[Sequence[object]], *, timeout: float, env: dict[str, str] | None = None,
+                 cwd: str | os.PathLike[str] | None = None, merge_stderr: bool = False,
+                 ) -> list[subprocess.CompletedProcess[str]]:
+    """Start every command at once and wait for all, their output captured as text.
+
+    ``timeout`` guards against a hang only, stretched by :func:`load_factor` as the pool's is: a
+    command still running at ``timeout * stretch`` seconds is killed with its process group (a
+    torchrun's ranks too) and :class:`subprocess.TimeoutExpired` raised with what it printed. Output
+    goes to files, not pipes, so a command that prints much never blocks on a reader that waits for
+    another command first. ``merge_stderr`` puts stderr into stdout, in order.
+    """
+    procs: list[tuple[subprocess.Popen[bytes], Any, Any]] = []
+    try:
+        for cmd in cmds:
+            out = tempfile.TemporaryFile()
+            err = out if merge_stderr else tempfile.TemporaryFile()
+            procs.append((subprocess.Popen([str(a) for a in cmd], env=env, cwd=cwd, stdout=out, stderr=err,
+                                           start_new_session=True), out, err))
+        start, stretch = time.monotonic(), load_factor()
+        while any(p.poll() is None for p, _, _ in procs):
+            stretch = max(stretch, load_factor())
+            if time.monotonic() - start > timeout * stretch:
+                late = next(p for p, _, _ in procs if p.poll() is None)
+                _kill_session(late)
+                late.wait()
+                _, out, err = procs[[p for p, _, _ in procs].index(late)]
+                raise subprocess.TimeoutExpired(late.args, timeout * stretch, output=_read(out), stderr=_read(err))
+            time.sleep(0.1)
+        return [subprocess.CompletedProcess(p.args, p.returncode, _read(out), "" if merge_stderr else _read(err))
+                for p, out, err in procs]
+    finally:
+        for p, out, err in procs:
+            if p.poll() is None:
+                _kill_session(p)
+                p.wait()
+            out.close()
+            err.close()
+
+
+def run_command(cmd: Sequence[object], *, timeout: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """:func:`run_commands` for one command."""
+    return run_commands([cmd], timeout=timeout, **kwargs)[0]
+
+
+def _kill_session(p: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _read(f: Any) -> str:
+    f.seek(0)
+    return f.read().decode(errors="replace")
 
 
 def _free_port() -> int:

@@ -1,7 +1,6 @@
 """The conventions DDP/FSDP2 users rely on: names, shapes, state dicts, no_sync, a world of one."""
 
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -11,6 +10,7 @@ import torch.distributed as dist
 
 import models
 from autodist import AutoDist, RankMismatchError
+from harness import run_command
 from parity import make_plan
 
 
@@ -179,6 +179,6 @@ def test_single_process_without_torchrun(tmp_path):
         """
     )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    out = run_command([sys.executable, "-c", script], env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"

@@ -12,7 +12,6 @@ import os
 import re
 import runpy
 import struct
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from autodist.plan import Plan, load_plan, save_plan, validate_plan
 from autodist.planner.cache import Cache
 from autodist.structure import discover
 from autodist.zoo import gpt
+from harness import repo_env, run_command, run_commands
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = '''\
@@ -51,23 +51,11 @@ class Cli:
 
     def run_all(self, *argvs: list[object], cwd: Path = REPO) -> list[Run]:
         """Start every command at once; wait for all."""
-        procs = [
-            (
-                [str(a) for a in argv],
-                subprocess.Popen(
-                    [sys.executable, "-m", "autodist.cli", *map(str, argv)], cwd=cwd, env=self.env,
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                ),
-            )
-            for argv in argvs
-        ]
-        runs = []
-        for argv, p in procs:
-            # a guard against a hang: docs/cli.md's `autodist check` measures 7 plans on 2 ranks
-            # (about 140 s alone on the 2-core development host, longer beside the other commands)
-            out, err = p.communicate(timeout=480)
-            runs.append(Run(argv, p.returncode, out, err))
-        return runs
+        # a guard against a hang: docs/cli.md's `autodist check` measures 7 plans on 2 ranks
+        # (about 140 s alone on the 2-core development host, longer beside the other commands)
+        done = run_commands([[sys.executable, "-m", "autodist.cli", *argv] for argv in argvs], env=self.env, cwd=cwd,
+                            timeout=480)
+        return [Run([str(a) for a in argv], d.returncode, d.stdout, d.stderr) for argv, d in zip(argvs, done)]
 
     def run(self, *argv: object, cwd: Path = REPO) -> Run:
         return self.run_all(list(argv), cwd=cwd)[0]
@@ -127,7 +115,7 @@ def test_help_version_and_cache_commands_do_not_import_torch(cli: Cli) -> None:
         "        pass\n"
         "print('torch imported:', 'torch' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=cli.env, capture_output=True, text=True, timeout=60)
+    out = run_command([sys.executable, "-c", script], cwd=REPO, env=cli.env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "torch imported: False"
 
@@ -469,15 +457,12 @@ def test_the_readme_autodist_commands_run_as_written(cli: Cli, tmp_path: Path) -
 
 
 def test_gpu_check_says_it_verified_nothing_without_a_gpu():
-    import subprocess
-    import sys
-
     if __import__("torch").cuda.is_available():
         import pytest
 
         pytest.skip("a GPU is present: tools/gpu_check.py runs for real there")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, os.path.join(root, "tools", "gpu_check.py")], capture_output=True, text=True, timeout=120)
+    out = run_command([sys.executable, os.path.join(root, "tools", "gpu_check.py")], timeout=120)
     assert out.returncode == 2
     assert "no CUDA device here — nothing verified" in out.stdout
 
@@ -524,11 +509,11 @@ def test_planning_twice_plans_from_the_same_cached_profile_and_reprofile_measure
     outs, said = [], []
     for i, extra in enumerate(([], [], ["--reprofile"])):
         out = tmp_path / f"p{i}.json"
-        run = subprocess.run(
+        run = run_command(
             [sys.executable, "-m", "autodist.cli", "plan", "--model", "autodist.zoo:gpt", "--input-shape", "2,32",
              "--input-dtype", "int64", "--input-high", "8192", "--world-size", "8", "--memory-limit", "40GiB",
              "--interconnect", "nvlink4", "--out", str(out), "--cache-dir", str(tmp_path / "cache"), *extra],
-            capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)),
+            timeout=300, env=repo_env(),
         )
         assert run.returncode == 0, run.stderr[-2000:]
         outs.append(_json.loads(out.read_text()))
@@ -542,10 +527,10 @@ def test_planning_twice_plans_from_the_same_cached_profile_and_reprofile_measure
 
 def test_plantwice_runs_one_plan_command_again_and_compares(cli: Cli, tmp_path: Path) -> None:
     out = tmp_path / "twice.json"
-    run = subprocess.run(
+    run = run_command(
         [sys.executable, str(REPO / "tools" / "plantwice.py"), "--runs", "2", "--memory-limit", "none",
          "--memory-limit", "1KiB", "--json", str(out), "--", *TINY_ARGS, "--world-size", "2"],
-        capture_output=True, text=True, timeout=300, env=cli.env,
+        timeout=300, env=cli.env,
     )
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(out.read_text())

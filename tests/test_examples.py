@@ -7,12 +7,12 @@ would otherwise import whichever autodist is installed).
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
 
 import readme
+from harness import repo_env, run_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,9 +27,8 @@ SMALL = {
 def _torchrun(argv, tmp_path):
     assert argv[0] == "torchrun"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *argv[1:]]
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, AUTODIST_CACHE_DIR=str(tmp_path), OMP_NUM_THREADS="1", PYTHONPATH=path)
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    env = repo_env(AUTODIST_CACHE_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    return run_command(cmd, env=env, timeout=300, cwd=ROOT)
 
 
 def _check_small_run(out):
@@ -69,8 +68,6 @@ runpy.run_path("examples/resnet.py", run_name="__main__")
 
 
 def test_an_example_without_its_optional_dependency_says_which_in_one_line(tmp_path):
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
-    out = subprocess.run([sys.executable, "-c", HIDE_TORCHVISION], env=dict(os.environ, PYTHONPATH=path),
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = run_command([sys.executable, "-c", HIDE_TORCHVISION], env=repo_env(), timeout=300, cwd=ROOT)
     assert out.returncode == 1
     assert (out.stdout + out.stderr).strip() == "examples/resnet.py needs torchvision: pip install 'autodist[vision]'"

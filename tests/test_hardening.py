@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 
 import pytest
@@ -21,6 +20,7 @@ import torch.distributed as dist
 import models
 from autodist import AutoDist
 from autodist.errors import RankMismatchError
+from harness import repo_env, run_command
 from parity import Case, check, check_cases, make_plan, run_case, run_cases
 
 ATOL = 2e-5
@@ -187,11 +187,8 @@ def test_a_rank_dying_mid_step_stops_every_rank_with_a_message_naming_it(where):
     # The survivor stops because its peer's connection went, not at the process group's timeout
     # (300 s in the script; the backend's error would read "Timed out waiting 300000ms"). The
     # subprocess's own timeout, below the group's, only guards against a hang.
-    out = subprocess.run(
-        [sys.executable, os.path.join(HERE, "rank_failure_script.py"), where, "fsdp"],
-        capture_output=True, text=True, timeout=280,
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])),
-    )
+    out = run_command([sys.executable, os.path.join(HERE, "rank_failure_script.py"), where, "fsdp"], timeout=280,
+                      env=repo_env())
     text = out.stdout + out.stderr
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("rank 0:")), "")
     assert "PeerFailure" in line and "rank(s) 1 failed or exited" in line, text[-3000:]

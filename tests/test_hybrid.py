@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from harness import repo_env, run_commands
 from parity import Case, check_cases, run_case
 
 ATOL = 2e-5
@@ -534,31 +535,22 @@ def two_nodes(tmp_path_factory) -> list[dict]:
     """Run TWO_NODES_SCRIPT under two torchrun launchers of two ranks each (``--nnodes 2``, static
     rendezvous on this host; torchrun sets ``LOCAL_WORLD_SIZE`` to 2); its results by rank."""
     import json
-    import os
     import socket
-    import subprocess
     import sys
 
     tmp_path = tmp_path_factory.mktemp("two-nodes")
     script = tmp_path / "train.py"
     script.write_text(TWO_NODES_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
-               OMP_NUM_THREADS="1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    launchers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2", "--node_rank",
-             str(node), "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(tmp_path / "out"),
-             str(tmp_path / "cache")],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for node in range(2)
-    ]
-    outputs = [p.communicate(timeout=600)[0] for p in launchers]
-    assert all(p.returncode == 0 for p in launchers), "\n".join(outputs)[-4000:]
+    launchers = run_commands(
+        [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2", "--node_rank", node,
+          "--master_addr", "127.0.0.1", "--master_port", port, script, tmp_path / "out", tmp_path / "cache"]
+         for node in range(2)],
+        env=repo_env(OMP_NUM_THREADS="1"), merge_stderr=True, timeout=600,
+    )
+    assert all(p.returncode == 0 for p in launchers), "\n".join(p.stdout for p in launchers)[-4000:]
     return [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(4)]
 
 

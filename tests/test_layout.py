@@ -8,8 +8,9 @@ on; plan construction and the schedule's rules (the offload anchors among them) 
 import ast
 import os
 import pathlib
-import subprocess
 import sys
+
+from harness import run_command
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "autodist"
 
@@ -87,7 +88,7 @@ def test_plan_auto_without_a_stored_estimator_never_imports_the_lab():
         "print('lab imported:', any(n.startswith('autodist.lab') for n in sys.modules))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(PKG.parent)}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    out = run_command([sys.executable, "-c", script], env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "searched: True" in out.stdout and "lab imported: False" in out.stdout, out.stdout
 

@@ -1,12 +1,12 @@
 """What a user's own script shows of AutoDist: without any logging configuration the plan in force
 and the step lines reach stderr once; a configuration of the user's decides otherwise."""
 
-import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from harness import repo_env, run_command
 
 TRAIN = """
 import logging
@@ -31,9 +31,7 @@ print("done", flush=True)
 def _run(tmp_path, configure: str) -> str:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(TRAIN.format(configure=configure)))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    out = run_command([sys.executable, script], env=repo_env(OMP_NUM_THREADS="1"), timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stderr
 

@@ -9,6 +9,7 @@ from torch import nn
 import models
 from autodist.measure.trace import profile_model
 from autodist.structure import discover
+from harness import run_command
 
 CPU = torch.device("cpu")
 
@@ -248,7 +249,6 @@ def test_the_allocators_warning_about_blocks_from_before_a_session_is_not_shown_
     processes (the allocator logs it the first two times in a process); without the quieting the
     line appears, so the test can fail."""
     import os
-    import subprocess
     import sys
 
     from autodist.measure.memory import _c10_log_level
@@ -258,8 +258,8 @@ def test_the_allocators_warning_about_blocks_from_before_a_session_is_not_shown_
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    runs = {how: subprocess.run([sys.executable, "-c", _FREES_A_BLOCK_FROM_BEFORE, how], capture_output=True, text=True,
-                                env=env, timeout=120) for how in ("unquieted", "quieted")}
+    runs = {how: run_command([sys.executable, "-c", _FREES_A_BLOCK_FROM_BEFORE, how], env=env, timeout=120)
+            for how in ("unquieted", "quieted")}
     warning = "Memory block of unknown size was allocated before the profiling started"
     assert warning in runs["unquieted"].stderr, runs["unquieted"]
     assert warning not in runs["quieted"].stderr and runs["quieted"].returncode == 0, runs["quieted"]

@@ -3,7 +3,6 @@ under torchrun the user reads it once."""
 
 import contextlib
 import os
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -15,6 +14,7 @@ import models
 from autodist import AutoDist, PlanError, RankMismatchError, save_plan
 from autodist.builtins import ddp_plan, fsdp_plan
 from autodist.structure import discover
+from harness import repo_env, run_command
 
 
 def _wrap_expecting(plan_for_rank, exc=PlanError):
@@ -319,11 +319,9 @@ def test_a_plan_for_8_ranks_on_2_prints_its_message_once_without_tracebacks(tmp_
     plan = tmp_path / "plan8.json"
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
     save_plan(fsdp_plan(discover(model), 8), plan)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p), OMP_NUM_THREADS="1")
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), str(plan)],
-        env=env, capture_output=True, text=True, timeout=300,
+    out = run_command(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, plan],
+        env=repo_env(OMP_NUM_THREADS="1"), timeout=300,
     )
     text = out.stdout + out.stderr
     assert out.returncode == 1
@@ -394,11 +392,9 @@ def test_an_argument_refused_on_one_rank_fails_every_rank_without_hanging(world2
 
 
 def _torchrun(script, *args):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p), OMP_NUM_THREADS="1")
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), *args],
-        env=env, capture_output=True, text=True, timeout=300,
+    out = run_command(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, *args],
+        env=repo_env(OMP_NUM_THREADS="1"), timeout=300,
     )
     return out.returncode, out.stdout + out.stderr
 
@@ -452,9 +448,7 @@ def test_no_step_is_logged_or_trained_after_a_fatal_budget_error(tmp_path):
     # BudgetError ends training; the steps that ran are not logged after it, at exit or otherwise
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(FATAL_BUDGET))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, str(script), str(tmp_path / "cache")], env=env, capture_output=True, text=True, timeout=300)
+    out = run_command([sys.executable, script, tmp_path / "cache"], env=repo_env(OMP_NUM_THREADS="1"), timeout=300)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
     assert "fatal: no plan fits the budget of 200.00 KiB" in text, text
