@@ -106,8 +106,11 @@ def run_command(cmd: Sequence[object], *, timeout: float, **kwargs: Any) -> subp
 
 # A process group of its own, so that a command past its guard is killed with what it started, in
 # this session: a session of its own is a scheduling group of its own under Linux's autogroup, and on
-# the 2-core development host such a group beside busy processes of this session got next to no CPU
-# (0.2 s of work took 41 s; same session: 0.6 s). torchrun starts each worker in a session of its own.
+# the 2-core development host, running the suite beside two CPU-burning processes of its session
+# (load average about 14), such a group got next to no CPU: 0.2 s of work took 41 s in a new session,
+# 0.6 s in this one (alike when idle, or with the burners in sessions of their own). torchrun starts
+# each worker in a session of its own: its tests are the slowest there (tests/test_hybrid.py's
+# two-node launch 977 s against 18 s idle).
 _OWN_PROCESS_GROUP: dict[str, Any] = (
     {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 )
