@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .gather import GatherGroupRuntime, GroupState
-from .params import ManagedParam
+from .params import ManagedParam, release_casts
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -115,8 +115,7 @@ def before_optimizer_step(engine: Engine, optimizer: torch.optim.Optimizer) -> N
         g.quiesce()
     if engine.offload.active:
         engine.offload.finish_back()  # the sync point: every offloaded fragment is back
-    for mp in view.casts:
-        mp.release_cast()
+    release_casts(view.casts)
 
 
 def on_optimizer_step(engine: Engine, optimizer: torch.optim.Optimizer) -> None:

@@ -32,6 +32,7 @@ the parameter's rows in order followed by padding.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -316,13 +317,7 @@ class ManagedParam:
     def release_cast(self) -> None:
         """Drop the replicated compute copy before the optimizer step makes it stale: between steps
         it would hold memory DDP under autocast does not; the next forward casts it again."""
-        if self._cast_version is None or self.sharded:
-            return
-        storage = self.full.untyped_storage()
-        if storage.nbytes():
-            torch.autograd.graph.increment_version(self.full)  # a graph kept across the step must not read it
-            storage.resize_(0)
-        self._cast_version = -1
+        release_casts([self])
 
     # -- module registration ------------------------------------------------------------------
     def register_visible(self) -> None:
@@ -363,6 +358,19 @@ class ManagedParam:
         the DTensor wrapper's counter, not its local tensor's, so staleness is read here.
         """
         return self.visible._version
+
+
+def release_casts(params: Sequence[ManagedParam]) -> None:
+    """:meth:`ManagedParam.release_cast` of each of ``params`` (replicated parameters with a cast
+    copy), their version counters bumped in one call: once per parameter and step on the host."""
+    held = [mp for mp in params if mp._cast_version is not None and not mp.sharded]
+    live = [mp.full for mp in held if mp.full.untyped_storage().nbytes()]
+    if live:
+        torch.autograd.graph.increment_version(live)  # a graph kept across the step must not read them
+        for t in live:
+            t.untyped_storage().resize_(0)
+    for mp in held:
+        mp._cast_version = -1
 
 
 def refresh_casts(params: list[ManagedParam]) -> None:
