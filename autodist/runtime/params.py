@@ -310,15 +310,6 @@ class ManagedParam:
         if self._cast_version is not None:
             self._cast_version = -1
 
-    def refresh_cast(self) -> None:
-        """Re-cast the replicated master into the low-precision compute copy if it changed."""
-        refresh_casts([self])
-
-    def release_cast(self) -> None:
-        """Drop the replicated compute copy before the optimizer step makes it stale: between steps
-        it would hold memory DDP under autocast does not; the next forward casts it again."""
-        release_casts([self])
-
     # -- module registration ------------------------------------------------------------------
     def register_visible(self) -> None:
         for module, attr in self.sites:
@@ -361,8 +352,9 @@ class ManagedParam:
 
 
 def release_casts(params: Sequence[ManagedParam]) -> None:
-    """:meth:`ManagedParam.release_cast` of each of ``params`` (replicated parameters with a cast
-    copy), their version counters bumped in one call: once per parameter and step on the host."""
+    """Drop the compute copies of ``params`` (replicated parameters with a cast copy) before the
+    optimizer step makes them stale: between steps they would hold memory DDP under autocast does
+    not; the next forward casts them again (:func:`refresh_casts`). One version bump for all."""
     held = [mp for mp in params if mp._cast_version is not None and not mp.sharded]
     live = [mp.full for mp in held if mp.full.untyped_storage().nbytes()]
     if live:
@@ -382,7 +374,7 @@ def refresh_casts(params: list[ManagedParam]) -> None:
         return
     for mp in stale:
         storage = mp.full.untyped_storage()
-        if storage.nbytes() == 0:  # released before the last optimizer step (``release_cast``)
+        if storage.nbytes() == 0:  # released before the last optimizer step (``release_casts``)
             storage.resize_(mp.full.numel() * mp.full.element_size())
     with torch.no_grad():
         # ``.data``: the cast copy's own version counter is not bumped (no graph reads it yet)

@@ -100,7 +100,7 @@ class StepEmitter:
     def _static_memory(self) -> None:
         """Parameters as each rank holds them, optimizer state, the math libraries' workspaces, and
         the compute-dtype copies of replicated parameters (``cast_copies``): cast in the forward,
-        released when the optimizer step makes them stale (runtime/params.py ``release_cast``)."""
+        released when the optimizer step makes them stale (runtime/params.py ``release_casts``)."""
         sim, static, parts = self.sim, self.static, self.sim._parts
         param_bytes = cast_copies = local_master = local_tensors = 0
         self.unit_memory: list[tuple[int, int, int, int]] = []  # per unit of the plan: _unit_memory
