@@ -21,6 +21,11 @@
    rounds and the rest, the search) with the rounds each took (load-independent evidence). With ``--json`` the
    figures go under ``"cold_start"`` in that file, whose other figures (from an earlier run of 1
    and 2) are kept, as a run of 1 and 2 keeps its ``"cold_start"``.
+   ``--no-example-inputs``: the same first launch as most scripts make it, without example inputs:
+   training starts at once on the safe plan while its first steps are profiled, then the comm model
+   and the search run between two steps and the searched plan takes over. Reports when the first
+   step was done, how many steps the safe plan trained, and when the first step under the searched
+   plan was done; the figures go under ``"cold_start_no_example_inputs"``.
 """
 
 from __future__ import annotations
@@ -124,17 +129,21 @@ def worker(json_path: str | None = None, units: tuple[int, ...] = UNITS) -> None
         print("\n".join(lines), flush=True)
         if json_path:
             figures["wrap_gpt_s"] = med
-            if os.path.exists(json_path):  # a cold start measured before (--cold-start) is kept
+            if os.path.exists(json_path):  # cold starts measured before (--cold-start) are kept
                 with open(json_path) as f:
                     before = json.load(f)
-                if "cold_start" in before:
-                    figures["cold_start"] = before["cold_start"]
+                for kind in ("cold_start", "cold_start_no_example_inputs"):
+                    if kind in before:
+                        figures[kind] = before[kind]
             with open(json_path, "w") as f:
                 json.dump(figures, f, indent=1)
     dist.destroy_process_group()
 
 
-def cold_start(json_path: str | None = None) -> None:
+COLD_START_MAX_STEPS = 40  # without example inputs: steps trained at the most, waiting for the searched plan
+
+
+def cold_start(json_path: str | None = None, example_inputs: bool = True) -> None:
     """One cold start of the zoo's gpt under ``plan="auto"`` (see the module's docstring, 3)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -159,12 +168,20 @@ def cold_start(json_path: str | None = None) -> None:
         load = os.getloadavg()[0]
         dist.barrier()
         t0[0], cpu0 = time.perf_counter(), time.process_time()
-        m = AutoDist(model, plan="auto", example_inputs=(x,), cache_dir=box[0])
+        m = AutoDist(model, plan="auto", cache_dir=box[0], **({"example_inputs": (x,)} if example_inputs else {}))
         wrapped = time.perf_counter() - t0[0]
         opt = torch.optim.Adam(m.parameters(), lr=1e-3)
-        wl.loss(m(x), y).backward()
-        opt.step()
-        first_step, cpu_s = time.perf_counter() - t0[0], time.process_time() - cpu0
+        step_done: list[float] = []  # the seconds at which each step was done
+        searched_at = None  # the step (from 0) that first ran under the searched plan
+        while len(step_done) < (1 if example_inputs else COLD_START_MAX_STEPS):
+            wl.loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            step_done.append(time.perf_counter() - t0[0])
+            if m._auto is not None and m._auto.stats.source == "search":
+                searched_at = len(step_done) - 1
+                break
+        first_step, cpu_s = step_done[0], time.process_time() - cpu0
         search_s = m._auto.stats.search_seconds if m._auto is not None else 0.0
         m.close()
         stored = {}  # what the profile and the sweep took: their own records of it
@@ -183,17 +200,25 @@ def cold_start(json_path: str | None = None) -> None:
         print("where the time went: " + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items() if isinstance(v, float))
               + f"; contention rounds: profile {parts['profile_contention_rounds']}, sweep "
               f"{parts['sweep_contention_rounds']} (of {parts['sweep_contention_rounds_range']})", flush=True)
-        print(f"cold start of gpt on {dist.get_world_size()} ranks: wrapped in {wrapped:.1f} s, first step done at "
-              f"{first_step:.1f} s (load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end); rank 0's "
-              f"process took {cpu_s:.1f} s of CPU time (its threads together: what a loaded host does not inflate)", flush=True)
+        searched = ("" if example_inputs else
+                    f"; {searched_at} steps on the safe plan, the first step under the searched plan done at "
+                    f"{step_done[searched_at]:.1f} s" if searched_at is not None else
+                    f"; no searched plan in force after {len(step_done)} steps")
+        print(f"cold start of gpt on {dist.get_world_size()} ranks{'' if example_inputs else ' without example inputs'}: "
+              f"wrapped in {wrapped:.1f} s, first step done at {first_step:.1f} s{searched} (load average {load:.2f} at "
+              f"the start, {os.getloadavg()[0]:.2f} at the end); rank 0's process took {cpu_s:.1f} s of CPU time (its "
+              "threads together: what a loaded host does not inflate)", flush=True)
         if json_path:
             figures: dict[str, object] = {}
             if os.path.exists(json_path):
                 with open(json_path) as f:
                     figures = json.load(f)
-            figures["cold_start"] = {
+            figures["cold_start" if example_inputs else "cold_start_no_example_inputs"] = {
                 "model": "gpt", "world_size": dist.get_world_size(), "torch": torch.__version__,
                 "load_average_1min_at_start": load, "wrap_s": wrapped, "first_step_s": first_step,
+                **({} if example_inputs else {
+                    "steps_done_s": [round(t, 3) for t in step_done], "safe_plan_steps": searched_at,
+                    "searched_first_step_s": step_done[searched_at] if searched_at is not None else None}),
                 "load_average_1min_at_end": os.getloadavg()[0], "rank0_cpu_s": cpu_s,
                 "log": [[round(t, 2), msg] for t, msg in lines], "profile_meta": stored.get("profiles"),
                 "comm_meta": stored.get("comm"), "breakdown": parts,
@@ -231,8 +256,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--units", default=",".join(map(str, UNITS)), help="model sizes (units), comma-separated")
     ap.add_argument("--cold-start", action="store_true",
                     help="time the first plan='auto' launch of gpt on an empty cache instead (see the docstring, 3)")
+    ap.add_argument("--no-example-inputs", action="store_true",
+                    help="with --cold-start: wrap without example inputs (the safe plan trains while the first steps "
+                         "are profiled) and train until the searched plan is in force")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.no_example_inputs and not args.cold_start:
+        ap.error("--no-example-inputs is an option of --cold-start: add --cold-start, or drop it")
+    return args
 
 
 def main() -> int:
@@ -240,7 +271,7 @@ def main() -> int:
     units = tuple(int(u) for u in args.units.split(","))
     if args.worker:
         if args.cold_start:
-            cold_start(args.json)
+            cold_start(args.json, example_inputs=not args.no_example_inputs)
         else:
             worker(args.json, units)
         return 0
@@ -248,6 +279,7 @@ def main() -> int:
         os.environ.pop("AUTODIST_COMM_SEED", None)  # an empty cache and nothing to start from
     return relaunch(os.path.abspath(__file__), args.nproc,
                     ["--worker", "--units", args.units, *(["--cold-start"] if args.cold_start else []),
+                     *(["--no-example-inputs"] if args.no_example_inputs else []),
                      *(["--json", os.path.abspath(args.json)] if args.json else [])])
 
 
