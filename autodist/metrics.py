@@ -182,10 +182,12 @@ class StepMeter:
         state = [t for opt in list(self.optimizers) for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
         return [t for t in (*self.live(), *state) if t is not None]
 
-    def on_forward(self, args: tuple, kwargs: dict, *, sync: bool) -> None:
-        """A training forward (gradients enabled); ``sync``: its backward reduces gradients."""
+    def on_forward(self, args: tuple, kwargs: dict, *, sync: bool, joins: bool = False) -> None:
+        """A training forward (gradients enabled); ``sync``: its backward reduces gradients;
+        ``joins``: it joins the step of the forward before it, whose backward has not run (its
+        samples count; it ends no step)."""
         now = time.perf_counter()
-        if self._open and not self._optimizer_seen and self._last_forward_synced:
+        if self._open and not self._optimizer_seen and self._last_forward_synced and not joins:
             self._end(now)  # no torch.optim optimizer steps this model: a synchronised forward-backward is a step
         if self._start is None:
             self._begin(now)

@@ -473,13 +473,16 @@ class AutoDist(nn.Module):
                 "and wrap the model again."
             )
         if torch.is_grad_enabled():
-            if self._auto is not None:  # first: its planning (which may profile) is outside the step's memory window
+            # a forward that joins the step of the one before it (several forwards before one
+            # backward) neither begins a recorded pass nor ends a logged step
+            joins = self._engine.forward_joins_step()
+            if self._auto is not None and not joins:  # first: its planning (which may profile) is outside the step's memory window
                 try:
                     self._auto.before_forward(args, kwargs)
                 except AutoDistError as e:
                     self._stop_at(e)
                     raise
-            self._meter.on_forward(args, kwargs, sync=self._engine.sync_enabled)
+            self._meter.on_forward(args, kwargs, sync=self._engine.sync_enabled, joins=joins)
         return self._engine.forward(args, kwargs)
 
     def _stop_at(self, error: BaseException) -> None:

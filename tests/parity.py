@@ -56,6 +56,13 @@ class Case:
     # reference's blocks are compiled the same way
     compile: Any = ()
     compile_backend: str = "aot_eager"
+    # forwards before each backward: the rank's batch in this many chunks, each through its own
+    # forward, their losses summed into one backward (two views through one encoder); the
+    # reference runs the same chunks, so BatchNorm sees the same batches
+    forwards: int = 1
+    # a forward with gradients before each backward's own, its output dropped (a metric computed
+    # outside no_grad): nothing of it may reach the gradients
+    dropped_forward: bool = False
 
 
 def make_plan(
@@ -171,6 +178,13 @@ def run_cases(cases: list[Case]) -> list[dict[str, float]]:
     return [run_case(c) for c in cases]
 
 
+def _chunks(lo: int, hi: int, n: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` in ``n`` equal chunks (a case's ``forwards``; ``per_rank`` is a multiple of it)."""
+    size = (hi - lo) // n
+    assert size * n == hi - lo, f"per_rank ({hi - lo}) must be a multiple of forwards ({n})"
+    return [(lo + i * size, lo + (i + 1) * size) for i in range(n)]
+
+
 def _full(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None:
         return None
@@ -249,9 +263,12 @@ def run_case(case: Case) -> dict[str, float]:
             lo, hi = rank * case.per_rank, (rank + 1) * case.per_rank
             sync = micro == case.accumulate - 1
             ctx = model.no_sync() if not sync else _nullctx()
+            chunks = _chunks(lo, hi, case.forwards)
             with ctx:
-                out = model(x[lo:hi])
-                loss = models.loss_fn(case.model, out.float(), y[lo:hi]) / case.accumulate
+                if case.dropped_forward:
+                    model(x[lo:hi])
+                loss = sum(models.loss_fn(case.model, model(x[a:b]).float(), y[a:b]) for a, b in chunks) / (
+                    case.accumulate * case.forwards)
                 if case.zero_grad_at == "before_backward" and micro == 0:
                     opt.zero_grad(set_to_none=True)
                     ropt.zero_grad(set_to_none=True)
@@ -266,12 +283,12 @@ def run_case(case: Case) -> dict[str, float]:
                 for r in range(world):
                     for k, v in ref.named_buffers():
                         v.copy_(bufs0[k])
-                    sl = slice(r * case.per_rank, (r + 1) * case.per_rank)
-                    with as_policy(ref, as_run):
-                        xs = x[sl].bfloat16() if as_run and x.is_floating_point() else x[sl]
-                        rl = models.loss_fn(case.model, ref(xs).float(), y[sl]) / (case.accumulate * world)
-                        rl.backward()
-                    ref_total += rl.item()
+                    for a, b in _chunks(r * case.per_rank, (r + 1) * case.per_rank, case.forwards):
+                        with as_policy(ref, as_run):
+                            xs = x[a:b].bfloat16() if as_run and x.is_floating_point() else x[a:b]
+                            rl = models.loss_fn(case.model, ref(xs).float(), y[a:b]) / (case.accumulate * world * case.forwards)
+                            rl.backward()
+                        ref_total += rl.item()
                     if r == 0:
                         rank0_bufs = {k: v.clone() for k, v in ref.named_buffers()}
                 for k, v in ref.named_buffers():

@@ -31,6 +31,22 @@ def test_auto_plan_trains_like_single_process_across_the_switch(world2, limit):
             assert results[0]["sharded_units"] > 0
 
 
+def test_auto_records_and_switches_when_each_step_runs_two_forwards(world2):
+    """Each step two forwards before one backward ([Note: several forwards before one backward]):
+    a recorded pass spans both and the backward, the searched plan takes over, and training is as
+    in one process across the switch; the second forward of every step joined the first's."""
+    with tempfile.TemporaryDirectory() as d:
+        # SGD: the key bias of gpt's attention has no gradient but rounding, which Adam scales to
+        # its learning rate, 1e-4 apart after two steps under any plan
+        results = world2.run(run_case, Case(model="gpt", plan="auto", steps=6, forwards=2,
+                                            extra={"cache_dir": d, "memory_limit": "300KB"}))
+    check(results, atol=ATOL)
+    for r in results:
+        assert r["runtime"]["plan_switches"] == 1 and r["plan_source"] == "search", r
+        assert r["runtime"]["joined_forwards"] == 6, r["runtime"]
+    assert results[0]["sharded_units"] > 0
+
+
 def _two_launches(cache_dir):
     rank = dist.get_rank()
     x, y = models.batch("gpt", 2, torch.Generator().manual_seed(rank))

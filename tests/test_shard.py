@@ -59,6 +59,27 @@ def test_sharded_training_matches_single_process(world2, name):
     check(world2.run(run_case, CASES[name]), atol=ATOL)
 
 
+SEVERAL_FORWARDS = {
+    "gpt-fsdp": Case(model="gpt", plan="fsdp", forwards=2),
+    "gpt-zero2": Case(model="gpt", plan="zero2", forwards=2),
+    "gpt-ddp": Case(model="gpt", plan="ddp", forwards=2),
+    "gpt-recompute-window2": Case(model="gpt", plan={"grouping": "block", "window": 2, "recompute": "all"}, forwards=2),
+    "gpt-dropped-forward-fsdp": Case(model="gpt", plan="fsdp", dropped_forward=True),
+    "mlp-persistent-no-sync": Case(model="mlp", plan={"residency": "persistent"}, forwards=2, accumulate=2),
+    "mlp-after-backward-mixed": Case(model="mlp", plan={"placement": "mixed", "residency": "after_backward"}, forwards=2),
+    "convbn-sharded": Case(model="convbn", plan={"grouping": "unit"}, forwards=2),
+    "resnet-ddp": Case(model="resnet", plan="ddp", forwards=2),
+}
+
+
+@pytest.mark.parametrize("name", list(SEVERAL_FORWARDS))
+def test_several_forwards_before_one_backward(world2, name):
+    """Two forwards of the model before one backward of their summed losses (two views through
+    one encoder), and a forward whose output is dropped before the step's own ([Note: several
+    forwards before one backward] in autodist/runtime/engine.py): as in one process."""
+    check(world2.run(run_case, SEVERAL_FORWARDS[name]), atol=ATOL)
+
+
 FOUR = {
     "after-forward": Case(model="mlp", plan={"residency": "after_forward", "window": 1}, per_rank=2),
     "persistent-all": Case(model="mlp", plan={"residency": "persistent", "grouping": "all"}, per_rank=2, optim="adamw"),

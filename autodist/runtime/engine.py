@@ -576,6 +576,9 @@ class Engine:
     def _begin_step(self) -> None:
         self.comm.finish_sequence_check()
         step = self._step
+        if self.forward_joins_step():
+            self._join_step()
+            return
         if step.expects_backward and not step.in_backward:
             # The previous forward's backward never ran (or ran without reaching our hooks).
             self._release_after_step(drop_reductions=True)
@@ -609,12 +612,52 @@ class Engine:
         # grad mode, so an evaluation under no_grad after a training step uses rank 0's BatchNorm
         # statistics, as under DDP. A forward under no_grad or no_sync makes the next one skip it.
         # Every rank runs the same forwards in the same modes, so every rank agrees on when.
-        if self.broadcast_buffers and self._buffers_due and self.comm.world_size > 1:
-            bufs = [b for b in self.module.buffers()]
-            if bufs:
-                self.comm.broadcast_tensors(bufs, "buffers")
-        self._buffers_due = self._step.sync
+        self._broadcast_buffers_if_due()
         refresh_casts(self._cast_copies)
+
+    def forward_joins_step(self) -> bool:
+        """Whether a forward now joins the step of the one before it: gradients are enabled, that
+        forward's backward has not begun, and both synchronise or neither does ([Note: several
+        forwards before one backward])."""
+        step = self._step
+        return (step.expects_backward and not step.in_backward and step.grad and torch.is_grad_enabled()
+                and step.sync == self.sync_enabled)
+
+    def _join_step(self) -> None:
+        """A forward with gradients that follows one whose backward has not begun joins its step.
+
+        [Note: several forwards before one backward] Training code runs a model more than once
+        before one backward: two views of a batch through one encoder (contrastive and siamese
+        training), a consistency or distillation term, losses summed over chunks. DDP and FSDP2
+        both train such steps. The step's state is kept, not started anew: every forward adds its
+        uses and post-backward signals to the same counts, so a group is freed, and a parameter's
+        gradient counted final, only when the backward of every forward that used it has run
+        (starting a step here released the first forward's groups and dropped its signals, and its
+        backward then read freed parameters). Prefetch runs again from the forward's first trigger;
+        the order learned, the reductions and the gathered groups are the step's. A forward that
+        is never backpropagated (its loss dropped) leaves its signals unfired: what it held is
+        released and its gradients reduced at the end of the backward that follows, a little later
+        than they could have been. A forward under ``no_grad`` or a different ``no_sync`` state
+        after an unfinished one still starts a step of its own, as before."""
+        self.stats.joined_forwards += 1
+        self._step.fwd_schedule = TriggerCursor(self._fwd_triggers)
+        if self.offload.active:
+            self.offload.finish_out()
+        self._broadcast_buffers_if_due()
+        refresh_casts(self._cast_copies)
+
+    def _broadcast_buffers_if_due(self) -> None:
+        """Rank 0's buffers on every rank, when due ([Note: when buffers are broadcast]). Their
+        version counters are kept as they were, as DDP keeps them: an earlier forward of this step
+        whose backward is still to run (several forwards before one backward) saved BatchNorm's
+        running statistics, which its backward does not read in training mode, and autograd would
+        otherwise refuse that backward for a tensor modified in place."""
+        if self.broadcast_buffers and self._buffers_due and self.comm.world_size > 1:
+            bufs = tuple(self.module.buffers())
+            if bufs:
+                with torch.autograd._unsafe_preserve_version_counter(bufs):
+                    self.comm.broadcast_tensors(list(bufs), "buffers")
+        self._buffers_due = self._step.sync
 
     def _end_forward(self, out: object) -> None:
         step = self._step

@@ -81,5 +81,6 @@ class RuntimeStats:
     unused_param_steps: int = 0
     persistent_refreshes: int = 0
     late_gradients: int = 0  # gradients accumulated again after their first (shared + reentrant AC)
+    joined_forwards: int = 0  # forwards that joined a step whose backward had not begun (several before one)
     micro_batches: int = 0  # backward passes since the last optimizer step over these parameters
     grad_accum_steps: int = 0  # backward passes between the last two optimizer steps (0: none yet)
