@@ -63,6 +63,9 @@ class Case:
     # a forward with gradients before each backward's own, its output dropped (a metric computed
     # outside no_grad): nothing of it may reach the gradients
     dropped_forward: bool = False
+    # after each optimizer step, every parameter clamped to [-c, c] through ``p.data`` (WGAN's
+    # weight clipping), which moves no version counter
+    clamp_data: float | None = None
 
 
 def make_plan(
@@ -307,6 +310,9 @@ def run_case(case: Case) -> dict[str, float]:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), case.clip)
         opt.step()
         ropt.step()
+        if case.clamp_data is not None:
+            for p in [*model.parameters(), *ref.parameters()]:
+                p.data.clamp_(-case.clamp_data, case.clamp_data)
         if case.zero_grad_at == "before_backward":
             pass
         elif case.zero_grad == "none":

@@ -80,6 +80,22 @@ def test_several_forwards_before_one_backward(world2, name):
     check(world2.run(run_case, SEVERAL_FORWARDS[name]), atol=ATOL)
 
 
+WRITTEN_THROUGH_DATA = {
+    "persistent": Case(model="mlp", plan={"residency": "persistent"}, clamp_data=0.05, steps=4),
+    "persistent-mixed-adamw": Case(model="mlp", plan={"placement": "mixed", "residency": "persistent", "grouping": "all"},
+                                   clamp_data=0.05, steps=4, optim="adamw"),
+    "after-forward": Case(model="mlp", plan={"residency": "after_forward"}, clamp_data=0.05, steps=4),
+}
+
+
+@pytest.mark.parametrize("name", list(WRITTEN_THROUGH_DATA))
+def test_parameters_written_through_data_after_the_step_are_used(world2, name):
+    """Parameters clamped through ``p.data`` after each optimizer step (WGAN's weight clipping):
+    the next forward computes with the clamped values under every residency, persistent groups
+    included ([Note: when persistent groups are refreshed] in autodist/runtime/optimizers.py)."""
+    check(world2.run(run_case, WRITTEN_THROUGH_DATA[name]), atol=ATOL)
+
+
 FOUR = {
     "after-forward": Case(model="mlp", plan={"residency": "after_forward", "window": 1}, per_rank=2),
     "persistent-all": Case(model="mlp", plan={"residency": "persistent", "grouping": "all"}, per_rank=2, optim="adamw"),

@@ -18,8 +18,8 @@ reducer, and drives them from these hooks:
   out gradients, release what the plan says to release, check the collective order across ranks,
   and learn the observed orders;
 * optimizer step hooks: before a step over this model's parameters, wait for gathers that read the
-  shards and bring offloaded state back; after it, refresh persistent groups and compute-dtype copies
-  and start offload copy-outs (optimizers.py).
+  shards and bring offloaded state back; after it, mark persistent groups for a refresh at the next
+  forward and compute-dtype copies stale, and start offload copy-outs (optimizers.py).
 
 Prefetch follows [Note: prefetch triggers] in ``autodist/schedule.py``: positions count gathering
 units only, forward in the previous step's observed order, backward in the reverse of this step's
@@ -592,6 +592,9 @@ class Engine:
         self._swap_root(False)
         for g in self.groups:
             g.recheck()
+        # before the previous step's reduce-scatter outputs are released, as the simulator's
+        # preamble has it ([Note: refresh buffers] in autodist/cost/sim/gathers.py)
+        self._refresh_persistent()
         self.reducer.begin(sync=self._step.sync)
         for b in self.reducer.buckets:
             b.release_if_unused()
@@ -614,6 +617,15 @@ class Engine:
         # Every rank runs the same forwards in the same modes, so every rank agrees on when.
         self._broadcast_buffers_if_due()
         refresh_casts(self._cast_copies)
+
+    def _refresh_persistent(self) -> None:
+        """Gather again, in plan order, the persistent groups an optimizer stepped over since the
+        last forward ([Note: when persistent groups are refreshed] in optimizers.py)."""
+        for g in self.groups:
+            if g.refresh_due:
+                g.refresh_due = False
+                if g.state is not GroupState.SHARDED and g.issue(force=True):
+                    self.stats.persistent_refreshes += 1
 
     def forward_joins_step(self) -> bool:
         """Whether a forward now joins the step of the one before it: gradients are enabled, that
@@ -643,6 +655,7 @@ class Engine:
         self._step.fwd_schedule = TriggerCursor(self._fwd_triggers)
         if self.offload.active:
             self.offload.finish_out()
+        self._refresh_persistent()
         self._broadcast_buffers_if_due()
         refresh_casts(self._cast_copies)
 

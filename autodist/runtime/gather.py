@@ -113,6 +113,9 @@ class GatherGroupRuntime:
         self._inflight: list[InFlight] = []
         self._versions: tuple[int, ...] = ()
         self._fresh = False  # see is_stale
+        # an optimizer stepped over the shards: gather again at the next forward ([Note: when
+        # persistent groups are refreshed] in optimizers.py)
+        self.refresh_due = False
         self.record: Callable[[str, object], None] | None = None  # the engine's action log, when on
         self.reset_step()
 

@@ -1,6 +1,6 @@
 """The runtime's optimizer hooks: before a step over this model's parameters, wait for gathers that
-read the shards and bring offloaded state back; after it, refresh persistent groups and
-compute-dtype copies and start offload copy-outs. The hooks are process-wide for the engine's
+read the shards and bring offloaded state back; after it, mark persistent groups for a refresh
+at the next forward and compute-dtype copies stale, and start offload copy-outs. The hooks are process-wide for the engine's
 life (installed by :meth:`~autodist.runtime.engine.Engine._install_hooks`, removed by its
 ``close``); :func:`watch` tells this model's optimizers from others. An optimizer over offloaded
 state is bound to the offload manager and its state dicts kept complete (:func:`adopt_optimizer`).
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .gather import GatherGroupRuntime, GroupState
+from .gather import GatherGroupRuntime
 from .params import ManagedParam, release_casts
 
 if TYPE_CHECKING:
@@ -129,13 +129,24 @@ def on_optimizer_step(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
         engine.stats.grad_accum_steps, engine.stats.micro_batches = engine.stats.micro_batches, 0
     for mp in view.casts:
         mp.mark_stale()  # compute-dtype copies are re-cast (an optimizer may write p.data)
-    # In plan order, which every rank shares: not in the order units ran here — a persistent unit
-    # one rank skipped would move to the end of that rank's observed order, and its refresh with
-    # it (gloo pairs gathers of different units, or aborts when their sizes differ).
+    # [Note: when persistent groups are refreshed] A persistent group keeps its full parameters
+    # between steps; after an optimizer step over its shards it is gathered again, whatever the
+    # version counters say (an optimizer, or the user, may write p.data, which moves none). The
+    # gather is issued at the next forward (Engine._refresh_persistent), not here: code between the
+    # step and the next forward writes parameters too (WGAN's `p.data.clamp_`, max-norm
+    # constraints, weights averaged in), and a gather issued here read the shards before it —
+    # through `.data`, with nothing to show the full parameters stale (a persistent plan trained
+    # 0.28 off after 4 steps of clamped weights), and on a GPU, racing the compute stream's write
+    # even under no_grad. Issued at the forward's start, before the previous step's reduce-scatter
+    # outputs are released, it overlaps the forward's first units as it overlapped the gap before,
+    # and the simulator's preamble is unchanged: the refresh in flight at the step's start beside
+    # those outputs ([Note: refresh buffers] in autodist/cost/sim/gathers.py; the gap between an
+    # optimizer step and the next forward is not simulated). In plan order, which every rank shares: not in the
+    # order units ran here — a persistent unit one rank skipped would move to the end of that
+    # rank's observed order, and its refresh with it (gloo pairs gathers of different units, or
+    # aborts when their sizes differ).
     for g in view.persistent:
-        # unconditional: an optimizer may write p.data without bumping any version counter
-        if g.state is not GroupState.SHARDED and g.issue(force=True):
-            engine.stats.persistent_refreshes += 1
+        g.refresh_due = True
     if engine.offload.active:
         if not engine.offload.entries:
             adopt_optimizer(engine, optimizer)
