@@ -39,7 +39,7 @@ def _left_running_after_drain():
         x, y = models.batch("mlp", 4, torch.Generator().manual_seed(0))
         for _ in range(2):
             models.loss_fn("mlp", model(x), y).backward()
-            opt.step()  # starts persistent refreshes / offload copy-outs that outlive the step
+            opt.step()  # starts offload copy-outs that outlive the step (a persistent refresh waits for the next forward)
             opt.zero_grad()
         before = sum(len(g.in_flight()) for g in model.runtime.groups) + sum(
             e.status is FragState.OUT for e in model.runtime.offload.entries.values()
@@ -58,7 +58,9 @@ def _left_running_after_drain():
 
 def test_the_timed_window_ends_after_every_asynchronous_operation_the_contender_started(world2):
     for r in world2.run(_left_running_after_drain):
-        assert r["persistent"][0] > 0 and r["persistent"][1] == 0
+        # nothing of a persistent plan outlives its optimizer step: the refresh is issued at the
+        # next forward ([Note: when persistent groups are refreshed] in autodist/runtime/optimizers.py)
+        assert r["persistent"] == (0, 0)
         assert r["offload"][0] > 0 and r["offload"][1] == 0
 
 

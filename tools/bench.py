@@ -368,8 +368,9 @@ class Result:
 
 
 def _drain(model: nn.Module, device: torch.device) -> None:
-    """Wait for everything a contender started asynchronously: AutoDist's in-flight gathers
-    (persistent refreshes) and offload copies, and the device's queue (DDP's and FSDP2's streams)."""
+    """Wait for everything a contender started asynchronously: AutoDist's offload copy-outs (the
+    optimizer step starts them) and any gather still in flight, and the device's queue (DDP's and
+    FSDP2's streams)."""
     if isinstance(model, AutoDist):
         model.runtime.quiesce()
         model.runtime.offload.finish_out()

@@ -214,7 +214,7 @@ class StepTracer:
 
     def finish(self) -> StepMeasurement:
         """This step's measurement. Its collectives are those issued from the previous step's
-        optimizer step (a persistent refresh) up to this one's."""
+        optimizer step up to this one's (a persistent refresh, at this step's forward start, among them)."""
         m = self._marks
         units_end = m.get("units_end", m["backward_end"])
         sections: dict[str, float] = {}

@@ -279,8 +279,8 @@ def _untraced() -> Iterator[None]:
 
     [Note: collectives issued under the profiler] A collective issued while ``torch.profiler``
     records keeps a record that its backend thread closes when the collective completes. If the
-    profiler session ends first (a persistent refresh issued by the last profiled optimizer step,
-    a reduction still in flight when the user's ``with profile():`` block exits), closing it
+    profiler session ends first (a reduction or a gather still in flight when the user's
+    ``with profile():`` block exits; a persistent refresh once, when an optimizer step issued it), closing it
     crashes the process (SIGSEGV with gloo on torch 2.14, reproduced deterministically with an
     all-gather waited after the session). The runtime's own labels — a range around the issue, a
     range around the wait — say where and how long; only the backend's record is dropped.

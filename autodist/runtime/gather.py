@@ -5,9 +5,10 @@ buffers travel in the :class:`InFlight`), or ``GATHERED`` (every parameter's ``f
 current values). All transitions happen in this file.
 
 A persistent group stays ``GATHERED`` across steps. After every optimizer step that updates its
-shards it is refreshed by one all-gather, issued right after the step and waited for at the next
-use — unconditionally, because an optimizer may write ``p.data`` without bumping any version counter
-(Lion and many research optimizers do). Between steps, staleness is also read from the visible
+shards it is refreshed by one all-gather, issued at the next forward's start and waited for at the
+next use — unconditionally, because an optimizer, or the user's code after it, may write ``p.data``
+without bumping any version counter (Lion and many research optimizers do; [Note: when persistent
+groups are refreshed] in optimizers.py). Between steps, staleness is also read from the visible
 parameters' version counters, so a parameter updated in place through the visible parameter
 (``p.clamp_()``) is re-gathered before use, and :meth:`GatherGroupRuntime.ensure` checks again after
 waiting: a gather whose shards changed while it was in flight is issued again.

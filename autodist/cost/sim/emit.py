@@ -7,9 +7,9 @@ never from how long anything took. Compilation follows the runtime's rules exact
 triggers (``autodist/schedule.py``), own group before prefetch, free after the group's last unit
 (:mod:`.gathers`), free before reducing, bucket launch in order with ``max_inflight_buckets``,
 flush at the end of backward (:mod:`.reductions`), recomputation at its anchor
-(:mod:`.recompute`), offload copies at theirs (:mod:`.offload`), persistent refresh after the
-optimizer step. One steady-state step is compiled with a preamble: the persistent refresh and the
-offload copy-outs the previous step's optimizer issued are in flight at its start.
+(:mod:`.recompute`), offload copies at theirs (:mod:`.offload`), persistent refresh at the step's
+start. One steady-state step is compiled with a preamble: the persistent refresh the previous
+step's optimizer made due and the offload copy-outs it started are in flight at its start.
 """
 
 from __future__ import annotations
@@ -236,8 +236,8 @@ class StepEmitter:
                        self.sim.compute_bytes)
 
     def _preamble(self) -> None:
-        """What the previous step leaves behind: persistent groups resident, their refresh (issued
-        by the previous optimizer step) in flight; the previous step's reduce-scatter outputs, held
+        """What the previous step leaves behind: persistent groups resident, their refresh (made due
+        by the previous optimizer step, issued at this step's forward start) in flight; the previous step's reduce-scatter outputs, held
         while the refreshes are in flight; the copy-out of offloaded state the previous optimizer
         step started; everything else idle."""
         self.static[GATHERED] += self.gathers.refresh_in_flight()
@@ -381,8 +381,8 @@ class StepEmitter:
 
     def _optimizer_step(self) -> None:
         """The sync point (every offloaded fragment is back before the step), the optimizer step,
-        and the next step's refresh issued after it (it and the copy-outs the step starts run in
-        the next step's preamble); zero_grad then drops the gradients, the reduce-scatter outputs'
+        and the compute thread's share of the next step's refresh (it and the copy-outs the step
+        starts run in the next step's preamble); zero_grad then drops the gradients, the reduce-scatter outputs'
         storage staying until the next forward."""
         out = self.out
         out.section("optimizer")

@@ -1,6 +1,6 @@
 """Gather groups in a compiled step: issuing a group's all-gather at its prefetch trigger, waiting
 for it where a unit needs it (the copy-out of a multi-parameter group), freeing it by the runtime's
-rules, and the persistent groups' refresh after the optimizer step."""
+rules, and the persistent groups' refresh at the step's start."""
 
 from __future__ import annotations
 
@@ -323,8 +323,9 @@ class Gathers:
         return persistent_full
 
     def issue_refresh(self) -> None:
-        """After the optimizer step: the compute thread's share of issuing the next step's refresh
-        (which runs in the next step's preamble)."""
+        """The compute thread's share of issuing the next step's refresh, charged after the optimizer
+        step: the runtime issues it at the next forward's start, the same point of a steady-state
+        step (the refresh itself runs in the next step's preamble)."""
         refresh_s = sum(g.costs.issue_s for g in self.groups if g.residency == "persistent")
         if refresh_s:
             self.out.emit((COMPUTE, refresh_s, "gather bookkeeping", 0, refresh_s, 0.0))
