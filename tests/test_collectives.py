@@ -411,3 +411,24 @@ def test_a_grad_scaler_step_skipped_on_one_rank_is_reported_on_every_rank(world2
 def test_a_sharded_grad_scaler_skips_on_every_rank_and_matches_the_reference(world2):
     for error, err in world2.run(_grad_scaler_with_inf_in_one_shard, "sharded"):
         assert error is None and err < 1e-5, (error, err)
+
+
+@pytest.mark.parametrize(
+    "config,name,device_type,expected",
+    [
+        ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl", "cuda", "nccl"),  # backend="cpu:gloo,cuda:nccl"
+        ("cpu:gloo,cuda:nccl", "undefined", "cuda", "nccl"),  # init_process_group() on a GPU host
+        ("cpu:gloo,cuda:nccl", "undefined", "cpu", "gloo"),
+        ("cpu:gloo", "undefined", "cpu", "gloo"),  # init_process_group() on a CPU host
+        ("cpu:gloo,cuda:gloo", "gloo", "cuda", "gloo"),
+        ("nccl", "nccl", "cuda", "nccl"),
+    ],
+)
+def test_the_backend_for_a_device_is_read_from_the_group_s_configuration(config, name, device_type, expected):
+    """NCCL's one launch order is chosen for a group made without a backend, or for several, on a
+    GPU host: the engine decided by the group's name, which reads "undefined" or the whole string
+    there, and launched buckets in gradient-ready order on NCCL."""
+    from autodist.runtime.comm import backend_in_config
+
+    assert backend_in_config(config, name, device_type) == expected
+

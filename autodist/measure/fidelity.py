@@ -316,11 +316,11 @@ def slowest_over_ranks(profile: Profile) -> Profile:
 def max_over_ranks(x: float) -> float:
     """The largest ``x`` over the ranks of the default group (every rank gets it), reduced on the
     device its backend works on (NCCL takes no host tensors)."""
-    from ..runtime.comm import default_device
+    from ..runtime.comm import default_device, device_backend
     from .sweep import _max_over_ranks
 
     group = dist.distributed_c10d._get_default_group()
-    device = default_device() if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
+    device = default_device() if device_backend(group, "cuda") == "nccl" else torch.device("cpu")
     return _max_over_ranks([x], group, device)[0]
 
 

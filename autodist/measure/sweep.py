@@ -550,7 +550,7 @@ def sweep(
     of them. A timing, cheap and far steadier (the 10th percentile of tens of calls), still gets
     its passes."""
     cfg = cfg or SweepConfig()
-    from ..runtime.comm import Comm, backend_workers  # the same collective calls the runtime issues
+    from ..runtime.comm import Comm, backend_workers, device_backend  # the same collective calls the runtime issues
 
     world = dist.get_world_size(group)
     n_passes = agreed_passes(cfg.passes, group, device)
@@ -638,7 +638,7 @@ def sweep(
         wait_scale=DEFAULT_CPU_WAIT_SCALE if device.type == "cpu" else 1.0,
         blocked_wait_s=DEFAULT_CPU_BLOCKED_WAIT_S if device.type == "cpu" and world > 1 else 0.0,
         workers=backend_workers(comm.gather_pg),
-        backend=dist.get_backend(group),
+        backend=device_backend(group, device.type),
         world_size=world,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         ops=ops,

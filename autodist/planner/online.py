@@ -319,7 +319,9 @@ class AutoPlanner:
         self.stats = LifecycleStats()
         self.state = _State.DONE
         self.explicit_budget = explicit_budget
-        self.machine = keys.machine(self.world, self.device, str(dist.get_backend(self.comm.group)))
+        # the backend that runs the device's collectives: "nccl" for a group made without one
+        # ("undefined") on a GPU host, as `autodist check` names it, so both find one comm model
+        self.machine = keys.machine(self.world, self.device, self.comm.backend_for(self.device.type))
         self.ranks_per_node = _ranks_per_node(self.comm)
         if self.ranks_per_node is not None:  # plans and comm models of a multi-node launch are its own
             self.machine["ranks_per_node"] = self.ranks_per_node

@@ -314,6 +314,26 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def device_backend(group: dist.ProcessGroup, device_type: str) -> str:
+    """The backend that runs ``group``'s collectives on tensors of ``device_type``. A group made
+    for one backend has its name (``dist.get_backend``), but one made for several devices has one
+    per device type: ``init_process_group()`` without a backend reads ``"undefined"`` (gloo for CPU
+    tensors, NCCL for CUDA ones on a GPU host), ``backend="cpu:gloo,cuda:nccl"`` reads that whole
+    string. Both are NCCL for CUDA tensors, and the runtime's choices that depend on NCCL (one
+    launch order on every rank: [Note: one issue order for NCCL] in engine.py) must see it."""
+    return backend_in_config(dist.get_backend_config(group), dist.get_backend(group), device_type)
+
+
+def backend_in_config(config: str, name: str, device_type: str) -> str:
+    """The backend a process group's configuration (``dist.get_backend_config``: ``"cpu:gloo,cuda:nccl"``)
+    names for ``device_type``; ``name`` (``dist.get_backend``) where it names none per device; the
+    first it names where it names none for ``device_type``."""
+    pairs = dict(item.split(":", 1) for item in config.split(",") if ":" in item)
+    if not pairs:
+        return name
+    return pairs.get(device_type, next(iter(pairs.values())))
+
+
 def init_distributed(device: torch.device | None = None, timeout_s: float | None = None) -> torch.device:
     """Make sure a default process group exists; return the device this rank computes on.
 
@@ -426,7 +446,8 @@ class Comm:
                 "torch.distributed.init_process_group() before wrapping a model"
             )
         self.group: dist.ProcessGroup = group
-        self.backend = dist.get_backend(self.group)
+        self.backend = dist.get_backend(self.group)  # its name; what runs a device's tensors: backend_for
+        self._backend_of: dict[str, str] = {}
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         ranks = dist.get_process_group_ranks(self.group)
@@ -532,6 +553,14 @@ class Comm:
         return InFlight(work, (out, inp), f"all_gather({label})", self.stats, self)
 
     # -- gradient reductions ------------------------------------------------------------------
+    def backend_for(self, device_type: str) -> str:
+        """The backend that runs this group's collectives on tensors of ``device_type``
+        (:func:`device_backend`), looked up once per device type."""
+        name = self._backend_of.get(device_type)
+        if name is None:
+            name = self._backend_of[device_type] = device_backend(self.group, device_type)
+        return name
+
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, label: str) -> InFlight:
         self.stats.reduce_scatters += 1
         self.stats.reduced_bytes += inp.numel() * inp.element_size()
@@ -540,7 +569,7 @@ class Comm:
             with _issuing(f"autodist::reduce_scatter({label})"):
                 out.copy_(inp.view(-1)[: out.numel()])
             return InFlight(None, (out, inp), label)
-        if self.backend == "gloo":
+        if self.backend_for(inp.device.type) == "gloo":
             # [Note: gloo reduce-scatter] gloo's flat reduce-scatter clones its whole input first;
             # the list form reduces in place from views (measured: half the transient memory and
             # ~30% faster for 16 MiB shards on 2 ranks). It still allocates one output-sized buffer
@@ -657,7 +686,7 @@ class Comm:
         if set(bad) == {2}:
             raise RankMismatchError(
                 f"ranks interleaved gathers and reductions differently in a step (collective #{i + 1} was {what0} "
-                f"on rank 0 but {what1} on rank {first}); {self.backend} needs one launch order on every rank or it "
+                f"on rank 0 but {what1} on rank {first}); NCCL needs one launch order on every rank or it "
                 "can deadlock. A parameter got its gradient on some ranks only: make every unit's control flow the "
                 "same on every rank, or use a plan that replicates everything."
             )

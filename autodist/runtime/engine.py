@@ -258,7 +258,7 @@ class Engine:
         self.group_of_param = {id(mp): grt for grt in self.groups for mp in grt.params}
         self.has_persistent = any(g.residency == "persistent" for g in self.groups)
         self._gathering = gathering_units([g.units for g in self.groups], [g.residency for g in self.groups])
-        policy = self._launch_policy_arg or ("sampled" if self.comm.backend == "nccl" else "ready")
+        policy = self._launch_policy_arg or ("sampled" if self.comm.backend_for(self.device.type) == "nccl" else "ready")
         self.launch_policy = policy if self.groups else "ready"
         if getattr(self, "recompute", None) is not None:
             self.recompute.remove()
