@@ -11,7 +11,9 @@ such step is never reported).
 ``AutoDist(..., log_every=N)`` logs every N steps one line with step time, throughput (samples per
 second; tokens per second when the input is a batch of token ids), peak tensor memory and its share
 of the budget, resident memory, and the exposed-communication share (time the compute
-thread spent blocked on collectives / step time); the last step is logged too, when the model is
+thread spent blocked on collectives / step time; on CUDA not measured, ``None``: waiting for an
+NCCL collective makes the compute stream wait and returns at once, so the thread's blocked time
+reads about 0 whatever the device waited); the last step is logged too, when the model is
 closed (``close()``), garbage-collected, or at interpreter exit, whichever comes first.
 ``model.metrics()`` returns the last completed step's values as a dict, for the user's own logger.
 
@@ -64,7 +66,7 @@ class StepMetrics:
     budget_bytes: int
     budget_fraction: float | None  # (peak, less host-resident state on the CPU) / budget
     resident_bytes: int | None  # the process's resident set (None until read: see the module docstring)
-    exposed_comm_share: float
+    exposed_comm_share: float | None  # None on CUDA (see the module docstring)
     all_gathers: int
     reductions: int
 
@@ -94,9 +96,10 @@ def format_step(m: StepMetrics) -> str:
         )
         peak = f"peak tensors {format_bytes(m.peak_bytes)}{where} ({share}{scope}{host})"
     resident = "not read" if m.resident_bytes is None else format_bytes(m.resident_bytes)
+    exposed = "not measured" if m.exposed_comm_share is None else f"{100 * m.exposed_comm_share:.0f}%"
     return (
         f"autodist: step {m.step}  {1e3 * m.step_seconds:.1f} ms  {rate}  {peak}  resident {resident}  "
-        f"exposed comm {100 * m.exposed_comm_share:.0f}%"
+        f"exposed comm {exposed}"
     )
 
 
@@ -232,7 +235,8 @@ class StepMeter:
             budget_bytes=self.budget,
             budget_fraction=on_device / self.budget if on_device is not None and self.budget else None,
             resident_bytes=None,
-            exposed_comm_share=min(1.0, (self.stats.wait_seconds - self._wait) / dt) if dt > 0 else 0.0,
+            exposed_comm_share=None if self.device.type == "cuda" else (
+                min(1.0, (self.stats.wait_seconds - self._wait) / dt) if dt > 0 else 0.0),
             all_gathers=g - self._counts[0],
             reductions=r - self._counts[1],
         )

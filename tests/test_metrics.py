@@ -407,3 +407,16 @@ def test_a_collectives_buffer_unfreed_on_this_thread_is_freed_at_its_waits_end()
     events = _from_deltas(deltas, own, {}, ranges)
     assert events.mem == [(11.0, 100), (25.0, 0), (31.0, 100), (44.0, 0), (50.5, 7), (50.6, 0), (70.5, -3)]
     assert events.elsewhere == [(50.5, 7, worker), (50.6, -7, worker)]
+
+
+def test_the_log_line_says_when_the_exposed_communication_was_not_measured():
+    """On CUDA the compute thread does not block on an NCCL wait, so its blocked time is no measure
+    of exposed communication: the figure is None there and the line says so, not 0%."""
+    from autodist.metrics import StepMetrics, format_step
+
+    m = StepMetrics(step=3, step_seconds=0.05, samples_per_second=80.0, tokens_per_second=None, peak_bytes=None,
+                    peak_step=None, peak_scope=None, host_state_bytes=0, budget_bytes=1 << 30, budget_fraction=None,
+                    resident_bytes=1 << 30, exposed_comm_share=None, all_gathers=0, reductions=2)
+    assert format_step(m).endswith("exposed comm not measured")
+    m.exposed_comm_share = 0.25
+    assert format_step(m).endswith("exposed comm 25%")
