@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 
-from parity import Case, check, run_case
+from parity import Case, _full, check, run_case
 
 ATOL = 2e-5
 
@@ -112,3 +112,71 @@ def test_sharded_training_on_four_ranks(world4, name):
 @pytest.mark.parametrize("plan", ["fsdp", {"residency": "persistent"}, {"placement": "mixed"}], ids=["fsdp", "persistent", "mixed"])
 def test_bf16_mixed_precision(world2, plan):
     check(world2.run(run_case, Case(model="mlp", plan=plan, bf16=True)), atol=1e-4)
+
+
+def _gan_steps(plan, unfreeze_at_wrap_frozen=False):
+    """A GAN's alternating steps, each model wrapped under ``plan``: the discriminator's step runs
+    it on real and generated samples (two forwards, one backward); the generator's step freezes the
+    discriminator through its parameters' ``requires_grad`` and leaves its gradients as they are.
+    Against the same two models in one process on the whole batch; the largest difference of
+    any parameter after 4 rounds, and whether the discriminator holds gradients after the last
+    generator step (None on both sides)."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from autodist import AutoDist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    gen_net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+    disc = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    if unfreeze_at_wrap_frozen:
+        disc[0].bias.requires_grad_(False)
+    ref_g, ref_d = copy.deepcopy(gen_net), copy.deepcopy(disc)
+    g, d = AutoDist(gen_net, plan=plan), AutoDist(disc, plan=plan)
+    if unfreeze_at_wrap_frozen:
+        d.module[0].bias.requires_grad_(True)
+        try:
+            d(torch.zeros(2, 16))
+        except ValueError as e:
+            return str(e)
+        return None
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (g, d, ref_g, ref_d)]
+    data = torch.Generator().manual_seed(3)
+    sl = slice(4 * rank, 4 * rank + 4)
+    for _ in range(4):
+        z, real = torch.randn(4 * world, 8, generator=data), torch.randn(4 * world, 16, generator=data)
+        for gn, dn, opt, zz, rr in ((g, d, opts[1], z[sl], real[sl]), (ref_g, ref_d, opts[3], z, real)):
+            loss = nn.functional.softplus(-dn(rr)).mean() + nn.functional.softplus(dn(gn(zz).detach())).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        for gn, dn, opt, zz in ((g, d, opts[0], z[sl]), (ref_g, ref_d, opts[2], z)):
+            for p in dn.parameters():
+                p.requires_grad_(False)
+            nn.functional.softplus(-dn(gn(zz))).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            for p in dn.parameters():
+                p.requires_grad_(True)
+    full = [_full(p) for m in (g, d) for p in m.parameters()]
+    worst = max((a - b).abs().max().item() for a, b in zip(full, [*ref_g.parameters(), *ref_d.parameters()]))
+    held = [p.grad is not None for p in d.parameters()]
+    g.close()
+    d.close()
+    return worst, held
+
+
+@pytest.mark.parametrize("plan", ["ddp", "fsdp", "zero2"])
+def test_a_gan_freezing_its_discriminator_through_requires_grad_trains_as_in_one_process(world2, plan):
+    """[Note: requires_grad set on the visible parameter] in autodist/runtime/engine.py."""
+    for worst, held in world2.run(_gan_steps, plan):
+        assert worst < ATOL and not any(held), (worst, held)
+
+
+def test_a_parameter_frozen_at_wrap_and_trainable_later_is_refused(world2):
+    for message in world2.run(_gan_steps, "fsdp", True):
+        assert message is not None and "0.bias" in message and "frozen (requires_grad=False)" in message, message
