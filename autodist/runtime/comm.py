@@ -481,7 +481,7 @@ class Comm:
         one (the comm sweep measures collectives over the world)."""
         twin = object.__new__(Comm)
         for name in (
-            "group", "backend", "rank", "world_size", "gather_pg", "reduce_pg", "check_pg",
+            "group", "backend", "_backend_of", "rank", "world_size", "gather_pg", "reduce_pg", "check_pg",
             "shard_size", "shard_rank", "replicas", "scatter_pg", "replicate_pg", "_world_gather_pg",
         ):
             setattr(twin, name, getattr(self, name))
