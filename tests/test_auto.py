@@ -266,3 +266,45 @@ def test_meshes_of_disjoint_ranks_train_at_once(world4, plans, model, accumulate
     # each mesh's groups are named apart from the other's: their rendezvous keys cannot collide
     names = [r["group_names"] for r in results]
     assert names[0] == names[1] and names[2] == names[3] and not set(names[0]) & set(names[2]), names
+
+
+def _forwards_recorded_per_pass(evaluations: int, cache_dir: str) -> list[int]:
+    """The unit forwards each pass plan="auto" recorded held, training gpt with ``evaluations``
+    forwards under no_grad after every step."""
+    from autodist.planner import recorder
+
+    counts = []
+    finish = recorder.StepRecorder.finish_pass
+
+    def counting(self):
+        if self._pass is not None and "bwd" in self._marks:
+            counts.append(sum(1 for _, kind, _ in self._pass.fwd if kind == "enter"))
+        finish(self)
+
+    recorder.StepRecorder.finish_pass = counting
+    try:
+        m = AutoDist(models.make("gpt"), plan="auto", cache_dir=cache_dir)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        for _ in range(5):
+            x, y = models.batch("gpt", 4, gen)
+            models.loss_fn("gpt", m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                for _ in range(evaluations):
+                    m(x)
+        m.close()
+    finally:
+        recorder.StepRecorder.finish_pass = finish
+    return counts
+
+
+def test_forwards_without_gradients_between_steps_are_not_recorded_as_the_step_s(world2):
+    """An evaluation (or a pseudo-label pass of the same model) under no_grad while plan="auto"
+    records its first steps: the recorded passes hold the training forward's units only."""
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        plain = world2.run(_forwards_recorded_per_pass, 0, a)
+        evaluated = world2.run(_forwards_recorded_per_pass, 2, b)
+    for p, e in zip(plain, evaluated):
+        assert p and p == e, (p, e)

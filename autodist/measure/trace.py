@@ -247,6 +247,17 @@ class UnitTracer:
     def stop(self) -> None:
         self._pass = None
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Record nothing inside (a forward that is not the recorded pass's), then go on recording
+        the pass where it was."""
+        held = self._pass, self._stack, self._last, self._blocks
+        self._pass, self._stack, self._last, self._blocks = None, [], None, []
+        try:
+            yield
+        finally:
+            self._pass, self._stack, self._last, self._blocks = held
+
     def begin_loss(self) -> None:
         """The model's forward returned: what is saved from now on is the loss's."""
         self._stack, self._last = [], LOSS

@@ -72,6 +72,13 @@ class StepRecorder:
     def forward_context(self) -> Any:
         return self.tracer.saving()
 
+    def paused(self) -> Any:
+        """Context for a forward without gradients while a pass is recorded (an evaluation, a
+        pseudo-label or teacher pass of the same model): its operations are not the training
+        step's, and recorded they counted as the step's forward (gpt with three evaluation
+        forwards a step: the searched plan's step predicted 10.1 ms for 7.9, its backward 0)."""
+        return self.tracer.paused()
+
     def forward_end(self, out: Any) -> None:
         if self._pass is not None:
             self._marks["fwd"] = self.tracer.clock.mark()

@@ -554,10 +554,13 @@ class Engine:
         self._fire(self._step.fwd_schedule, -1)
         self._swap_root(True)
         try:
-            if self.observer is not None:
+            if self.observer is not None and torch.is_grad_enabled():
                 with self.observer.forward_context():
                     out = self.module(*args, **kwargs)
                 self.observer.forward_end(out)
+            elif self.observer is not None:  # an evaluation, a pseudo-label pass: not the step's
+                with self.observer.paused():
+                    out = self.module(*args, **kwargs)
             else:
                 out = self.module(*args, **kwargs)
         finally:
