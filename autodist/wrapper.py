@@ -66,6 +66,12 @@ def _reported_once(init: Callable[..., None]) -> Callable[..., None]:
     return wrapped
 
 
+STATE_DICT_ON_EVERY_RANK = (
+    "Call it on every rank and save on one: `sd = model.state_dict()` then `if rank == 0: torch.save(sd, path)`; "
+    "or save sharded with torch.distributed.checkpoint."
+)
+
+
 class AutoDist(nn.Module):
     """Data-parallel training of ``module`` following a plan.
 
@@ -534,9 +540,13 @@ class AutoDist(nn.Module):
         return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        """Full (unsharded) tensors under the wrapped module's keys. A collective: call on every rank."""
+        """Full (unsharded) tensors under the wrapped module's keys. Under a plan that shards, a
+        collective: call on every rank ([Note: a collective called on some ranks only] in
+        autodist/runtime/comm.py)."""
         if args:
             raise TypeError("state_dict() takes keyword arguments only (destination=, prefix=, keep_vars=)")
+        if any(mp.sharded for mp in self._engine.params.values()):
+            self._comm.rendezvous("state_dict()", STATE_DICT_ON_EVERY_RANK)
         sd = full_state_dict(self.module, prefix=prefix, keep_vars=keep_vars)
         if destination is not None:
             destination.update(sd)
@@ -547,6 +557,7 @@ class AutoDist(nn.Module):
         """Load full tensors (or DTensors) saved under any plan or world size. A collective."""
         if assign:
             raise ValueError("AutoDist.load_state_dict does not support assign=True: parameters are managed in place")
+        self._comm.rendezvous("load_state_dict()", "Load the state dict on every rank (each rank may read the same file).")
         self._agree(lambda: agree_on_state_dict(self.module, state_dict, self._comm.all_gather_object))
         self._engine.quiesce()  # no gather may read a shard while it is written
         result = load_full_state_dict(self.module, self._engine.params, state_dict, strict=strict)

@@ -432,3 +432,38 @@ def test_the_backend_for_a_device_is_read_from_the_group_s_configuration(config,
 
     assert backend_in_config(config, name, device_type) == expected
 
+
+
+def _state_dict_on_rank0_only(timeout_s):
+    """A sharded model on a group with a short timeout; DDP's habit `if rank == 0: model.state_dict()`,
+    then the same on every rank."""
+    from autodist.errors import RankMismatchError
+
+    rank = dist.get_rank()
+    dist.barrier()
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=timeout_s))
+    dist.barrier()
+    m = AutoDist(models.make("mlp"), plan="fsdp", mesh=DeviceMesh.from_group(group, "cpu"))
+    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(rank))
+    models.loss_fn("mlp", m(x), y).backward()
+    error = None
+    if rank == 0:
+        try:
+            m.state_dict()
+        except RankMismatchError as e:
+            error = str(e)
+    dist.barrier()
+    full = m.state_dict()  # every rank: the n-th call on each
+    keys = sorted(full)
+    m.close()
+    dist.destroy_process_group(group)
+    return error, keys
+
+
+def test_a_state_dict_asked_on_one_rank_of_a_sharded_plan_fails_there_with_the_fix(world2):
+    """[Note: a collective called on some ranks only] in autodist/runtime/comm.py: the caller
+    gets an error naming the ranks that did not call and what to do (it waited in a gather until
+    the group's timeout before); called on every rank, the state dict is whole."""
+    (error, keys), (other, other_keys) = world2.run(_state_dict_on_rank0_only, 6, timeout=300)
+    assert error is not None and "not on rank(s) 1" in error and "torch.save(sd, path)" in error, error
+    assert other is None and keys == other_keys and "layers.0.weight" in keys

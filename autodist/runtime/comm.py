@@ -123,6 +123,9 @@ class CommStats:
             self.log.append((kind, label))
 
 
+RENDEZVOUS_MAX_S = 300.0  # the longest Comm.rendezvous waits for the other ranks by default
+
+
 def failed_peers(group: dist.ProcessGroup | None, rank: int, world: int, timeout_s: float = 3.0) -> list[int] | None:
     """After a collective failed: the ranks of ``group`` that are gone, found through the job's
     store (every surviving rank writes its name and waits briefly for the others'). ``None`` when
@@ -473,6 +476,8 @@ class Comm:
         self.sequence = CollectiveSequence()
         # a sequence check in flight: (work, tensor, entries, interleaving)
         self._check: tuple[dist.Work, torch.Tensor, list[str], bool] | None = None
+        self._calls: dict[str, int] = {}  # calls of each kind that every rank must make (rendezvous)
+        self._group_timeout = group_timeout(self.group) if self.world_size > 1 else None
 
     def sharing_groups(self, *, whole_world: bool = False) -> Comm:
         """A ``Comm`` on this one's process groups with statistics and a collective sequence of its
@@ -481,7 +486,7 @@ class Comm:
         one (the comm sweep measures collectives over the world)."""
         twin = object.__new__(Comm)
         for name in (
-            "group", "backend", "_backend_of", "rank", "world_size", "gather_pg", "reduce_pg", "check_pg",
+            "group", "backend", "_backend_of", "_calls", "_group_timeout", "rank", "world_size", "gather_pg", "reduce_pg", "check_pg",
             "shard_size", "shard_rank", "replicas", "scatter_pg", "replicate_pg", "_world_gather_pg",
         ):
             setattr(twin, name, getattr(self, name))
@@ -553,6 +558,51 @@ class Comm:
         return InFlight(work, (out, inp), f"all_gather({label})", self.stats, self)
 
     # -- gradient reductions ------------------------------------------------------------------
+    def rendezvous(self, call: str, fix: str, timeout_s: float | None = None) -> None:
+        """Wait until every rank of the group has made its call of ``call`` with this one (the n-th
+        on each), through the job's store; past ``timeout_s`` (default: half the group's timeout,
+        at most ``RENDEZVOUS_MAX_S``) raise a :class:`RankMismatchError` naming the ranks that did
+        not, and ``fix``.
+
+        [Note: a collective called on some ranks only] ``model.state_dict()`` under a plan that
+        shards gathers every sharded parameter: a collective. DDP's state dict is local, and DDP
+        code saves it with ``if rank == 0: torch.save(model.state_dict(), path)``; here that left
+        rank 0 waiting in a gather no other rank joined, while the others went on into the next
+        step's collectives, until the process group's timeout (30 minutes on gloo), then a
+        transport error. The ranks meet in the store first, which no training collective uses, so
+        the caller gets an error that says what to do while the others still wait for it in the
+        next step's collectives (when its process ends they stop with a :class:`PeerFailure`
+        naming it)."""
+        if self.world_size == 1:
+            return
+        get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+        if get_store is None:
+            return
+        n = self._calls[call] = self._calls.get(call, 0) + 1
+        if timeout_s is None:
+            limit = self._group_timeout.total_seconds() / 2 if self._group_timeout is not None else RENDEZVOUS_MAX_S
+            timeout_s = min(RENDEZVOUS_MAX_S, limit)
+        try:
+            store = dist.PrefixStore(f"autodist/rendezvous/{self.check_pg.group_name}/{call}/{n}", get_store())
+            store.set(str(self.rank), "1")
+            store.add("arrived", 1)
+        except Exception:  # no store to meet in (a launcher without one): the collective itself follows
+            return
+        deadline, delay = time.monotonic() + timeout_s, 0.001
+        while store.add("arrived", 0) < self.world_size:
+            if time.monotonic() > deadline:
+                missing = [r for r in range(self.world_size) if not store.check([str(r)])]
+                # withdrawn, so that a later call on every rank meets at this count again
+                store.add("arrived", -1)
+                store.delete_key(str(self.rank))
+                self._calls[call] = n - 1
+                raise RankMismatchError(
+                    f"{call} was called on rank {self.rank} but not on rank(s) {', '.join(map(str, missing))} within "
+                    f"{timeout_s:.0f} s: under this plan it is a collective, which every rank must call. {fix}"
+                )
+            time.sleep(delay)
+            delay = min(2 * delay, 0.05)
+
     def backend_for(self, device_type: str) -> str:
         """The backend that runs this group's collectives on tensors of ``device_type``
         (:func:`device_backend`), looked up once per device type."""
