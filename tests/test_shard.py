@@ -180,3 +180,57 @@ def test_a_gan_freezing_its_discriminator_through_requires_grad_trains_as_in_one
 def test_a_parameter_frozen_at_wrap_and_trainable_later_is_refused(world2):
     for message in world2.run(_gan_steps, "fsdp", True):
         assert message is not None and "0.bias" in message and "frozen (requires_grad=False)" in message, message
+
+
+def _backward_twice(plan, how):
+    """mlp under ``plan`` (a built-in name or make_plan options), 3 steps whose loss needs two
+    backward passes over one forward: ``"retain"``, ``l1.backward(retain_graph=True)`` then
+    ``l2.backward()``; ``"r1"``, StyleGAN's R1 penalty (the gradient with respect to the inputs,
+    taken with create_graph, then a backward through it). Against one process on the whole
+    batch: the largest difference of any parameter."""
+    import torch
+    import torch.distributed as dist
+
+    import models
+    from autodist import AutoDist
+    from parity import make_plan
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref, base = models.make("mlp"), models.make("mlp")
+    m = AutoDist(base, plan=plan if isinstance(plan, str) else make_plan(base, world, **plan))
+    opt, ropt = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = models.batch("mlp", 4 * world, gen)
+        for net, chunks in ((m, [slice(4 * rank, 4 * rank + 4)]), (ref, [slice(4 * r, 4 * r + 4) for r in range(world)])):
+            scale = 1.0 / len(chunks)
+            for sl in chunks:
+                inp = x[sl].clone().requires_grad_(how == "r1")
+                out = net(inp)
+                fit = models.loss_fn("mlp", out, y[sl]) * scale
+                if how == "retain":
+                    fit.backward(retain_graph=True)
+                    (out.pow(2).mean() * scale).backward()
+                else:
+                    g, = torch.autograd.grad(out.sum(), inp, create_graph=True)
+                    (fit + 0.5 * scale * g.pow(2).sum(1).mean()).backward()
+        opt.step(), ropt.step()
+        opt.zero_grad(), ropt.zero_grad()
+    worst = max((_full(a) - b).abs().max().item() for a, b in zip(m.parameters(), ref.parameters()))
+    m.close()
+    return worst
+
+
+BACKWARD_TWICE = [
+    (plan, how) for how in ("retain", "r1")
+    for plan in ("ddp", "fsdp", "zero2", {"residency": "persistent"}, {"placement": "mixed", "grouping": "all"})
+]
+
+
+@pytest.mark.parametrize("plan,how", BACKWARD_TWICE, ids=[f"{h}-{p if isinstance(p, str) else '-'.join(map(str, p.values()))}"
+                                                          for p, h in BACKWARD_TWICE])
+def test_two_backward_passes_over_one_forward_train_as_in_one_process(world2, plan, how):
+    """[Note: several backward passes over one step's graphs] in autodist/runtime/engine.py."""
+    for worst in world2.run(_backward_twice, plan, how):
+        assert worst < ATOL, worst

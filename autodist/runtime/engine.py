@@ -824,8 +824,10 @@ class Engine:
         for g in site.groups:
             if routed is None:
                 g.untokened = True
+                step.group_untokened.add(g.index)
             else:
                 g.tokens_pending += 1
+                step.group_tokens[g.index] = step.group_tokens.get(g.index, 0) + 1
         return routed
 
     def _count_on_demand(self, g: GatherGroupRuntime, recompute: bool) -> None:
@@ -927,6 +929,8 @@ class Engine:
         """Free ``g`` if no backward computation will read its full parameters again this step."""
         if g.residency == "persistent" or g.state is GroupState.SHARDED or g.active or g.hold:
             return
+        if self._step.create_graph:  # the graph this backward builds reads the full parameters
+            return
         if g.tokens_pending > 0:
             return
         grads_done = g.all_trainable and g.n_trainable > 0 and g.grads_ready >= g.n_trainable
@@ -936,6 +940,32 @@ class Engine:
             return
         g.free()
 
+    def _backward_again(self) -> None:
+        """[Note: several backward passes over one step's graphs] ``loss1.backward(retain_graph=True)``
+        then ``loss2.backward()``; ``torch.autograd.grad(out, inputs, create_graph=True)`` then a
+        backward through that gradient (StyleGAN's R1 penalty, input-gradient regularisers). The
+        first backward's end released the gathered groups and flushed the reductions; the next one
+        runs over the same graphs: each group expects its forwards' post-backward signals again and
+        is gathered again on demand by its pre-backward hooks, parameters settle again, and the
+        buckets take part again, as at a step's start, so its gradients are reduced and
+        accumulated onto the first one's (a reduction is linear: the same as reducing their sum,
+        as FSDP2 does). Under a plan that shards, the second backward read parameters the first
+        had freed (R1 failed in backward; a second ``backward`` raised on a late gradient)."""
+        step = self._step
+        for g in self.groups:
+            g.tokens_pending = step.group_tokens.get(g.index, 0)
+            g.tokens_fired = 0
+            g.grads_ready = 0
+            g.hold = False
+            g.untokened = g.index in step.group_untokened
+        step.site_done = {}
+        step.ready_set = set()
+        step.ready_order = []
+        step.bwd_swapped = {}
+        self.reducer.begin(sync=step.sync)
+        for b in self.reducer.buckets:
+            b.release_if_unused()
+
     def _root_pre_backward(self, grads: object) -> None:
         self._on_backward_start()
 
@@ -943,7 +973,11 @@ class Engine:
         step = self._step
         if step.in_backward:
             return
+        if step.backwards:
+            self._backward_again()
+        step.backwards += 1
         step.in_backward = True
+        step.create_graph = torch.is_grad_enabled()  # autograd runs a create_graph backward with grad on
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self._swap_root(True)
         # Backward order: reverse of the order this step's forwards finished in; recomputed units
@@ -1003,9 +1037,13 @@ class Engine:
         if self.observer is not None:
             self.observer.backward_end()
         with profiled_range("autodist::end_backward"):
+            # a backward that built a graph of its own (create_graph: an input-gradient penalty)
+            # keeps the groups gathered: that graph reads the full parameters, and the backward
+            # through it is still to come ([Note: several backward passes over one step's graphs])
+            keep = step.create_graph and bool(self.groups)
             if step.sync:
                 missing = self.reducer.flush()
-                if missing:
+                if missing and step.ready_order:  # a backward to the inputs only computes no parameter's
                     self.stats.unused_param_steps += 1
                     self.once.info(
                         "unused",
@@ -1013,16 +1051,19 @@ class Engine:
                         "were flushed at the end of backward and globally unused ones keep grad=None",
                         len(missing), missing[0],
                     )
-                maybe_rebuild_buckets(self, step.ready_order)
+                if step.ready_order:
+                    maybe_rebuild_buckets(self, step.ready_order)
             elif self.reducer.active:
                 self.reducer.flush()  # sharded units accumulating sharded gradients: every micro-batch
-            self._release_after_step(drop_reductions=False)
+            if not keep:
+                self._release_after_step(drop_reductions=False)
             self._anchors = dict(step.anchors)
         if self._probing:
             self._settle_probes()
-        self.stats.steps += 1
-        self.stats.micro_batches += 1
-        step.expects_backward = False
+        if step.backwards == 1:  # a further backward over the same forwards is no new micro-batch
+            self.stats.steps += 1
+            self.stats.micro_batches += 1
+        step.expects_backward = keep
         step.in_backward = False
         if self.groups and self.check_collectives:
             # on the CPU the divergent step raises from its own backward; on a GPU the comparison runs

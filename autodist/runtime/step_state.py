@@ -67,6 +67,13 @@ class StepState:
     site_nograd: dict[int, int] = field(default_factory=dict)
     deferred: set[int] = field(default_factory=set)  # managed param ids reduced at the end of backward
     bwd_swapped: dict[int, int] = field(default_factory=dict)  # collapsed site id -> backward swap-ins open
+    # backward passes over this step's graphs so far, and what its forwards attached for each:
+    # group index -> post-backward signals, groups with a forward that had none ([Note: several
+    # backward passes over one step's graphs] in engine.py)
+    backwards: int = 0
+    create_graph: bool = False  # the backward running (or last run) builds a graph of its own
+    group_tokens: dict[int, int] = field(default_factory=dict)
+    group_untokened: set[int] = field(default_factory=set)
 
 
 @dataclass
