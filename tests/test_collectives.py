@@ -103,16 +103,23 @@ def test_profiled_steps_ending_with_collectives_in_flight_do_not_crash(world2):
     assert world2.run(_profiled_steps_end_with_collectives_in_flight) == [True, True]
 
 
-def _stall_on_rank1(timeout_s):
-    """Train one step on a process group with a short timeout, then rank 1 stops taking part."""
-    rank = dist.get_rank()
+def _on_a_group_with_a_short_timeout(timeout_s, plan):
+    """mlp wrapped under ``plan`` on a new group of both ranks whose collectives time out after
+    ``timeout_s``, and this rank's batch."""
     # the short timeout holds for every step on the group, its own making and AutoDist's groups'
     # included: the ranks start each together (the job's group waits as long as the pool allows)
     dist.barrier()
     group = dist.new_group([0, 1], timeout=timedelta(seconds=timeout_s))
     dist.barrier()
-    m = AutoDist(models.make("mlp"), plan="ddp", mesh=DeviceMesh.from_group(group, "cpu"))
-    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(rank))
+    m = AutoDist(models.make("mlp"), plan=plan, mesh=DeviceMesh.from_group(group, "cpu"))
+    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(dist.get_rank()))
+    return group, m, x, y
+
+
+def _stall_on_rank1(timeout_s):
+    """Train one step on a process group with a short timeout, then rank 1 stops taking part."""
+    rank = dist.get_rank()
+    group, m, x, y = _on_a_group_with_a_short_timeout(timeout_s, "ddp")
     dist.barrier()
     models.loss_fn("mlp", m(x), y).backward()
     outcome = None
@@ -440,11 +447,7 @@ def _state_dict_on_rank0_only(timeout_s):
     from autodist.errors import RankMismatchError
 
     rank = dist.get_rank()
-    dist.barrier()
-    group = dist.new_group([0, 1], timeout=timedelta(seconds=timeout_s))
-    dist.barrier()
-    m = AutoDist(models.make("mlp"), plan="fsdp", mesh=DeviceMesh.from_group(group, "cpu"))
-    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(rank))
+    group, m, x, y = _on_a_group_with_a_short_timeout(timeout_s, "fsdp")
     models.loss_fn("mlp", m(x), y).backward()
     error = None
     if rank == 0:
