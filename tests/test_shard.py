@@ -186,8 +186,9 @@ def _backward_twice(plan, how):
     """mlp under ``plan`` (a built-in name or make_plan options), 3 steps whose loss needs two
     backward passes over one forward: ``"retain"``, ``l1.backward(retain_graph=True)`` then
     ``l2.backward()``; ``"r1"``, StyleGAN's R1 penalty (the gradient with respect to the inputs,
-    taken with create_graph, then a backward through it). Against one process on the whole
-    batch: the largest difference of any parameter."""
+    taken with create_graph, then a backward through it); ``"each"``, two forwards of half the
+    batch, then a backward of each loss. Against one process on the whole batch: the largest
+    difference of any parameter."""
     import torch
     import torch.distributed as dist
 
@@ -205,6 +206,11 @@ def _backward_twice(plan, how):
         x, y = models.batch("mlp", 4 * world, gen)
         for net, chunks in ((m, [slice(4 * rank, 4 * rank + 4)]), (ref, [slice(4 * r, 4 * r + 4) for r in range(world)])):
             scale = 1.0 / len(chunks)
+            if how == "each":
+                halves = [slice(s.start + i, s.start + i + 2) for s in chunks for i in (0, 2)]
+                for loss in [models.loss_fn("mlp", net(x[h]), y[h]) * scale / 2 for h in halves]:
+                    loss.backward()
+                continue
             for sl in chunks:
                 inp = x[sl].clone().requires_grad_(how == "r1")
                 out = net(inp)
@@ -223,7 +229,7 @@ def _backward_twice(plan, how):
 
 
 BACKWARD_TWICE = [
-    (plan, how) for how in ("retain", "r1")
+    (plan, how) for how in ("retain", "r1", "each")
     for plan in ("ddp", "fsdp", "zero2", {"residency": "persistent"}, {"placement": "mixed", "grouping": "all"})
 ]
 
