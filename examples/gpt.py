@@ -61,11 +61,12 @@ def main() -> None:
             print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
     if rank == 0:
         p, m = model.plan, model.metrics()
+        exposed = "not measured" if m["exposed_comm_share"] is None else f"{m['exposed_comm_share']:.0%}"  # None on CUDA
         print(f"plan in force: {p.label} ({len(p.sharded_units)} of {len(p.units)} units sharded, "
               f"{len(p.buckets)} buckets, {len(p.offload)} offload fragments, {len(p.recompute)} blocks recomputed)")
         print(f"last step ({m['step']}): {m['step_seconds'] * 1e3:.1f} ms, {m['tokens_per_second']:,.0f} tokens/s, "
               f"peak tensor memory {m['peak_bytes'] / 2**30:.2f} GiB (measured at step {m['peak_step']}), "
-              f"resident {m['resident_bytes'] / 2**30:.2f} GiB, exposed communication {m['exposed_comm_share']:.0%}")
+              f"resident {m['resident_bytes'] / 2**30:.2f} GiB, exposed communication {exposed}")
         if args.save_plan:
             save_plan(model.plan, args.save_plan)
             print(f"saved the plan in force to {args.save_plan}; run it with --plan {args.save_plan}")
