@@ -454,8 +454,9 @@ class Comm:
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         ranks = dist.get_process_group_ranks(self.group)
+        self._group_timeout: datetime.timedelta | None = None
         if self.world_size > 1:
-            timeout = group_timeout(self.group)  # see [Note: inherited timeout]
+            timeout = self._group_timeout = group_timeout(self.group)  # see [Note: inherited timeout]
             self.gather_pg = _new_group(ranks, timeout)
             self.reduce_pg = _new_group(ranks, timeout)
             # the collective-order check and the exchange of objects run on the host (gloo), on a
@@ -477,7 +478,6 @@ class Comm:
         # a sequence check in flight: (work, tensor, entries, interleaving)
         self._check: tuple[dist.Work, torch.Tensor, list[str], bool] | None = None
         self._calls: dict[str, int] = {}  # calls of each kind that every rank must make (rendezvous)
-        self._group_timeout = group_timeout(self.group) if self.world_size > 1 else None
 
     def sharing_groups(self, *, whole_world: bool = False) -> Comm:
         """A ``Comm`` on this one's process groups with statistics and a collective sequence of its
