@@ -161,6 +161,18 @@ class Frozen(nn.Module):
         return self.head(torch.tanh(self.body(torch.tanh(self.embed(x)))))
 
 
+class SparseEmbed(nn.Module):
+    """An embedding with sparse gradients (``sparse=True``, as recommender models use) and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(53, 12, sparse=True)
+        self.head = nn.Linear(12, 7)
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.embed(idx).mean(1)))
+
+
 class Block(nn.Module):
     def __init__(self, d, heads):
         super().__init__()
@@ -345,6 +357,7 @@ MODELS = {
     "unused": WithUnused,
     "branchy": Branchy,
     "frozen": Frozen,
+    "sparse": SparseEmbed,
     "gpt": TinyGPT,
     "gpt-untied": lambda: TinyGPT(tied=False),
     "gpt-ckpt-nonreentrant": lambda: CheckpointedGPT("nonreentrant"),
@@ -390,6 +403,8 @@ def batch(name: str, n: int, generator: torch.Generator):
         return torch.randn(n, 9, generator=generator), torch.randn(n, 4, generator=generator)
     if name == "frozen":
         return torch.randn(n, 10, generator=generator), torch.randn(n, 6, generator=generator)
+    if name == "sparse":
+        return torch.randint(0, 53, (n, 5), generator=generator), torch.randn(n, 7, generator=generator)
     if name == "gpt":
         idx = torch.randint(0, 53, (n, 8), generator=generator)
         return idx, torch.randint(0, 53, (n, 8), generator=generator)
@@ -402,4 +417,4 @@ def loss_fn(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
-__all__ = ["make", "batch", "loss_fn", "MLP", "NestedMLP", "ConvBN", "TinyResNet", "WithUnused", "Branchy", "Frozen", "TinyGPT", "math"]
+__all__ = ["make", "batch", "loss_fn", "MLP", "NestedMLP", "ConvBN", "TinyResNet", "WithUnused", "Branchy", "Frozen", "SparseEmbed", "TinyGPT", "math"]

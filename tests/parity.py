@@ -66,6 +66,12 @@ class Case:
     # after each optimizer step, every parameter clamped to [-c, c] through ``p.data`` (WGAN's
     # weight clipping), which moves no version counter
     clamp_data: float | None = None
+    # gradient hooks on the parameters, on the AutoDist model as on the reference: "scale" (each
+    # parameter's gradient scaled by its own factor through ``register_hook``, registered after
+    # wrapping; "scale-before-wrap" before), "optimizer-in-backward" (a per-parameter optimizer of
+    # ``optim``'s kind stepped in a ``register_post_accumulate_grad_hook``; no optimizer step after
+    # backward)
+    hooks: str = ""
 
 
 def make_plan(
@@ -216,6 +222,27 @@ def _optimizer(name: str, params) -> torch.optim.Optimizer:
     raise ValueError(name)
 
 
+def _scale_hooks(model: torch.nn.Module) -> None:
+    """Each parameter's gradient scaled by a factor of its own (linear: the same whether a hook
+    sees the local gradient or the reduced one)."""
+    for i, p in enumerate(model.parameters()):
+        p.register_hook(lambda g, f=0.5 + 0.25 * (i % 4): g * f)
+
+
+def _step_in_backward(model: torch.nn.Module, kind: str, fired: list[int], slot: int) -> None:
+    """torch's optimizer-in-backward recipe: one optimizer per parameter, stepped (and its
+    gradient dropped) as soon as the gradient is in ``.grad``."""
+    opts = {p: _optimizer(kind, [p]) for p in model.parameters()}
+
+    def step(p: torch.Tensor) -> None:
+        fired[slot] += 1
+        opts[p].step()
+        opts[p].zero_grad(set_to_none=True)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+
+
 def run_case(case: Case) -> dict[str, float]:
     group, extra, plan = None, dict(case.extra), case.plan
     if case.mesh_size:
@@ -239,7 +266,17 @@ def run_case(case: Case) -> dict[str, float]:
         counters.clear()
         plan = _compiled_plan(plan, base, world, case, ref)
     mpol = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.bf16 else None
+    if case.hooks == "scale-before-wrap":
+        _scale_hooks(base)
     model = AutoDist(base, plan=plan, mixed_precision=mpol, **extra)
+    fired = [0, 0]
+    if case.hooks == "scale":
+        _scale_hooks(model)
+    if case.hooks in ("scale", "scale-before-wrap"):
+        _scale_hooks(ref)
+    elif case.hooks == "optimizer-in-backward":
+        _step_in_backward(model, case.optim, fired, 0)
+        _step_in_backward(ref, case.optim, fired, 1)
     if case.launch_policy is not None:
         model.runtime.set_launch_policy(case.launch_policy)
     initial: dict[str, Any] = {}
@@ -308,8 +345,9 @@ def run_case(case: Case) -> dict[str, float]:
         if case.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
             torch.nn.utils.clip_grad_norm_(ref.parameters(), case.clip)
-        opt.step()
-        ropt.step()
+        if case.hooks != "optimizer-in-backward":
+            opt.step()
+            ropt.step()
         if case.clamp_data is not None:
             for p in [*model.parameters(), *ref.parameters()]:
                 p.data.clamp_(-case.clamp_data, case.clamp_data)
@@ -340,6 +378,7 @@ def run_case(case: Case) -> dict[str, float]:
     worst["plan_source"] = model._auto.stats.source if model._auto is not None else "given"
     worst["grad_accum_steps"] = model.plan.grad_accum_steps
     worst["initial"] = initial
+    worst["hooks_fired"] = fired
     worst["sweeps"] = model._auto.stats.sweeps if model._auto is not None else 0
     comm = model.runtime.comm
     worst["group_names"] = [comm.gather_pg.group_name, comm.reduce_pg.group_name]

@@ -96,6 +96,85 @@ def test_parameters_written_through_data_after_the_step_are_used(world2, name):
     check(world2.run(run_case, WRITTEN_THROUGH_DATA[name]), atol=ATOL)
 
 
+PARAM_HOOKS = {
+    "scale-fsdp": Case(model="gpt", plan="fsdp", hooks="scale"),
+    "scale-zero2-no-sync": Case(model="mlp", plan="zero2", hooks="scale", accumulate=2),
+    "scale-before-wrap-fsdp": Case(model="mlp", plan="fsdp", hooks="scale-before-wrap"),
+    "scale-ddp-bf16": Case(model="mlp", plan="ddp", hooks="scale", bf16=True),
+    "scale-mixed": Case(model="mlp", plan={"placement": "mixed", "grouping": "all"}, hooks="scale"),
+    "step-in-backward-ddp": Case(model="gpt", plan="ddp", hooks="optimizer-in-backward"),
+    "step-in-backward-fsdp-adamw": Case(model="mlp", plan="fsdp", hooks="optimizer-in-backward", optim="adamw"),
+    "step-in-backward-zero2": Case(model="mlp", plan="zero2", hooks="optimizer-in-backward"),
+    "step-in-backward-persistent": Case(model="mlp", plan={"residency": "persistent"}, hooks="optimizer-in-backward"),
+}
+
+
+@pytest.mark.parametrize("name", list(PARAM_HOOKS))
+def test_hooks_on_the_parameters_run_under_every_plan(world2, name):
+    """Gradient hooks registered on ``model.parameters()`` ([Note: hooks on the visible parameters]
+    in autodist/runtime/user_hooks.py): a ``register_hook`` scaling each gradient, and torch's
+    optimizer-in-backward (a per-parameter optimizer stepped in a post-accumulate hook), train as
+    the same hooks do in one process; each post-accumulate hook runs once a step, as there."""
+    results = world2.run(run_case, PARAM_HOOKS[name])
+    tol = 1e-4 if PARAM_HOOKS[name].bf16 else ATOL
+    check(results, atol=tol)
+    if PARAM_HOOKS[name].hooks == "optimizer-in-backward":
+        for r in results:
+            assert r["hooks_fired"][0] == r["hooks_fired"][1] > 0, r["hooks_fired"]
+
+
+SPARSE = {
+    "fsdp": Case(model="sparse", plan="fsdp"),
+    "zero2-no-sync": Case(model="sparse", plan="zero2", accumulate=2),
+    "ddp-no-sync": Case(model="sparse", plan="ddp", accumulate=2),
+    "persistent-bf16": Case(model="sparse", plan={"residency": "persistent"}, bf16=True),
+}
+
+
+@pytest.mark.parametrize("name", list(SPARSE))
+def test_sparse_embedding_gradients_are_reduced_densely(world2, name):
+    """``nn.Embedding(..., sparse=True)``: its sparse gradient is reduced densely under every plan
+    (sharded plans raised from inside the reduction; a replicated one, after ``no_sync``
+    micro-batches), as DDP does when a bucket holds dense gradients too."""
+    check(world2.run(run_case, SPARSE[name]), atol=1e-4 if SPARSE[name].bf16 else ATOL)
+
+
+def _hook_handles(plan):
+    """Post-accumulate hooks registered before and after wrapping, one removed through its handle
+    between steps, then the model unwrapped: which hooks ran at each stage, on this rank."""
+    import torch
+
+    import models
+    from autodist import AutoDist
+
+    torch.manual_seed(0)
+    base = models.make("mlp")
+    calls: list[str] = []
+    before = next(base.parameters()).register_post_accumulate_grad_hook(lambda p: calls.append("before"))
+    m = AutoDist(base, plan=plan)
+    after = next(m.parameters()).register_post_accumulate_grad_hook(lambda p: calls.append("after"))
+    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(0))
+    seen = []
+    for _ in range(2):
+        models.loss_fn("mlp", m(x), y).backward()
+        seen.append(list(calls))
+        calls.clear()
+        after.remove()
+    m.close()
+    if plan == "ddp":  # unwrapped, a replicated module runs plainly: autograd runs its hooks again
+        models.loss_fn("mlp", base(x), y).backward()
+        seen.append(list(calls))
+    before.remove()
+    return seen
+
+
+@pytest.mark.parametrize("plan", ["ddp", "fsdp"])
+def test_hook_handles_keep_working_and_hooks_go_back_when_unwrapped(world2, plan):
+    expected = [["before", "after"], ["before"]] + ([["before"]] if plan == "ddp" else [])
+    for seen in world2.run(_hook_handles, plan):
+        assert seen == expected, seen
+
+
 FOUR = {
     "after-forward": Case(model="mlp", plan={"residency": "after_forward", "window": 1}, per_rank=2),
     "persistent-all": Case(model="mlp", plan={"residency": "persistent", "grouping": "all"}, per_rank=2, optim="adamw"),

@@ -24,7 +24,7 @@ def install_reducer(engine: Engine, plan: Plan) -> None:
     kept = {}
     for mp in engine.params.values():
         g = mp.local_grad()
-        if g is not None and g.untyped_storage().data_ptr() in old_buffers:
+        if g is not None and g.layout is torch.strided and g.untyped_storage().data_ptr() in old_buffers:
             kept[mp.name] = g.detach().clone()
     engine.reducer.reset()
     engine.reducer = Reducer(

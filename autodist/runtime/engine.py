@@ -99,6 +99,7 @@ from .precision import MixedPrecision, cast_floats
 from .recompute import BlockRecompute
 from .reducer import Reducer
 from .step_state import ModuleSite, RuntimeStats, StepState
+from .user_hooks import ParamHooks, carry_hooks
 
 LAUNCH_POLICIES = ("ready", "sampled")
 
@@ -202,12 +203,14 @@ class Engine:
             )
             mp.sites = [(module.get_submodule(m), attr) for m, attr in info.sites]
             mp.register_visible()
+            carry_hooks(original[name], mp.visible)
             self.params[name] = mp
         # the parameter objects the user held before wrapping that are no longer the model's
         self._replaced = {
             id(p): weakref.ref(p) for name, p in original.items() if self.params[name].visible is not p
         }
         self._visible_map = {id(mp.visible): mp for mp in self.params.values()}
+        self.param_hooks = ParamHooks(list(self.params.values()))  # [Note: hooks on the visible parameters]
         # the per-step loops touch only the parameters they concern (a loop over every parameter is
         # per-step CPU time on a model of many small layers)
         self._swapping = [mp for mp in self.params.values() if mp.needs_swap and mp.sharded]
@@ -372,6 +375,7 @@ class Engine:
     def remove_hooks(self) -> None:
         for h in self._handles + self._module_handles + self._opt_global_handles:
             h.remove()
+        self.param_hooks.remove()
         self._handles.clear()
         self._module_handles.clear()
         self._opt_global_handles.clear()
@@ -406,7 +410,7 @@ class Engine:
         # Gradient-ready hooks.
         for mp in self.params.values():
             if mp.requires_grad:
-                self._handles.append(mp.full.register_post_accumulate_grad_hook(self._make_grad_hook(mp)))
+                self.param_hooks.install(mp, self._make_grad_hook(mp))
         # Optimizer hooks: process-wide while the model is wrapped (see [Note: process-wide
         # optimizer hooks] in optimizers.py).
         self._opt_global_handles.append(optim_hooks.register_optimizer_step_pre_hook(weak_optimizer_hook(self, "pre")))
@@ -591,6 +595,7 @@ class Engine:
             # The previous forward's backward never ran (or ran without reaching our hooks).
             self._release_after_step(drop_reductions=True)
         self._sync_requires_grad()
+        self.param_hooks.scan()
         grad = torch.is_grad_enabled()
         self._step = StepState(
             gen=self._next_gen(), sync=self.sync_enabled and grad, grad=grad,
@@ -719,7 +724,7 @@ class Engine:
             if g.residency == "after_forward" or (g.residency == "after_backward" and not step.expects_backward):
                 g.free()
         if step.expects_backward:
-            register_multi_grad_hook(tensors, self._root_pre_backward, mode="any")
+            self.param_hooks.own(register_multi_grad_hook, tensors, self._root_pre_backward)
         self._learn_forward_order(step.fwd_sequence)
 
     def _learn_forward_order(self, seq: list[str]) -> None:
@@ -866,7 +871,7 @@ class Engine:
         if (site.groups or site.unit is not None) and torch.is_grad_enabled():
             tensors = [t for t in output_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                register_multi_grad_hook(tensors, self._make_pre_backward(site), mode="any")
+                self.param_hooks.own(register_multi_grad_hook, tensors, self._make_pre_backward(site))
 
     def _make_pre_backward(self, site: ModuleSite):
         def pre_backward(grads: object) -> None:
@@ -1043,6 +1048,7 @@ class Engine:
             keep = step.create_graph and bool(self.groups)
             if step.sync:
                 missing = self.reducer.flush()
+                hooked = self._user_post_hooked(step) if self.param_hooks.post else []
                 if missing and step.ready_order:  # a backward to the inputs only computes no parameter's
                     self.stats.unused_param_steps += 1
                     self.once.info(
@@ -1053,8 +1059,10 @@ class Engine:
                     )
                 if step.ready_order:
                     maybe_rebuild_buckets(self, step.ready_order)
-            elif self.reducer.active:
-                self.reducer.flush()  # sharded units accumulating sharded gradients: every micro-batch
+            else:
+                if self.reducer.active:
+                    self.reducer.flush()  # sharded units accumulating sharded gradients: every micro-batch
+                hooked = self._user_post_hooked(step) if self.param_hooks.post else []
             if not keep:
                 self._release_after_step(drop_reductions=False)
             self._anchors = dict(step.anchors)
@@ -1069,6 +1077,26 @@ class Engine:
             # on the CPU the divergent step raises from its own backward; on a GPU the comparison runs
             # on the host beside the optimizer step and the next forward reports it
             self.comm.check_sequence(interleaving=self.launch_policy == "sampled", wait=self.device.type == "cpu")
+        # last in the backward: an optimizer stepped in a hook finds the runtime as after any backward
+        for mp in hooked:
+            self.param_hooks.fire(mp)
+
+    def _user_post_hooked(self, step: StepState) -> list[ManagedParam]:
+        """The parameters with post-accumulate hooks of the user's whose visible ``.grad`` this
+        backward gave a gradient: reduced (on every rank alike), or accumulated locally into a leaf
+        that is the visible parameter in a ``no_sync`` backward ([Note: hooks on the visible
+        parameters] in user_hooks.py). Read once the buckets are finished, before they are rebuilt."""
+        slots = self.reducer.slot
+        out = []
+        for mp in self.param_hooks.post:
+            entry = slots.get(id(mp))
+            if entry is not None and entry[0].taking:
+                got = entry[0].used[entry[1]]
+            else:
+                got = mp.full is mp.visible and id(mp) in step.ready_set
+            if got:
+                out.append(mp)
+        return out
 
     def _release_after_step(self, *, drop_reductions: bool) -> None:
         if drop_reductions:

@@ -103,6 +103,7 @@ class BucketRuntime:
         self._swapped = [mp.needs_swap for mp in params]  # fixed for a parameter's life; read on every hook
         self._all_used: dict[torch.dtype, torch.Tensor] = {}  # a reduce-scatter's flags when nothing is missing
         self._saved: dict[int, torch.Tensor] = {}
+        self.used: list[bool] = [False] * self.n  # set by each finish()
         # the slots that may hold their view as ``.grad`` before backward (see [Note: views attached
         # before backward])
         self._attachable = [
@@ -182,7 +183,7 @@ class BucketRuntime:
 
     # ------------------------------------------------------------------------------------------
     def _is_slot_view(self, t: torch.Tensor | None, slot: int) -> bool:
-        if t is None:
+        if t is None or t.layout is not torch.strided:  # a sparse gradient kept over no_sync micro-batches
             return False
         v = self.views[slot]
         return t.dtype == v.dtype and t.data_ptr() == v.data_ptr() and t.shape == v.shape
@@ -249,6 +250,13 @@ class BucketRuntime:
             raise RuntimeError(f"autodist: the gradient of {mp.name!r} was announced ready but is None")
         return g
 
+    @staticmethod
+    def _taken(g: torch.Tensor | None, mp: ManagedParam) -> torch.Tensor:
+        """An arrived gradient as the bucket takes it: dense. A sparse one (``nn.Embedding(...,
+        sparse=True)``) is reduced densely, as DDP reduces it when its bucket holds dense ones too."""
+        g = BucketRuntime._arrived(g, mp)
+        return g if g.layout is torch.strided else g.to_dense()
+
     def add_grad(self, slot: int, mp: ManagedParam) -> None:
         """Take this rank's gradient for ``mp`` into the bucket (called once per step per parameter)."""
         if self.ready[slot]:
@@ -261,7 +269,7 @@ class BucketRuntime:
                 if (g is not None and g is self._grad_objs[slot]) or self._is_slot_view(g, slot):
                     self.action[slot] = _KEEP
                 else:
-                    self.views[slot].copy_(self._arrived(g, mp))
+                    self.views[slot].copy_(self._taken(g, mp))
                     obj = self.grad_obj(slot)
                     if obj is not None:
                         # the gradient lives in the bucket from now on: autograd's tensor goes now,
@@ -274,14 +282,14 @@ class BucketRuntime:
                 # a compute-dtype (or DTensor-backed) leaf's gradient: held until the bucket
                 # launches, then copied (cast) into the bucket with the others in one call (see
                 # [Note: copy-in at launch])
-                g = self._arrived(mp.take_full_grad(), mp)
+                g = self._taken(mp.take_full_grad(), mp)
                 vg = mp.local_grad()
                 kept = self._is_slot_view(vg, slot)
                 self._deferred.append((slot, g))
                 self._adds.append(kept)
                 self.action[slot] = _KEEP if kept else _SET if vg is None else _ADD
         else:
-            g = self._arrived(mp.take_full_grad(), mp)
+            g = self._taken(mp.take_full_grad(), mp)
             vg = mp.local_grad()
             if vg is None:
                 self.action[slot] = _SET
@@ -307,7 +315,7 @@ class BucketRuntime:
         if self.op == "all_reduce" and not mp.needs_swap:
             g = mp.visible.grad  # autograd accumulated into it: it holds the total
             if not self._is_slot_view(g, slot):
-                self.views[slot].copy_(self._arrived(g, mp))
+                self.views[slot].copy_(self._taken(g, mp))
             return
         g = mp.full.grad
         mp.full.grad = None
@@ -397,6 +405,7 @@ class BucketRuntime:
             release(self.inflight.buffers[1])  # the input, this launch's own
         views = self.views
         used = [True] * self.n if self.all_local else (self.buffer[self.total :] > 0).tolist()
+        self.used = used  # which parameters some rank computed a gradient for (the user's hooks run for those)
         with torch.no_grad():
             for slot, mp in enumerate(self.params):
                 act = self.action[slot]
