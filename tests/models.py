@@ -173,6 +173,27 @@ class SparseEmbed(nn.Module):
         return self.head(torch.tanh(self.embed(idx).mean(1)))
 
 
+class WeightNormed(nn.Module):
+    """torch's deprecated ``nn.utils.weight_norm`` (a forward pre-hook that computes ``weight``
+    from the parameters ``weight_g`` and ``weight_v``; audio models keep it) and a spectral-norm
+    parametrization (a property computed from ``parametrizations.weight.original``)."""
+
+    def __init__(self):
+        super().__init__()
+        import warnings
+
+        from torch.nn.utils import parametrizations
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # weight_norm's deprecation
+            self.inp = nn.utils.weight_norm(nn.Linear(13, 16))
+            self.mid = nn.utils.weight_norm(nn.Linear(16, 16))
+        self.out = parametrizations.spectral_norm(nn.Linear(16, 7))
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+
+
 class Block(nn.Module):
     def __init__(self, d, heads):
         super().__init__()
@@ -358,6 +379,7 @@ MODELS = {
     "branchy": Branchy,
     "frozen": Frozen,
     "sparse": SparseEmbed,
+    "weight-norm": WeightNormed,
     "gpt": TinyGPT,
     "gpt-untied": lambda: TinyGPT(tied=False),
     "gpt-ckpt-nonreentrant": lambda: CheckpointedGPT("nonreentrant"),
@@ -385,7 +407,7 @@ def make(name: str, seed: int = 0, *, meta: bool = False) -> nn.Module:
 def _family(name: str) -> str:
     if name.startswith("gpt") or name == "torch-transformer":
         return "gpt"
-    return {"late-read": "branchy", "dtypes": "branchy", "dtypes-exact": "branchy", "resnet": "convbn", "resnet-inplace": "convbn", "nested": "mlp"}.get(name, "image" if name.startswith("timm-") else name)
+    return {"late-read": "branchy", "dtypes": "branchy", "dtypes-exact": "branchy", "resnet": "convbn", "resnet-inplace": "convbn", "nested": "mlp", "weight-norm": "mlp"}.get(name, "image" if name.startswith("timm-") else name)
 
 
 def batch(name: str, n: int, generator: torch.Generator):
@@ -417,4 +439,4 @@ def loss_fn(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
-__all__ = ["make", "batch", "loss_fn", "MLP", "NestedMLP", "ConvBN", "TinyResNet", "WithUnused", "Branchy", "Frozen", "SparseEmbed", "TinyGPT", "math"]
+__all__ = ["make", "batch", "loss_fn", "MLP", "NestedMLP", "ConvBN", "TinyResNet", "WithUnused", "Branchy", "Frozen", "SparseEmbed", "WeightNormed", "TinyGPT", "math"]

@@ -139,6 +139,21 @@ def test_sparse_embedding_gradients_are_reduced_densely(world2, name):
     check(world2.run(run_case, SPARSE[name]), atol=1e-4 if SPARSE[name].bf16 else ATOL)
 
 
+WEIGHT_NORM = {
+    "fsdp": Case(model="weight-norm", plan="fsdp"),
+    "zero2": Case(model="weight-norm", plan="zero2"),
+    "block-groups-persistent": Case(model="weight-norm", plan={"grouping": "all", "residency": "persistent"}),
+    "ddp": Case(model="weight-norm", plan="ddp"),
+}
+
+
+@pytest.mark.parametrize("name", list(WEIGHT_NORM))
+def test_a_forward_pre_hook_of_the_model_sees_full_parameters(world2, name):
+    """``nn.utils.weight_norm``'s pre-hook computes the weight from parameters the plan shards
+    ([Note: the runtime's pre-forward hooks run first] in autodist/runtime/engine.py)."""
+    check(world2.run(run_case, WEIGHT_NORM[name]), atol=ATOL)
+
+
 def _hook_handles(plan):
     """Post-accumulate hooks registered before and after wrapping, one removed through its handle
     between steps, then the model unwrapped: which hooks ran at each stage, on this rank."""

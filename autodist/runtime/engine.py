@@ -419,7 +419,15 @@ class Engine:
     def _install_module_hooks(self, *, warn: bool = True) -> None:
         """Module forward hooks, only where something must happen: at the roots of the collapsed
         groups, and while the candidates are still probed, at their units and probes at their roots
-        (see [Note: probing the group roots])."""
+        (see [Note: probing the group roots]).
+
+        [Note: the runtime's pre-forward hooks run first] A forward pre-hook of the model's own
+        reads the module's parameters: torch's ``nn.utils.weight_norm`` computes ``weight`` from
+        ``weight_g`` and ``weight_v`` in one (audio models keep it). Registered before the runtime's,
+        it ran first and read the visible parameters — under a sharded plan this rank's DTensor
+        shards, and the forward failed on a DTensor weight. The runtime's pre-forward hooks are
+        prepended, as FSDP2's are, so any other pre-hook sees the full parameters; its post-forward
+        hooks are appended, after the model's own."""
         for h in self._module_handles:
             h.remove()
         self._module_handles.clear()
@@ -434,9 +442,10 @@ class Engine:
         unit_params = {u.name: [self.params[p] for p in u.params] for u in self.structure.units}
         roots = self._collapsed
         sites: list[ModuleSite] = []
+        probed: list[tuple[str, nn.Module]] = []
         for mname, module in self.module.named_modules():
             if self._probing and mname in self._candidates:
-                self._module_handles.append(module.register_forward_pre_hook(self._make_probe(mname, 1)))
+                probed.append((mname, module))
                 self._module_handles.append(module.register_forward_hook(self._make_probe(mname, -1), always_call=True))
             if mname in roots:
                 self._install_collapsed(module, mname, self.groups[roots[mname]], unit_params)
@@ -445,7 +454,7 @@ class Engine:
             if root is not None:  # enacted at its group's root
                 own = unit_of_module.get(mname)
                 if own is not None and root in self._watched:  # checkpointing inside the root
-                    self._module_handles.append(module.register_forward_pre_hook(self._make_recompute_watch(own)))
+                    self._module_handles.append(module.register_forward_pre_hook(self._make_recompute_watch(own), prepend=True))
                 continue
             units: list[str] = []
             own = unit_of_module.get(mname)
@@ -480,8 +489,10 @@ class Engine:
         for site in merge_block_sites(sites, self.compiled.blocks, self.module, self.unit_order, warn=warn):
             for mp in site.params:
                 self._sites_of_param.setdefault(id(mp), []).append(site)
-            self._module_handles.append(site.module.register_forward_pre_hook(self._make_pre_forward(site), with_kwargs=True))
+            self._module_handles.append(site.module.register_forward_pre_hook(self._make_pre_forward(site), with_kwargs=True, prepend=True))
             self._module_handles.append(site.module.register_forward_hook(self._make_post_forward(site), always_call=True))
+        for mname, module in probed:  # before the unit's own pre-forward at a root that is a unit too
+            self._module_handles.append(module.register_forward_pre_hook(self._make_probe(mname, 1), prepend=True))
 
     def _make_probe(self, root: str, delta: int):
         def probe(module: nn.Module, *_: object) -> None:
@@ -510,7 +521,7 @@ class Engine:
         )
         for mp in params:
             self._sites_of_param.setdefault(id(mp), []).append(site)
-        self._module_handles.append(module.register_forward_pre_hook(self._make_pre_forward(site), with_kwargs=True))
+        self._module_handles.append(module.register_forward_pre_hook(self._make_pre_forward(site), with_kwargs=True, prepend=True))
         self._module_handles.append(module.register_forward_hook(self._make_post_forward(site), always_call=True))
 
     def _make_recompute_watch(self, unit: str):
