@@ -470,3 +470,53 @@ def test_a_state_dict_asked_on_one_rank_of_a_sharded_plan_fails_there_with_the_f
     (error, keys), (other, other_keys) = world2.run(_state_dict_on_rank0_only, 6, timeout=300)
     assert error is not None and "not on rank(s) 1" in error and "torch.save(sd, path)" in error, error
     assert other is None and keys == other_keys and "layers.0.weight" in keys
+
+
+def _eval_on_rank0_only(timeout_s, plan):
+    """DDP's habit `if rank == 0: model.eval(); model(x)` after a training step, then the same
+    evaluation on every rank and two more training steps: rank 0's error, and the model's output
+    on one batch after the steps (the same on every rank when the ranks' parameters agree)."""
+    from autodist.errors import RankMismatchError
+
+    rank = dist.get_rank()
+    group, m, x, y = _on_a_group_with_a_short_timeout(timeout_s, plan)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    models.loss_fn("mlp", m(x), y).backward()
+    opt.step()
+    error = None
+    if rank == 0:
+        m.eval()
+        try:
+            with torch.no_grad():
+                m(x)
+        except RankMismatchError as e:
+            error = str(e)
+        m.train()
+    dist.barrier()
+    for _ in range(2):  # every rank evaluates, then trains
+        m.eval()
+        with torch.no_grad():
+            m(x)
+        m.train()
+        models.loss_fn("mlp", m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    # not state_dict(): DeviceMesh.from_group on a group of the same ranks as an earlier, destroyed
+    # one reads that group's name in DTensor collectives (torch 2.14): this test runs last
+    with torch.no_grad():
+        out = m(models.batch("mlp", 4, torch.Generator().manual_seed(9))[0])
+    m.close()
+    dist.destroy_process_group(group)
+    return error, out
+
+
+@pytest.mark.parametrize("plan", ["fsdp", "persistent"])
+def test_an_evaluation_on_one_rank_of_a_sharded_plan_fails_there_with_the_fix(world2, plan):
+    """[Note: a forward on some ranks only] in autodist/runtime/engine.py: rank 0's forward in
+    evaluation mode alone gets an error naming rank 1 and what to do (gloo aborted both processes
+    on mismatched collectives before); every rank's evaluation and training then go on."""
+    plan_arg = plan if plan == "fsdp" else make_plan(models.make("mlp"), 2, residency="persistent")
+    (error, out0), (other, out1) = world2.run(_eval_on_rank0_only, 6, plan_arg, timeout=300)
+    assert error is not None and "not on rank(s) 1" in error and "all_reduce" in error, error
+    assert other is None
+    assert torch.equal(out0, out1)

@@ -102,6 +102,11 @@ from .step_state import ModuleSite, RuntimeStats, StepState
 from .user_hooks import ParamHooks, carry_hooks
 
 LAUNCH_POLICIES = ("ready", "sampled")
+FORWARD_ON_EVERY_RANK = (
+    "Run the model on every rank: evaluate each rank's part of the data and combine the metrics "
+    "(torch.distributed.all_reduce), or take model.state_dict() on every rank and evaluate a plain copy "
+    "built from it on one rank."
+)
 
 
 class Engine:
@@ -147,6 +152,7 @@ class Engine:
         self.broadcast_buffers = broadcast_buffers
         self.sync_enabled = True
         self._buffers_due = True  # broadcast buffers before the next forward (see [Note: when buffers are broadcast])
+        self._last_training: bool | None = None  # the module's training flag at the last forward (_check_forward_mode)
         self.stats = RuntimeStats()
         self.once = OnceLogger()
         self._launch_policy_arg = launch_policy
@@ -598,6 +604,7 @@ class Engine:
 
     def _begin_step(self) -> None:
         self.comm.finish_sequence_check()
+        self._check_forward_mode()
         step = self._step
         if self.forward_joins_step():
             self._join_step()
@@ -642,6 +649,33 @@ class Engine:
         # Every rank runs the same forwards in the same modes, so every rank agrees on when.
         self._broadcast_buffers_if_due()
         refresh_casts(self._cast_copies)
+
+    def _check_forward_mode(self) -> None:
+        """[Note: a forward on some ranks only] DDP code evaluates on rank 0 alone
+        (``if rank == 0: model.eval(); validate(model)``). Under a plan that gathers parameters, or
+        with buffers to broadcast, that forward's collectives met the other ranks' next training
+        step instead: gloo aborted the processes on mismatched sizes ("Is there a distributed
+        collective mismatch?"), and NCCL pairs whatever comes or waits until its timeout. A forward
+        whose ``model.train()``/``model.eval()`` mode differs from the last forward's first meets
+        every rank in the job's store ([Note: a collective called on some ranks only] in comm.py):
+        the rank evaluating alone gets a :class:`RankMismatchError` naming the ranks that did not
+        and what to do, after half the group's timeout (at most 5 minutes). The mode changes a few
+        times an epoch in training loops, each meeting about 2 ms on 2 CPU ranks; a forward needing
+        no collective (a replicated plan without buffers to broadcast) is not checked, and runs on
+        one rank as under DDP. A forward on some ranks only in the same mode (a sample logged on
+        rank 0 under ``no_grad``, without ``model.eval()``) is not seen here."""
+        training = self.module.training
+        if training == self._last_training:
+            return
+        collective = bool(self.groups) or (
+            self.broadcast_buffers and self._buffers_due and next(self.module.buffers(), None) is not None
+        )
+        if collective:  # refused: the same forward on every rank later meets again
+            self.comm.rendezvous(
+                "a forward in training mode (model.train())" if training else "a forward in evaluation mode (model.eval())",
+                FORWARD_ON_EVERY_RANK,
+            )
+        self._last_training = training
 
     def _sync_requires_grad(self) -> None:
         """[Note: requires_grad set on the visible parameter] Code freezes and unfreezes parameters
