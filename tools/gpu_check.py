@@ -65,17 +65,19 @@ def _peak_reset(device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _train_against_reference(device, rank, world, model_name, plan, extra, micro, steps=3):
+def _train_against_reference(device, rank, world, model_name, plan, extra, micro, steps=3, hooks=""):
     """Max parameter (and buffer) difference after ``steps`` SGD steps of AutoDist against the
     single-process reference on the same device (computing as the mixed-precision policy does,
     where ``extra`` has one), the largest over the ranks, and whether every managed tensor is on
-    ``device``."""
+    ``device``. ``hooks``: gradient hooks on both models' parameters, as ``parity.Case.hooks``
+    ("scale", "optimizer-in-backward": stepped in post-accumulate hooks, run on autograd's device
+    thread on CUDA)."""
     import torch
     import torch.distributed as dist
 
     import models
     from autodist import AutoDist
-    from parity import as_policy, make_plan
+    from parity import _scale_hooks, _step_in_backward, as_policy, make_plan
 
     ref, base = models.make(model_name).to(device), models.make(model_name)
     if isinstance(plan, dict):
@@ -83,6 +85,13 @@ def _train_against_reference(device, rank, world, model_name, plan, extra, micro
     model = AutoDist(base, plan=plan, **extra)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    fired = [0, 0]
+    if hooks == "scale":
+        _scale_hooks(model)
+        _scale_hooks(ref)
+    elif hooks == "optimizer-in-backward":
+        _step_in_backward(model, "sgd", fired, 0)
+        _step_in_backward(ref, "sgd", fired, 1)
     gen = torch.Generator().manual_seed(0)
     bufs: list[dict[str, torch.Tensor]] = []  # each rank's buffers (BatchNorm's statistics)
     for _ in range(steps):
@@ -112,9 +121,12 @@ def _train_against_reference(device, rank, world, model_name, plan, extra, micro
                     xr = x[chunk].bfloat16() if policy and x.is_floating_point() else x[chunk]
                     models.loss_fn(model_name, ref(xr).float(), y[chunk]).div(micro * world).backward()
                 bufs[r] = {k: v.clone() for k, v in ref.named_buffers()}
-        for o in (opt, ropt):
-            o.step()
-            o.zero_grad()
+        if hooks != "optimizer-in-backward":
+            for o in (opt, ropt):
+                o.step()
+                o.zero_grad()
+    if hooks == "optimizer-in-backward" and fired[0] != fired[1]:
+        return float("inf"), False, f"post-accumulate hooks ran {fired[0]} times, the reference's {fired[1]}"
     for k, v in ref.named_buffers():
         v.copy_(bufs[rank][k])
     sd = model.state_dict()
@@ -147,13 +159,23 @@ def _parity(device, rank, world, args, out):
         # BatchNorm keeps float32 parameters under the policy (cuDNN's kernel on bf16 activations)
         "bf16-batchnorm-ddp": ("resnet", "ddp", bf16, 1),
         "bf16-batchnorm-fsdp": ("resnet", "fsdp", bf16, 1),
+        # user hooks on the parameters: forwarded from the leaves the forward uses, and stepped at the
+        # end of backward ([Note: hooks on the visible parameters])
+        "hooks-scale-fsdp": ("gpt", "fsdp", {}, 1, "scale"),
+        "hooks-scale-fsdp-bf16": ("gpt", "fsdp", bf16, 1, "scale"),
+        "optimizer-in-backward-ddp": ("gpt", "ddp", {}, 1, "optimizer-in-backward"),
+        "optimizer-in-backward-fsdp": ("gpt", "fsdp", {}, 1, "optimizer-in-backward"),
     }
     for mode in CHECKPOINTING if not args.quick else ["reentrant", "nonreentrant"]:
         for plan in ("ddp", "fsdp", "zero2"):
             cases[f"user-checkpointing-{mode}-{plan}"] = (f"gpt-ckpt-{mode}", plan, {}, 1)
     cases["user-checkpointing-reentrant-fsdp-bf16"] = ("gpt-ckpt-reentrant", "fsdp", bf16, 1)
-    for name, (model_name, plan, extra, micro) in cases.items():
-        diff, on_device, policy = _train_against_reference(device, rank, world, model_name, plan, extra, micro)
+    for name, (model_name, plan, extra, micro, *hooks) in cases.items():
+        if hooks == ["optimizer-in-backward"] and world > 1:  # the reference runs a backward per rank's chunk
+            out[name] = (None, "one rank only: the reference would step once per rank's chunk")
+            continue
+        diff, on_device, policy = _train_against_reference(device, rank, world, model_name, plan, extra, micro,
+                                                           hooks=hooks[0] if hooks else "")
         tol = 1e-3 if "bf16" in name else 1e-4
         out[name] = (diff <= tol and on_device,
                      f"max parameter difference {diff:.2e} (tolerance {tol:g}); tensors on {device}: {on_device}; "
