@@ -65,8 +65,11 @@ def _units(structure: ModelStructure, placement: str, residency: str) -> list[Un
     return out
 
 
-def ddp_plan(structure: ModelStructure, world_size: int, *, ready_order: Sequence[str] | None = None) -> Plan:
-    """Everything replicated; DDP's bucketing.
+def ddp_plan(
+    structure: ModelStructure, world_size: int, *, ready_order: Sequence[str] | None = None,
+    cap_bytes: int = DDP_BUCKET_CAP_BYTES,
+) -> Plan:
+    """Everything replicated; DDP's bucketing (``cap_bytes``: DDP's ``bucket_cap_mb``).
 
     Without ``ready_order`` buckets follow reverse registration order (DDP's initial guess) and the
     plan asks the runtime to rebuild them once from the observed gradient-ready order, as DDP does
@@ -77,8 +80,8 @@ def ddp_plan(structure: ModelStructure, world_size: int, *, ready_order: Sequenc
     return Plan(
         world_size=world_size,
         units=_units(structure, "replicate", "after_forward"),
-        buckets=bucket_by_size(order, structure),
-        rebuild_buckets=None if ready_order is not None else BucketRebuild(),
+        buckets=bucket_by_size(order, structure, cap_bytes=cap_bytes),
+        rebuild_buckets=None if ready_order is not None else BucketRebuild(cap_bytes=cap_bytes),
         fingerprint=structure.fingerprint(),
         provenance={"source": "builtin:ddp"},
     )
@@ -161,9 +164,11 @@ def zero2_plan(structure: ModelStructure, world_size: int, *, unit_order: Sequen
     return _sharded_plan(structure, world_size, residency="after_backward", source="builtin:zero2", unit_order=unit_order)
 
 
-def builtin_plan(name: str, structure: ModelStructure, world_size: int) -> Plan:
+def builtin_plan(name: str, structure: ModelStructure, world_size: int, *, bucket_cap_bytes: int | None = None) -> Plan:
+    """Built-in plan ``name``; ``bucket_cap_bytes``: DDP's bucket cap for ``"ddp"`` (its default
+    otherwise; the sharded plans bucket by gather group)."""
     if name == "ddp":
-        return ddp_plan(structure, world_size)
+        return ddp_plan(structure, world_size, cap_bytes=bucket_cap_bytes or DDP_BUCKET_CAP_BYTES)
     if name == "fsdp":
         return fsdp_plan(structure, world_size)
     if name == "zero2":

@@ -151,6 +151,14 @@ class AutoDist(nn.Module):
         param_init_fn: Callable[[nn.Module], None] | None = None,
         shard_size: int | str | None = None,
         compile: bool | str = False,
+        # DDP's keywords, so that `DDP(model, device_ids=[local_rank], ...)` becomes AutoDist(...) as it is
+        device_ids: Any = None,
+        output_device: Any = None,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
     ) -> None:
         super().__init__()
         self._closed = False
@@ -162,6 +170,11 @@ class AutoDist(nn.Module):
         try:
             if misplaced:
                 raise TypeError(_positional_message(misplaced))
+            mesh, self._bucket_cap_bytes = _ddp_keywords(
+                device_ids=device_ids, output_device=output_device, process_group=process_group, mesh=mesh,
+                bucket_cap_mb=bucket_cap_mb, plan=plan, find_unused_parameters=find_unused_parameters,
+                gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
+            )
             meta, mixed_precision = _check_arguments(
                 module, plan, mesh=mesh, example_inputs=example_inputs, example_kwargs=example_kwargs,
                 grad_accum_steps=grad_accum_steps, cache_dir=cache_dir, mixed_precision=mixed_precision,
@@ -295,7 +308,7 @@ class AutoDist(nn.Module):
             validate_plan(plan, self._structure, world_size=world, source="(Plan object)")
             return plan
         if isinstance(plan, str) and plan in BUILTIN_PLANS:
-            p = builtin_plan(plan, self._structure, world)
+            p = builtin_plan(plan, self._structure, world, bucket_cap_bytes=self._bucket_cap_bytes)
             p.device = self.device.type
             return p
         if isinstance(plan, str) and plan == "auto":
@@ -581,6 +594,23 @@ class AutoDist(nn.Module):
         finally:
             self._engine.sync_enabled = old
 
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """DDP's communication hooks: refused with what to do instead ([Note: DDP's keywords])."""
+        raise NotImplementedError(
+            "AutoDist issues its own gradient reductions (the plan's all-reduces and reduce-scatters), so DDP's "
+            "communication hooks have nothing to attach to. For gradients reduced in fp16/bf16 (fp16_compress_hook, "
+            "bf16_compress_hook) pass mixed_precision=MixedPrecision(reduce_dtype=torch.bfloat16); other hooks "
+            "(PowerSGD) are not supported."
+        )
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        """DDP's uneven-inputs context: refused with what to do instead."""
+        raise NotImplementedError(
+            "uneven inputs (DDP's join()) are not supported: every rank must run as many forward and backward "
+            "passes as the others. Give each rank the same number of batches (DistributedSampler(..., "
+            "drop_last=True), or a sampler that pads the last batch)."
+        )
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """FSDP2's API: whether the next forward/backward reduces gradients."""
         self._engine.sync_enabled = bool(requires_gradient_sync)
@@ -768,6 +798,70 @@ def _hybrid_mesh(rows: list[list[int]], device_type: str) -> DeviceMesh:
     column = [r[row.index(me)] for r in rows]
     groups = [_new_group(column, _default_timeout()), _new_group(row, _default_timeout())]
     return DeviceMesh.from_group(groups, device_type, mesh=torch.tensor(rows), mesh_dim_names=("replicate", "shard"))
+
+
+def _ddp_device(value: Any, what: str) -> torch.device:
+    if isinstance(value, bool) or not isinstance(value, (int, str, torch.device)):
+        raise TypeError(f"{what} must be a device index, name or torch.device (as under DDP), got {value!r}")
+    if isinstance(value, int):
+        acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+        return torch.device(acc.type if acc is not None else "cuda", value)
+    return torch.device(value)
+
+
+def _ddp_keywords(
+    *, device_ids: Any, output_device: Any, process_group: Any, mesh: Any, bucket_cap_mb: Any, plan: Any,
+    find_unused_parameters: Any, gradient_as_bucket_view: Any, static_graph: Any,
+) -> tuple[Any, int | None]:
+    """DDP's constructor keywords, checked: ``(mesh, bucket cap in bytes)``.
+
+    [Note: DDP's keywords] ``DDP(model, device_ids=[local_rank], find_unused_parameters=True)`` is
+    the line a drop-in replacement meets first; with AutoDist in place of DDP it raised Python's
+    "unexpected keyword argument". DDP's keywords are taken with DDP's meaning where AutoDist has
+    it: ``device_ids`` and ``output_device`` name the device this rank computes on, which AutoDist
+    chooses as torchrun's ``LOCAL_RANK`` (they must agree; a CPU module takes none, as under DDP);
+    ``process_group`` is the group to run on (a ``mesh`` of it); ``bucket_cap_mb`` caps
+    ``plan="ddp"``'s buckets (any other plan buckets as it says). ``find_unused_parameters``,
+    ``gradient_as_bucket_view`` and ``static_graph`` change nothing: parameters without a gradient
+    are found by each bucket's used flags in every step, gradients are views of the buckets, and the
+    graph may change between steps."""
+    from .runtime.comm import default_device
+
+    for name, flag in (("find_unused_parameters", find_unused_parameters),
+                       ("gradient_as_bucket_view", gradient_as_bucket_view), ("static_graph", static_graph)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False (DDP's flag; AutoDist needs neither), got {flag!r}")
+    device = default_device()
+    if device_ids is not None:
+        ids = list(device_ids) if isinstance(device_ids, (list, tuple)) else None
+        if ids is None or len(ids) != 1:
+            raise ValueError(f"device_ids must list the one device this rank computes on, as under DDP: got {device_ids!r}")
+        given = _ddp_device(ids[0], "device_ids[0]")
+        if device.type == "cpu" or given != device:
+            where = "a CPU module takes none, as under DDP" if device.type == "cpu" else (
+                f"AutoDist computes on {device} here (torchrun's LOCAL_RANK={os.environ.get('LOCAL_RANK', '0')})")
+            raise ValueError(f"device_ids={device_ids!r} does not name this rank's device: {where}; drop device_ids")
+    if output_device is not None and _ddp_device(output_device, "output_device") != device:
+        raise ValueError(
+            f"output_device={output_device!r}: outputs stay on the device this rank computes on ({device}); drop output_device"
+        )
+    if process_group is not None:
+        if mesh is not None:
+            raise ValueError("pass either mesh or process_group (DDP's), not both")
+        if not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed ProcessGroup, got {type(process_group).__name__}")
+        mesh = DeviceMesh.from_group(process_group, device.type)
+    cap = None
+    if bucket_cap_mb is not None:
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be a positive number of MiB (DDP's bucket cap), got {bucket_cap_mb!r}")
+        if not (isinstance(plan, str) and plan == "ddp"):
+            raise ValueError(
+                f"bucket_cap_mb caps the buckets of plan='ddp' (DDP's bucketing); plan={plan!r} sets its own buckets"
+                + (" (searched with the rest of the plan)" if plan == "auto" else "") + ": drop bucket_cap_mb or pass plan='ddp'"
+            )
+        cap = max(1, int(bucket_cap_mb * 1024 * 1024))
+    return mesh, cap
 
 
 def _positional_message(misplaced: tuple[Any, ...]) -> str:

@@ -344,6 +344,12 @@ _BAD_ARGUMENTS = {
     "plan type": ({"plan": 3}, "TypeError: plan must be one of 'auto', 'ddp', 'fsdp', 'zero2', a Plan, or a path; got int"),
     "unknown keyword": ({"plann": "ddp"}, "TypeError: AutoDist() got an unexpected keyword argument 'plann'; its "
                         "arguments are module, plan, mesh, memory_limit,"),
+    # DDP's keywords with DDP's meaning ([Note: DDP's keywords] in autodist/wrapper.py)
+    "device_ids on a CPU module": ({"plan": "ddp", "device_ids": [0]}, "ValueError: device_ids=[0] does not name this "
+                                   "rank's device: a CPU module takes none, as under DDP; drop device_ids"),
+    "bucket_cap_mb beside fsdp": ({"plan": "fsdp", "bucket_cap_mb": 25}, "ValueError: bucket_cap_mb caps the buckets of "
+                                  "plan='ddp' (DDP's bucketing); plan='fsdp' sets its own buckets"),
+    "find_unused_parameters": ({"find_unused_parameters": "yes"}, "TypeError: find_unused_parameters must be True or False"),
     # every argument but the module is keyword-only, as FSDP2's are
     "plan by position": ({"args": ("ddp",)}, "TypeError: AutoDist takes the module as its only positional argument, "
                          "got 1 more ('ddp'); pass the others by keyword, e.g. AutoDist(model, plan='ddp')"),
