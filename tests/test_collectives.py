@@ -520,3 +520,45 @@ def test_an_evaluation_on_one_rank_of_a_sharded_plan_fails_there_with_the_fix(wo
     assert error is not None and "not on rank(s) 1" in error and "all_reduce" in error, error
     assert other is None
     assert torch.equal(out0, out1)
+
+
+def _late_rank_at_a_mode_change(timeout_s, late_s):
+    """Every rank evaluates, then rank 0 alone is late (a checkpoint written on rank 0) by
+    ``late_s`` before every rank trains again: what each rank raised (nothing), and the warning
+    rank 1 logged while it waited."""
+    import logging
+
+    rank = dist.get_rank()
+    group, m, x, y = _on_a_group_with_a_short_timeout(timeout_s, "fsdp")
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("autodist").addHandler(handler)
+    error = None
+    try:
+        models.loss_fn("mlp", m(x), y).backward()
+        m.eval()
+        with torch.no_grad():
+            m(x)
+        m.train()
+        if rank == 0:
+            import time
+
+            time.sleep(late_s)
+        models.loss_fn("mlp", m(x), y).backward()
+    except Exception as e:  # noqa: BLE001 (the test reports whatever was raised)
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        logging.getLogger("autodist").removeHandler(handler)
+    m.close()
+    dist.destroy_process_group(group)
+    return error, [r for r in records if "has waited" in r]
+
+
+def test_a_rank_late_at_a_mode_change_is_waited_for_with_a_warning(world2):
+    """A correct job whose rank 0 is slow between evaluation and training (past half the group's
+    timeout, before it ends) trains on: the meeting warns and waits instead of failing it (the
+    collective itself would have waited the whole timeout)."""
+    (error0, warned0), (error1, warned1) = world2.run(_late_rank_at_a_mode_change, 10, 6.5, timeout=300)
+    assert error0 is None and error1 is None, (error0, error1)
+    assert not warned0 and len(warned1) == 1 and "rank(s) 0" in warned1[0] and "training mode" in warned1[0], warned1

@@ -155,9 +155,12 @@ def test_a_forward_pre_hook_of_the_model_sees_full_parameters(world2, name):
 
 
 def _hook_handles(plan):
-    """Post-accumulate hooks registered before and after wrapping, one removed through its handle
-    between steps, then the model unwrapped: which hooks ran at each stage, on this rank."""
+    """Post-accumulate hooks registered before and after wrapping, one more after a step; the
+    runtime's hooks re-installed (a plan switch); then each removed through its handle between
+    steps, one registered between a forward and its backward, and the model unwrapped: which hooks
+    ran at each step, on this rank, and whether the late one saw the reduced gradient."""
     import torch
+    import torch.distributed as dist
 
     import models
     from autodist import AutoDist
@@ -165,29 +168,55 @@ def _hook_handles(plan):
     torch.manual_seed(0)
     base = models.make("mlp")
     calls: list[str] = []
-    before = next(base.parameters()).register_post_accumulate_grad_hook(lambda p: calls.append("before"))
+    p0 = next(base.parameters())
+    handles = {"before": p0.register_post_accumulate_grad_hook(lambda p: calls.append("before"))}
     m = AutoDist(base, plan=plan)
-    after = next(m.parameters()).register_post_accumulate_grad_hook(lambda p: calls.append("after"))
-    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(0))
-    seen = []
-    for _ in range(2):
-        models.loss_fn("mlp", m(x), y).backward()
+    p = next(m.parameters())
+    handles["after"] = p.register_post_accumulate_grad_hook(lambda p: calls.append("after"))
+    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(dist.get_rank()))
+    seen, late = [], []
+
+    def step(between=None):
+        out = m(x)
+        if between is not None:
+            between()
+        models.loss_fn("mlp", out, y).backward()
         seen.append(list(calls))
         calls.clear()
-        after.remove()
+
+    step()
+    handles["later"] = p.register_post_accumulate_grad_hook(lambda p: calls.append("later"))
+    step()
+    m.runtime.switch_plan(m.plan)  # the runtime's hooks go and come back
+    handles.pop("after").remove()
+    step()
+    handles.pop("later").remove()
+
+    def register_late():
+        def hook(q):
+            calls.append("late")
+            late.append(_full(q.grad).clone())
+
+        handles["late"] = p.register_post_accumulate_grad_hook(hook)
+
+    step(register_late)
+    reduced = _full(p.grad).clone()
+    handles.pop("late").remove()
     m.close()
     if plan == "ddp":  # unwrapped, a replicated module runs plainly: autograd runs its hooks again
         models.loss_fn("mlp", base(x), y).backward()
         seen.append(list(calls))
-    before.remove()
-    return seen
+    handles.pop("before").remove()
+    return seen, bool(late) and torch.equal(late[0], reduced)
 
 
 @pytest.mark.parametrize("plan", ["ddp", "fsdp"])
 def test_hook_handles_keep_working_and_hooks_go_back_when_unwrapped(world2, plan):
-    expected = [["before", "after"], ["before"]] + ([["before"]] if plan == "ddp" else [])
-    for seen in world2.run(_hook_handles, plan):
+    expected = [["before", "after"], ["before", "after", "later"], ["before", "later"], ["before", "late"]]
+    expected += [["before"]] if plan == "ddp" else []
+    for seen, late_saw_reduced in world2.run(_hook_handles, plan):
         assert seen == expected, seen
+        assert late_saw_reduced
 
 
 FOUR = {

@@ -126,6 +126,7 @@ def _train_against_reference(device, rank, world, model_name, plan, extra, micro
                 o.step()
                 o.zero_grad()
     if hooks == "optimizer-in-backward" and fired[0] != fired[1]:
+        model.close()
         return float("inf"), False, f"post-accumulate hooks ran {fired[0]} times, the reference's {fired[1]}"
     for k, v in ref.named_buffers():
         v.copy_(bufs[rank][k])

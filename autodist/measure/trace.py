@@ -36,6 +36,7 @@ from ..cost.profile import CompiledBlockProfile, OptimizerProfile, Profile, Unit
 from ..runtime.backward import in_backward
 from ..runtime.compiled import compiled_by_user
 from ..runtime.precision import cast_by_policy, cast_floats
+from ..runtime.user_hooks import internal
 from ..structure import ModelStructure
 from .clock import Clock
 from .contention import contended_slowdown
@@ -216,6 +217,7 @@ class UnitTracer:
 
         return hook
 
+    @internal  # left where it is when the user's post-accumulate hooks are deferred (runtime/user_hooks.py)
     def _ready(self, param: torch.Tensor) -> None:
         p = self._pass
         if p is not None:

@@ -123,7 +123,9 @@ class CommStats:
             self.log.append((kind, label))
 
 
-RENDEZVOUS_MAX_S = 300.0  # the longest Comm.rendezvous waits for the other ranks by default
+RENDEZVOUS_MAX_S = 300.0  # Comm.rendezvous warns after half the group's timeout, this at most ...
+RENDEZVOUS_SHARE = 0.9  # ... and raises at this share of it, before the collectives the others wait in time out
+RENDEZVOUS_UNKNOWN_S = 1800.0  # ... or after this long when the group's timeout is unknown (gloo's default)
 
 
 def failed_peers(group: dist.ProcessGroup | None, rank: int, world: int, timeout_s: float = 3.0) -> list[int] | None:
@@ -560,9 +562,10 @@ class Comm:
     # -- gradient reductions ------------------------------------------------------------------
     def rendezvous(self, call: str, fix: str, timeout_s: float | None = None) -> None:
         """Wait until every rank of the group has made its call of ``call`` with this one (the n-th
-        on each), through the job's store; past ``timeout_s`` (default: half the group's timeout,
-        at most ``RENDEZVOUS_MAX_S``) raise a :class:`RankMismatchError` naming the ranks that did
-        not, and ``fix``.
+        on each), through the job's store. Past half the group's timeout (at most
+        ``RENDEZVOUS_MAX_S``) log a warning naming the ranks that have not and ``fix``; past
+        ``timeout_s`` (default: ``RENDEZVOUS_SHARE`` of the group's timeout, so before the
+        collectives the others wait in time out) raise it as a :class:`RankMismatchError`.
 
         [Note: a collective called on some ranks only] ``model.state_dict()`` under a plan that
         shards gathers every sharded parameter: a collective. DDP's state dict is local, and DDP
@@ -572,36 +575,56 @@ class Comm:
         transport error. The ranks meet in the store first, which no training collective uses, so
         the caller gets an error that says what to do while the others still wait for it in the
         next step's collectives (when its process ends they stop with a :class:`PeerFailure`
-        naming it)."""
+        naming it). A rank may also just be late — rank 0 alone saving a large checkpoint before
+        every rank calls — so nothing is raised before the collective itself would have timed out:
+        the warning comes early, the error at ``RENDEZVOUS_SHARE`` of the timeout (the collective
+        waited the whole of it). The meeting's keys are deleted once every rank has met."""
         if self.world_size == 1:
             return
         get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
         if get_store is None:
             return
         n = self._calls[call] = self._calls.get(call, 0) + 1
+        group_s = self._group_timeout.total_seconds() if self._group_timeout is not None else None
+        warn_s = min(RENDEZVOUS_MAX_S, group_s / 2) if group_s is not None else RENDEZVOUS_MAX_S
         if timeout_s is None:
-            limit = self._group_timeout.total_seconds() / 2 if self._group_timeout is not None else RENDEZVOUS_MAX_S
-            timeout_s = min(RENDEZVOUS_MAX_S, limit)
+            timeout_s = RENDEZVOUS_SHARE * group_s if group_s is not None else RENDEZVOUS_UNKNOWN_S
         try:
             store = dist.PrefixStore(f"autodist/rendezvous/{self.check_pg.group_name}/{call}/{n}", get_store())
             store.set(str(self.rank), "1")
             store.add("arrived", 1)
         except Exception:  # no store to meet in (a launcher without one): the collective itself follows
             return
-        deadline, delay = time.monotonic() + timeout_s, 0.001
+        start = time.monotonic()
+        delay, warned = 0.001, False
+
+        def absent() -> str:
+            return ", ".join(str(r) for r in range(self.world_size) if not store.check([str(r)]))
+
         while store.add("arrived", 0) < self.world_size:
-            if time.monotonic() > deadline:
-                missing = [r for r in range(self.world_size) if not store.check([str(r)])]
+            waited = time.monotonic() - start
+            if waited > timeout_s:
+                missing = absent()
                 # withdrawn, so that a later call on every rank meets at this count again
                 store.add("arrived", -1)
                 store.delete_key(str(self.rank))
                 self._calls[call] = n - 1
                 raise RankMismatchError(
-                    f"{call} was called on rank {self.rank} but not on rank(s) {', '.join(map(str, missing))} within "
-                    f"{timeout_s:.0f} s: under this plan it is a collective, which every rank must call. {fix}"
+                    f"{call} was called on rank {self.rank} but not on rank(s) {missing} within {timeout_s:.0f} s: "
+                    f"under this plan it is a collective, which every rank must call. {fix}"
+                )
+            if not warned and waited > warn_s:
+                warned = True
+                logger.warning(
+                    "autodist: rank %d has waited %.0f s for rank(s) %s to call %s; under this plan it is a collective, "
+                    "which every rank must call (still waiting, until %.0f s). %s",
+                    self.rank, waited, absent(), call, timeout_s, fix,
                 )
             time.sleep(delay)
             delay = min(2 * delay, 0.05)
+        if store.add("left", 1) == self.world_size:  # every rank has seen the meeting: its keys go
+            for key in ("arrived", "left", *map(str, range(self.world_size))):
+                store.delete_key(key)
 
     def backend_for(self, device_type: str) -> str:
         """The backend that runs this group's collectives on tensors of ``device_type``

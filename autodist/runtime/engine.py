@@ -102,6 +102,7 @@ from .step_state import ModuleSite, RuntimeStats, StepState
 from .user_hooks import ParamHooks, carry_hooks
 
 LAUNCH_POLICIES = ("ready", "sampled")
+FORWARD_MODE_CHECKS = 8  # the first changes of train()/eval() mode that meet across ranks ([Note: a forward on some ranks only])
 FORWARD_ON_EVERY_RANK = (
     "Run the model on every rank: evaluate each rank's part of the data and combine the metrics "
     "(torch.distributed.all_reduce), or take model.state_dict() on every rank and evaluate a plain copy "
@@ -153,6 +154,7 @@ class Engine:
         self.sync_enabled = True
         self._buffers_due = True  # broadcast buffers before the next forward (see [Note: when buffers are broadcast])
         self._last_training: bool | None = None  # the module's training flag at the last forward (_check_forward_mode)
+        self._mode_checks = 0  # the changes of that flag met across ranks so far (at most FORWARD_MODE_CHECKS)
         self.stats = RuntimeStats()
         self.once = OnceLogger()
         self._launch_policy_arg = launch_policy
@@ -658,14 +660,17 @@ class Engine:
         collective mismatch?"), and NCCL pairs whatever comes or waits until its timeout. A forward
         whose ``model.train()``/``model.eval()`` mode differs from the last forward's first meets
         every rank in the job's store ([Note: a collective called on some ranks only] in comm.py):
-        the rank evaluating alone gets a :class:`RankMismatchError` naming the ranks that did not
-        and what to do, after half the group's timeout (at most 5 minutes). The mode changes a few
-        times an epoch in training loops, each meeting about 2 ms on 2 CPU ranks; a forward needing
-        no collective (a replicated plan without buffers to broadcast) is not checked, and runs on
-        one rank as under DDP. A forward on some ranks only in the same mode (a sample logged on
-        rank 0 under ``no_grad``, without ``model.eval()``) is not seen here."""
+        the rank evaluating alone logs a warning naming the ranks that did not and what to do after
+        half the group's timeout (at most 5 minutes), and raises it as a :class:`RankMismatchError`
+        before the group's timeout. Each meeting costs about 2-3 ms on 2 CPU ranks, and a loop may
+        change mode every step (pseudo-labels, rollouts under ``model.eval()``): only the first
+        ``FORWARD_MODE_CHECKS`` changes meet — code that evaluates on one rank does so from its
+        first evaluation. A forward needing no collective (a replicated plan without buffers to
+        broadcast) is not checked, and runs on one rank as under DDP. A forward on some ranks only
+        in the same mode (a sample logged on rank 0 under ``no_grad``, without ``model.eval()``),
+        or past the first checks, is not seen here."""
         training = self.module.training
-        if training == self._last_training:
+        if training == self._last_training or self._mode_checks >= FORWARD_MODE_CHECKS:
             return
         collective = bool(self.groups) or (
             self.broadcast_buffers and self._buffers_due and next(self.module.buffers(), None) is not None
@@ -675,6 +680,7 @@ class Engine:
                 "a forward in training mode (model.train())" if training else "a forward in evaluation mode (model.eval())",
                 FORWARD_ON_EVERY_RANK,
             )
+            self._mode_checks += 1
         self._last_training = training
 
     def _sync_requires_grad(self) -> None:
@@ -1027,6 +1033,7 @@ class Engine:
             self._backward_again()
         step.backwards += 1
         step.in_backward = True
+        self.param_hooks.scan()  # before autograd reaches a leaf: a hook registered since the forward
         step.create_graph = torch.is_grad_enabled()  # autograd runs a create_graph backward with grad on
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self._swap_root(True)
@@ -1128,9 +1135,10 @@ class Engine:
 
     def _user_post_hooked(self, step: StepState) -> list[ManagedParam]:
         """The parameters with post-accumulate hooks of the user's whose visible ``.grad`` this
-        backward gave a gradient: reduced (on every rank alike), or accumulated locally into a leaf
-        that is the visible parameter in a ``no_sync`` backward ([Note: hooks on the visible
-        parameters] in user_hooks.py). Read once the buckets are finished, before they are rebuilt."""
+        backward gave a gradient: reduced in it (on every rank alike; in a ``no_sync`` backward, the
+        buckets of units accumulating sharded gradients), or accumulated locally into a leaf that is
+        the visible parameter in a ``no_sync`` backward ([Note: hooks on the visible parameters] in
+        user_hooks.py). Read once the buckets are finished, before they are rebuilt."""
         slots = self.reducer.slot
         out = []
         for mp in self.param_hooks.post:

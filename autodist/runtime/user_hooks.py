@@ -26,22 +26,28 @@ So, under every plan:
   their order, each one's result passed to the next;
 * a post-accumulate hook runs once the visible ``.grad`` holds the backward's gradient: at the end
   of a backward that reduces it, on every rank alike (not for a parameter no rank computed a
-  gradient for), and in a ``no_sync`` backward only where the visible parameter is the leaf (its
-  ``.grad`` accumulated locally, as under DDP; a sharded parameter shows no gradient until the
-  synchronising backward). The runtime's own hook sits on that same leaf, so the user's are taken
-  off it to run after the reduction: the dict that holds them is moved, not copied, so the handles
-  ``register_post_accumulate_grad_hook`` returned still remove them, and it goes back on the
-  parameter when the model is unwrapped.
+  gradient for), and in a ``no_sync`` backward where that backward changed ``.grad``: a visible
+  parameter that is the leaf (accumulated locally, as under DDP) or a sharded unit accumulating
+  sharded gradients (reduced every micro-batch); other sharded parameters show no gradient until
+  the synchronising backward. The runtime's own hook sits on that same leaf, in the same dict, so
+  each of the user's entries there is replaced in place by a :class:`Deferred` that autograd calls
+  to no effect and the runtime calls through after the reduction: the dict stays where it is, so
+  the handles ``register_post_accumulate_grad_hook`` returned keep removing them, and the entries
+  are put back as they were when the runtime's hooks are removed (a plan switch, ``close()``). The
+  runtime's and its profiler's own hooks are marked :func:`internal` and left alone.
 
 Hooks registered before wrapping move with the parameter where wrapping replaces it (a sharded
-parameter becomes a DTensor). They are looked for at a step's first forward once any hook was
-registered since the last look, so a hook registered between a forward and its backward takes
-effect from the next step.
+parameter becomes a DTensor). They are looked for at a step's first forward and at the start of
+each backward, once any hook was registered since the last look; autograd takes a leaf's hooks
+when it reaches the leaf, so one registered between a forward and its backward is seen in time.
+
+Running the user's post-accumulate hooks at the end of the backward holds every gradient until
+then: under a sharded plan torch's optimizer-in-backward recipe does not save the gradient memory
+it saves under FSDP2 (which steps after each reduce-scatter); the results are the same.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +56,29 @@ from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:
     from .params import ManagedParam
+
+
+INTERNAL = "_autodist_internal"  # set on the runtime's and its profiler's own post-accumulate hooks
+
+
+def internal(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn`` (a function, or a method in its class body) as one of AutoDist's own
+    post-accumulate hooks: left where it is when the user's are deferred."""
+    setattr(fn, INTERNAL, True)
+    return fn
+
+
+class Deferred:
+    """A user's post-accumulate hook held in its dict in place: autograd's call does nothing, the
+    runtime calls ``fn`` once the gradient is reduced ([Note: hooks on the visible parameters])."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[torch.Tensor], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, param: torch.Tensor) -> None:
+        return None
 
 
 def carry_hooks(original: torch.Tensor, visible: torch.Tensor) -> None:
@@ -61,12 +90,6 @@ def carry_hooks(original: torch.Tensor, visible: torch.Tensor) -> None:
         visible._backward_hooks = original._backward_hooks
     if original._post_accumulate_grad_hooks:
         visible._post_accumulate_grad_hooks = original._post_accumulate_grad_hooks
-
-
-def _run_post(dicts: list[dict], param: torch.Tensor) -> None:
-    for d in dicts:
-        for hook in tuple(d.values()):
-            hook(param)
 
 
 def _forwarder(visible: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -90,8 +113,7 @@ class ParamHooks:
         self._own_visible = [mp.visible for mp in self._own]
         self._apart = [mp for mp in trainable if mp.full is not mp.visible]
         self._apart_visible = [mp.visible for mp in self._apart]
-        self._runtime: dict[int, RemovableHandle] = {}  # the runtime's gradient-ready hook, per parameter
-        self._adopted: dict[int, list[dict]] = {}  # the user's post-accumulate dicts taken off a leaf
+        self._runtime: list[RemovableHandle] = []  # the runtime's gradient-ready hooks
         self._forwarding: dict[int, RemovableHandle] = {}  # leaves forwarding to their visible's hooks
         self.post: list[ManagedParam] = []  # the parameters with post-accumulate hooks of the user's
         self._scanned_at = -1  # RemovableHandle.next_id, less the runtime's own, when the hooks were last looked at
@@ -99,22 +121,30 @@ class ParamHooks:
 
     def install(self, mp: ManagedParam, hook: Callable[[torch.Tensor], None]) -> None:
         """The runtime's gradient-ready hook on ``mp``'s leaf."""
-        self._runtime[id(mp)] = mp.full.register_post_accumulate_grad_hook(hook)
+        self._runtime.append(mp.full.register_post_accumulate_grad_hook(internal(hook)))
 
     def scan(self) -> None:
-        """At a step's first forward: take the user's post-accumulate hooks off the leaves the
-        runtime's hook shares, forward leaves' gradients to visible hooks, list who has what.
-        Every hook torch registers takes the next ``RemovableHandle`` id: while that has moved by
-        no more than the runtime's own hooks took (:meth:`own`), no hook was registered anywhere and
-        there is nothing to look at (a removed one is simply no longer in its dict when the hooks
-        run). Looking costs an attribute read per parameter or two: 30-75 us a step for 580."""
+        """At a step's first forward and a backward's start: defer the user's post-accumulate hooks
+        on the leaves the runtime's hook shares, forward leaves' gradients to visible hooks, list
+        who has what. Every hook torch registers takes the next ``RemovableHandle`` id: while that
+        has moved by no more than the runtime's own hooks took (:meth:`own`), no hook was registered
+        anywhere and there is nothing to look at (a removed one is simply no longer in its dict when
+        the hooks run). Looking costs an attribute read per parameter or two: 30-75 us a step for
+        580; a second wrapped model, or a module's full backward hook, makes it look every step."""
         if RemovableHandle.next_id - self._own_ids == self._scanned_at:
             return
-        own = [v._post_accumulate_grad_hooks for v in self._own_visible]
-        if sum(len(d) for d in own if d is not None) != len(self._own):  # the runtime's hook alone on each
-            for mp, d in zip(self._own, own):
-                if d is not None and len(d) > 1:
-                    self._adopt(mp, d)
+        listed = []
+        for mp, d in zip(self._own, [v._post_accumulate_grad_hooks for v in self._own_visible]):
+            if d is not None and len(d) > 1:  # more than the runtime's own
+                user = False
+                for key, hook in list(d.items()):
+                    if isinstance(hook, Deferred):
+                        user = True
+                    elif not getattr(hook, INTERNAL, False):
+                        d[key] = Deferred(hook)
+                        user = True
+                if user:
+                    listed.append(mp)
         complete = True
         pre = [v._backward_hooks for v in self._apart_visible]
         if any(pre):
@@ -125,9 +155,7 @@ class ParamHooks:
                     else:
                         complete = False  # frozen now: looked at again at the next step
         post = [v._post_accumulate_grad_hooks for v in self._apart_visible]
-        listed = [mp for mp, hooks in zip(self._apart, post) if hooks]
-        if self._adopted:
-            listed += [mp for mp in self._own if any(self._adopted.get(id(mp), ()))]
+        listed += [mp for mp, hooks in zip(self._apart, post) if hooks]
         self.post = listed
         if complete:
             self._scanned_at = RemovableHandle.next_id - self._own_ids
@@ -139,35 +167,25 @@ class ParamHooks:
         register(tensors, fn, mode="any")
         self._own_ids += RemovableHandle.next_id - before
 
-    def _adopt(self, mp: ManagedParam, d: dict) -> None:
-        handle = self._runtime[id(mp)]
-        hook = d.pop(handle.id)
-        mp.visible._post_accumulate_grad_hooks = OrderedDict()  # what autograd calls from now on
-        self._runtime[id(mp)] = mp.visible.register_post_accumulate_grad_hook(hook)
-        self._adopted.setdefault(id(mp), []).append(d)
-
     def fire(self, mp: ManagedParam) -> None:
         """Run the user's post-accumulate hooks of ``mp`` (its visible ``.grad`` is final)."""
-        if mp.full is mp.visible:
-            _run_post(self._adopted.get(id(mp), []), mp.visible)
-        elif mp.visible._post_accumulate_grad_hooks:
-            _run_post([mp.visible._post_accumulate_grad_hooks], mp.visible)
+        for hook in tuple((mp.visible._post_accumulate_grad_hooks or {}).values()):
+            if isinstance(hook, Deferred):
+                hook.fn(mp.visible)
+            elif mp.full is not mp.visible:  # autograd never runs a visible parameter's that is not its leaf
+                hook(mp.visible)
 
     def remove(self) -> None:
-        """Remove the runtime's hooks; the user's post-accumulate hooks go back on their parameters.
-        (Hooks adopted at different steps end up in the first dict: a handle of a later one no
-        longer removes it once the model is unwrapped.)"""
-        for h in [*self._runtime.values(), *self._forwarding.values()]:
+        """Remove the runtime's hooks; the user's deferred post-accumulate hooks are put back as
+        they were registered."""
+        for h in [*self._runtime, *self._forwarding.values()]:
             h.remove()
         self._runtime.clear()
         self._forwarding.clear()
+        for v in self._own_visible:
+            d = v._post_accumulate_grad_hooks
+            for key, hook in list((d or {}).items()):
+                if isinstance(hook, Deferred):
+                    d[key] = hook.fn
         self._scanned_at = -1
-        for mp in self._own:
-            dicts = self._adopted.pop(id(mp), None)
-            if not dicts:
-                continue
-            first = dicts[0]
-            for d in [*dicts[1:], mp.visible._post_accumulate_grad_hooks or {}]:
-                first.update(d)
-            mp.visible._post_accumulate_grad_hooks = first
         self.post = []
