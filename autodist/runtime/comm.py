@@ -622,9 +622,12 @@ class Comm:
                 )
             time.sleep(delay)
             delay = min(2 * delay, 0.05)
-        if store.add("left", 1) == self.world_size:  # every rank has seen the meeting: its keys go
-            for key in ("arrived", "left", *map(str, range(self.world_size))):
-                store.delete_key(key)
+        try:
+            if store.add("left", 1) == self.world_size:  # every rank has seen the meeting: its keys go
+                for key in ("arrived", "left", *map(str, range(self.world_size))):
+                    store.delete_key(key)
+        except Exception:  # a store that cannot delete keeps them: a few bytes a meeting
+            pass
 
     def backend_for(self, device_type: str) -> str:
         """The backend that runs this group's collectives on tensors of ``device_type``
