@@ -363,3 +363,51 @@ def test_two_backward_passes_over_one_forward_train_as_in_one_process(world2, pl
     """[Note: several backward passes over one step's graphs] in autodist/runtime/engine.py."""
     for worst in world2.run(_backward_twice, plan, how):
         assert worst < ATOL, worst
+
+
+def _backward_with_inputs(plan):
+    """GAN code's ``loss.backward(inputs=list(model.parameters()))`` for 3 steps: the largest
+    parameter difference from one process doing the same, and the warnings AutoDist logged."""
+    import copy
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    import models
+    from autodist import AutoDist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    base = models.make("mlp")
+    ref = copy.deepcopy(base)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("autodist").addHandler(handler)
+    try:
+        m = AutoDist(base, plan=plan)
+        opt, ropt = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in range(3):
+            xs = [models.batch("mlp", 4, torch.Generator().manual_seed(100 * step + r)) for r in range(world)]
+            models.loss_fn("mlp", m(xs[rank][0]), xs[rank][1]).backward(inputs=list(m.parameters()))
+            (sum(models.loss_fn("mlp", ref(a), b) for a, b in xs) / world).backward(inputs=list(ref.parameters()))
+            opt.step(), ropt.step()
+            opt.zero_grad(), ropt.zero_grad()
+        worst = max((_full(a) - b).abs().max().item() for a, b in zip(m.parameters(), ref.parameters()))
+        m.close()
+    finally:
+        logging.getLogger("autodist").removeHandler(handler)
+    return worst, [r for r in records if "no backward reached" in r]
+
+
+@pytest.mark.parametrize("plan", ["ddp", "fsdp"])
+def test_backward_naming_the_parameters_trains_or_warns_that_nothing_reached_them(world2, plan):
+    """[Note: a step no backward reached] in autodist/runtime/optimizers.py: under a replicated plan
+    the visible parameters are the forward's leaves and train; under a sharded one autograd
+    computes nothing for them, and the first optimizer step says so once instead of silently."""
+    for worst, warned in world2.run(_backward_with_inputs, plan):
+        if plan == "ddp":
+            assert worst < ATOL and not warned, (worst, warned)
+        else:
+            assert len(warned) == 1 and "inputs=" in warned[0], warned

@@ -155,6 +155,7 @@ class Engine:
         self._buffers_due = True  # broadcast buffers before the next forward (see [Note: when buffers are broadcast])
         self._last_training: bool | None = None  # the module's training flag at the last forward (_check_forward_mode)
         self._mode_checks = 0  # the changes of that flag met across ranks so far (at most FORWARD_MODE_CHECKS)
+        self.grad_forwards = 0  # forwards with gradients since the last optimizer step over these parameters
         self.stats = RuntimeStats()
         self.once = OnceLogger()
         self._launch_policy_arg = launch_policy
@@ -617,6 +618,7 @@ class Engine:
         self._sync_requires_grad()
         self.param_hooks.scan()
         grad = torch.is_grad_enabled()
+        self.grad_forwards += grad  # reset by each optimizer step ([Note: a step no backward reached])
         self._step = StepState(
             gen=self._next_gen(), sync=self.sync_enabled and grad, grad=grad,
             fwd_schedule=TriggerCursor(self._fwd_triggers),
