@@ -541,9 +541,15 @@ def _late_rank_at_a_mode_change(timeout_s, late_s):
         with torch.no_grad():
             m(x)
         m.train()
-        if rank == 0:
+        if rank == 0:  # late by ``late_s`` after rank 1 has come to the meeting (its key in the store)
             import time
 
+            comm = m.runtime.comm
+            call = "a forward in training mode (model.train())"
+            key = f"autodist/rendezvous/{comm.check_pg.group_name}/{call}/{comm._calls.get(call, 0) + 1}/1"
+            store = dist.distributed_c10d._get_default_store()
+            while not store.check([key]):
+                time.sleep(0.01)
             time.sleep(late_s)
         models.loss_fn("mlp", m(x), y).backward()
     except Exception as e:  # noqa: BLE001 (the test reports whatever was raised)
@@ -559,6 +565,7 @@ def test_a_rank_late_at_a_mode_change_is_waited_for_with_a_warning(world2):
     """A correct job whose rank 0 is slow between evaluation and training (past half the group's
     timeout, before it ends) trains on: the meeting warns and waits instead of failing it (the
     collective itself would have waited the whole timeout)."""
-    (error0, warned0), (error1, warned1) = world2.run(_late_rank_at_a_mode_change, 10, 6.5, timeout=300)
+    # a 12 s group: the warning at 6 s, the error at 10.8 s; rank 0 comes 7.5 s after rank 1
+    (error0, warned0), (error1, warned1) = world2.run(_late_rank_at_a_mode_change, 12, 7.5, timeout=300)
     assert error0 is None and error1 is None, (error0, error1)
     assert not warned0 and len(warned1) == 1 and "rank(s) 0" in warned1[0] and "training mode" in warned1[0], warned1

@@ -1100,9 +1100,10 @@ class Engine:
             # keeps the groups gathered: that graph reads the full parameters, and the backward
             # through it is still to come ([Note: several backward passes over one step's graphs])
             keep = step.create_graph and bool(self.groups)
+            # without sync, only units accumulating sharded gradients reduce (every micro-batch)
+            missing = self.reducer.flush() if step.sync or self.reducer.active else []
+            hooked = self._user_post_hooked(step) if self.param_hooks.post else []
             if step.sync:
-                missing = self.reducer.flush()
-                hooked = self._user_post_hooked(step) if self.param_hooks.post else []
                 if missing and step.ready_order:  # a backward to the inputs only computes no parameter's
                     self.stats.unused_param_steps += 1
                     self.once.info(
@@ -1113,10 +1114,6 @@ class Engine:
                     )
                 if step.ready_order:
                     maybe_rebuild_buckets(self, step.ready_order)
-            else:
-                if self.reducer.active:
-                    self.reducer.flush()  # sharded units accumulating sharded gradients: every micro-batch
-                hooked = self._user_post_hooked(step) if self.param_hooks.post else []
             if not keep:
                 self._release_after_step(drop_reductions=False)
             self._anchors = dict(step.anchors)
