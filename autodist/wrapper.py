@@ -577,6 +577,37 @@ class AutoDist(nn.Module):
         self._engine.mark_stale()
         return result
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> AutoDist:
+        """What ``.to()``, ``.half()``, ``.cuda()``, ``.to_empty()`` run on the wrapper.
+
+        [Note: converting a wrapped model] AutoDist holds each parameter in storage of its own: a
+        sharded one's local shard is a view into the plan's flat shard buffer, which the gathers
+        read, and a replicated one's gradient is a view into its bucket, laid out like the
+        parameter. A conversion replaces the parameter's tensor (``param.data = ...``, or a swap
+        for DTensors), so the optimizer would update a tensor the gathers never read:
+        ``model.to(memory_format=torch.channels_last)`` after wrapping trained 3e-2 off the
+        reference under ``fsdp``, without an error. So a conversion that would change any parameter
+        is refused before anything is touched, naming the parameter and the fix (convert before
+        wrapping, as DDP and FSDP2 expect); one that changes none (``model.to(device)`` to the
+        device it is on, the usual line of a training script) goes through, buffers included.
+        ``fn`` returns its argument itself when nothing changes, so the check costs nothing then.
+        Only the wrapper is guarded: the user's module keeps its class's ``_apply`` (nothing of
+        AutoDist's is put in its instance dict, which ``torch.save(model.module)`` pickles), so
+        ``model.module.half()`` is not seen."""
+        if not self._closed:
+            for name, p in self.module.named_parameters():
+                out = fn(p)
+                if out is p:
+                    continue
+                raise ValueError(
+                    f"converting parameter {name!r} of a model AutoDist manages ({_tensor_format(p)} -> "
+                    f"{_tensor_format(out)}) is not supported: AutoDist holds the parameters in storage of its own "
+                    "(shards, gradient buckets) that the converted tensors would leave behind. Convert the model "
+                    "before wrapping it (model.to(device, dtype, memory_format=...), then AutoDist(model, ...)); "
+                    "nothing was changed"
+                )
+        return super()._apply(fn, recurse)
+
     def _fqn_modifiers(self) -> dict[str, str]:
         # torch.distributed.checkpoint.state_dict: our keys omit the 'module.' level.
         return {name: "module" for name, _ in self.module.named_children()}
@@ -682,6 +713,10 @@ class _AutoRuntime:
 
 
 _MANAGED = "_autodist_managed"  # set on a module while an AutoDist instance manages it
+
+
+def _tensor_format(t: torch.Tensor) -> str:
+    return f"{t.dtype}, {t.device}, strides {tuple(t.stride())}"
 
 
 def _check_arguments(

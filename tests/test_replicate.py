@@ -93,3 +93,68 @@ def test_ddp_keywords_are_taken_with_ddp_s_meaning(world2):
         assert worst < ATOL, worst
         assert buckets == (3, 2), buckets
         assert len(said) == 2 and "reduce_dtype=torch.bfloat16" in said[0] and "drop_last=True" in said[1], said
+
+
+def _channels_last(plan):
+    """A ResNet made channels-last before wrapping, trained 3 steps under ``plan`` against one
+    process (per-rank batches, for BatchNorm), with conversions of the wrapped model tried after the
+    first step ([Note: converting a wrapped model] in autodist/wrapper.py): the largest parameter
+    difference, torch's gradient-layout warnings, whether every parameter's gradient has its
+    parameter's strides, what each conversion raised (``None``: accepted), and whether the
+    parameters were still the same objects, with the same values, after the refused ones."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import models
+    from autodist import AutoDist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cl = torch.channels_last
+    ref, base = (models.make("resnet").to(memory_format=cl) for _ in range(2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = AutoDist(base, plan=plan)
+        opt, ropt = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        said, layouts, kept = {}, [], True
+        for step in range(3):
+            x, y = models.batch("resnet", 4 * world, gen)
+            x = x.contiguous(memory_format=cl)
+            models.loss_fn("resnet", m(x[4 * rank : 4 * rank + 4]), y[4 * rank : 4 * rank + 4]).backward()
+            sum(models.loss_fn("resnet", ref(x[4 * r : 4 * r + 4]), y[4 * r : 4 * r + 4]) for r in range(world)).div(world).backward()
+            layouts.append(all(p.grad.stride() == p.stride() for p in m.parameters()))
+            opt.step(), ropt.step()
+            opt.zero_grad(), ropt.zero_grad()
+            if step == 0:
+                before = [(p, p.detach().clone()) for p in m.parameters()]
+                for what, convert in (("cpu", lambda: m.to("cpu")), ("float", m.float),
+                                      ("double", m.double), ("contiguous", lambda: m.to(memory_format=torch.contiguous_format)),
+                                      ("channels-last", lambda: m.to(memory_format=cl))):
+                    try:
+                        convert()
+                        said[what] = None
+                    except ValueError as e:
+                        said[what] = str(e)
+                kept = all(p is q and torch.equal(p.detach(), v) for (p, v), q in zip(before, m.parameters()))
+    sd, rsd = m.state_dict(), dict(ref.named_parameters())  # BatchNorm's running statistics differ
+    worst = max((sd[k] - v.detach()).abs().max().item() for k, v in rsd.items())
+    m.close()
+    warned = [str(w.message) for w in caught if "gradient layout contract" in str(w.message)]
+    return worst, warned, layouts, said, kept
+
+
+@pytest.mark.parametrize("plan", ["ddp", "fsdp"])
+def test_channels_last_model_and_conversions_after_wrapping(world2, plan):
+    for worst, warned, layouts, said, kept in world2.run(_channels_last, plan):
+        assert warned == [], warned[:1]  # the bucket views keep the parameters' layout
+        assert all(layouts), layouts  # under fsdp the parameters are held contiguous, as FSDP2 holds them
+        assert said["cpu"] is None and said["float"] is None, said  # conversions that change nothing
+        assert "Convert the model before wrapping" in said["double"] and "torch.float64" in said["double"], said
+        # under ddp the parameters kept the user's channels-last layout: going back is a conversion;
+        # under fsdp they are contiguous, so channels-last is
+        refused = "contiguous" if plan == "ddp" else "channels-last"
+        assert said[refused] is not None and "strides" in said[refused], said
+        assert kept
+        assert worst < 1e-4, worst

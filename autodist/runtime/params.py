@@ -81,6 +81,20 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def dense_stride(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s strides when its elements fill its storage span without gaps or overlap in some
+    order of its dimensions (contiguous, channels-last, any permutation), else the contiguous ones:
+    the layout a gradient slot made for ``t`` takes, so that ``.grad`` keeps its parameter's layout
+    (autograd's gradient layout contract; DDP's bucket views do the same)."""
+    shape, stride = tuple(t.shape), tuple(t.stride())
+    acc = 1
+    for d in sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: stride[d]):
+        if stride[d] != acc:
+            return _contiguous_stride(shape)
+        acc *= shape[d]
+    return stride if acc == t.numel() else _contiguous_stride(shape)
+
+
 class ManagedParam:
     """One parameter under AutoDist's control."""
 
@@ -232,7 +246,8 @@ class ManagedParam:
                 and grad.stride() == local.stride()):
             return DTensor(grad, spec, requires_grad=False)  # type: ignore[call-arg]
         return DTensor.from_local(
-            grad, self.mesh, self.placements, run_check=False, shape=torch.Size(self.shape), stride=_contiguous_stride(self.shape)
+            grad, self.mesh, self.placements, run_check=False, shape=torch.Size(self.shape),
+            stride=_contiguous_stride(self.shape) if self.sharded else grad.stride(),
         )
 
     def stash_full_grad(self, dtype: torch.dtype) -> None:

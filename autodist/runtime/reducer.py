@@ -42,7 +42,7 @@ from collections.abc import Callable
 import torch
 
 from .comm import Comm, InFlight, release
-from .params import ManagedParam
+from .params import ManagedParam, dense_stride
 
 # After-reduction action per parameter slot: make the slot the gradient; add it into the user's own
 # gradient tensor; nothing (the slot already is the gradient and was reduced in place); add back the
@@ -91,7 +91,12 @@ class BucketRuntime:
         # visible gradients are views of it (see [Note: gradients as bucket views]).
         self.buffer = torch.zeros(self.total + self.n, dtype=reduce_dtype, device=device)
         if op == "all_reduce":
-            self.views = [self.buffer[o : o + s].view(mp.shape) for o, s, mp in zip(self.offsets, self.sizes, params)]
+            # each slot in its parameter's layout (a channels-last weight's too), so autograd
+            # accumulates into it as it is, as into DDP's bucket views
+            self.views = [
+                self.buffer[o : o + s].as_strided(mp.shape, dense_stride(mp.local))
+                for o, s, mp in zip(self.offsets, self.sizes, params)
+            ]
         else:
             self.views = [
                 self.buffer[o : o + mp.local_rows * mp.row_numel].view(mp.local.shape)
