@@ -139,19 +139,27 @@ def resident_state_bytes(local_param_bytes: Sequence[int], persistent_full_bytes
 
 
 class TriggerCursor:
-    """Walks the triggers in position order: ``fire(pos)`` returns the groups to issue now."""
+    """Walks the triggers in position order: ``fire(pos)`` returns the groups to issue now, passing
+    over those whose first use ``pos`` has passed (the simulator visits every position: such a
+    group was gathered on demand). :meth:`fire_all` returns those too, for the runtime, which
+    issues each group once per pass (``done``: the groups issued in this one) to keep the ranks'
+    collectives alike ([Note: units a forward left out])."""
 
     def __init__(self, trig: list[Trigger]) -> None:
         self.trig = trig
         self.next = 0
+        self.done: set[int] = set()
 
     def fire(self, pos: int) -> list[int]:
+        return [g for g, passed in self.fire_all(pos) if not passed]
+
+    def fire_all(self, pos: float) -> list[tuple[int, bool]]:
+        """Every group whose trigger ``pos`` reaches, with whether its first use has passed."""
         out = []
         while self.next < len(self.trig) and self.trig[self.next].at <= pos:
             t = self.trig[self.next]
             self.next += 1
-            if t.first >= pos:
-                out.append(t.group)
+            out.append((t.group, t.first < pos))
         return out
 
 
@@ -165,6 +173,43 @@ def positions(order: Sequence[str], counted: Collection[str]) -> dict[str, int]:
         if u in counted:
             n += 1
         out.setdefault(u, n)
+    return out
+
+
+def merged_order(previous: Sequence[str], ran: Sequence[str]) -> list[str]:
+    """The unit order prefetch follows after a forward that ran ``ran`` (each unit once, in the
+    order they started), given the order it followed before.
+
+    [Note: units a forward left out] The units ``ran`` leaves out keep their place: each stays
+    right after the unit that preceded it in ``previous`` and ran. A unit some ranks skip (a
+    mixture-of-experts layer that routed no token to one expert, a branch taken on some ranks)
+    then keeps every rank's positions, triggers and so collectives alike: appended at the end, as
+    it was, it moved the positions of the rank that skipped it only, which gathered its groups in
+    another order than the other ranks from the next step on (gloo timed out; NCCL hangs).
+
+    The runtime keeps the rest alike too. Its gathers are issued in trigger order, each group once
+    per pass (a forward, a backward): before a unit gathers its own groups, the triggers it would
+    have passed over are fired (:meth:`TriggerCursor.fire_all`: a rank that skipped a unit gathers
+    that unit's group where the others did, in the same order), and at the end of each pass the
+    triggers left. A group gathered only to keep the order is freed as soon as its place has
+    passed in a forward, and at the end of backward in a backward. Its bucket is launched at the
+    event that settles its missing gradients ([Note: settled parameters] in engine.py), which also
+    holds under ``"ready"``. Backward positions come from this order, not from the units this
+    rank's forward ran. What remains rank-dependent: a group gathered again for a second use
+    (a module called twice) that some ranks make and others do not; the end-of-backward check of
+    the collective sequence reports it (comm.py)."""
+    seen = set(ran)
+    after: dict[str | None, list[str]] = {}
+    anchor: str | None = None
+    for u in previous:
+        if u in seen:
+            anchor = u
+        else:
+            after.setdefault(anchor, []).append(u)
+    out = list(after.get(None, ()))
+    for u in ran:
+        out.append(u)
+        out.extend(after.get(u, ()))
     return out
 
 
@@ -312,8 +357,10 @@ def group_fire_positions(pos: Mapping[str, int], groups: Iterable[Sequence[str]]
     return out
 
 def freed_after_forward(group_units: Sequence[str], done: set[str], expected: set[str]) -> bool:
-    """An ``after_forward`` group is freed once every unit of it that runs this step has finished
-    its forward (units that did not run last step are not waited for)."""
+    """An ``after_forward`` group is freed once every ``expected`` unit of it has finished its
+    forward. The runtime expects every unit: freed after some of them, a group whose other unit
+    then ran was gathered again on demand, on the ranks that ran it only ([Note: units a forward
+    left out]); one with a unit this step left out is freed at the end of the forward."""
     return all(u in done for u in group_units if u in expected)
 
 

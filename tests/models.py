@@ -173,6 +173,35 @@ class SparseEmbed(nn.Module):
         return self.head(torch.tanh(self.embed(idx).mean(1)))
 
 
+class MixtureOfExperts(nn.Module):
+    """Top-1 routing over experts kept as separate modules, each run only on the tokens routed to
+    it (as mixture-of-experts code written with a loop over an ``nn.ModuleList`` does): an expert
+    no token of a rank's batch chose is left out of that rank's forward and backward, while the
+    other ranks run it."""
+
+    def __init__(self, experts: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(9, 21)
+        self.gate = nn.Linear(21, experts)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(21, 17), nn.Tanh(), nn.Linear(17, 21)) for _ in range(experts))
+        self.out = nn.Linear(21, 4)
+        self.ran: list[list[int]] = []  # the experts each forward ran
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        prob = torch.softmax(self.gate(h), dim=-1)
+        choice = prob.argmax(-1)
+        y = torch.zeros_like(h)
+        ran = []
+        for e, expert in enumerate(self.experts):
+            idx = (choice == e).nonzero().squeeze(-1)
+            if idx.numel():
+                ran.append(e)
+                y = y.index_add(0, idx, expert(h[idx]) * prob[idx, e : e + 1])
+        self.ran.append(ran)
+        return self.out(torch.tanh(y + h))
+
+
 class WeightNormed(nn.Module):
     """torch's deprecated ``nn.utils.weight_norm`` (a forward pre-hook that computes ``weight``
     from the parameters ``weight_g`` and ``weight_v``; audio models keep it) and a spectral-norm
@@ -380,6 +409,7 @@ MODELS = {
     "frozen": Frozen,
     "sparse": SparseEmbed,
     "weight-norm": WeightNormed,
+    "moe": MixtureOfExperts,
     "gpt": TinyGPT,
     "gpt-untied": lambda: TinyGPT(tied=False),
     "gpt-ckpt-nonreentrant": lambda: CheckpointedGPT("nonreentrant"),
@@ -407,7 +437,7 @@ def make(name: str, seed: int = 0, *, meta: bool = False) -> nn.Module:
 def _family(name: str) -> str:
     if name.startswith("gpt") or name == "torch-transformer":
         return "gpt"
-    return {"late-read": "branchy", "dtypes": "branchy", "dtypes-exact": "branchy", "resnet": "convbn", "resnet-inplace": "convbn", "nested": "mlp", "weight-norm": "mlp"}.get(name, "image" if name.startswith("timm-") else name)
+    return {"late-read": "branchy", "dtypes": "branchy", "dtypes-exact": "branchy", "resnet": "convbn", "resnet-inplace": "convbn", "nested": "mlp", "weight-norm": "mlp", "moe": "branchy"}.get(name, "image" if name.startswith("timm-") else name)
 
 
 def batch(name: str, n: int, generator: torch.Generator):
@@ -439,4 +469,4 @@ def loss_fn(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
-__all__ = ["make", "batch", "loss_fn", "MLP", "NestedMLP", "ConvBN", "TinyResNet", "WithUnused", "Branchy", "Frozen", "SparseEmbed", "WeightNormed", "TinyGPT", "math"]
+__all__ = ["make", "batch", "loss_fn", "MLP", "NestedMLP", "ConvBN", "TinyResNet", "WithUnused", "Branchy", "Frozen", "SparseEmbed", "WeightNormed", "MixtureOfExperts", "TinyGPT", "math"]

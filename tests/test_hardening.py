@@ -9,6 +9,7 @@ policy does.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import sys
@@ -124,26 +125,59 @@ def test_backward_reading_the_full_weight_after_its_gradient(world2, plan):
 # 3. control flow
 # ------------------------------------------------------------------------------------------------
 class RankBranch(torch.nn.Module):
-    """Rank 0 runs ``left``, the others ``right``: two sharded units of equal size."""
+    """Rank 0 runs ``left``, the others ``right``, each ``calls`` times in a row (four sharded
+    units of one size)."""
 
-    def __init__(self):
+    def __init__(self, calls: int = 1):
         super().__init__()
-        self.inp = torch.nn.Linear(8, 16)
+        self.calls = calls
+        self.inp = torch.nn.Linear(16, 16)
         self.left = torch.nn.Linear(16, 16)
         self.right = torch.nn.Linear(16, 16)
-        self.out = torch.nn.Linear(16, 2)
+        self.out = torch.nn.Linear(16, 16)  # every gather of one size: divergent ones pair, and are checked
+        self.rank = dist.get_rank()
 
     def forward(self, x):
         h = torch.tanh(self.inp(x))
-        h = self.left(h) if dist.get_rank() == 0 else self.right(h)
+        for _ in range(self.calls):
+            h = torch.tanh(self.left(h) if self.rank == 0 else self.right(h))
         return self.out(h)
 
 
-def rank_divergent_control_flow() -> str:
+def rank_divergent_control_flow() -> float:
+    """Three steps of ``RankBranch`` under ``fsdp``, against one process running each rank's
+    branch on its rank's batch: the largest parameter difference."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = AutoDist(RankBranch(), plan="fsdp")
+    ref = RankBranch()
+    model = AutoDist(copy.deepcopy(ref), plan="fsdp")
+    opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(4 * world, 16, generator=gen)
+        model(x[4 * rank : 4 * rank + 4]).square().mean().backward()
+        for r in range(world):
+            ref.rank = r
+            (ref(x[4 * r : 4 * r + 4]).square().mean() / world).backward()
+        opt.step(), ropt.step()
+        opt.zero_grad(), ropt.zero_grad()
+    sd = model.state_dict()
+    model.close()
+    return max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+
+
+def test_a_branch_that_depends_on_the_rank_trains_as_in_one_process(world2):
+    # Before [Note: units a forward left out] in autodist/schedule.py, the ranks' gathers of
+    # ``left`` and ``right`` (equal sizes) paired with each other, and the check below raised
+    for worst in world2.run(rank_divergent_control_flow):
+        assert worst < 1e-6, worst
+
+
+def module_called_again_on_some_ranks() -> str:
+    torch.manual_seed(0)
+    model = AutoDist(RankBranch(calls=2), plan="fsdp")
     try:
-        model(torch.randn(4, 8)).sum().backward()
+        model(torch.randn(4, 16)).sum().backward()
     except RankMismatchError as e:
         return str(e)
     finally:
@@ -151,9 +185,11 @@ def rank_divergent_control_flow() -> str:
     return "no error"
 
 
-def test_rank_divergent_control_flow_on_sharded_units_raises_on_every_rank(world2):
-    for rank, msg in enumerate(world2.run(rank_divergent_control_flow)):
-        assert "left" in msg and "right" in msg and "same order on every rank" in msg, f"rank {rank}: {msg}"
+def test_a_module_called_again_on_some_ranks_only_raises_on_every_rank(world2):
+    # a group freed after a unit's forward and gathered again for a second call on rank 0 only:
+    # the gathers still pair (equal sizes) and the end-of-backward check names the first difference
+    for rank, msg in enumerate(world2.run(module_called_again_on_some_ranks)):
+        assert "all_gather(left) on rank 0" in msg and "same order on every rank" in msg, f"rank {rank}: {msg}"
 
 
 def skipped_block_with_log(plan) -> dict:
@@ -171,12 +207,14 @@ def skipped_block_with_log(plan) -> dict:
 
 
 @pytest.mark.parametrize("plan", ["fsdp", "zero2", {"residency": "persistent", "grouping": "block"}, {"grouping": "unit", "window": 2}], ids=["fsdp", "zero2", "persistent", "unit-w2"])
-def test_a_block_skipped_on_alternate_steps_trains_correctly_with_a_logged_deviation(world2, plan):
+def test_a_block_skipped_on_alternate_steps_trains_correctly_without_changing_the_order(world2, plan):
+    # a unit left out keeps its place in the learned order ([Note: units a forward left out]):
+    # before, it moved to the end of the order and every later step counted and logged a deviation
     results = world2.run(skipped_block_with_log, plan)
     check(results, atol=ATOL)
     for r in results:
-        assert r["runtime"]["order_deviations"] > 0
-    assert results[0]["logged"], "rank 0 logged no order deviation"
+        assert r["runtime"]["order_deviations"] == 0
+    assert not results[0]["logged"], results[0]["logged"]
 
 
 # ------------------------------------------------------------------------------------------------

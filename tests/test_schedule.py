@@ -143,11 +143,13 @@ def deviations_of_a_block_skipped_on_alternate_steps() -> list[list[str]]:
     return out
 
 
-def test_control_flow_that_departs_from_the_learned_order_is_recorded_as_a_deviation(world2):
+def test_a_block_left_out_on_alternate_steps_keeps_the_learned_order(world2):
+    # [Note: units a forward left out]: the block keeps its place in the order, and its groups are
+    # gathered there whether it runs or not (as a rank that leaves it out must, beside ranks that
+    # run it). Before, the block moved to the end of the order in the steps that left it out, and
+    # every later step was recorded as departing from the order learned, with on-demand gathers.
     for per_step in world2.run(deviations_of_a_block_skipped_on_alternate_steps):
-        assert not per_step[0]  # the first step has nothing learned to depart from
-        assert all(per_step[1:]), per_step  # every later step runs the other order
-        assert any("forward order changed" in d for d in per_step[1])
+        assert per_step == [[], [], [], []], per_step
 
 
 def on_demand_backward_gathers_by_step(model_name: str, steps: int = 4) -> list[int]:

@@ -768,9 +768,10 @@ class Comm:
             )
         raise RankMismatchError(
             f"ranks issued different collectives in a step: collective #{i + 1} was {what0} on rank 0 but "
-            f"{what1} on rank {first}. Sharded units must run in the same order on every rank (as with FSDP); "
-            "a unit whose control flow depends on the rank must be replicated (make its placement 'replicate' "
-            "in the plan), or make the control flow the same on every rank."
+            f"{what1} on rank {first}. Sharded units must run in the same order on every rank (units some ranks "
+            "leave out are gathered there all the same; a unit run again, or in another order, on some ranks is "
+            "not): a unit whose control flow depends on the rank must be replicated (make its placement "
+            "'replicate' in the plan), or make the control flow the same on every rank."
         )
 
     # -- objects ------------------------------------------------------------------------------

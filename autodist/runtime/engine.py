@@ -82,6 +82,7 @@ from ..schedule import (
     gathering_units,
     group_fire_positions,
     memory_windows,
+    merged_order,
     positions,
     resident_state_bytes,
     triggers,
@@ -169,7 +170,6 @@ class Engine:
         self._order_learned = False
         self._anchors: dict[str, str | None] = {}  # learned recomputation anchors (previous step)
         self._module_of_unit = {u.name: u.module_name for u in structure.units}  # [Note: nested units]
-        self._last_seen: set[str] = set()
         self.observer = None  # plan="auto"'s step recorder while it profiles (autodist/planner/recorder.py)
         # the actions taken, in the schedule's vocabulary (autodist/schedule.py); None: not recorded
         self.actions: ActionLog | None = None
@@ -405,14 +405,39 @@ class Engine:
         pos = positions(self.unit_order, self._gathering)
         self.unit_pos = pos
         self._fire_pos = group_fire_positions(pos, self._candidate_units)
+        missing = max(pos.values(), default=-1) + 1
         self._fwd_triggers = triggers(
-            [g.units for g in self.groups], [g.forward_window for g in self.groups], pos,
-            missing=max(pos.values(), default=-1) + 1,
+            [g.units for g in self.groups], [g.forward_window for g in self.groups], pos, missing=missing,
         )
+        self._fwd_first = {g.index: min((pos[u] for u in g.units if u in pos), default=missing) for g in self.groups}
 
-    def _fire(self, cursor: TriggerCursor, pos: int) -> None:
-        for gi in cursor.fire(pos):
-            self.groups[gi].issue()
+    def _fire(self, cursor: TriggerCursor, pos: float, *, forward: bool = False) -> None:
+        """Issue the groups whose triggers ``pos`` reaches and that this pass has not issued,
+        those whose place has passed too ([Note: units a forward left out] in schedule.py)."""
+        for gi, passed in cursor.fire_all(pos):
+            if gi in cursor.done:
+                continue
+            cursor.done.add(gi)
+            g = self.groups[gi]
+            g.issue()
+            if passed and forward and g.residency == "after_forward" and not g.active and not g.fwd_done:
+                g.free()  # gathered only where the other ranks gather it: its place has passed
+
+    def _catch_up(self, cursor: TriggerCursor, site: ModuleSite, forward: bool) -> None:
+        """Before ``site`` gathers its groups: the triggers of the places before its own, which
+        this rank passed over when it left a unit out ([Note: units a forward left out]). A site's
+        place is its unit's (a collapsed group's root: the group's first); a site reading a group
+        of another unit (a tied weight) gathers it where it is, as it did."""
+        if cursor.next >= len(cursor.trig) or site.unit is None:
+            return
+        step = self._step
+        if site.collapsed:
+            first = self._fwd_first if forward else step.bwd_first
+            at = min((first[g.index] for g in site.groups if g.index in first), default=None)
+        else:
+            at = (self.unit_pos if forward else step.bwd_need).get(site.unit)
+        if at is not None:
+            self._fire(cursor, at - 1, forward=forward)
 
     def _install_hooks(self) -> None:
         self._install_module_hooks()
@@ -641,10 +666,8 @@ class Engine:
             # the state on the device through the forward's peak). On CUDA the compute stream waits
             # on the copies' events: the host does not block.
             self.offload.finish_out()
-        expected = self._last_seen or set(self.unit_order)
         for g in self.groups:
-            g.reset_step()
-            g.fwd_expected = expected
+            g.reset_step()  # every unit of a group expected: see [Note: units a forward left out]
         # [Note: when buffers are broadcast] DDP's rule (broadcast_buffers=True): rank 0's buffers are
         # broadcast before the first forward, and before every forward that follows a forward run
         # with gradients enabled and synchronised (outside no_sync) — whatever this forward's own
@@ -746,6 +769,12 @@ class Engine:
         after an unfinished one still starts a step of its own, as before."""
         self.stats.joined_forwards += 1
         self._step.fwd_schedule = TriggerCursor(self._fwd_triggers)
+        # the order is learned, and a group freed, from this forward's own units: the units each
+        # rank's earlier forwards ran differ where the ranks leave out different units ([Note:
+        # units a forward left out] in autodist/schedule.py)
+        self._step.fwd_sequence, self._step.seen_units = [], set()
+        for g in self.groups:
+            g.fwd_done = set()
         if self.offload.active:
             self.offload.finish_out()
         self._refresh_persistent()
@@ -771,6 +800,7 @@ class Engine:
             self.offload.finish_out()  # copy-outs started at a forward unit (see [Note: when offloaded state ...])
         tensors = [t for t in output_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         step.expects_backward = bool(tensors) and torch.is_grad_enabled()
+        self._fire(step.fwd_schedule, math.inf, forward=True)  # the places a forward left out last
         for g in self.groups:
             if g.active:
                 continue
@@ -784,9 +814,7 @@ class Engine:
         """Prefetch for the next forward follows the order units actually ran in this one."""
         if not seq:
             return
-        seen = set(seq)
-        self._last_seen = seen
-        new_order = list(seq) + [u for u in self.unit_order if u not in seen]
+        new_order = merged_order(self.unit_order, seq)
         if new_order == self.unit_order:
             self._order_learned = True
             return
@@ -850,10 +878,14 @@ class Engine:
                     step.nograd_uses.add(id(mp))
         # Own groups first, then prefetch: the finished gather's buffers are released before the
         # next one allocates its own (FSDP2 orders them the same way).
+        cursor = step.bwd_schedule if recompute else step.fwd_schedule
+        if site.groups:
+            self._catch_up(cursor, site, not recompute)
         for g in site.groups:
             was_sharded = g.state is GroupState.SHARDED
             if g.ensure() and not g.used:  # gathering again a group used earlier this step is planned
                 self._count_on_demand(g, recompute)
+            cursor.done.add(g.index)
             g.used = True
             if recompute and was_sharded and g.tokens_fired and not g.tokens_pending:
                 g.hold = True  # every signal already fired: nothing tells when this use ends
@@ -938,9 +970,12 @@ class Engine:
                 keys = self.offload.back_at.get(f"backward:{site.unit}")
                 if keys:
                     self.offload.copy_back(keys)
+            if site.groups:
+                self._catch_up(step.bwd_schedule, site, False)
             for g in site.groups:
                 if g.ensure():
                     self._count_on_demand(g, True)
+                step.bwd_schedule.done.add(g.index)
             if site.collapsed:
                 # a recomputation inside the root, whatever runs it, reads the full parameters
                 for mp in site.swaps:
@@ -974,7 +1009,12 @@ class Engine:
         """No gradient for ``mp`` will arrive in this backward: every module that uses it has
         finished its backward (see [Note: settled parameters])."""
         step = self._step
-        for site in self._sites_of_param.get(id(mp), ()):
+        sites = self._sites_of_param.get(id(mp), ())
+        if self.launch_policy != "sampled" and not (sites and all(site.groups for site in sites)):
+            # only sites that gather attach post-backward signals under the other policies: where
+            # one does not, nothing says its backward finished
+            return False
+        for site in sites:
             key = id(site)
             if key in step.site_untokened:
                 return False
@@ -1039,13 +1079,16 @@ class Engine:
         step.create_graph = torch.is_grad_enabled()  # autograd runs a create_graph backward with grad on
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self._swap_root(True)
-        # Backward order: reverse of the order this step's forwards finished in; recomputed units
-        # are first needed at their anchor (see [Note: prefetch triggers] and [Note: nested units]
-        # in autodist/schedule.py).
-        step.bwd_need = backward_positions(step.fwd_sequence, self._anchors, self._gathering, self._module_of_unit)
+        # Backward order: reverse of the order the forwards finished in; recomputed units are first
+        # needed at their anchor (see [Note: prefetch triggers] and [Note: nested units] in
+        # autodist/schedule.py). Of the learned order, with the units this rank's forwards left out
+        # in their places, so that every rank gathers alike ([Note: units a forward left out]).
+        step.bwd_need = backward_positions(self.unit_order, self._anchors, self._gathering, self._module_of_unit)
         step.bwd_fire = group_fire_positions(step.bwd_need, self._candidate_units)
         late = [g for g in self.groups if g.residency == "after_forward"]
         trig = triggers([g.units for g in late], [g.backward_window for g in late], step.bwd_need)
+        step.bwd_first = {g.index: min(step.bwd_need[u] for u in g.units if u in step.bwd_need)
+                          for g in late if any(u in step.bwd_need for u in g.units)}
         step.bwd_schedule = TriggerCursor([replace(t, group=late[t.group].index) for t in trig])
         self._fire(step.bwd_schedule, -1)  # the start of backward, whichever hook saw it first
         # Parameters used by several forwards, one of them without gradients (reentrant activation
@@ -1100,6 +1143,7 @@ class Engine:
             # keeps the groups gathered: that graph reads the full parameters, and the backward
             # through it is still to come ([Note: several backward passes over one step's graphs])
             keep = step.create_graph and bool(self.groups)
+            self._fire(step.bwd_schedule, math.inf)  # the places a backward left out last
             # without sync, only units accumulating sharded gradients reduce (every micro-batch)
             missing = self.reducer.flush() if step.sync or self.reducer.active else []
             hooked = self._user_post_hooked(step) if self.param_hooks.post else []

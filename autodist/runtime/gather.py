@@ -124,8 +124,8 @@ class GatherGroupRuntime:
         """Per-step bookkeeping (see [Note: post-backward] in backward.py)."""
         self.active = 0  # modules using this group currently inside their forward
         self.used = False  # a module used it this step (gathering it again later is planned, e.g. tied weights)
-        self.fwd_done: set[str] = set()  # units that finished their forward this step
-        self.fwd_expected: set[str] = set(self.units)  # units expected to run forward (ran last step)
+        self.fwd_done: set[str] = set()  # units that finished their forward in this forward
+        self.fwd_expected: set[str] = set(self.units)  # units whose forward frees the group when all are done
         self.grads_ready = 0  # trainable parameters whose gradient has been accumulated
         self.tokens_pending = 0  # post-backward signals attached and not fired
         self.tokens_fired = 0

@@ -507,15 +507,20 @@ class Reducer:
             self._launch_ready()
 
     def poll(self) -> None:
-        """Launch the buckets that are complete, in order (a no-op when launching on readiness)."""
-        if not self.launch_on_ready:
-            self._launch_ready()
+        """Launch the buckets that are complete, in order. Also when launching on readiness: a
+        bucket whose missing gradients are settled (a unit this rank's forward left out) is
+        launched at the event that settles them, where the ranks that computed them launch it when
+        they arrive. Left to the flush, it held back this rank's reductions to the end of backward
+        while the others waited for it with their in-flight bound, and this rank's next backward
+        gather waited for them ([Note: units a forward left out] in autodist/schedule.py)."""
+        self._launch_ready()
 
     def _complete(self, b: BucketRuntime) -> bool:
         if b.pending == 0:
             return True
-        if self.launch_on_ready or self.settled is None:
+        if self.settled is None:
             return False
+        # the first missing gradient is usually unsettled (its unit's backward is still to come)
         return all(r or self.settled(mp) for r, mp in zip(b.ready, b.params))
 
     def _launch_ready(self) -> None:

@@ -45,13 +45,14 @@ class StepState:
     gen: int = 0  # distinguishes this step's post-backward signals from stale ones
     sync: bool = True
     grad: bool = True
-    fwd_sequence: list[str] = field(default_factory=list)
+    fwd_sequence: list[str] = field(default_factory=list)  # the units the latest forward ran, in order
     seen_units: set[str] = field(default_factory=set)
     fwd_schedule: TriggerCursor = field(default_factory=lambda: TriggerCursor([]))
     in_backward: bool = False
     bwd_schedule: TriggerCursor = field(default_factory=lambda: TriggerCursor([]))
     bwd_need: dict[str, int] = field(default_factory=dict)  # first backward use (recomputation anchors)
     bwd_fire: dict[str, int] = field(default_factory=dict)  # where each unit's backward fires prefetch
+    bwd_first: dict[int, int] = field(default_factory=dict)  # each late group's first backward position
     bwd_current: str | None = None  # the unit whose backward is running
     anchors: dict[str, str | None] = field(default_factory=dict)  # recomputed unit -> anchor, this step
     ready_order: list[str] = field(default_factory=list)
