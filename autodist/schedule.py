@@ -13,14 +13,15 @@ rank-dependent branch) moves no other unit's position: every other unit keeps it
 rank, and each rank issues the same gathers in the same order. A unit that is not counted carries
 the position of the last gathering unit before it, and fires nothing that unit did not. (FSDP2
 counts the same way: it prefetches among FSDP modules only.) Forward positions follow the previous
-step's observed unit order (the plan's order before the first step). Backward positions follow the
-reverse of the order *this* step's forwards finished in ([Note: nested units]), except that a unit
-whose forward is recomputed is first needed where that recomputation happens (its *anchor*: the unit
+step's observed unit order (the plan's order before the first step; a unit the forward left out
+keeps its place: [Note: units a forward left out]). Backward positions follow the reverse of the
+order forwards finish in, in that learned order ([Note: nested units]), except that a unit whose
+forward is recomputed is first needed where that recomputation happens (its *anchor*: the unit
 whose backward is running then — the last unit of a checkpointed block). Triggers fire in position
-order, so the issue order is a function of the plan and the control flow of the gathering units
-only, identical on every rank where the sharded units take the same branches (which their
-collectives need anyway). A group whose first use is already behind when its trigger fires (its
-units were skipped) is not gathered for nothing.
+order, so the issue order is a function of the plan and the learned order, identical on every rank
+whose sharded units run in one order. The simulator visits every position and never passes a
+trigger over; the runtime issues a group whose first use is already behind when its trigger fires
+(its units were left out on this rank), where the other ranks issued it.
 
 [Note: nested units] A unit's module may call other units' modules inside its own forward (a
 ConvNeXt block owns its layer scale and calls its convolution and MLP; a ViT's root owns the class

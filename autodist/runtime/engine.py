@@ -22,9 +22,10 @@ reducer, and drives them from these hooks:
   forward and compute-dtype copies stale, and start offload copy-outs (optimizers.py).
 
 Prefetch follows [Note: prefetch triggers] in ``autodist/schedule.py``: positions count gathering
-units only, forward in the previous step's observed order, backward in the reverse of this step's
-forward with recomputed units needed at their anchors. A unit whose group was not prefetched gathers
-on demand; the deviation is counted and logged once.
+units only, forward in the previous step's observed order, backward in its reverse with recomputed
+units needed at their anchors; units a rank's forward left out are gathered at their places all the
+same ([Note: units a forward left out]). A unit whose group was not prefetched gathers on demand;
+the deviation is counted and logged once.
 
 [Note: one issue order for NCCL] Gathers and reductions run on two process groups (comm.py). With
 gloo they are independent. NCCL, however, requires every rank to launch collectives on concurrently
