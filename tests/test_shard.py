@@ -73,6 +73,7 @@ MIXTURE_OF_EXPERTS = {
     "recomputed-experts": Case(model="moe", plan={"grouping": "block", "recompute": "all"}, steps=4),
     "no-sync": Case(model="moe", plan="fsdp", accumulate=2, steps=3),
     "two-forwards": Case(model="moe", plan={"grouping": "unit"}, forwards=2, steps=3),
+    "nccl-launch-policy": Case(model="moe", plan={"grouping": "unit"}, launch_policy="sampled", steps=4),
 }
 
 

@@ -412,23 +412,30 @@ class Engine:
         )
         self._fwd_first = {g.index: min((pos[u] for u in g.units if u in pos), default=missing) for g in self.groups}
 
-    def _fire(self, cursor: TriggerCursor, pos: float, *, forward: bool = False) -> None:
+    def _fire(self, cursor: TriggerCursor, pos: float, *, forward: bool = False) -> bool:
         """Issue the groups whose triggers ``pos`` reaches and that this pass has not issued,
-        those whose place has passed too ([Note: units a forward left out] in schedule.py)."""
+        those whose place has passed too ([Note: units a forward left out] in schedule.py).
+        Returns whether it issued one of those."""
+        late = False
         for gi, passed in cursor.fire_all(pos):
             if gi in cursor.done:
                 continue
             cursor.done.add(gi)
             g = self.groups[gi]
-            g.issue()
+            late |= g.issue() and passed
             if passed and forward and g.residency == "after_forward" and not g.active and not g.fwd_done:
                 g.free()  # gathered only where the other ranks gather it: its place has passed
+        return late
 
     def _catch_up(self, cursor: TriggerCursor, site: ModuleSite, forward: bool) -> None:
         """Before ``site`` gathers its groups: the triggers of the places before its own, which
         this rank passed over when it left a unit out ([Note: units a forward left out]). A site's
         place is its unit's (a collapsed group's root: the group's first); a site reading a group
-        of another unit (a tied weight) gathers it where it is, as it did."""
+        of another unit (a tied weight) gathers it where it is, as it did.
+
+        In a backward under NCCL's launch policy, the buckets are then polled as the left-out
+        units' post-backward signals would have polled them on the ranks that ran them, so a
+        bucket they settle is launched among the gathers where it is launched there."""
         if cursor.next >= len(cursor.trig) or site.unit is None:
             return
         step = self._step
@@ -437,8 +444,27 @@ class Engine:
             at = min((first[g.index] for g in site.groups if g.index in first), default=None)
         else:
             at = (self.unit_pos if forward else step.bwd_need).get(site.unit)
-        if at is not None:
-            self._fire(cursor, at - 1, forward=forward)
+        if at is not None and self._fire(cursor, at - 1, forward=forward) and not forward:
+            if self.launch_policy == "sampled":
+                self.reducer.poll()
+
+    def _replay_left_out(self, site: ModuleSite) -> None:
+        """NCCL's launch policy ([Note: one issue order for NCCL]): before ``site``'s backward, the
+        backward events of the units this step's forwards left out, at their places: the triggers
+        there, then a poll of the buckets, as their pre- and post-backward events do on the ranks
+        that ran them. A bucket of theirs is settled only once its place is reached (see
+        :meth:`_settled`), so it is launched among the gathers where those ranks launch it."""
+        step = self._step
+        at = step.bwd_need.get(site.unit) if site.unit is not None and not site.collapsed else min(
+            (step.bwd_need[u] for u in site.units if u in step.bwd_need), default=None)
+        if at is None:
+            return
+        for j in range(step.bwd_reached + 1, at):
+            if any(u not in step.ran_units for u in step.bwd_units_at.get(j, ())):
+                self._fire(step.bwd_schedule, j)
+                step.bwd_reached = j
+                self.reducer.poll()
+        step.bwd_reached = max(step.bwd_reached, at)
 
     def _install_hooks(self) -> None:
         self._install_module_hooks()
@@ -869,6 +895,7 @@ class Engine:
                 if u not in step.seen_units:
                     step.seen_units.add(u)
                     step.fwd_sequence.append(u)
+                    step.ran_units.add(u)
             if step.grad and torch.is_grad_enabled():
                 for mp in site.params:
                     step.uses[id(mp)] = step.uses.get(id(mp), 0) + 1
@@ -971,6 +998,8 @@ class Engine:
                 keys = self.offload.back_at.get(f"backward:{site.unit}")
                 if keys:
                     self.offload.copy_back(keys)
+            if self.launch_policy == "sampled":
+                self._replay_left_out(site)
             if site.groups:
                 self._catch_up(step.bwd_schedule, site, False)
             for g in site.groups:
@@ -1020,6 +1049,10 @@ class Engine:
             if key in step.site_untokened:
                 return False
             calls = step.site_calls.get(key, 0)
+            if calls == 0 and step.bwd_units_at and max(
+                (step.bwd_need.get(u, -1) for u in site.units), default=-1
+            ) > step.bwd_reached:
+                return False  # NCCL's policy: a unit left out settles at its place ([Note: units a forward left out])
             if step.site_done.get(key, 0) < calls or calls < step.site_nograd.get(key, 0):
                 return False
         return True
@@ -1090,6 +1123,11 @@ class Engine:
         trig = triggers([g.units for g in late], [g.backward_window for g in late], step.bwd_need)
         step.bwd_first = {g.index: min(step.bwd_need[u] for u in g.units if u in step.bwd_need)
                           for g in late if any(u in step.bwd_need for u in g.units)}
+        step.bwd_reached = -1
+        if self.launch_policy == "sampled":
+            step.bwd_units_at = {}
+            for u, p in step.bwd_need.items():
+                step.bwd_units_at.setdefault(p, []).append(u)
         step.bwd_schedule = TriggerCursor([replace(t, group=late[t.group].index) for t in trig])
         self._fire(step.bwd_schedule, -1)  # the start of backward, whichever hook saw it first
         # Parameters used by several forwards, one of them without gradients (reentrant activation

@@ -53,6 +53,9 @@ class StepState:
     bwd_need: dict[str, int] = field(default_factory=dict)  # first backward use (recomputation anchors)
     bwd_fire: dict[str, int] = field(default_factory=dict)  # where each unit's backward fires prefetch
     bwd_first: dict[int, int] = field(default_factory=dict)  # each late group's first backward position
+    bwd_units_at: dict[int, list[str]] = field(default_factory=dict)  # NCCL's policy: the units at each backward position
+    bwd_reached: int = -1  # NCCL's policy: the backward position the latest pre-backward event reached
+    ran_units: set[str] = field(default_factory=set)  # the units any forward of this step ran
     bwd_current: str | None = None  # the unit whose backward is running
     anchors: dict[str, str | None] = field(default_factory=dict)  # recomputed unit -> anchor, this step
     ready_order: list[str] = field(default_factory=list)
