@@ -412,16 +412,16 @@ class Engine:
         )
         self._fwd_first = {g.index: min((pos[u] for u in g.units if u in pos), default=missing) for g in self.groups}
 
-    def _fire(self, cursor: TriggerCursor, pos: float, *, forward: bool = False) -> bool:
+    def _fire(self, cursor: TriggerCursor, pos: float, *, forward: bool = False, trained: bool = False) -> bool:
         """Issue the groups whose triggers ``pos`` reaches and that this pass has not issued,
-        those whose place has passed too ([Note: units a forward left out] in schedule.py).
-        Returns whether it issued one of those."""
+        those whose place has passed too ([Note: units a forward left out] in schedule.py);
+        ``trained``: only groups with a trainable parameter. Returns whether it issued a passed one."""
         late = False
         for gi, passed in cursor.fire_all(pos):
-            if gi in cursor.done:
+            g = self.groups[gi]
+            if gi in cursor.done or (trained and not g.n_trainable):
                 continue
             cursor.done.add(gi)
-            g = self.groups[gi]
             late |= g.issue() and passed
             if passed and forward and g.residency == "after_forward" and not g.active and not g.fwd_done:
                 g.free()  # gathered only where the other ranks gather it: its place has passed
@@ -1182,7 +1182,9 @@ class Engine:
             # keeps the groups gathered: that graph reads the full parameters, and the backward
             # through it is still to come ([Note: several backward passes over one step's graphs])
             keep = step.create_graph and bool(self.groups)
-            self._fire(step.bwd_schedule, math.inf)  # the places a backward left out last
+            # the places a backward left out last: of groups with something to train (a frozen
+            # backbone that no backward reaches, on any rank, is not gathered for nothing)
+            self._fire(step.bwd_schedule, math.inf, trained=True)
             # without sync, only units accumulating sharded gradients reduce (every micro-batch)
             missing = self.reducer.flush() if step.sync or self.reducer.active else []
             hooked = self._user_post_hooked(step) if self.param_hooks.post else []
