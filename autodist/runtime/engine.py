@@ -406,11 +406,10 @@ class Engine:
         pos = positions(self.unit_order, self._gathering)
         self.unit_pos = pos
         self._fire_pos = group_fire_positions(pos, self._candidate_units)
-        missing = max(pos.values(), default=-1) + 1
         self._fwd_triggers = triggers(
-            [g.units for g in self.groups], [g.forward_window for g in self.groups], pos, missing=missing,
+            [g.units for g in self.groups], [g.forward_window for g in self.groups], pos,
+            missing=max(pos.values(), default=-1) + 1,
         )
-        self._fwd_first = {g.index: min((pos[u] for u in g.units if u in pos), default=missing) for g in self.groups}
 
     def _fire(self, cursor: TriggerCursor, pos: float, *, forward: bool = False, trained: bool = False) -> bool:
         """Issue the groups whose triggers ``pos`` reaches and that this pass has not issued,
@@ -438,15 +437,18 @@ class Engine:
         bucket they settle is launched among the gathers where it is launched there."""
         if cursor.next >= len(cursor.trig) or site.unit is None:
             return
-        step = self._step
-        if site.collapsed:
-            first = self._fwd_first if forward else step.bwd_first
-            at = min((first[g.index] for g in site.groups if g.index in first), default=None)
-        else:
-            at = (self.unit_pos if forward else step.bwd_need).get(site.unit)
+        at = self._place(site, forward)
         if at is not None and self._fire(cursor, at - 1, forward=forward) and not forward:
             if self.launch_policy == "sampled":
                 self.reducer.poll()
+
+    def _place(self, site: ModuleSite, forward: bool) -> int | None:
+        """``site``'s position in this pass: its unit's, or a collapsed group root's (or a site
+        without a unit of its own), its units' first."""
+        pos = self.unit_pos if forward else self._step.bwd_need
+        if site.unit is not None and not site.collapsed:
+            return pos.get(site.unit)
+        return min((pos[u] for u in site.units if u in pos), default=None)
 
     def _replay_left_out(self, site: ModuleSite) -> None:
         """NCCL's launch policy ([Note: one issue order for NCCL]): before ``site``'s backward, the
@@ -455,8 +457,7 @@ class Engine:
         that ran them. A bucket of theirs is settled only once its place is reached (see
         :meth:`_settled`), so it is launched among the gathers where those ranks launch it."""
         step = self._step
-        at = step.bwd_need.get(site.unit) if site.unit is not None and not site.collapsed else min(
-            (step.bwd_need[u] for u in site.units if u in step.bwd_need), default=None)
+        at = self._place(site, False)
         if at is None:
             return
         for j in range(step.bwd_reached + 1, at):
@@ -1121,8 +1122,6 @@ class Engine:
         step.bwd_fire = group_fire_positions(step.bwd_need, self._candidate_units)
         late = [g for g in self.groups if g.residency == "after_forward"]
         trig = triggers([g.units for g in late], [g.backward_window for g in late], step.bwd_need)
-        step.bwd_first = {g.index: min(step.bwd_need[u] for u in g.units if u in step.bwd_need)
-                          for g in late if any(u in step.bwd_need for u in g.units)}
         step.bwd_reached = -1
         if self.launch_policy == "sampled":
             step.bwd_units_at = {}
