@@ -154,13 +154,15 @@ class TriggerCursor:
     def fire(self, pos: int) -> list[int]:
         return [g for g, passed in self.fire_all(pos) if not passed]
 
-    def fire_all(self, pos: float) -> list[tuple[int, bool]]:
-        """Every group whose trigger ``pos`` reaches, with whether its first use has passed."""
+    def fire_all(self, pos: float, before: float | None = None) -> list[tuple[int, bool]]:
+        """Every group whose trigger ``pos`` reaches, with whether its first use has passed (lies
+        before ``before``, by default ``pos``)."""
         out = []
+        limit = pos if before is None else before
         while self.next < len(self.trig) and self.trig[self.next].at <= pos:
             t = self.trig[self.next]
             self.next += 1
-            out.append((t.group, t.first < pos))
+            out.append((t.group, t.first < limit))
         return out
 
 
@@ -192,8 +194,10 @@ def merged_order(previous: Sequence[str], ran: Sequence[str]) -> list[str]:
     per pass (a forward, a backward): before a unit gathers its own groups, the triggers it would
     have passed over are fired (:meth:`TriggerCursor.fire_all`: a rank that skipped a unit gathers
     that unit's group where the others did, in the same order), and at the end of each pass the
-    triggers left. A group gathered only to keep the order is freed as soon as its place has
-    passed in a forward, and at the end of backward in a backward. Its bucket is launched at the
+    triggers left. A group gathered only to keep the order is freed once its place has passed,
+    as is a prefetched group whose units were passed over ([Note: freeing the groups of units left
+    out] in engine.py), so a step that leaves units out holds no more than one that runs them all.
+    Its bucket is launched at the
     event that settles its missing gradients ([Note: settled parameters] in engine.py), which also
     holds under ``"ready"``. Backward positions come from this order, not from the units this
     rank's forward ran. What remains rank-dependent: a group gathered again for a second use
@@ -357,12 +361,19 @@ def group_fire_positions(pos: Mapping[str, int], groups: Iterable[Sequence[str]]
                     out[u] = top
     return out
 
-def freed_after_forward(group_units: Sequence[str], done: set[str], expected: set[str]) -> bool:
+def freed_after_forward(
+    group_units: Sequence[str], done: set[str], expected: set[str],
+    pos: Mapping[str, int] | None = None, reached: int = -1,
+) -> bool:
     """An ``after_forward`` group is freed once every ``expected`` unit of it has finished its
-    forward. The runtime expects every unit: freed after some of them, a group whose other unit
-    then ran was gathered again on demand, on the ranks that ran it only ([Note: units a forward
-    left out]); one with a unit this step left out is freed at the end of the forward."""
-    return all(u in done for u in group_units if u in expected)
+    forward, or (the runtime: ``pos``, the units' forward positions) lies before ``reached``, the
+    furthest place the forward has reached: a unit the forward passed over was left out ([Note:
+    units a forward left out]). The runtime expects every unit: freed after the units one rank
+    ran, a group whose other unit then ran was gathered again on demand, on the ranks that ran it
+    only. The simulator, which leaves nothing out, passes no ``pos``."""
+    if pos is None:
+        return all(u in done for u in group_units if u in expected)
+    return all(u in done or pos.get(u, reached) < reached for u in group_units if u in expected)
 
 
 def launchable(buckets_pending: Sequence[int], next_launch: int) -> int:

@@ -177,10 +177,12 @@ class MixtureOfExperts(nn.Module):
     """Top-1 routing over experts kept as separate modules, each run only on the tokens routed to
     it (as mixture-of-experts code written with a loop over an ``nn.ModuleList`` does): an expert
     no token of a rank's batch chose is left out of that rank's forward and backward, while the
-    other ranks run it."""
+    other ranks run it. ``dense``: every expert runs, on no tokens if none chose it (the usual
+    workaround under FSDP), so no unit is left out and the outputs are the same."""
 
-    def __init__(self, experts: int = 4):
+    def __init__(self, experts: int = 4, dense: bool = False):
         super().__init__()
+        self.dense = dense
         self.inp = nn.Linear(9, 21)
         self.gate = nn.Linear(21, experts)
         self.experts = nn.ModuleList(nn.Sequential(nn.Linear(21, 17), nn.Tanh(), nn.Linear(17, 21)) for _ in range(experts))
@@ -195,7 +197,7 @@ class MixtureOfExperts(nn.Module):
         ran = []
         for e, expert in enumerate(self.experts):
             idx = (choice == e).nonzero().squeeze(-1)
-            if idx.numel():
+            if idx.numel() or self.dense:
                 ran.append(e)
                 y = y.index_add(0, idx, expert(h[idx]) * prob[idx, e : e + 1])
         self.ran.append(ran)
@@ -410,6 +412,7 @@ MODELS = {
     "sparse": SparseEmbed,
     "weight-norm": WeightNormed,
     "moe": MixtureOfExperts,
+    "moe-dense": lambda: MixtureOfExperts(dense=True),
     "gpt": TinyGPT,
     "gpt-untied": lambda: TinyGPT(tied=False),
     "gpt-ckpt-nonreentrant": lambda: CheckpointedGPT("nonreentrant"),
@@ -437,7 +440,7 @@ def make(name: str, seed: int = 0, *, meta: bool = False) -> nn.Module:
 def _family(name: str) -> str:
     if name.startswith("gpt") or name == "torch-transformer":
         return "gpt"
-    return {"late-read": "branchy", "dtypes": "branchy", "dtypes-exact": "branchy", "resnet": "convbn", "resnet-inplace": "convbn", "nested": "mlp", "weight-norm": "mlp", "moe": "branchy"}.get(name, "image" if name.startswith("timm-") else name)
+    return {"late-read": "branchy", "dtypes": "branchy", "dtypes-exact": "branchy", "resnet": "convbn", "resnet-inplace": "convbn", "nested": "mlp", "weight-norm": "mlp", "moe": "branchy", "moe-dense": "branchy"}.get(name, "image" if name.startswith("timm-") else name)
 
 
 def batch(name: str, n: int, generator: torch.Generator):

@@ -60,6 +60,9 @@ class Case:
     # forward, their losses summed into one backward (two views through one encoder); the
     # reference runs the same chunks, so BatchNorm sees the same batches
     forwards: int = 1
+    # record the runtime's actions and report the most gather groups gathered at once
+    # ("peak_gathered"), from its gathers and frees
+    peak_groups: bool = False
     # a forward with gradients before each backward's own, its output dropped (a metric computed
     # outside no_grad): nothing of it may reach the gradients
     dropped_forward: bool = False
@@ -279,6 +282,7 @@ def run_case(case: Case) -> dict[str, float]:
         _step_in_backward(ref, case.optim, fired, 1)
     if case.launch_policy is not None:
         model.runtime.set_launch_policy(case.launch_policy)
+    actions = model.runtime.record_actions() if case.peak_groups else None
     initial: dict[str, Any] = {}
     if case.meta:  # materialised as the CPU build: the same values and the generator where it left it
         sd = model.state_dict()
@@ -370,6 +374,10 @@ def run_case(case: Case) -> dict[str, float]:
 
         worst["graph_breaks"] = sum(counters["graph_break"].values())
         worst["compiled_blocks"] = list(model.runtime.compiled.blocks)
+    if actions is not None:
+        worst["peak_gathered"] = peak_gathered(actions.actions)
+    if hasattr(base, "ran"):  # the experts each forward of a mixture of experts ran
+        worst["ran"] = base.ran
     worst["stats"] = model.runtime.comm.stats.__dict__.copy()
     worst["stats"].pop("log", None)
     worst["runtime"] = model.runtime.stats.__dict__.copy()
@@ -386,6 +394,20 @@ def run_case(case: Case) -> dict[str, float]:
     if group is not None:
         dist.destroy_process_group(group)
     return worst
+
+
+def peak_gathered(actions: list[tuple[str, str]]) -> int:
+    """The most gather groups gathered at once in a runtime's action log (a group is gathered from
+    its ``gather`` to its ``free``; gathering one gathered already, stale, counts it once)."""
+    live: set[str] = set()
+    peak = 0
+    for kind, label in actions:
+        if kind == "gather":
+            live.add(label)
+            peak = max(peak, len(live))
+        elif kind == "free":
+            live.discard(label)
+    return peak
 
 
 @contextlib.contextmanager

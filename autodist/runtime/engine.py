@@ -411,20 +411,64 @@ class Engine:
             missing=max(pos.values(), default=-1) + 1,
         )
 
-    def _fire(self, cursor: TriggerCursor, pos: float, *, forward: bool = False, trained: bool = False) -> bool:
+    def _fire(
+        self, cursor: TriggerCursor, pos: float, *, forward: bool = False, trained: bool = False, before: float | None = None,
+    ) -> bool:
         """Issue the groups whose triggers ``pos`` reaches and that this pass has not issued,
-        those whose place has passed too ([Note: units a forward left out] in schedule.py);
-        ``trained``: only groups with a trainable parameter. Returns whether it issued a passed one."""
+        those whose place has passed too ([Note: units a forward left out] in schedule.py; passed:
+        first used before ``before``, by default ``pos``); ``trained``: only groups with a trainable
+        parameter. Returns whether it issued a passed one."""
         late = False
-        for gi, passed in cursor.fire_all(pos):
+        step = self._step
+        for gi, passed in cursor.fire_all(pos, before):
             g = self.groups[gi]
             if gi in cursor.done or (trained and not g.n_trainable):
                 continue
             cursor.done.add(gi)
-            late |= g.issue() and passed
-            if passed and forward and g.residency == "after_forward" and not g.active and not g.fwd_done:
-                g.free()  # gathered only where the other ranks gather it: its place has passed
+            issued = g.issue()
+            late |= issued and passed
+            if not issued:
+                continue
+            if forward:
+                if g.residency != "after_forward":
+                    continue
+                if passed and not g.active and not g.fwd_done:
+                    g.free()  # gathered only where the other ranks gather it: its place has passed
+                else:
+                    step.fwd_open.append(g)
+            elif not g.used:  # no forward of this step read it: nor will this backward
+                if passed:
+                    g.free()
+                else:
+                    step.bwd_open.append(g)
         return late
+
+    def _free_passed(self, at: int) -> None:
+        """[Note: freeing the groups of units left out] A forward that leaves a unit out (an expert
+        no token chose, a layer LayerDrop skipped) still gathers its group where the other ranks
+        do ([Note: units a forward left out] in schedule.py). Such a group, and a group whose other
+        units ran, was held to the end of the forward; prefetched a window ahead for each skipped
+        unit, a mixture-of-experts model with one group per expert held 12-14 groups where its plan
+        holds 2. The forward's place (the position of the unit running) tells where a unit was left
+        out: when it jumps past a position, the unit there did not run, so the gathered groups
+        whose units have all finished or been passed over are freed there (``at``, the place
+        reached); :meth:`_post_forward` frees by the same rule. The places are the learned order's,
+        which is the same on every rank, and freeing issues nothing, so every rank still issues the
+        same collectives. A unit that runs after its place has passed (the order changed) gathers
+        on demand, as any such unit does. In backward, a group gathered for units no forward of
+        this step ran is read by nothing: it is freed at the next backward event (its gather,
+        queued before that event's own, has finished by then on gloo; on CUDA the free waits on
+        the stream, not the host)."""
+        keep = []
+        pos = self.unit_pos
+        for g in self._step.fwd_open:
+            if g.state is GroupState.SHARDED:
+                continue
+            if g.active == 0 and freed_after_forward(g.units, g.fwd_done, g.fwd_expected, pos, at):
+                g.free()
+            else:
+                keep.append(g)
+        self._step.fwd_open = keep
 
     def _catch_up(self, cursor: TriggerCursor, site: ModuleSite, forward: bool) -> None:
         """Before ``site`` gathers its groups: the triggers of the places before its own, which
@@ -438,7 +482,7 @@ class Engine:
         if cursor.next >= len(cursor.trig) or site.unit is None:
             return
         at = self._place(site, forward)
-        if at is not None and self._fire(cursor, at - 1, forward=forward) and not forward:
+        if at is not None and self._fire(cursor, at - 1, forward=forward, before=at) and not forward:
             if self.launch_policy == "sampled":
                 self.reducer.poll()
 
@@ -462,7 +506,7 @@ class Engine:
             return
         for j in range(step.bwd_reached + 1, at):
             if any(u not in step.ran_units for u in step.bwd_units_at.get(j, ())):
-                self._fire(step.bwd_schedule, j)
+                self._fire(step.bwd_schedule, j, before=at)
                 step.bwd_reached = j
                 self.reducer.poll()
         step.bwd_reached = max(step.bwd_reached, at)
@@ -628,7 +672,7 @@ class Engine:
             self._on_backward_start()
             return self.module(*args, **kwargs)
         self._begin_step()
-        self._fire(self._step.fwd_schedule, -1)
+        self._fire(self._step.fwd_schedule, -1, forward=True)
         self._swap_root(True)
         try:
             if self.observer is not None and torch.is_grad_enabled():
@@ -801,6 +845,7 @@ class Engine:
         # rank's earlier forwards ran differ where the ranks leave out different units ([Note:
         # units a forward left out] in autodist/schedule.py)
         self._step.fwd_sequence, self._step.seen_units = [], set()
+        self._step.fwd_place, self._step.fwd_open = -1, []
         for g in self.groups:
             g.fwd_done = set()
         if self.offload.active:
@@ -834,6 +879,7 @@ class Engine:
                 continue
             if g.residency == "after_forward" or (g.residency == "after_backward" and not step.expects_backward):
                 g.free()
+        step.fwd_open = [g for g in step.fwd_open if g.active]
         if step.expects_backward:
             self.param_hooks.own(register_multi_grad_hook, tensors, self._root_pre_backward)
         self._learn_forward_order(step.fwd_sequence)
@@ -908,12 +954,20 @@ class Engine:
         # Own groups first, then prefetch: the finished gather's buffers are released before the
         # next one allocates its own (FSDP2 orders them the same way).
         cursor = step.bwd_schedule if recompute else step.fwd_schedule
+        unit = None if recompute else site.unit
+        at = self._place(site, True) if unit is not None else None
+        if at is not None and at > step.fwd_place + 1 and step.fwd_open:
+            self._free_passed(at)  # a unit was left out ([Note: freeing the groups of units left out])
         if site.groups:
             self._catch_up(cursor, site, not recompute)
+        if unit is not None and at is not None:  # a collapsed group's root reaches its last unit's place
+            step.fwd_place = max(step.fwd_place, self._fire_pos.get(unit, at) if site.collapsed else at)
         for g in site.groups:
             was_sharded = g.state is GroupState.SHARDED
             if g.ensure() and not g.used:  # gathering again a group used earlier this step is planned
                 self._count_on_demand(g, recompute)
+            if was_sharded and not recompute and g.residency == "after_forward":
+                step.fwd_open.append(g)
             cursor.done.add(g.index)
             g.used = True
             if recompute and was_sharded and g.tokens_fired and not g.tokens_pending:
@@ -923,7 +977,7 @@ class Engine:
             if recompute:
                 self._fire(step.bwd_schedule, anchor_pos)
             else:  # a candidate group's units fire at its last position ([Note: hooks per gather group])
-                self._fire(step.fwd_schedule, self._fire_pos.get(site.unit, -1))
+                self._fire(step.fwd_schedule, self._fire_pos.get(site.unit, -1), forward=True)
         if recompute and site.sharded:
             self.reducer.poll()
         for mp in site.swaps:
@@ -980,7 +1034,9 @@ class Engine:
             if recompute:
                 continue  # its backward follows at once: the post-backward signal frees
             g.fwd_done.update(site.units)
-            if g.residency == "after_forward" and g.active == 0 and freed_after_forward(g.units, g.fwd_done, g.fwd_expected):
+            if g.residency == "after_forward" and g.active == 0 and freed_after_forward(
+                g.units, g.fwd_done, g.fwd_expected, self.unit_pos, self._step.fwd_place
+            ):
                 g.free()
         if (site.groups or site.unit is not None) and torch.is_grad_enabled():
             tensors = [t for t in output_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -999,6 +1055,11 @@ class Engine:
                 keys = self.offload.back_at.get(f"backward:{site.unit}")
                 if keys:
                     self.offload.copy_back(keys)
+            if step.bwd_open:  # gathered for units left out: nothing reads them ([Note: freeing the groups of units left out])
+                for g in step.bwd_open:
+                    if not g.used:
+                        g.free()
+                step.bwd_open = [g for g in step.bwd_open if g.used]
             if self.launch_policy == "sampled":
                 self._replay_left_out(site)
             if site.groups:
@@ -1123,6 +1184,7 @@ class Engine:
         late = [g for g in self.groups if g.residency == "after_forward"]
         trig = triggers([g.units for g in late], [g.backward_window for g in late], step.bwd_need)
         step.bwd_reached = -1
+        step.bwd_open = []
         if self.launch_policy == "sampled":
             step.bwd_units_at = {}
             for u, p in step.bwd_need.items():

@@ -55,6 +55,12 @@ class StepState:
     bwd_units_at: dict[int, list[str]] = field(default_factory=dict)  # NCCL's policy: the units at each backward position
     bwd_reached: int = -1  # NCCL's policy: the backward position the latest pre-backward event reached
     ran_units: set[str] = field(default_factory=set)  # the units any forward of this step ran
+    # [Note: freeing the groups of units left out] in engine.py: the furthest forward place the
+    # latest forward reached, the after_forward groups it gathered, and the groups a backward
+    # gathered whose units no forward of this step ran
+    fwd_place: int = -1
+    fwd_open: list[GatherGroupRuntime] = field(default_factory=list)
+    bwd_open: list[GatherGroupRuntime] = field(default_factory=list)
     bwd_current: str | None = None  # the unit whose backward is running
     anchors: dict[str, str | None] = field(default_factory=dict)  # recomputed unit -> anchor, this step
     ready_order: list[str] = field(default_factory=list)
