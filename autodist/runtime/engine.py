@@ -425,6 +425,10 @@ class Engine:
             if gi in cursor.done or (trained and not g.n_trainable):
                 continue
             cursor.done.add(gi)
+            if g.residency == "persistent" and g.state is not GroupState.SHARDED:
+                # held from step to step: its staleness is read at its first use, so a write the
+                # forward makes before then (a momentum encoder's update) is seen
+                continue
             issued = g.issue()
             late |= issued and passed
             if not issued:

@@ -39,7 +39,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement
+from torch.optim.optimizer import _foreach_supported_types as optim_foreach_types
+from torch.utils._foreach_utils import _foreach_supported_types as util_foreach_types
 
 from ..structure import ModelStructure, ParamInfo
 
@@ -71,6 +74,68 @@ def allocate_shard_storage(
         sizes[info.dtype] = off + n
     buffers = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in sizes.items()}
     return {name: buffers[dt][off : off + n] for name, (dt, off, n) in spans.items()}
+
+
+class HeldDTensor(DTensor):
+    """A DTensor parameter AutoDist holds (the ``visible`` face of a parameter under a plan with
+    DTensors): a DTensor in every respect but ``.data``.
+
+    [Note: assigning a parameter's .data] Momentum encoders update a frozen copy of a network from
+    the trained one through ``.data``: MoCo and BYOL assign it (``pk.data = pk.data * m + pq.data *
+    (1 - m)``, inside the forward or after the step), DINO writes into it (``pk.data.mul_(m)``).
+    On a DTensor parameter, torch's ``.data =`` replaces the wrapper's metadata and leaves its local
+    tensor as it was: the assignment was lost, silently (under FSDP2 too). Every sharded plan then
+    trained the query encoder against a key encoder that never moved (1.0e-2 off a one-process
+    reference after 4 steps), while DDP trained correctly. Here ``.data = value`` writes ``value``
+    into the parameter's own storage (this rank's shard; a DTensor value of other placements is
+    redistributed, a full tensor sliced as ``Shard(0)`` slices it) and bumps the version counter,
+    so a gather of the old values in flight, or a persistent group holding them, is found stale
+    and gathered again. ``.data`` returns ``detach()``: writes through it (DINO's) bump the same
+    counter. The parameter's autograd leaf is another tensor (the gathered one, or the local one
+    behind a replicated DTensor), so the bump never trips autograd's check of saved tensors. A
+    value of another shape or dtype is refused: the parameter lives in storage AutoDist lays out
+    (``model.half()`` is refused the same way)."""
+
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        return self.detach()
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        if tuple(value.shape) != tuple(self.shape) or value.dtype != self.dtype:
+            raise ValueError(
+                f"cannot assign .data of shape {tuple(value.shape)} and dtype {value.dtype} to a parameter of shape "
+                f"{tuple(self.shape)} and dtype {self.dtype}: AutoDist holds its parameters in storage of its own "
+                "(shards, gradient buckets). Assign values of the same shape and dtype, or change the model before "
+                "wrapping it"
+            )
+        if isinstance(value, DTensor):
+            if value.device_mesh != self.device_mesh:
+                raise ValueError("cannot assign .data from a DTensor on another device mesh than the parameter's")
+            if tuple(value.placements) != tuple(self.placements):
+                value = value.redistribute(self.device_mesh, self.placements)
+            local = value.to_local()
+        else:
+            local_shape, offset = compute_local_shape_and_global_offset(self.shape, self.device_mesh, self.placements)
+            local = value
+            for dim, (n, start) in enumerate(zip(local_shape, offset)):
+                local = local.narrow(dim, start, n)
+        with torch.no_grad():
+            self._local_tensor.copy_(local)
+        torch.autograd.graph.increment_version(self)
+
+
+# torch's optimizers and clip_grad_norm_ take their foreach paths for the tensor types these lists
+# name (DTensor registers itself the same way), and compare types exactly
+for _types in (optim_foreach_types, util_foreach_types):
+    if HeldDTensor not in _types:
+        _types.append(HeldDTensor)
+
+
+def _held(param: nn.Parameter) -> nn.Parameter:
+    """``param`` (a DTensor parameter) as a :class:`HeldDTensor`."""
+    param.__class__ = HeldDTensor  # type: ignore[assignment]
+    return param
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -148,21 +213,23 @@ class ManagedParam:
                 self.visible = original if keep else nn.Parameter(data, original.requires_grad)
                 self._master: torch.Tensor = self.visible
             else:
-                self.visible = nn.Parameter(
+                self.visible = _held(nn.Parameter(
                     DTensor.from_local(data, mesh, self.placements, run_check=False),
                     requires_grad=original.requires_grad,
-                )
+                ))
                 self._master = data  # shares storage (and version counter) with visible's local tensor
             if self.compute_dtype == self.dtype:
                 self.full = self.visible if not use_dtensor else nn.Parameter(
                     self._master, requires_grad=original.requires_grad
                 )
                 self._cast_version = None
+                self._cast_ptr = 0
             else:
                 self.full = nn.Parameter(
                     self._master.detach().to(self.compute_dtype), requires_grad=original.requires_grad
                 )
                 self._cast_version = -1  # cast on first use
+                self._cast_ptr = 0
             self.shard_flat = None
             self.local = self._master
             return
@@ -185,18 +252,19 @@ class ManagedParam:
         if not pending:
             local.copy_(data[start:end])
         self.local = local
-        self.visible = nn.Parameter(
+        self.visible = _held(nn.Parameter(
             DTensor.from_local(
                 local, mesh, self.placements, run_check=False, shape=torch.Size(self.shape),
                 stride=_contiguous_stride(self.shape),
             ),
             requires_grad=original.requires_grad,
-        )
+        ))
         padded = torch.empty(world_size * self.shard_numel, dtype=self.compute_dtype, device=device)
         self.full = nn.Parameter(padded[: math.prod(self.shape)].view(self.shape), requires_grad=original.requires_grad)
         self._full_padded = padded  # the flat storage view, for copy-out
         self.free_full()
         self._cast_version = None
+        self._cast_ptr = 0
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -384,7 +452,8 @@ def refresh_casts(params: list[ManagedParam]) -> None:
     """Re-cast every stale compute copy among ``params`` (replicated parameters with a cast copy)
     from its master, in one ``_foreach_copy_``: a model of many small layers would otherwise issue
     one copy from Python per parameter per step."""
-    stale = [mp for mp in params if mp._cast_version is not None and not mp.sharded and mp.version() != mp._cast_version]
+    stale = [mp for mp in params if mp._cast_version is not None and not mp.sharded
+             and (mp.version() != mp._cast_version or mp._master.data_ptr() != mp._cast_ptr)]
     if not stale:
         return
     for mp in stale:
@@ -396,4 +465,6 @@ def refresh_casts(params: list[ManagedParam]) -> None:
         torch._foreach_copy_([mp.full.data for mp in stale], [mp._master for mp in stale])
     for mp in stale:
         mp._cast_version = mp.version()
+        # a plain parameter's ``p.data = new`` moves no version counter: its storage changes
+        mp._cast_ptr = mp._master.data_ptr()
 
