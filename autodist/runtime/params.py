@@ -96,6 +96,12 @@ class HeldDTensor(DTensor):
     value of another shape or dtype is refused: the parameter lives in storage AutoDist lays out
     (``model.half()`` is refused the same way)."""
 
+    def detach(self) -> torch.Tensor:  # type: ignore[override]
+        # of this type, as ``nn.Parameter(p)`` requires (``Module._apply`` makes one)
+        out = super().detach()
+        out.__class__ = HeldDTensor
+        return out
+
     @property  # type: ignore[override]
     def data(self) -> torch.Tensor:
         return self.detach()
