@@ -7,6 +7,7 @@ import textwrap
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import models
 from autodist import AutoDist, RankMismatchError
@@ -19,7 +20,8 @@ def _visible_params(plan):
     expected = {n: (tuple(p.shape), p.dtype, p.requires_grad) for n, p in plain.named_parameters()}
     model = AutoDist(models.make("gpt"), plan=plan)
     got = {n: (tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()}
-    kinds = {type(p.data).__name__ for p in model.parameters()}
+    # a plan with DTensors holds them as AutoDist's HeldDTensor ([Note: assigning a parameter's .data])
+    kinds = {"DTensor" if isinstance(p, DTensor) else type(p.data).__name__ for p in model.parameters()}
     keys_ok = list(model.state_dict()) == list(plain.state_dict())
     full = all(type(v) is torch.Tensor for v in model.state_dict().values())
     is_module = model.module.__class__ is plain.__class__
@@ -28,7 +30,7 @@ def _visible_params(plan):
     # gradients as FSDP2's: each the parameter's type, shape and placements; a DTensor gradient on
     # its parameter's own spec object (runtime/params.py [Note: a gradient shares its parameter's spec])
     grads = [(p, p.grad) for p in model.parameters()]
-    grads_like = all(type(g) is type(p.data) and g.shape == p.shape for p, g in grads)
+    grads_like = all(type(g) is (DTensor if isinstance(p, DTensor) else torch.Tensor) and g.shape == p.shape for p, g in grads)
     specs = [g._spec is p._spec for p, g in grads if hasattr(p, "_spec")]
     model.close()
     return {"same": got == expected, "kinds": sorted(kinds), "keys_ok": keys_ok, "full": full, "is_module": is_module,
