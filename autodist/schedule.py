@@ -45,7 +45,9 @@ the block's own code saves a tensor after its last unit has finished (a residual
 ReLU): that tensor is needed first, before any of its units' backward begins, while the backward
 of the unit before it in backward order (the next one in forward order) has just ended. The
 profile records which blocks save so (``Profile.block_tail_saves``); the runtime learns each
-anchor from the step before (``Engine._anchors``) and the simulator takes it from this rule.
+anchor from the step before (``Engine._anchors``; for the plan's blocks it starts from this rule
+without a tail and keeps the rule's form, so that every rank anchors alike: [Note: anchors alike
+on every rank] in engine.py) and the simulator takes it from this rule.
 
 [Note: memory windows] A plan may ask for a window of ``"memory"``: prefetch as far ahead as the
 budget allows. Before a step runs, each such group gets the longest window (at most

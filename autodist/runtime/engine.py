@@ -77,6 +77,7 @@ from ..schedule import (
     TriggerCursor,
     backward_order,
     backward_positions,
+    block_anchor,
     collapsed_groups,
     encloses,
     freed_after_forward,
@@ -308,6 +309,11 @@ class Engine:
         # keeps a light pre-hook on each unit that records the recomputation; without one, a
         # recomputation that appears later is still correct (the root's backward swaps its
         # parameters in) but goes unrecorded.
+        # the units of the blocks the plan recomputes, for [Note: anchors alike on every rank]
+        recomputed = set(plan.recompute)
+        self._plan_block_of = {u.name: u.block for u in self.structure.units if u.block in recomputed}
+        for u, first in self._block_anchors().items():
+            self._anchors.setdefault(u, first)  # before any is learned: the rule every rank shares
         self._candidates = {m: gi for gi, m in collapsed_groups(plan, self.structure).items()}
         self._candidate_units = [self.groups[gi].units for gi in self._candidates.values()]
         self._collapsed: dict[str, int] = {}
@@ -1138,6 +1144,53 @@ class Engine:
             return
         g.free()
 
+    def _learned_anchors(self, step: StepState) -> dict[str, str | None]:
+        """The recomputation anchors the next backward prefetches by (see [Note: where a
+        recomputation begins] in schedule.py), from this step's.
+
+        [Note: anchors alike on every rank] An anchor is learned where the recomputation happened:
+        the unit whose backward was running. That depends on which units the rank ran. A block the
+        plan recomputes is recomputed when backward reaches the first of its units the rank ran:
+        a rank that left the block's last unit out (an expert no token chose) anchored its units
+        one unit later than the others, gathered them in another order, and the collective check
+        raised (a mixture of experts with one group per expert and ``recompute: all``; under
+        NCCL's launch policy with block groups too). So a unit of such a block recomputed at a
+        unit of its own block is anchored at the block's first unit in backward order, from the
+        learned order, which every rank shares (a rank that recomputes it later than that holds
+        the gathered group a little longer; nothing is gathered on demand); one recomputed
+        before the block's own backward (the block saved a tensor after its last unit) keeps the
+        unit it was recomputed at. A unit the step left out keeps its anchor from before."""
+        out = {u: a for u, a in self._anchors.items() if u not in step.ran_units}
+        rule: dict[str, str] | None = None
+        backward: list[str] | None = None
+        for u, a in step.anchors.items():
+            block = self._plan_block_of.get(u)
+            if block is not None:
+                rule = rule or self._block_anchors()
+                if a is not None and self._plan_block_of.get(a) == block:
+                    a = rule[u]
+                else:  # recomputed before the block's own backward: the unit before it in backward order
+                    backward = backward or backward_order(self.unit_order, self._module_of_unit)
+                    i = backward.index(rule[u])
+                    a = backward[i - 1] if i > 0 else None
+            out[u] = a
+        return out
+
+    def _block_anchors(self) -> dict[str, str]:
+        """Each unit of a block the plan recomputes -> the block's first unit in backward order,
+        from the learned order (:func:`autodist.schedule.block_anchor`'s rule without a tail)."""
+        blocks: dict[str, list[str]] = {}
+        for u in self.unit_order:
+            block = self._plan_block_of.get(u)
+            if block is not None:
+                blocks.setdefault(block, []).append(u)
+        out = {}
+        for units in blocks.values():
+            first = block_anchor(units, self._module_of_unit)
+            for u in units:
+                out[u] = first
+        return out
+
     def _backward_again(self) -> None:
         """[Note: several backward passes over one step's graphs] ``loss1.backward(retain_graph=True)``
         then ``loss2.backward()``; ``torch.autograd.grad(out, inputs, create_graph=True)`` then a
@@ -1266,7 +1319,7 @@ class Engine:
                     maybe_rebuild_buckets(self, step.ready_order)
             if not keep:
                 self._release_after_step(drop_reductions=False)
-            self._anchors = dict(step.anchors)
+            self._anchors = self._learned_anchors(step)
         if self._probing:
             self._settle_probes()
         if step.backwards == 1:  # a further backward over the same forwards is no new micro-batch
