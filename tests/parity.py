@@ -77,6 +77,17 @@ class Case:
     hooks: str = ""
 
 
+# every kind of residency a test of a training habit runs under: the built-in plans, persistent
+# blocks, per-unit groups prefetched two ahead (names are test ids)
+RESIDENCY_PLANS: dict[str, Any] = {
+    "ddp": "ddp",
+    "fsdp": "fsdp",
+    "zero2": "zero2",
+    "persistent": {"residency": "persistent", "grouping": "block"},
+    "per-unit-window2": {"grouping": "unit", "window": 2},
+}
+
+
 def make_plan(
     model: torch.nn.Module,
     world: int,

@@ -17,17 +17,10 @@ from torch.optim.optimizer import _foreach_supported_types as optim_foreach_type
 from torch.utils._foreach_utils import _foreach_supported_types as util_foreach_types
 
 from autodist import AutoDist, MixedPrecision
-from parity import make_plan
+from parity import RESIDENCY_PLANS, make_plan
 
 ATOL = 2e-5
 
-PLANS = {
-    "ddp": "ddp",
-    "fsdp": "fsdp",
-    "zero2": "zero2",
-    "persistent": {"residency": "persistent", "grouping": "block"},
-    "unit-window2": {"grouping": "unit", "window": 2},
-}
 UPDATES = ("assign", "data", "no_grad")  # pk.data = ...; pk.data.mul_(...); pk.mul_(...) under no_grad
 
 
@@ -94,7 +87,7 @@ def momentum_parity() -> dict[str, float]:
     """Every plan, update and place against a one-process reference: the largest difference."""
     out = {}
     world = dist.get_world_size()
-    for name, plan in PLANS.items():
+    for name, plan in RESIDENCY_PLANS.items():
         for update in UPDATES:
             for where in ("forward", "after"):
                 torch.manual_seed(0)

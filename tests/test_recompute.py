@@ -8,16 +8,12 @@ Tolerance: float32, as test_shard (2e-5): a recomputed forward is bitwise the or
 
 import pytest
 
-from parity import Case, check_cases, run_case, run_cases
+from parity import RESIDENCY_PLANS, Case, check_cases, run_case, run_cases
 
 ATOL = 2e-5
 MODES = ["nonreentrant", "reentrant", "selective", "wrapper", "alternate"]
 PLANS = {
-    "ddp": "ddp",
-    "fsdp": "fsdp",
-    "zero2": "zero2",
-    "persistent": {"residency": "persistent", "grouping": "block"},
-    "per-unit-window2": {"grouping": "unit", "window": 2},
+    **RESIDENCY_PLANS,
     "after-backward-window0": {"residency": "after_backward", "grouping": "unit", "window": 0},
     "mixed": {"placement": "mixed", "grouping": "unit"},
     "random0": {"random": 0},
