@@ -431,11 +431,11 @@ class Engine:
             if gi in cursor.done or (trained and not g.n_trainable):
                 continue
             cursor.done.add(gi)
-            if g.residency == "persistent" and g.state is not GroupState.SHARDED:
-                # held from step to step: its staleness is read at its first use, so a write the
-                # forward makes before then (a momentum encoder's update) is seen
-                continue
             issued = g.issue()
+            if g.residency == "persistent" and not issued:
+                # held from step to step and found current here: read again at its first use, so
+                # a write the forward makes before then (a momentum encoder's update) is seen
+                g.recheck()
             late |= issued and passed
             if not issued:
                 continue
@@ -1024,7 +1024,8 @@ class Engine:
             self.once.info(
                 f"ondemand{g.index}",
                 "autodist: gather group %d (%s) was needed before its planned prefetch (control flow "
-                "changed, or a parameter is shared with another unit) and was gathered on demand",
+                "changed, a parameter is shared with another unit, or the forward wrote its parameters "
+                "after they were gathered) and was gathered on demand",
                 g.index, g.label,
             )
 
