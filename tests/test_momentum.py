@@ -165,6 +165,16 @@ def assignment_forms() -> dict[str, object]:
     out["forward"] = torch.allclose(y, (torch.ones(1, 3) @ w.T + b) @ w2.T + b2)
     # torch picks its optimizers' and clip_grad_norm_'s foreach kernels (on CUDA) by exact type
     out["foreach_types"] = type(p) in optim_foreach_types and type(p) in util_foreach_types
+    # a copy and a file hold torch's DTensor (torch.load(weights_only=True) knows no other type)
+    import io
+
+    buf = io.BytesIO()
+    torch.save(p.detach(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    copied = copy.deepcopy(p)
+    out["copies"] = (type(loaded) is DTensor and torch.equal(loaded.to_local(), p.to_local())
+                     and type(copied.data) is DTensor and torch.equal(copied.to_local(), p.to_local()))
     model.close()
     return out
 
@@ -172,7 +182,7 @@ def assignment_forms() -> dict[str, object]:
 def test_assigning_data_writes_the_shard_and_refuses_another_shape(world2):
     for rank, out in enumerate(world2.run(assignment_forms)):
         for key in ("sharded", "plain", "version_moved", "replicated", "own", "write_through_data", "after_refusals", "forward",
-                    "foreach_types"):
+                    "foreach_types", "copies"):
             assert out[key] is True, f"rank {rank}: {key}: {out}"
         for key, msg in out.items():
             if key.startswith("refused"):

@@ -31,6 +31,7 @@ the parameter's rows in order followed by padding.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -101,6 +102,19 @@ class HeldDTensor(DTensor):
         out = super().detach()
         out.__class__ = HeldDTensor
         return out
+
+    def _as_dtensor(self) -> DTensor:
+        """This parameter as a plain DTensor over the same local tensor (copies and files hold
+        torch's type, not AutoDist's)."""
+        out = DTensor.detach(self)
+        out.__class__ = DTensor
+        return out  # type: ignore[return-value]
+
+    def __deepcopy__(self, memo: dict) -> nn.Parameter:
+        return nn.Parameter(copy.deepcopy(self._as_dtensor(), memo), requires_grad=self.requires_grad)
+
+    def __reduce_ex__(self, protocol):  # type: ignore[override]
+        return nn.Parameter(self._as_dtensor(), requires_grad=self.requires_grad).__reduce_ex__(protocol)
 
     @property  # type: ignore[override]
     def data(self) -> torch.Tensor:
