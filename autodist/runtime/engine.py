@@ -58,6 +58,7 @@ launches whatever is left: later, never wrong.
 
 from __future__ import annotations
 
+import heapq
 import math
 import weakref
 from dataclasses import replace
@@ -416,6 +417,14 @@ class Engine:
             [g.units for g in self.groups], [g.forward_window for g in self.groups], pos,
             missing=max(pos.values(), default=-1) + 1,
         )
+        # [Note: a first use a rank left out]: each unit's index in the order, and each group's
+        # first unit's index and place
+        self._order_index = {u: i for i, u in enumerate(self.unit_order)}
+        end = len(self.unit_order)
+        self._first_use = {
+            t.group: (min((self._order_index.get(u, end) for u in self.groups[t.group].units), default=end), t.first)
+            for t in self._fwd_triggers
+        }
 
     def _fire(
         self, cursor: TriggerCursor, pos: float, *, forward: bool = False, trained: bool = False, before: float | None = None,
@@ -436,6 +445,8 @@ class Engine:
                 # held from step to step and found current here: read again at its first use, so
                 # a write the forward makes before then (a momentum encoder's update) is seen
                 g.recheck()
+            if forward and not passed:  # see [Note: a first use a rank left out]
+                heapq.heappush(step.first_uses, (*self._first_use[gi], gi))
             late |= issued and passed
             if not issued:
                 continue
@@ -479,6 +490,39 @@ class Engine:
             else:
                 keep.append(g)
         self._step.fwd_open = keep
+
+    def _first_uses_passed(self, cursor: TriggerCursor, index: float, at: float) -> None:
+        """[Note: a first use a rank left out] A group's first use checks it: one found stale there
+        (written since its gather was issued, or, persistent, since it was gathered) is gathered
+        again at once (:meth:`GatherGroupRuntime.ensure`). A momentum encoder's update at the top
+        of the forward writes the shards of groups prefetched at the forward's start: the ranks
+        that run the unit gathered it again at its place; a rank that left the unit out did not,
+        and the next collective differed (gloo hung: a mixture of experts whose expert groups are
+        prefetched 4 places ahead, any residency; persistent per-expert groups at any window).
+        Each group a forward trigger reaches before its first place is noted with its first
+        unit's index in the learned order (the same on every rank); once a forward reaches a unit
+        past it (``index``; ``at``, that unit's place) without having run any of the group's
+        units, the triggers before the group's place are fired, as the ranks that run it fire
+        them first, and the group is checked there as its first use would check it. Prefetch
+        before the first unit now starts at the first unit, not at the root's forward, so the
+        writes before it are seen by every gather (in the first step every group is prefetched
+        there, the order not yet known). The check sees the writes made before the unit reached
+        rather than before the group's place: writes to parameters between the units of a
+        forward that leaves units out can still make ranks differ (the common update, before
+        every unit, is seen alike); so can writes between a forward and its backward. Persistent groups still in flight at a
+        forward's end or a step's are waited for there (:meth:`_end_forward`,
+        :meth:`_release_after_step`): a refresh issued at a step's start for a unit this rank left
+        out stayed in flight into the next step, where a trigger took it for current on that rank
+        only, and the shards were read while the user wrote them."""
+        step = self._step
+        heap = step.first_uses
+        while heap and heap[0][0] < index:
+            _, place, gi = heapq.heappop(heap)
+            g = self.groups[gi]
+            if g.state is GroupState.SHARDED or any(u in step.seen_units for u in g.units):
+                continue  # freed where the place passed, or checked at its first use
+            self._fire(cursor, place - 1, forward=True, before=at)
+            g.ensure()
 
     def _catch_up(self, cursor: TriggerCursor, site: ModuleSite, forward: bool) -> None:
         """Before ``site`` gathers its groups: the triggers of the places before its own, which
@@ -682,7 +726,8 @@ class Engine:
             self._on_backward_start()
             return self.module(*args, **kwargs)
         self._begin_step()
-        self._fire(self._step.fwd_schedule, -1, forward=True)
+        # the triggers before the first unit fire at the first unit's, not here: the model's forward
+        # may write its parameters before any unit runs ([Note: a first use a rank left out])
         self._swap_root(True)
         try:
             if self.observer is not None and torch.is_grad_enabled():
@@ -855,7 +900,7 @@ class Engine:
         # rank's earlier forwards ran differ where the ranks leave out different units ([Note:
         # units a forward left out] in autodist/schedule.py)
         self._step.fwd_sequence, self._step.seen_units = [], set()
-        self._step.fwd_place, self._step.fwd_open = -1, []
+        self._step.fwd_place, self._step.fwd_open, self._step.first_uses = -1, [], []
         for g in self.groups:
             g.fwd_done = set()
         if self.offload.active:
@@ -883,12 +928,16 @@ class Engine:
             self.offload.finish_out()  # copy-outs started at a forward unit (see [Note: when offloaded state ...])
         tensors = [t for t in output_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         step.expects_backward = bool(tensors) and torch.is_grad_enabled()
+        if step.first_uses:
+            self._first_uses_passed(step.fwd_schedule, math.inf, math.inf)
         self._fire(step.fwd_schedule, math.inf, forward=True)  # the places a forward left out last
         for g in self.groups:
             if g.active:
                 continue
             if g.residency == "after_forward" or (g.residency == "after_backward" and not step.expects_backward):
                 g.free()
+            elif g.residency == "persistent":
+                g.quiesce()  # see [Note: a first use a rank left out]
         step.fwd_open = [g for g in step.fwd_open if g.active]
         if step.expects_backward:
             self.param_hooks.own(register_multi_grad_hook, tensors, self._root_pre_backward)
@@ -966,6 +1015,11 @@ class Engine:
         cursor = step.bwd_schedule if recompute else step.fwd_schedule
         unit = None if recompute else site.unit
         at = self._place(site, True) if unit is not None else None
+        if unit is not None and step.first_uses:
+            index = min((self._order_index.get(u, math.inf) for u in site.units), default=math.inf) if site.collapsed \
+                else self._order_index.get(unit, math.inf)
+            if step.first_uses[0][0] < index:
+                self._first_uses_passed(cursor, index, math.inf if at is None else at)
         if at is not None and at > step.fwd_place + 1 and step.fwd_open:
             self._free_passed(at)  # a unit was left out ([Note: freeing the groups of units left out])
         if site.groups:
@@ -1360,6 +1414,8 @@ class Engine:
         for g in self.groups:
             if g.residency != "persistent":
                 g.free()
+            else:
+                g.quiesce()  # see [Note: a first use a rank left out]
             g.reset_step()
         for mp in self._swapping:
             mp.reset_swaps()

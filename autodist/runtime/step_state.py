@@ -61,6 +61,9 @@ class StepState:
     fwd_place: int = -1
     fwd_open: list[GatherGroupRuntime] = field(default_factory=list)
     bwd_open: list[GatherGroupRuntime] = field(default_factory=list)
+    # [Note: a first use a rank left out] in engine.py: (its first unit's index in the order, its
+    # place, group) of each group a forward trigger issued or found gathered before its place, a heap
+    first_uses: list[tuple[int, int, int]] = field(default_factory=list)
     bwd_current: str | None = None  # the unit whose backward is running
     anchors: dict[str, str | None] = field(default_factory=dict)  # recomputed unit -> anchor, this step
     ready_order: list[str] = field(default_factory=list)
