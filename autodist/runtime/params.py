@@ -250,6 +250,9 @@ class ManagedParam:
                 )
                 self._cast_version = -1  # cast on first use
                 self._cast_ptr = 0
+            # [Note: compute copies of frozen parameters]
+            self.cast_per_use = self._cast_version is not None and not original.requires_grad
+            self.cast_step = -1  # the step whose first use cast it
             self.shard_flat = None
             self.local = self._master
             return
@@ -285,6 +288,8 @@ class ManagedParam:
         self.free_full()
         self._cast_version = None
         self._cast_ptr = 0
+        self.cast_per_use = False
+        self.cast_step = -1
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -468,12 +473,15 @@ def release_casts(params: Sequence[ManagedParam]) -> None:
         mp._cast_version = -1
 
 
-def refresh_casts(params: list[ManagedParam]) -> None:
+def refresh_casts(params: Sequence[ManagedParam], always: Sequence[ManagedParam] = ()) -> None:
     """Re-cast every stale compute copy among ``params`` (replicated parameters with a cast copy)
-    from its master, in one ``_foreach_copy_``: a model of many small layers would otherwise issue
-    one copy from Python per parameter per step."""
+    from its master, and every one in ``always``, in one ``_foreach_copy_``: a model of many small
+    layers would otherwise issue one copy from Python per parameter per step."""
     stale = [mp for mp in params if mp._cast_version is not None and not mp.sharded
              and (mp.version() != mp._cast_version or mp._master.data_ptr() != mp._cast_ptr)]
+    if always:
+        have = {id(mp) for mp in stale}
+        stale += [mp for mp in always if id(mp) not in have]
     if not stale:
         return
     for mp in stale:
@@ -487,4 +495,3 @@ def refresh_casts(params: list[ManagedParam]) -> None:
         mp._cast_version = mp.version()
         # a plain parameter's ``p.data = new`` moves no version counter: its storage changes
         mp._cast_ptr = mp._master.data_ptr()
-
