@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import os
@@ -660,6 +661,36 @@ class AutoDist(nn.Module):
         self._engine.close()
         self._comm.destroy()
         self.module.__dict__.pop(_MANAGED, None)
+
+    def __deepcopy__(self, memo: dict) -> nn.Module:
+        """A copy of the model as a plain module (``copy.deepcopy(model)``; torch's ``AveragedModel``
+        and EMA helpers make one), when every parameter is a plain replicated tensor (DDP's plans).
+
+        [Note: copies of a wrapped model] DDP's copy is another DDP; an AutoDist instance holds
+        process groups, an engine and hooks on the module's submodules, and a copy of those would
+        train nothing (before, the copy failed on pickling a process group, or on a storage).
+        What averaging code needs is the model's modules with their own parameters: the copy is
+        ``module`` deep-copied without AutoDist's hooks, which runs on its own and whose
+        ``parameters()`` line up with this model's (plain tensors, so ``update_parameters(model)``
+        works). Under a plan with DTensors the parameters are this rank's shards, and a copy of
+        them cannot run a forward; that is refused, naming what works (FSDP2 refuses every copy)."""
+        if any(isinstance(p, torch.distributed.tensor.DTensor) for p in self.module.parameters()):
+            raise AutoDistError(
+                "copy.deepcopy of an AutoDist model whose plan uses DTensors (sharded parameters, or a mesh plan) is "
+                "not supported: its parameters are this rank's shards (FSDP2 refuses copies too). For a weight average "
+                "or EMA, keep one updated from model.state_dict(), which holds full tensors (timm's ModelEmaV3 made "
+                "from the model before wrapping it does), or copy the model before wrapping it and load "
+                "model.state_dict() into the copy."
+            )
+        engine_hooks = {h.id for h in self._engine._module_handles + self._engine._handles}
+        copied = copy.deepcopy(self.module, memo)
+        for m in copied.modules():
+            m.__dict__.pop(_MANAGED, None)
+            for hooks in (m._forward_pre_hooks, m._forward_hooks, m._forward_pre_hooks_with_kwargs,
+                          m._forward_hooks_with_kwargs, m._forward_hooks_always_called):
+                for hid in [k for k in hooks if k in engine_hooks]:
+                    hooks.pop(hid)
+        return copied
 
     def extra_repr(self) -> str:
         p = self.plan

@@ -277,3 +277,62 @@ def test_written_experts_a_rank_left_out_train_as_in_one_process(world2):
     # the case is the one named: some expert ran on one rank and not on the other
     for key in (k for k in results[0] if k.endswith("-ran")):
         assert results[0][key] != results[1][key], f"{key}: both ranks ran the same experts in every forward"
+
+
+def averaged_copies() -> dict[str, object]:
+    """torch's ``AveragedModel`` (an EMA) made from the wrapped model: under ``ddp`` it deep-copies
+    the model and follows it as the same average of a one-process model does (the copy runs on its
+    own); under ``fsdp`` the copy is refused with what works ([Note: copies of a wrapped model] in
+    autodist/wrapper.py). An EMA made before wrapping and updated from ``state_dict()`` (full tensors)
+    follows it under ``fsdp``."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, object] = {}
+    for plan in ("ddp", "fsdp"):
+        torch.manual_seed(0)
+        base = models.make("mlp")
+        ref = copy.deepcopy(base)
+        before = copy.deepcopy(base)  # an EMA made before wrapping, updated from state_dict()
+        model = AutoDist(base, plan=plan)
+        try:
+            ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.8))
+        except Exception as e:  # noqa: BLE001 - the refusal is the result
+            ema, out[f"{plan}-copy"] = None, f"{type(e).__name__}: {e}"
+        rema = AveragedModel(ref, multi_avg_fn=get_ema_multi_avg_fn(0.8))
+        rbefore = copy.deepcopy(ref)
+        opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in range(4):
+            x, y = models.batch("mlp", 4 * world, torch.Generator().manual_seed(step))
+            models.loss_fn("mlp", model(x[4 * rank : 4 * rank + 4]), y[4 * rank : 4 * rank + 4]).backward()
+            opt.step()
+            opt.zero_grad()
+            torch.stack([models.loss_fn("mlp", ref(x[4 * r : 4 * r + 4]), y[4 * r : 4 * r + 4]) for r in range(world)]).mean().backward()
+            ropt.step()
+            ropt.zero_grad()
+            rema.update_parameters(ref)
+            if ema is not None:
+                ema.update_parameters(model)
+            with torch.no_grad():
+                for (_, v), (_, w) in zip(before.state_dict().items(), model.state_dict().items()):
+                    v.lerp_(w, 0.2)
+                for (_, v), (_, w) in zip(rbefore.state_dict().items(), ref.state_dict().items()):
+                    v.lerp_(w, 0.2)
+        x, _ = models.batch("mlp", 4, torch.Generator().manual_seed(9))
+        if ema is not None:
+            out[f"{plan}-copy"] = max((a - b).abs().max().item() for a, b in zip(ema.parameters(), rema.parameters()))
+            with torch.no_grad():
+                out[f"{plan}-copy-eval"] = (ema(x) - rema(x)).abs().max().item()
+        out[f"{plan}-before"] = max((a - b).abs().max().item() for a, b in zip(before.parameters(), rbefore.parameters()))
+        model.close()
+    return out
+
+
+def test_averaged_copies_of_a_wrapped_model(world2):
+    # before: copy.deepcopy of the wrapped model failed under every plan (pickling a process group
+    # under ddp, "invalid python storage" under fsdp)
+    for rank, out in enumerate(world2.run(averaged_copies)):
+        for key in ("ddp-copy", "ddp-copy-eval", "ddp-before", "fsdp-before"):
+            assert isinstance(out[key], float) and out[key] < ATOL, f"rank {rank}: {key}: {out[key]}"
+        refusal = out["fsdp-copy"]
+        assert isinstance(refusal, str) and refusal.startswith("AutoDistError") and "state_dict()" in refusal, f"rank {rank}: {refusal}"
