@@ -662,6 +662,18 @@ class AutoDist(nn.Module):
         self._comm.destroy()
         self.module.__dict__.pop(_MANAGED, None)
 
+    def __getattr__(self, name: str) -> Any:
+        """An attribute this object lacks is the wrapped module's (``model.generate(...)``,
+        ``model.config`` of a Hugging Face model), as under FSDP2, whose ``fully_shard`` keeps the
+        model's own class; DDP code reaching them through ``model.module`` works as it does."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+            return getattr(module, name)
+
     def __deepcopy__(self, memo: dict) -> nn.Module:
         """A copy of the model as a plain module (``copy.deepcopy(model)``; torch's ``AveragedModel``
         and EMA helpers make one), when every parameter is a plain replicated tensor (DDP's plans).

@@ -184,3 +184,26 @@ def test_single_process_without_torchrun(tmp_path):
     out = run_command([sys.executable, "-c", script], env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def _module_attributes():
+    model = AutoDist(models.make("moe"), plan="fsdp")
+    x, _ = models.batch("moe", 4, torch.Generator().manual_seed(dist.get_rank()))
+    model(x)
+    out = {"reached": model.ran is model.module.ran and len(model.ran) == 1,
+           "own_first": model.plan is model._engine.plan, "forward": model.forward.__self__ is model}
+    try:
+        getattr(model, "no_such_attribute")
+        out["missing"] = "no error"
+    except AttributeError as e:
+        out["missing"] = str(e)
+    model.close()
+    return out
+
+
+def test_attributes_of_the_wrapped_module_are_reached_through_the_wrapper(world2):
+    # FSDP2 keeps the model's class, so `model.generate(...)` and `model.config` work after
+    # wrapping; before, AutoDist raised AttributeError for them
+    for r in world2.run(_module_attributes):
+        assert r["reached"] and r["own_first"] and r["forward"], r
+        assert "no_such_attribute" in r["missing"], r
