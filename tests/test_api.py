@@ -193,8 +193,7 @@ def _module_attributes():
     out = {"reached": model.ran is model.module.ran and len(model.ran) == 1,
            "own_first": model.plan is model._engine.plan, "forward": model.forward.__self__ is model}
     try:
-        getattr(model, "no_such_attribute")
-        out["missing"] = "no error"
+        out["missing"] = repr(model.no_such_attribute)
     except AttributeError as e:
         out["missing"] = str(e)
     model.close()
