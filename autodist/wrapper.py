@@ -626,6 +626,17 @@ class AutoDist(nn.Module):
         finally:
             self._engine.sync_enabled = old
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's flag behind ``no_sync()``: loops that set it themselves (nanoGPT sets it off for
+        every micro-batch but the last) accumulate without communication as under DDP; before,
+        the assignment made a plain attribute and every micro-batch was reduced."""
+        return self._engine.sync_enabled
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._engine.sync_enabled = bool(value)
+
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """DDP's communication hooks: refused with what to do instead ([Note: DDP's keywords])."""
         raise NotImplementedError(

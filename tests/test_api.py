@@ -139,7 +139,10 @@ def _count_collectives(plan, use_context):
         for micro in range(3):
             x, y = models.batch("mlp", 4, gen)
             last = micro == 2
-            if use_context:
+            if use_context == "attribute":  # DDP's flag, as nanoGPT's loop sets it
+                m.require_backward_grad_sync = last
+                ctx = torch.enable_grad()
+            elif use_context:
                 ctx = m.no_sync() if not last else torch.enable_grad()
             else:
                 m.set_requires_gradient_sync(last)
@@ -154,7 +157,7 @@ def _count_collectives(plan, use_context):
 
 
 @pytest.mark.parametrize("plan", ["ddp", "fsdp"])
-@pytest.mark.parametrize("use_context", [True, False], ids=["no_sync", "set_requires_gradient_sync"])
+@pytest.mark.parametrize("use_context", [True, False, "attribute"], ids=["no_sync", "set_requires_gradient_sync", "require_backward_grad_sync"])
 def test_accumulation_without_sync_communicates_once_per_step(world2, plan, use_context):
     counts, n = world2.run(_count_collectives, plan, use_context)[0]
     assert counts == [0, 0, n, n, n, 2 * n]
