@@ -1017,6 +1017,10 @@ class Engine:
         cursor = step.bwd_schedule if recompute else step.fwd_schedule
         unit = None if recompute else site.unit
         at = self._place(site, True) if unit is not None else None
+        if not recompute and cursor.next == 0:
+            # the forward's first hooked module: the triggers before every unit, before it gathers
+            # its own groups (what the root fired before [Note: a first use a rank left out])
+            self._fire(cursor, -1, forward=True, before=at)
         if unit is not None and step.first_uses:
             index = min((self._order_index.get(u, math.inf) for u in site.units), default=math.inf) if site.collapsed \
                 else self._order_index.get(unit, math.inf)
