@@ -31,8 +31,7 @@ CASES = {
     "clip-grad-norm": Case(model="mlp", plan="ddp", clip=0.05),
     "tied-embeddings": Case(model="gpt", plan="ddp"),
     "frozen": Case(model="frozen", plan="ddp"),
-    # the frozen layer's bf16 copy is cast at its module's forward ([Note: compute copies of frozen
-    # parameters]), in the forward and in a recomputation
+    # the frozen layer's bf16 copy is cast at every step ([Note: compute copies of frozen parameters])
     "frozen-bf16": Case(model="frozen", plan="ddp", bf16=True, steps=4),
     "frozen-bf16-recomputed": Case(model="frozen", plan={"placement": "replicate", "recompute": "all"}, bf16=True, steps=4),
     "branches": Case(model="branchy", plan="ddp", steps=4),

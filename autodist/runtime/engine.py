@@ -98,7 +98,7 @@ from .compiled import BlockCompile, merge_block_sites
 from .gather import GatherGroupRuntime, GroupState
 from .offload import OffloadManager
 from .optimizers import adopt_optimizer, weak_optimizer_hook
-from .params import ManagedParam, allocate_shard_storage, refresh_casts
+from .params import ManagedParam, allocate_shard_storage, refresh_casts, written_casts
 from .precision import MixedPrecision, cast_floats
 from .recompute import BlockRecompute
 from .reducer import Reducer
@@ -225,10 +225,10 @@ class Engine:
         self.param_hooks = ParamHooks(list(self.params.values()))  # [Note: hooks on the visible parameters]
         # the per-step loops touch only the parameters they concern (a loop over every parameter is
         # per-step CPU time on a model of many small layers)
-        self._swapping = [mp for mp in self.params.values() if mp.needs_swap and (mp.sharded or mp.cast_per_use)]
-        # compute copies cast at each step's first forward, and those cast at their first use in a
-        # step ([Note: compute copies of frozen parameters])
-        self._cast_copies = [mp for mp in self.params.values() if mp.has_cast_copy and not mp.cast_per_use]
+        self._swapping = [mp for mp in self.params.values() if mp.needs_swap and mp.sharded]
+        self._cast_copies = [mp for mp in self.params.values() if mp.has_cast_copy]
+        # cast at every step ([Note: compute copies of frozen parameters] in params.py)
+        self._frozen_casts = [mp for mp in self._cast_copies if not mp.requires_grad]
         # [Note: requires_grad set on the visible parameter] (see _sync_requires_grad)
         self._grad_leaves = [mp for mp in self.params.values() if mp.requires_grad and mp.full is not mp.visible]
         self._grad_visible = [mp.visible for mp in self._grad_leaves]
@@ -246,7 +246,7 @@ class Engine:
         # swap is one dict store per site, no call per parameter (580 a swap, two swaps a step, on
         # gpt-deep in bf16).
         self._root_sites = [(module._parameters, attr, mp.full, mp.visible) for mp in self.params.values()
-                            if mp.needs_swap and not mp.sharded and not mp.cast_per_use for module, attr in mp.sites]
+                            if mp.needs_swap and not mp.sharded for module, attr in mp.sites]
         self._root_swapped = False
 
         self.unit_order = [u.name for u in plan.units]
@@ -632,7 +632,7 @@ class Engine:
                 if u not in units and module_of_unit.get(u) is not None:
                     units.append(u)
             params = [mp for u in units for mp in unit_params[u]]
-            swaps = [mp for mp in params if mp.needs_swap and (mp.sharded or mp.cast_per_use)]
+            swaps = [mp for mp in params if mp.needs_swap and mp.sharded]
             groups: list[GatherGroupRuntime] = []
             for mp in params:
                 g = self.group_of_param.get(id(mp))
@@ -677,7 +677,7 @@ class Engine:
         in autodist/schedule.py)."""
         params = [mp for u in g.units for mp in unit_params[u]]
         site = ModuleSite(
-            module=module, name=mname, unit=g.units[0], swaps=[mp for mp in params if mp.needs_swap and (mp.sharded or mp.cast_per_use)],
+            module=module, name=mname, unit=g.units[0], swaps=[mp for mp in params if mp.needs_swap and mp.sharded],
             groups=[g], units=list(g.units), params=params, collapsed=True,
             bwd_first=backward_order(g.units, self._module_of_unit)[0],
         )
@@ -804,7 +804,7 @@ class Engine:
         # statistics, as under DDP. A forward under no_grad or no_sync makes the next one skip it.
         # Every rank runs the same forwards in the same modes, so every rank agrees on when.
         self._broadcast_buffers_if_due()
-        refresh_casts(self._cast_copies)
+        refresh_casts(self._cast_copies, self._frozen_casts)
 
     def _check_forward_mode(self) -> None:
         """[Note: a forward on some ranks only] DDP code evaluates on rank 0 alone
@@ -930,6 +930,8 @@ class Engine:
             self.offload.finish_out()  # copy-outs started at a forward unit (see [Note: when offloaded state ...])
         tensors = [t for t in output_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         step.expects_backward = bool(tensors) and torch.is_grad_enabled()
+        if self._frozen_casts:
+            self._warn_written_copies()
         if step.first_uses:
             self._first_uses_passed(step.fwd_schedule, math.inf, math.inf)
         self._fire(step.fwd_schedule, math.inf, forward=True)  # the places a forward left out last
@@ -944,6 +946,26 @@ class Engine:
         if step.expects_backward:
             self.param_hooks.own(register_multi_grad_hook, tensors, self._root_pre_backward)
         self._learn_forward_order(step.fwd_sequence)
+
+    def _warn_written_copies(self) -> None:
+        """A write inside the forward to the compute copy of a parameter no optimizer steps
+        ([Note: compute copies of frozen parameters] in params.py), said once."""
+        written = written_casts(self._frozen_casts)
+        if written:
+            names = [mp.name for mp in written]
+            dtype = str(written[0].compute_dtype).replace("torch.", "")
+            self.once.warning(
+                "written-copies",
+                "autodist: the forward wrote parameter(s) %s (%d in all), which no optimizer steps (a momentum "
+                "update inside forward?). Under mixed_precision with param_dtype=%s and a plan that replicates them, "
+                "the forward computes with %s copies of these parameters and the write reached the copies only: the "
+                "parameters, their state_dict and the next step do not see it. Make the update outside the forward "
+                "(after optimizer.step()), shard these parameters' units in the plan (the forward then writes the "
+                "parameters themselves), or leave param_dtype unset",
+                ", ".join(names[:3]) + (" ..." if len(names) > 3 else ""), len(names), dtype, dtype,
+            )
+            for mp in written:
+                mp._copy_seen = (mp.full._version, mp.full.data_ptr())
 
     def _learn_forward_order(self, seq: list[str]) -> None:
         """Prefetch for the next forward follows the order units actually ran in this one."""
@@ -1050,8 +1072,6 @@ class Engine:
                 self._fire(step.fwd_schedule, self._fire_pos.get(site.unit, -1), forward=True)
         if recompute and site.sharded:
             self.reducer.poll()
-        if site.casts:
-            self._cast_at_use(site.casts)
         for mp in site.swaps:
             mp.swap_in()
         if not ((site.groups or self.launch_policy == "sampled") and torch.is_grad_enabled()):
@@ -1074,31 +1094,6 @@ class Engine:
                 g.tokens_pending += 1
                 step.group_tokens[g.index] = step.group_tokens.get(g.index, 0) + 1
         return routed
-
-    def _cast_at_use(self, casts: list[ManagedParam]) -> None:
-        """[Note: compute copies of frozen parameters] A replicated parameter with a compute copy
-        (``param_dtype``) is registered as that copy for the whole root forward, and the copy is cast
-        again at the step's first forward when its master's version counter or storage moved since.
-        For parameters no optimizer steps — a momentum encoder, a frozen backbone — neither held:
-        MoCo's update inside the forward (``pk.data = pk.data * m + pq.data * (1 - m)``) wrote the
-        bfloat16 copy the root had registered, never the parameter, and the next step's cast undid
-        it (the key encoder never moved: 9.0e-3 off after 4 steps under a replicated plan, silently);
-        DINO's ``pk.data.mul_(m)`` after the step moves neither counter nor storage (``.data`` of a
-        plain tensor has a counter of its own), so the copy kept the old teacher (2.9e-3 off). The
-        parameters frozen when the model was wrapped are therefore swapped around each module's
-        forward, as sharded ones are: code outside their modules (the root's forward) reads and
-        writes the parameters themselves, and each copy is cast at its first use in a step, as
-        autocast and FSDP2 cast theirs, whatever wrote the parameter before; a later use in the step
-        (a second forward, a recomputation) casts it again only if its counter or storage moved.
-        Trained parameters keep the root's swap: their copies are released at each optimizer step
-        and cast at the next forward (``release_casts``). A write to a trained parameter inside the
-        forward still reaches its copy only, and the root's forward reads trained parameters as
-        their copies (``pq.data`` above is bfloat16)."""
-        gen = self._step.gen
-        first = [mp for mp in casts if mp.cast_step != gen]
-        refresh_casts(casts, first)
-        for mp in first:
-            mp.cast_step = gen
 
     def _count_on_demand(self, g: GatherGroupRuntime, recompute: bool) -> None:
         if recompute or self._step.in_backward:
@@ -1168,8 +1163,6 @@ class Engine:
                 step.bwd_schedule.done.add(g.index)
             if site.collapsed:
                 # a recomputation inside the root, whatever runs it, reads the full parameters
-                if site.casts:
-                    self._cast_at_use(site.casts)
                 for mp in site.swaps:
                     mp.swap_in()
                 step.bwd_swapped[id(site)] = step.bwd_swapped.get(id(site), 0) + 1

@@ -250,9 +250,7 @@ class ManagedParam:
                 )
                 self._cast_version = -1  # cast on first use
                 self._cast_ptr = 0
-            # [Note: compute copies of frozen parameters]
-            self.cast_per_use = self._cast_version is not None and not original.requires_grad
-            self.cast_step = -1  # the step whose first use cast it
+            self._copy_seen = (-1, 0)
             self.shard_flat = None
             self.local = self._master
             return
@@ -288,8 +286,6 @@ class ManagedParam:
         self.free_full()
         self._cast_version = None
         self._cast_ptr = 0
-        self.cast_per_use = False
-        self.cast_step = -1
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -476,7 +472,20 @@ def release_casts(params: Sequence[ManagedParam]) -> None:
 def refresh_casts(params: Sequence[ManagedParam], always: Sequence[ManagedParam] = ()) -> None:
     """Re-cast every stale compute copy among ``params`` (replicated parameters with a cast copy)
     from its master, and every one in ``always``, in one ``_foreach_copy_``: a model of many small
-    layers would otherwise issue one copy from Python per parameter per step."""
+    layers would otherwise issue one copy from Python per parameter per step.
+
+    [Note: compute copies of frozen parameters] A copy is stale when its master's version counter
+    or storage moved. ``p.data.mul_(m)`` moves neither (``.data`` of a plain tensor has a counter
+    of its own): DINO's teacher update after the step never reached its bfloat16 copies under a
+    replicated plan (2.9e-3 off after 4 steps). The engine passes the parameters frozen when the
+    model was wrapped (a momentum encoder, a frozen backbone) as ``always`` at each step's first
+    forward: cast every step, as autocast and FSDP2 cast theirs; the others are released at each
+    optimizer step and cast again anyway (:func:`release_casts`). Each copy's own counter and
+    storage are noted, so a write to the copy inside the forward is found (:func:`written_casts`):
+    replicated parameters are registered as their copies for the whole root forward (per-module
+    swaps would cost hooks on every module, and code reading a parameter's dtype, as Hugging Face's
+    ``model.dtype`` does, would read float32), so MoCo's update made there writes the copy, never
+    the parameter."""
     stale = [mp for mp in params if mp._cast_version is not None and not mp.sharded
              and (mp.version() != mp._cast_version or mp._master.data_ptr() != mp._cast_ptr)]
     if always:
@@ -495,3 +504,12 @@ def refresh_casts(params: Sequence[ManagedParam], always: Sequence[ManagedParam]
         mp._cast_version = mp.version()
         # a plain parameter's ``p.data = new`` moves no version counter: its storage changes
         mp._cast_ptr = mp._master.data_ptr()
+        mp._copy_seen = (mp.full._version, mp.full.data_ptr())
+
+
+def written_casts(params: Sequence[ManagedParam]) -> list[ManagedParam]:
+    """The parameters among ``params`` whose compute copy was written since it was cast (its version
+    counter or storage moved: an in-place update under ``no_grad``, ``p.data = ...``; a write
+    through the copy's ``.data`` moves neither)."""
+    return [mp for mp in params if (mp.full._version, mp.full.data_ptr()) != mp._copy_seen]
+

@@ -4,7 +4,6 @@ of one forward/backward (:class:`StepState`) and the counters the engine keeps
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -37,12 +36,6 @@ class ModuleSite:
     @property
     def sharded(self) -> bool:
         return bool(self.groups)
-
-    @functools.cached_property
-    def casts(self) -> list[ManagedParam]:
-        """The parameters it swaps whose compute copy is cast at their use ([Note: compute copies
-        of frozen parameters] in params.py)."""
-        return [mp for mp in self.swaps if mp.cast_per_use]
 
 
 @dataclass
