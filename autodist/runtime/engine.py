@@ -511,7 +511,9 @@ class Engine:
         there, the order not yet known). The check sees the writes made before the unit reached
         rather than before the group's place: writes to parameters between the units of a
         forward that leaves units out can still make ranks differ (the common update, before
-        every unit, is seen alike); so can writes between a forward and its backward. Persistent groups still in flight at a
+        every unit, is seen alike); so can writes between a forward and its backward, and a
+        group whose trigger a rank fires only after passing its place (a persistent unit after
+        several left out, under a plan that mixes residencies: its check is not noted there). Persistent groups still in flight at a
         forward's end or a step's are waited for there (:meth:`_end_forward`,
         :meth:`_release_after_step`): a refresh issued at a step's start for a unit this rank left
         out stayed in flight into the next step, where a trigger took it for current on that rank
