@@ -160,7 +160,7 @@ def _parity(device, rank, world, args, out):
         # BatchNorm keeps float32 parameters under the policy (cuDNN's kernel on bf16 activations)
         "bf16-batchnorm-ddp": ("resnet", "ddp", bf16, 1),
         "bf16-batchnorm-fsdp": ("resnet", "fsdp", bf16, 1),
-        # a layer frozen when wrapped: its bf16 copy is cast at its module's forward, on the compute
+        # a layer frozen when wrapped: its bf16 copy is cast at every step's first forward, on the compute
         # stream ([Note: compute copies of frozen parameters])
         "bf16-frozen-ddp": ("frozen", "ddp", bf16, 1),
         "bf16-frozen-fsdp": ("frozen", "fsdp", bf16, 1),
