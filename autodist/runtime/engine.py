@@ -506,18 +506,19 @@ class Engine:
         past it (``index``; ``at``, that unit's place) without having run any of the group's
         units, the triggers before the group's place are fired, as the ranks that run it fire
         them first, and the group is checked there as its first use would check it. Prefetch
-        before the first unit now starts at the first unit, not at the root's forward, so the
-        writes before it are seen by every gather (in the first step every group is prefetched
-        there, the order not yet known). The check sees the writes made before the unit reached
-        rather than before the group's place: writes to parameters between the units of a
-        forward that leaves units out can still make ranks differ (the common update, before
-        every unit, is seen alike); so can writes between a forward and its backward, and a
-        group whose trigger a rank fires only after passing its place (a persistent unit after
-        several left out, under a plan that mixes residencies: its check is not noted there). Persistent groups still in flight at a
-        forward's end or a step's are waited for there (:meth:`_end_forward`,
-        :meth:`_release_after_step`): a refresh issued at a step's start for a unit this rank left
-        out stayed in flight into the next step, where a trigger took it for current on that rank
-        only, and the shards were read while the user wrote them."""
+        before the first unit starts at the forward's first hooked module, not at the root's
+        forward, so the gathers it issues see the writes made before any unit (in the first step
+        every group is prefetched there, the order not yet known). The check sees the writes made
+        before the unit reached rather than before the group's place: writes to parameters
+        between the units of a forward that leaves units out can still make ranks differ (the
+        common update, before every unit, is seen alike); so can writes between a forward and its
+        backward, and a group whose trigger a rank fires only after passing its place (a
+        persistent unit after several left out, under a plan that mixes residencies: its check is
+        not noted there). Persistent groups still in flight at a forward's end or a step's are
+        waited for there (:meth:`_end_forward`, :meth:`_release_after_step`): a refresh issued at
+        a step's start for a unit this rank left out stayed in flight into the next step, where a
+        trigger took it for current on that rank only, and the shards were read while the user
+        wrote them."""
         step = self._step
         heap = step.first_uses
         while heap and heap[0][0] < index:
@@ -730,8 +731,9 @@ class Engine:
             self._on_backward_start()
             return self.module(*args, **kwargs)
         self._begin_step()
-        # the triggers before the first unit fire at the first unit's, not here: the model's forward
-        # may write its parameters before any unit runs ([Note: a first use a rank left out])
+        # the triggers before the first unit fire at the forward's first hooked module, not here: the
+        # model's forward may write its parameters before any unit runs ([Note: a first use a rank
+        # left out])
         self._swap_root(True)
         try:
             if self.observer is not None and torch.is_grad_enabled():
