@@ -16,8 +16,8 @@ from typing import Any
 # of the readable schemas load with the newer fields at their defaults (no contention sensitivity,
 # no block saving after its last unit), as the committed records hold them; the cache measures a
 # model of an older schema again.
-PROFILE_SCHEMA_VERSION = 9
-READABLE_PROFILE_SCHEMAS = (3, 4, 5, 6, 7, 8, 9)
+PROFILE_SCHEMA_VERSION = 10
+READABLE_PROFILE_SCHEMAS = (3, 4, 5, 6, 7, 8, 9, 10)
 
 
 @dataclass
@@ -53,7 +53,10 @@ class UnitProfile:
 class OptimizerProfile:
     """The optimizer step: ``step_s = fixed_s + per_tensor_s * tensors + per_byte_s * bytes`` over
     the local parameters it updates; ``state_factor`` bytes of state per parameter byte (Adam 2,
-    SGD with momentum 1). ``measured``: from the user's optimizer (False: the Adam assumption)."""
+    SGD with momentum 1). ``measured``: from the user's optimizer (False: the Adam assumption).
+    ``dtensor_refused``: it cannot step DTensor parameters at all (a plan shards nothing);
+    ``shard_refused``: it cannot step sharded ones (the units holding what it trains stay
+    replicated; autodist/runtime/optimizers.py [Note: optimizers DTensor cannot step])."""
 
     kind: str = "Adam"
     state_factor: float = 2.0
@@ -63,6 +66,8 @@ class OptimizerProfile:
     per_tensor_s: float = 0.0
     per_byte_s: float = 0.0
     measured: bool = False
+    dtensor_refused: bool = False
+    shard_refused: bool = False
 
     def step_seconds(self, tensors: int, nbytes: int) -> float:
         return self.fixed_s + self.per_tensor_s * tensors + self.per_byte_s * nbytes

@@ -22,6 +22,7 @@ from ..cost.profile import OptimizerProfile, Profile, UnitProfile
 from ..measure.clock import Clock
 from ..measure.memory import storage_bytes
 from ..measure.trace import UnitTracer, _attribute, _Pass, float_output_bytes, loss_fields
+from ..runtime.optimizers import dtensor_limit
 
 
 class StepRecorder:
@@ -43,6 +44,7 @@ class StepRecorder:
         self._opt_samples: list[tuple[str, float, int, int, int]] = []
         self._opt_t0 = 0.0
         self._state_names: list[str] = []
+        self._refused = (False, False)  # what the optimizers cannot step as DTensors (OptimizerProfile's fields)
         self.out_fp32 = 0  # float32 bytes of the outputs of the last recorded forward
         self._handles = [
             optim_hooks.register_optimizer_step_pre_hook(self._opt_pre),
@@ -102,6 +104,10 @@ class StepRecorder:
         tensors = [(k, t) for p in params for k, t in opt.state.get(p, {}).items() if torch.is_tensor(t) and t.dim() > 0]
         state = storage_bytes(t for _, t in tensors)
         self._state_names = sorted({k for k, _ in tensors})
+        limit = dtensor_limit(opt)
+        if limit is not None:  # over every optimizer of the model's parameters (two: the union)
+            dtensor, shard = self._refused
+            self._refused = (dtensor or limit.scope == "dtensor", shard or limit.scope == "shard")
         self._opt_samples.append((type(opt).__name__, time.perf_counter() - self._opt_t0, local, state, len(params)))
 
     # ---- the profile ------------------------------------------------------------------------------
@@ -153,6 +159,7 @@ class StepRecorder:
         return OptimizerProfile(
             kind=kind, state_factor=state / max(local, 1), state_names=list(self._state_names),
             transient_factor=1.0, per_byte_s=step / max(local, 1), measured=True,
+            dtensor_refused=self._refused[0], shard_refused=self._refused[1],
         )
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import AutoDistError, mark_raised_on_every_rank, reported_once
 from .gather import GatherGroupRuntime
 from .params import ManagedParam, release_casts
 
@@ -91,12 +92,118 @@ def params_key(optimizer: torch.optim.Optimizer) -> tuple:
     return tuple(tuple(map(id, g["params"])) for g in optimizer.param_groups)
 
 
+@dataclass(frozen=True)
+class DTensorLimit:
+    """What an optimizer cannot step under a plan with DTensor parameters ([Note: optimizers
+    DTensor cannot step]): ``scope`` ``"dtensor"``, any DTensor parameter (a plan may shard
+    nothing it steps: one sharded unit makes every parameter a DTensor); ``"shard"``, a sharded
+    parameter. ``why`` and ``fix`` complete the error."""
+
+    scope: str
+    why: str
+    fix: str
+
+    def refuses(self, mp: ManagedParam) -> bool:
+        return mp.is_dtensor if self.scope == "dtensor" else mp.placement == "shard"
+
+
+FUSED_ON_DTENSOR = ("Adam", "AdamW")  # the fused kernels DTensor implements (torch 2.11-2.14)
+REPLICATE_FIX = "replicate the units it steps (plan='ddp', or a plan whose units holding them are replicated)"
+
+
+def dtensor_limit(optimizer: torch.optim.Optimizer) -> DTensorLimit | None:
+    """What ``optimizer`` cannot step under a plan with DTensors, if anything (torch's optimizers;
+    any other is assumed to step DTensors, as FSDP2 assumes).
+
+    [Note: optimizers DTensor cannot step] Under a plan that shards, the parameters an optimizer
+    steps are DTensors, as under FSDP2, and every update the optimizer makes runs through DTensor's
+    sharding rules. Most of torch's optimizers are elementwise and step shards exactly (Adam and
+    AdamW fused or not, SGD, RMSprop, Adagrad, Adamax, NAdam, RAdam, Adadelta, ASGD: 2 CPU ranks,
+    gpt, fsdp and zero2 equal to ddp after 5 steps). Some are not. Fused SGD and Adagrad
+    (``aten._fused_sgd_`` has no DTensor rule, for a replicated DTensor too),
+    ZeroRedundancyOptimizer (``c10d.broadcast_`` has none), Rprop (``index_put_`` in place on a
+    shard), LBFGS (it flattens every parameter into one vector: refused for a shard of uneven
+    rows) failed at the first step in DTensor's words, after the state of the parameters before
+    the failing one had moved. Adafactor failed on a sharded matrix (its column statistics reduce
+    across the sharded dimension, then are updated in place) and, worse, stepped a sharded vector
+    wrongly: its step is relative to the parameter's RMS (``norm().item()``), and on a shard it
+    was 1.7e-2 off a plain tensor's after 3 steps, silently (FSDP2 the same). Here the step's
+    pre-hook refuses such an optimizer before it changes anything, on every rank, naming the
+    parameters and the fix; and ``plan="auto"``, once the first steps have shown it the optimizer,
+    keeps the units it cannot step sharded replicated in the plans it searches
+    (``OptimizerProfile.dtensor_refused``/``shard_refused``). ``test_optimizers.py`` checks each
+    limit against the torch installed (the DTensor step fails or differs from a plain tensor's),
+    so a torch that lifts one fails there."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    name = type(optimizer).__name__
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return DTensorLimit(
+            "dtensor", "it broadcasts each parameter from the rank that stepped it, and torch has no DTensor "
+            "rule for c10d.broadcast_",
+            "a plan that shards already shards optimizer state (plan='zero2' is ZeRO-2): step the inner optimizer "
+            "directly; or keep ZeroRedundancyOptimizer with plan='ddp'",
+        )
+    fused = any(g.get("fused") for g in optimizer.param_groups)
+    if fused and not any(c.__name__ in FUSED_ON_DTENSOR for c in type(optimizer).__mro__):
+        return DTensorLimit(
+            "dtensor", f"its fused kernel (fused=True) has no DTensor rule in torch {torch.__version__}",
+            f"build it with fused=False: {name}'s default (foreach) implementation makes the same update",
+        )
+    if isinstance(optimizer, torch.optim.Rprop):
+        return DTensorLimit(
+            "shard", "it updates through boolean masks in place (index_put_), which DTensor refuses on a shard",
+            REPLICATE_FIX,
+        )
+    if isinstance(optimizer, torch.optim.LBFGS):
+        return DTensorLimit(
+            "shard", "it steps every parameter as one flat vector, and DTensor cannot flatten a shard of "
+            "uneven rows", REPLICATE_FIX,
+        )
+    adafactor = getattr(torch.optim, "Adafactor", None)
+    if adafactor is not None and isinstance(optimizer, adafactor):
+        return DTensorLimit(
+            "shard", "its step is relative to each parameter's RMS, which on a shard comes out wrong (a sharded "
+            "vector steps silently off a plain one's), and DTensor refuses the in-place update of a matrix's "
+            "column statistics", REPLICATE_FIX,
+        )
+    return None
+
+
+def refuse_unsteppable(engine: Engine, optimizer: torch.optim.Optimizer, mps: list[ManagedParam]) -> None:
+    """Raise, on every rank and before the step changes anything, if ``optimizer`` cannot step the
+    DTensors of ``mps`` under the plan in force ([Note: optimizers DTensor cannot step])."""
+    limit = dtensor_limit(optimizer)
+    refused = [mp.name for mp in mps if limit is not None and limit.refuses(mp)]
+    if limit is None or not refused:
+        return
+    what = "holds as DTensors" if limit.scope == "dtensor" else "shards"
+    shown = ", ".join(refused[:4]) + (f" and {len(refused) - 4} more" if len(refused) > 4 else "")
+    source, auto = engine.plan.label, ""
+    if source.startswith("auto:safe start (sharded)"):
+        auto = ("; plan='auto' starts sharded when replicating does not fit half the budget (or the model is on the "
+                "meta device): raise memory_limit, or use an optimizer that steps shards")
+    elif source.startswith("auto"):
+        auto = ("; plan='auto' chose this plan before it saw the optimizer (from example_inputs, or stored by a launch "
+                "with another optimizer): wrap without example_inputs, with a fresh cache_dir, and the plans it "
+                "searches after the first steps keep these replicated")
+    err = AutoDistError(
+        f"{type(optimizer).__name__} cannot step the parameters plan {source} {what} ({shown}): "
+        f"{limit.why}. Nothing was stepped. Fix: {limit.fix}{auto}"
+    )
+    if engine.comm.world_size > 1:  # every rank holds the same plan and builds the same optimizer
+        mark_raised_on_every_rank(err)
+        raise reported_once(err, rank=engine.comm.rank)
+    raise err
+
+
 def step_view(engine: Engine, optimizer: torch.optim.Optimizer) -> StepView:
     key = (engine.configured, params_key(optimizer))
     view = engine._step_views.get(optimizer)
     if view is not None and view.key == key:
         return view
     mps = params_of(engine, optimizer)
+    refuse_unsteppable(engine, optimizer, mps)
     touched = {id(mp) for mp in mps}
     groups = tuple(g for g in engine.groups if any(id(mp) in touched for mp in g.params))
     view = StepView(

@@ -90,6 +90,7 @@ class PlanSpace:
         compile_blocks: Sequence[str] = (),
         compile_backend: str = "inductor",
         required_shard_size: int = 0,
+        replicated_units: Sequence[str] = (),
     ) -> None:
         """``shard_sizes``: the shard groups smaller than the world a plan may shard over (hybrid
         sharding; each divides the world; none: only the whole world). ``required_shard_size``: the
@@ -100,7 +101,8 @@ class PlanSpace:
         the model recomputes itself (their blocks are not recomputed again). ``block_act_bytes`` /
         ``block_fwd_s``: what recomputing each block saves and costs (for the greedy pass).
         ``compile_blocks``: blocks that may be compiled with ``compile_backend`` (none: no compile
-        moves)."""
+        moves). ``replicated_units``: units no plan may shard (the optimizer cannot step them as
+        shards: autodist/runtime/optimizers.py [Note: optimizers DTensor cannot step])."""
         self.structure = structure
         self.state_names = tuple(state_names)
         self.world = world_size
@@ -116,8 +118,9 @@ class PlanSpace:
         self.unit_of_ready = [self.index[unit_of[p]] for p in self.ready]
         self.ready_nbytes = [structure.params[p].nbytes for p in self.ready]
         self.ready_dtype = [structure.params[p].dtype for p in self.ready]
+        kept = set(replicated_units)
         self.shardable = tuple(
-            all(len(structure.params[p].shape) > 0 for p in self.unit_params[u]) for u in self.units
+            u not in kept and all(len(structure.params[p].shape) > 0 for p in self.unit_params[u]) for u in self.units
         )
         self.fixed = fixed_placement  # placement can no longer change (the user holds the parameters)
         # the values moves choose from (a search over a small space can narrow them)
@@ -507,7 +510,20 @@ def space_for(
             if not any(u == b or u.startswith(b + ".") or b.startswith(u + ".") for u in profile.user_compiled)
         ],
         compile_backend=profile.compile_backend or "inductor",
+        replicated_units=optimizer_replicated_units(profile, structure),
     )
+
+
+def optimizer_replicated_units(profile: Profile, structure: ModelStructure) -> list[str]:
+    """The units the profiled optimizer cannot step sharded: every unit when it cannot step DTensors
+    at all (one sharded unit makes every parameter a DTensor), else those holding a parameter it
+    trains when it cannot step shards."""
+    opt = profile.optimizer
+    if opt.dtensor_refused:
+        return [u.name for u in structure.units]
+    if not opt.shard_refused:
+        return []
+    return [u.name for u in structure.units if any(structure.params[p].requires_grad for p in u.params)]
 
 
 def hybrid_shard_sizes(world_size: int, ranks_per_node: int | None) -> tuple[int, ...]:
