@@ -6,7 +6,9 @@ on a matrix), or stepped wrongly (Adafactor on a sharded vector). Now the step i
 changes anything, on every rank, naming the optimizer, the parameters and the fix; under a
 replicated plan the same optimizers train as in one process; ``plan="auto"`` keeps what the
 optimizer cannot step sharded replicated; and each limit is checked against the torch installed, so
-that a torch which lifts one fails here rather than leaving AutoDist refusing what works."""
+that a torch which lifts one fails here rather than leaving AutoDist refusing what works. Code
+over the parameters outside the forward (a penalty in the loss, per-layer norms, the clipped
+total) sees the whole model as the usage says it does."""
 
 import copy
 
@@ -236,3 +238,46 @@ def test_plan_auto_records_what_the_optimizer_cannot_step(world2, tmp_path):
     units kept replicated (the test above); rank 0 reads the stored profile."""
     out = world2.run(recorded_refusals, str(tmp_path))[0]
     assert out == {"adafactor": ("Adafactor", False, True), "sgd-fused": ("SGD", True, False), "sgd": ("SGD", False, False)}
+
+
+def outside_the_forward(plan: str, set_to_none: bool) -> dict[str, float]:
+    """Code over the parameters outside the forward, as training loops write it: an L2 penalty added
+    to the loss (through ``full_tensor()``, as the usage says), computed before the forward, so that
+    autograd reaches it last ([Note: gradients that reach a parameter outside its bucket]), per-layer
+    gradient norms for a log, and ``clip_grad_norm_``'s total, against one process on the same data
+    (SGD, 3 steps; gradients zeroed to ``None`` or kept as zeros)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    torch.manual_seed(0)
+    base = models.make("mlp")
+    ref = copy.deepcopy(base)
+    model = AutoDist(base, plan=plan)
+    opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    out = {"norms": 0.0, "total": 0.0}
+    for step in range(3):
+        xs = [models.batch("mlp", 4, torch.Generator().manual_seed(10 * step + r)) for r in range(world)]
+        penalty = sum(full((p ** 2).sum()) for p in model.parameters())
+        (models.loss_fn("mlp", model(xs[rank][0]), xs[rank][1]) + 0.05 * penalty).backward()
+        (sum(models.loss_fn("mlp", ref(x), y) for x, y in xs) / world + 0.05 * sum((p ** 2).sum() for p in ref.parameters())).backward()
+        norms = {n: full(p.grad.norm()).item() for n, p in model.named_parameters()}
+        out["norms"] = max(out["norms"], *(abs(norms[n] - p.grad.norm().item()) for n, p in ref.named_parameters()))
+        total, rtotal = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0), torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        out["total"] = max(out["total"], abs(total.item() - rtotal.item()))
+        opt.step()
+        ropt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        ropt.zero_grad(set_to_none=set_to_none)
+    sd = model.state_dict()
+    out["params"] = max((full(sd[k]) - v).abs().max().item() for k, v in ref.state_dict().items())
+    model.close()
+    return out
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["none", "zeros"])
+@pytest.mark.parametrize("plan", ["ddp", "fsdp", "zero2"])
+def test_code_over_the_parameters_outside_the_forward_sees_the_whole_model(world2, plan, set_to_none):
+    for rank, out in enumerate(world2.run(outside_the_forward, plan, set_to_none)):
+        assert max(out.values()) <= ATOL, f"rank {rank}: {out}"

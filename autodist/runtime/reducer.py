@@ -33,6 +33,24 @@ gradient dtype differs from the bucket's (a cast is needed), DTensor parameters 
 DTensor gradient is dispatched in Python), and parameters reduced at the end of backward (reentrant
 checkpointing of a shared parameter). A slot attached and unused on every rank gets ``None`` back
 after the reduction, as if nothing had been attached.
+
+[Note: gradients that reach a parameter outside its bucket] Under a plan with DTensors the forward
+computes with other tensors than the visible parameters (gathered ones, compute copies), so a use
+of a visible parameter outside the forward (an L2 penalty or FedProx's proximal term added to the
+loss through ``.full_tensor()``) is a second autograd leaf: its gradient is accumulated straight
+into ``.grad``, whenever autograd reaches it. A bucket that took its gradient with ``.grad`` empty
+used to set ``.grad`` to the reduced view when it finished, and a gradient accumulated in between
+was lost: with the penalty computed before the forward, the units whose buckets finish at the end
+of backward (the first ones) trained without it, silently (mlp under ``fsdp``: 0.028 off in the
+first layer's gradient). FSDP2 adds its reduced gradient to a ``.grad`` already there; so does
+``finish`` now: whatever ``.grad`` holds when a bucket finishes that the bucket did not put there
+is added to the reduced gradient, not reduced with it (it came from a use every rank made alike,
+as DTensor's rules assume). So that nothing is written into a buffer while it is communicated, a
+gradient kept from the last step in a sharded bucket's view is moved to a copy before the
+reduce-scatter overwrites the view (it was copied there anyway), and a replicated parameter's
+gradient taken by copy leaves ``.grad`` at once. Not covered: a parameter replicated with a
+compute copy or as a DTensor whose kept gradient (``zero_grad(set_to_none=False)``) sits in the
+bucket's view while it is all-reduced, used outside the forward in that backward.
 """
 
 from __future__ import annotations
@@ -47,7 +65,7 @@ from .params import ManagedParam, dense_stride
 # After-reduction action per parameter slot: make the slot the gradient; add it into the user's own
 # gradient tensor; nothing (the slot already is the gradient and was reduced in place); add back the
 # previous gradient saved before a reduce-scatter overwrote the slot.
-_SET, _ADD, _KEEP, _RESTORE = 0, 1, 2, 3
+_SET, _ADD, _KEEP = 0, 1, 2
 
 
 class BucketRuntime:
@@ -107,7 +125,6 @@ class BucketRuntime:
         self._grad_objs: list[torch.Tensor | None] = [None] * self.n
         self._swapped = [mp.needs_swap for mp in params]  # fixed for a parameter's life; read on every hook
         self._all_used: dict[torch.dtype, torch.Tensor] = {}  # a reduce-scatter's flags when nothing is missing
-        self._saved: dict[int, torch.Tensor] = {}
         self.used: list[bool] = [False] * self.n  # set by each finish()
         # the slots that may hold their view as ``.grad`` before backward (see [Note: views attached
         # before backward])
@@ -131,7 +148,7 @@ class BucketRuntime:
         if self.op != "reduce_scatter" or self.inflight is not None:
             return
         storage = self.buffer.untyped_storage()
-        if storage.nbytes() and all(mp.visible.grad is None for mp in self.params) and not self._saved:
+        if storage.nbytes() and all(mp.visible.grad is None for mp in self.params):
             storage.resize_(0)
 
     def _ensure_buffer(self) -> None:
@@ -275,14 +292,12 @@ class BucketRuntime:
                     self.action[slot] = _KEEP
                 else:
                     self.views[slot].copy_(self._taken(g, mp))
+                    # the gradient lives in the bucket from now on: autograd's tensor goes now,
+                    # not at the end of backward (see [Note: gradients as bucket views]); a cast
+                    # one comes back at finish ([Note: gradients that reach a parameter outside its bucket])
                     obj = self.grad_obj(slot)
-                    if obj is not None:
-                        # the gradient lives in the bucket from now on: autograd's tensor goes now,
-                        # not at the end of backward (see [Note: gradients as bucket views])
-                        mp.visible.grad = obj
-                        self.action[slot] = _KEEP
-                    else:
-                        self.action[slot] = _SET
+                    mp.visible.grad = obj
+                    self.action[slot] = _SET if obj is None else _KEEP
             else:
                 # a compute-dtype (or DTensor-backed) leaf's gradient: held until the bucket
                 # launches, then copied (cast) into the bucket with the others in one call (see
@@ -299,8 +314,8 @@ class BucketRuntime:
             if vg is None:
                 self.action[slot] = _SET
             elif self._is_slot_view(vg, slot):  # kept from the last step: the output will overwrite it
-                self._saved[slot] = vg.clone()
-                self.action[slot] = _RESTORE
+                mp.set_local_grad(vg.clone())  # added back at finish (see [Note: gradients that reach ...])
+                self.action[slot] = _SET
             else:
                 self.action[slot] = _ADD
             # [Note: copy-in at launch] A sharded bucket holds its gradients (in ``_deferred``) until
@@ -318,9 +333,15 @@ class BucketRuntime:
         parameter shared by several regions of reentrant activation checkpointing accumulates once
         per region). The bucket must not have been launched."""
         if self.op == "all_reduce" and not mp.needs_swap:
-            g = mp.visible.grad  # autograd accumulated into it: it holds the total
-            if not self._is_slot_view(g, slot):
+            g = mp.visible.grad
+            if g is None or self._is_slot_view(g, slot):
+                return
+            if self.dtype != mp.dtype:  # taken by a cast copy, ``.grad`` left empty: g is the later part
+                self.views[slot].add_(self._taken(g, mp))
+                mp.visible.grad = None
+            else:  # autograd accumulated into the view out of place: g holds the total
                 self.views[slot].copy_(self._taken(g, mp))
+                mp.visible.grad = self.grad_obj(slot)
             return
         g = mp.full.grad
         mp.full.grad = None
@@ -379,8 +400,8 @@ class BucketRuntime:
                 inp.div_(self.divisor)
             for slot, mp in enumerate(self.params):
                 if not self.ready[slot] and self._is_slot_view(mp.local_grad(), slot):
-                    self._saved[slot] = self.views[slot].clone()  # a kept gradient of an unused parameter
-                    self.action[slot] = _RESTORE
+                    mp.set_local_grad(self.views[slot].clone())  # a kept gradient of an unused parameter
+                    self.action[slot] = _SET
             self._ensure_buffer()
             self.inflight = self.comm.reduce_scatter(self.buffer, inp.view(-1), self.label)
             self.replicas_due = self.comm.replicas > 1
@@ -414,8 +435,15 @@ class BucketRuntime:
         with torch.no_grad():
             for slot, mp in enumerate(self.params):
                 act = self.action[slot]
-                if act == _RESTORE:
-                    views[slot].add_(self._saved.pop(slot))
+                if act == _SET and (cur := mp.local_grad()) is not None:
+                    # put there after the bucket took its gradient: added to the reduced one
+                    # ([Note: gradients that reach a parameter outside its bucket])
+                    obj = self.grad_obj(slot)
+                    if obj is not None:
+                        views[slot].add_(cur)
+                        mp.visible.grad = obj
+                    else:
+                        mp.set_local_grad(views[slot].to(mp.dtype).add_(cur))
                     continue
                 if not used[slot]:
                     if self.attached[slot] and mp.visible.grad is self._grad_objs[slot]:
@@ -431,7 +459,6 @@ class BucketRuntime:
                         mp.set_local_grad(views[slot].to(mp.dtype))
                 else:
                     self._arrived(mp.local_grad(), mp).add_(views[slot].to(mp.dtype))
-        self._saved.clear()
         self.inflight = None
 
 
