@@ -438,9 +438,10 @@ class BucketRuntime:
         with torch.no_grad():
             for slot, mp in enumerate(self.params):
                 act = self.action[slot]
-                if act == _SET and (cur := mp.local_grad()) is not None:
+                if act == _SET and mp.visible.grad is not None:
                     # put there after the bucket took its gradient: added to the reduced one
                     # ([Note: gradients that reach a parameter outside its bucket])
+                    cur = self._arrived(mp.local_grad(), mp)
                     obj = self.grad_obj(slot)
                     if obj is not None:
                         views[slot].add_(cur)
