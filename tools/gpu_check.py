@@ -65,13 +65,18 @@ def _peak_reset(device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def _whole(t):
+    """A DTensor's full value (a plain tensor as it is)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _train_against_reference(device, rank, world, model_name, plan, extra, micro, steps=3, hooks=""):
     """Max parameter (and buffer) difference after ``steps`` SGD steps of AutoDist against the
     single-process reference on the same device (computing as the mixed-precision policy does,
     where ``extra`` has one), the largest over the ranks, and whether every managed tensor is on
     ``device``. ``hooks``: gradient hooks on both models' parameters, as ``parity.Case.hooks``
     ("scale", "optimizer-in-backward": stepped in post-accumulate hooks, run on autograd's device
-    thread on CUDA)."""
+    thread on CUDA; "penalty": an L2 term of the parameters added to the loss outside the forward)."""
     import torch
     import torch.distributed as dist
 
@@ -101,7 +106,11 @@ def _train_against_reference(device, rank, world, model_name, plan, extra, micro
             mine = slice(rank * 2, (rank + 1) * 2)
             ctx = model.no_sync() if m < micro - 1 else torch.enable_grad()
             with ctx:
-                models.loss_fn(model_name, model(x[mine]).float(), y[mine]).div(micro).backward()
+                # "penalty": an L2 term of the parameters outside the forward, computed before it, so
+                # that autograd reaches it last ([Note: gradients that reach a parameter outside its
+                # bucket]); the reference adds it once a step, below
+                penalty = sum(_whole((p ** 2).sum()) for p in model.parameters()) if hooks == "penalty" else 0.0
+                (models.loss_fn(model_name, model(x[mine]).float(), y[mine]).div(micro) + 0.05 * penalty).backward()
             # under a bf16 policy the reference computes as the policy does (bf16 copies but
             # BatchNorm's, bf16 inputs, float32 gradients), and rank by rank, as the ranks do: the
             # same arithmetic on one process (bf16 sums a batch of 2 and one of 4 apart; BatchNorm
@@ -121,6 +130,8 @@ def _train_against_reference(device, rank, world, model_name, plan, extra, micro
                     xr = x[chunk].bfloat16() if policy and x.is_floating_point() else x[chunk]
                     models.loss_fn(model_name, ref(xr).float(), y[chunk]).div(micro * world).backward()
                 bufs[r] = {k: v.clone() for k, v in ref.named_buffers()}
+        if hooks == "penalty":
+            (0.05 * sum((p ** 2).sum() for p in ref.parameters())).backward()
         if hooks != "optimizer-in-backward":
             for o in (opt, ropt):
                 o.step()
@@ -170,6 +181,8 @@ def _parity(device, rank, world, args, out):
         "hooks-scale-fsdp-bf16": ("gpt", "fsdp", bf16, 1, "scale"),
         "optimizer-in-backward-ddp": ("gpt", "ddp", {}, 1, "optimizer-in-backward"),
         "optimizer-in-backward-fsdp": ("gpt", "fsdp", {}, 1, "optimizer-in-backward"),
+        "penalty-outside-forward-fsdp": ("gpt", "fsdp", {}, 1, "penalty"),
+        "penalty-outside-forward-ddp-bf16": ("gpt", "ddp", bf16, 1, "penalty"),
     }
     for mode in CHECKPOINTING if not args.quick else ["reentrant", "nonreentrant"]:
         for plan in ("ddp", "fsdp", "zero2"):
