@@ -394,3 +394,49 @@ def test_a_first_unit_left_out_gathers_in_the_same_order(world2):
     # on rank 0 and `body` first on rank 1, which left `inp` out (gloo aborted on the sizes)
     for rank, got in enumerate(world2.run(first_unit_left_out)):
         assert all(v < ATOL for v in got.values()), f"rank {rank}: {got}"
+
+
+def copies_into_parameters() -> dict[str, object]:
+    """Whole tensors copied into parameters between steps, as DDP code does it, under every plan:
+    a submodule's own ``load_state_dict`` (pretrained weights loaded into a part of a wrapped model)
+    and ``p.data.copy_(...)`` (weights averaged back in), then more steps, against one process
+    ([Note: copying a whole tensor into a parameter] in autodist/runtime/params.py). A copy outside
+    ``no_grad`` into a parameter that requires grad raises torch's own error, as for any leaf."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, object] = {}
+    for name, plan in RESIDENCY_PLANS.items():
+        torch.manual_seed(0)
+        base = models.make("gpt")
+        ref = copy.deepcopy(base)
+        donor = models.make("gpt", seed=1)
+        model = AutoDist(base, plan=make_plan(base, world, **plan) if isinstance(plan, dict) else plan)
+        opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in range(4):
+            if step == 2:
+                model.module.blocks[0].load_state_dict(donor.blocks[0].state_dict())
+                ref.blocks[0].load_state_dict(donor.blocks[0].state_dict())
+                model.module.blocks[1].fc1.weight.data.copy_(donor.blocks[1].fc1.weight)
+                ref.blocks[1].fc1.weight.data.copy_(donor.blocks[1].fc1.weight)
+            xs = [models.batch("gpt", 2, torch.Generator().manual_seed(10 * step + r)) for r in range(world)]
+            models.loss_fn("gpt", model(xs[rank][0]), xs[rank][1]).backward()
+            (sum(models.loss_fn("gpt", ref(x), y) for x, y in xs) / world).backward()
+            opt.step()
+            ropt.step()
+            opt.zero_grad()
+            ropt.zero_grad()
+        sd = model.state_dict()
+        out[name] = max((_full(sd[k]) - v).abs().max().item() for k, v in ref.state_dict().items())
+        try:
+            model.module.blocks[0].fc1.weight.copy_(donor.blocks[0].fc1.weight)
+            out[f"{name}-grad-enabled"] = "copied"
+        except RuntimeError as e:
+            out[f"{name}-grad-enabled"] = "leaf" if "leaf Variable that requires grad" in str(e) else str(e)
+        model.close()
+    return out
+
+
+def test_whole_tensors_copied_into_parameters_train_as_in_one_process(world2):
+    for rank, out in enumerate(world2.run(copies_into_parameters)):
+        for name in RESIDENCY_PLANS:
+            assert out[name] <= ATOL, f"rank {rank} {name}: {out}"
+            assert out[f"{name}-grad-enabled"] == "leaf", f"rank {rank} {name}: {out}"

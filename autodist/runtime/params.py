@@ -136,13 +136,37 @@ class HeldDTensor(DTensor):
                 value = value.redistribute(self.device_mesh, self.placements)
             local = value.to_local()
         else:
-            local_shape, offset = compute_local_shape_and_global_offset(self.shape, self.device_mesh, self.placements)
-            local = value
-            for dim, (n, start) in enumerate(zip(local_shape, offset)):
-                local = local.narrow(dim, start, n)
+            local = self._part_of(value)
         with torch.no_grad():
             self._local_tensor.copy_(local)
         torch.autograd.graph.increment_version(self)
+
+    def copy_(self, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:  # type: ignore[override]
+        """[Note: copying a whole tensor into a parameter] ``nn.Module.load_state_dict`` writes each
+        parameter with ``param.copy_(value)``, and so do weight-loading helpers, target networks
+        (``target.load_state_dict(online.state_dict())``) and weights averaged back in
+        (``p.data.copy_(avg)``). Under a plan with DTensors, the module's own ``load_state_dict``
+        (``model.module.load_state_dict(sd)``, a submodule's: pretrained weights loaded into a
+        backbone after wrapping) failed inside DTensor ("mixed torch.Tensor and DTensor"), where DDP
+        copies. A plain tensor of the parameter's whole shape is taken here as ``.data =`` takes it
+        (this rank's part of it, the version counter bumped so that gathers of the old values are
+        found stale); a DTensor or another shape goes to DTensor's ``copy_`` as before. As for any
+        leaf, copying into a parameter that requires grad needs ``torch.no_grad()``."""
+        if isinstance(src, DTensor) or not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(self.shape):
+            return super().copy_(src, non_blocking)
+        if self.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+        with torch.no_grad():
+            self._local_tensor.copy_(self._part_of(src), non_blocking)
+        torch.autograd.graph.increment_version(self)
+        return self
+
+    def _part_of(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``whole``, a plain tensor of the parameter's shape."""
+        local_shape, offset = compute_local_shape_and_global_offset(self.shape, self.device_mesh, self.placements)
+        for dim, (n, start) in enumerate(zip(local_shape, offset)):
+            whole = whole.narrow(dim, start, n)
+        return whole
 
 
 # torch's optimizers and clip_grad_norm_ take their foreach paths for the tensor types these lists
