@@ -46,12 +46,13 @@ first layer's gradient). FSDP2 adds its reduced gradient to a ``.grad`` already 
 ``finish`` now: whatever ``.grad`` holds when a bucket finishes that the bucket did not put there
 is added to the reduced gradient, not reduced with it (it came from a use every rank made alike,
 as DTensor's rules assume). So that nothing is written into a buffer while it is communicated, a
-gradient kept from the last step in a sharded bucket's view is moved to a copy before the
-reduce-scatter overwrites the view (it was copied there anyway), and a replicated parameter whose
-forward used another leaf (a compute copy, a DTensor's local tensor) leaves ``.grad`` empty while
-its bucket reduces, the gradient it kept staying in the view (``plan="ddp"`` under a bf16 policy
-with ``zero_grad(set_to_none=False)``: 2.7e-3 off after 3 steps before); so does a gradient taken
-by a cast copy.
+gradient kept from the last step in a bucket's view, for a parameter whose forward used another
+leaf (a sharded one's gathered tensor, a compute copy, a replicated DTensor's local tensor), is
+moved to a copy when the bucket takes its gradient (or launches without one) and added back at
+finish: what reached it meanwhile, in place, is then added on every rank alike, never averaged on
+some ranks only (``plan="ddp"`` under a bf16 policy with ``zero_grad(set_to_none=False)`` was
+2.7e-3 off after 3 steps, and with a rank leaving an expert out of its forward the ranks' copies
+diverged). A replicated gradient taken by a cast copy leaves ``.grad`` empty at once.
 """
 
 from __future__ import annotations
@@ -202,7 +203,6 @@ class BucketRuntime:
         self.replicas_due = False  # a reduce-scatter in flight whose shard is still to be all-reduced
         self._input: torch.Tensor | None = None
         self._deferred: list[tuple[int, torch.Tensor]] = []  # gradients held until launch (slot, gradient)
-        self._adds: list[bool] = []  # all-reduce: each held gradient is added onto a kept one
 
     # ------------------------------------------------------------------------------------------
     def _is_slot_view(self, t: torch.Tensor | None, slot: int) -> bool:
@@ -220,18 +220,13 @@ class BucketRuntime:
         return torch.tensor([1.0 if r else 0.0 for r in self.ready], dtype=self.dtype).to(self.device)
 
     def _ar_fill(self) -> None:
-        """Copy (or add, onto a kept gradient) the held gradients into their slots, in one call each."""
+        """Copy the held gradients into their slots, in one call."""
         if not self._deferred:
             return
         views = self.views
         with torch.no_grad():
-            for add in (False, True):
-                pairs = [(views[s_], g_) for (s_, g_), a in zip(self._deferred, self._adds, strict=True) if a is add]
-                if pairs:
-                    dst, src = (list(x) for x in zip(*pairs, strict=True))
-                    (torch._foreach_add_ if add else torch._foreach_copy_)(dst, src)
+            torch._foreach_copy_([views[s_] for s_, _ in self._deferred], [g_ for _, g_ in self._deferred])
         self._deferred.clear()
-        self._adds.clear()
 
     def _rs_fill(self, missing: list[str]) -> None:
         """Lay the held gradients (zeros for ``missing`` ones) and the used flags out in the input:
@@ -305,12 +300,14 @@ class BucketRuntime:
                 # [Note: copy-in at launch])
                 g = self._taken(mp.take_full_grad(), mp)
                 vg = mp.local_grad()
-                kept = self._is_slot_view(vg, slot)
+                if vg is not None and self._is_slot_view(vg, slot):
+                    # kept from the last step: off the bucket, added back at finish ([Note: gradients
+                    # that reach a parameter outside its bucket])
+                    mp.set_local_grad(vg.clone())
+                    self.action[slot] = _SET
+                else:
+                    self.action[slot] = _SET if vg is None else _ADD
                 self._deferred.append((slot, g))
-                self._adds.append(kept)
-                if kept:  # the kept gradient stays in the view, summed in at launch; ``.grad`` comes
-                    mp.visible.grad = None  # back at finish ([Note: gradients that reach ...])
-                self.action[slot] = _SET if vg is None or kept else _ADD
         else:
             g = self._taken(mp.take_full_grad(), mp)
             vg = mp.local_grad()
@@ -375,7 +372,10 @@ class BucketRuntime:
             missing.append(mp.name)
             if self.op == "all_reduce":
                 vg = mp.visible.grad if not mp.needs_swap else mp.local_grad()
-                if self._is_slot_view(vg, slot):
+                if self._is_slot_view(vg, slot) and mp.needs_swap:  # kept: off the bucket, as in add_grad
+                    mp.set_local_grad(self.views[slot].clone())
+                    self.views[slot].zero_()
+                elif self._is_slot_view(vg, slot):
                     self.action[slot] = _KEEP  # an old, already-reduced gradient: keep it in the sum
                 else:
                     self.views[slot].zero_()
@@ -439,8 +439,8 @@ class BucketRuntime:
             for slot, mp in enumerate(self.params):
                 act = self.action[slot]
                 if act == _SET and mp.visible.grad is not None:
-                    # put there after the bucket took its gradient: added to the reduced one
-                    # ([Note: gradients that reach a parameter outside its bucket])
+                    # what ``.grad`` holds that the bucket did not put there is added to the reduced
+                    # gradient ([Note: gradients that reach a parameter outside its bucket])
                     cur = self._arrived(mp.local_grad(), mp)
                     obj = self.grad_obj(slot)
                     if obj is not None:
