@@ -214,6 +214,13 @@ def _full(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def worst_difference(model: torch.nn.Module, ref: torch.nn.Module) -> float:
+    """The largest difference of any entry of ``ref``'s state dict from ``model``'s (full tensors:
+    under a plan that shards, a collective)."""
+    sd = model.state_dict()
+    return max((_full(sd[k]) - v).abs().max().item() for k, v in ref.state_dict().items())
+
+
 def _maxdiff(a: torch.Tensor | None, b: torch.Tensor | None, what: str) -> float:
     if a is None and b is None:
         return 0.0

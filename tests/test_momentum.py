@@ -18,7 +18,7 @@ from torch.utils._foreach_utils import _foreach_supported_types as util_foreach_
 
 import models
 from autodist import AutoDist, MixedPrecision
-from parity import RESIDENCY_PLANS, make_plan
+from parity import RESIDENCY_PLANS, make_plan, worst_difference
 
 ATOL = 2e-5
 
@@ -96,8 +96,7 @@ def momentum_parity() -> dict[str, float]:
                 ref = copy.deepcopy(base)
                 model = AutoDist(base, plan=make_plan(base, world, **plan) if isinstance(plan, dict) else plan)
                 _train(model, ref, where)
-                sd = model.state_dict()
-                out[f"{name}-{update}-{where}"] = max((_full(sd[k]) - v).abs().max().item() for k, v in ref.state_dict().items())
+                out[f"{name}-{update}-{where}"] = worst_difference(model, ref)
                 model.close()
     return out
 
@@ -270,8 +269,7 @@ def left_out_parity() -> dict[str, object]:
                 if where == "after":
                     base.momentum()
                     ref.momentum()
-            sd = model.state_dict()
-            out[f"{name}-{where}"] = max((_full(sd[k]) - v).abs().max().item() for k, v in ref.state_dict().items())
+            out[f"{name}-{where}"] = worst_difference(model, ref)
             out[f"{name}-{where}-ran"] = [base.q.ran, base.k.ran]
             model.close()
     return out
@@ -382,8 +380,7 @@ def first_unit_left_out() -> dict[str, float]:
             torch.stack([((ref(x[4 * r : 4 * r + 4], r == 1) - y[4 * r : 4 * r + 4]) ** 2).mean() for r in range(world)]).mean().backward()
             ropt.step()
             ropt.zero_grad()
-        sd = model.state_dict()
-        out[name] = max((_full(sd[k]) - v).abs().max().item() for k, v in ref.state_dict().items())
+        out[name] = worst_difference(model, ref)
         model.close()
     return out
 
@@ -424,8 +421,7 @@ def copies_into_parameters() -> dict[str, object]:
             ropt.step()
             opt.zero_grad()
             ropt.zero_grad()
-        sd = model.state_dict()
-        out[name] = max((_full(sd[k]) - v).abs().max().item() for k, v in ref.state_dict().items())
+        out[name] = worst_difference(model, ref)
         try:
             model.module.blocks[0].fc1.weight.copy_(donor.blocks[0].fc1.weight)
             out[f"{name}-grad-enabled"] = "copied"

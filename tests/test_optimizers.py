@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import models
 from autodist import AutoDist, AutoDistError
 from autodist.runtime.optimizers import dtensor_limit
+from parity import worst_difference
 
 ATOL = 2e-5
 
@@ -175,8 +176,7 @@ def replicated_parity() -> dict[str, float]:
             _step(ropt, lambda r=ref, xs=xs: sum(models.loss_fn("mlp", r(x), y) for x, y in xs) / world)
             opt.zero_grad()
             ropt.zero_grad()
-        sd = model.state_dict()
-        out[name] = max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+        out[name] = worst_difference(model, ref)
         model.close()
     return out
 
@@ -270,8 +270,7 @@ def outside_the_forward(plan: str, set_to_none: bool) -> dict[str, float]:
         ropt.step()
         opt.zero_grad(set_to_none=set_to_none)
         ropt.zero_grad(set_to_none=set_to_none)
-    sd = model.state_dict()
-    out["params"] = max((full(sd[k]) - v).abs().max().item() for k, v in ref.state_dict().items())
+    out["params"] = worst_difference(model, ref)
     model.close()
     return out
 
