@@ -245,7 +245,8 @@ def outside_the_forward(plan: str, set_to_none: bool) -> dict[str, float]:
     to the loss (through ``full_tensor()``, as the usage says), computed before the forward, so that
     autograd reaches it last ([Note: gradients that reach a parameter outside its bucket]), per-layer
     gradient norms for a log, and ``clip_grad_norm_``'s total, against one process on the same data
-    (SGD, 3 steps; gradients zeroed to ``None`` or kept as zeros)."""
+    (SGD, 3 steps; gradients zeroed to ``None`` or kept as zeros); a post-accumulate hook runs once
+    a step, not also where the penalty's gradient reaches the parameter."""
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def full(t):
@@ -256,12 +257,16 @@ def outside_the_forward(plan: str, set_to_none: bool) -> dict[str, float]:
     ref = copy.deepcopy(base)
     model = AutoDist(base, plan=plan)
     opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    out = {"norms": 0.0, "total": 0.0}
+    out = {"norms": 0.0, "total": 0.0, "hook calls off one a step": 0.0}
+    calls = {n: 0 for n, _ in model.named_parameters()}  # a post-accumulate hook runs once a backward
+    for n, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, n=n: calls.__setitem__(n, calls[n] + 1))
     for step in range(3):
         xs = [models.batch("mlp", 4, torch.Generator().manual_seed(10 * step + r)) for r in range(world)]
         penalty = sum(full((p ** 2).sum()) for p in model.parameters())
         (models.loss_fn("mlp", model(xs[rank][0]), xs[rank][1]) + 0.05 * penalty).backward()
         (sum(models.loss_fn("mlp", ref(x), y) for x, y in xs) / world + 0.05 * sum((p ** 2).sum() for p in ref.parameters())).backward()
+        out["hook calls off one a step"] = max(out["hook calls off one a step"], *(abs(c - step - 1) for c in calls.values()))
         norms = {n: full(p.grad.norm()).item() for n, p in model.named_parameters()}
         out["norms"] = max(out["norms"], *(abs(norms[n] - p.grad.norm().item()) for n, p in ref.named_parameters()))
         total, rtotal = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0), torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)

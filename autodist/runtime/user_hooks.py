@@ -34,7 +34,11 @@ So, under every plan:
   to no effect and the runtime calls through after the reduction: the dict stays where it is, so
   the handles ``register_post_accumulate_grad_hook`` returned keep removing them, and the entries
   are put back as they were when the runtime's hooks are removed (a plan switch, ``close()``). The
-  runtime's and its profiler's own hooks are marked :func:`internal` and left alone.
+  runtime's and its profiler's own hooks are marked :func:`internal` and left alone. A visible
+  parameter that is not the forward's leaf gets its entries deferred the same way: autograd
+  reaches it when a term of the loss outside the forward uses it (an L2 penalty through
+  ``.full_tensor()``), before the reduction, and ran the user's hook there too (twice a step
+  under ``fsdp``: an optimizer stepped in it stepped on the penalty's gradient alone first).
 
 Hooks registered before wrapping move with the parameter where wrapping replaces it (a sharded
 parameter becomes a DTensor). They are looked for at a step's first forward and at the start of
@@ -155,7 +159,12 @@ class ParamHooks:
                     else:
                         complete = False  # frozen now: looked at again at the next step
         post = [v._post_accumulate_grad_hooks for v in self._apart_visible]
-        listed += [mp for mp, hooks in zip(self._apart, post) if hooks]
+        for mp, d in zip(self._apart, post):
+            if d:  # deferred too: autograd reaches the visible parameter when a term outside the
+                for key, hook in list(d.items()):  # forward uses it, before the reduction
+                    if not isinstance(hook, Deferred) and not getattr(hook, INTERNAL, False):
+                        d[key] = Deferred(hook)
+                listed.append(mp)
         self.post = listed
         if complete:
             self._scanned_at = RemovableHandle.next_id - self._own_ids
@@ -182,7 +191,7 @@ class ParamHooks:
             h.remove()
         self._runtime.clear()
         self._forwarding.clear()
-        for v in self._own_visible:
+        for v in [*self._own_visible, *self._apart_visible]:
             d = v._post_accumulate_grad_hooks
             for key, hook in list((d or {}).items()):
                 if isinstance(hook, Deferred):
