@@ -463,6 +463,13 @@ def check(results: list[dict[str, float]], *, atol: float) -> None:
             assert r[key] <= atol, f"rank {rank}: max {key} difference {r[key]:.3g} exceeds {atol:.1g} ({r})"
 
 
+def check_within(results: list[dict[str, float]], *, atol: float) -> None:
+    """Every rank's named differences (``results``: per rank, name -> difference) within ``atol``."""
+    for rank, worst in enumerate(results):
+        bad = {k: v for k, v in worst.items() if v > atol}
+        assert not bad, f"rank {rank}: {bad}"
+
+
 def check_cases(results: list[list[dict[str, float]]], names: list[str], *, atol: float) -> None:
     """:func:`check` every case of a :func:`run_cases` run (``results``: per rank, per case), naming
     the case that fails."""
