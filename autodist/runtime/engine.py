@@ -182,6 +182,9 @@ class Engine:
         # between an optimizer's pre and post step hooks: its optimizers.StepView
         self._in_step: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._step_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizers.step_view
+        # optimizers whose loaded state is yet to be checked at their next step: optimizers.LoadedState
+        self._loaded_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._load_hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizers.watch_loads
         self.configured = 0  # how many times _configure ran: a plan's groups and buckets are this one's
         self.step_listeners: list = []  # called with the optimizer after each step over these parameters
 
@@ -719,6 +722,9 @@ class Engine:
                     g.wait()
         finally:
             self.remove_hooks()
+            for handle in list(self._load_hooks.values()):
+                handle.remove()
+            self._load_hooks.clear()
 
     # ------------------------------------------------------------------------------------------
     # root forward

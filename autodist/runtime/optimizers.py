@@ -197,6 +197,136 @@ def refuse_unsteppable(engine: Engine, optimizer: torch.optim.Optimizer, mps: li
     raise err
 
 
+@dataclass
+class LoadedState:
+    """What a look at an optimizer's loaded state found ([Note: optimizer state loaded from a
+    file]): ``problems`` (one line each), and ``adopted`` (state key, the value in place now, the
+    value it becomes) to apply when there are none, and ``sharded`` (sharded DTensor values as
+    loaded) for the check across ranks."""
+
+    problems: list[str]
+    adopted: list[tuple[dict, str, torch.Tensor]]
+    sharded: dict[str, torch.Tensor]
+
+
+def look_at_loaded_state(engine: Engine, optimizer: torch.optim.Optimizer) -> LoadedState:
+    """[Note: optimizer state loaded from a file] DDP code checkpoints its optimizer with
+    ``torch.save(optimizer.state_dict())`` on rank 0 and resumes with
+    ``optimizer.load_state_dict(torch.load(path))`` on every rank (nanoGPT's loop does). Saved under
+    a replicated plan, that state is full tensors; and ``plan="auto"`` first trains on a
+    replicated plan and takes a sharded one at the next launch, where the same file then met
+    DTensor parameters and the first step failed in DTensor's words ("got mixed torch.Tensor and
+    DTensor"). Saved under a plan that shards, the file holds rank 0's shards, which loaded on
+    every rank trained every rank with rank 0's moments, silently, or, with shards of uneven rows,
+    failed on some ranks only, which left the others waiting in the next collective.
+
+    So the first step of an optimizer over this model's parameters, and the first step after each
+    ``load_state_dict`` (a hook on the optimizer, whose conversions run as it loads), looks at the
+    state of every parameter: a plain tensor of a DTensor parameter's whole shape becomes this
+    rank's part of it (a DTensor as the parameter's, the rank's rows copied out), and a DTensor of
+    a plain parameter, if it is whole (replicated), its local tensor. What cannot be taken is
+    refused before the step changes anything, on every rank, naming it: a DTensor of another
+    layout than its parameter's (saved under another plan), a sharded DTensor of a plain
+    parameter, a tensor of another shape. Sharded DTensors on a mesh of their own (unpickled; the
+    state a step makes, and what DCP's ``set_optimizer_state_dict`` loads, is on the parameter's
+    mesh) are then checked across ranks for being another rank's parts ([Note: one rank's shards
+    loaded on every rank] in ``autodist/runtime/state.py``): a collective, met first in the job's
+    store so that a load on some ranks only is reported rather than left to hang. A step counter or other scalar is left
+    as it is. Saving under a plan that shards takes the DCP helpers (``get_optimizer_state_dict``
+    with ``full_state_dict=True`` on every rank), as under FSDP2."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    problems: list[str] = []
+    adopted: list[tuple[dict, str, torch.Tensor]] = []
+    sharded: dict[str, torch.Tensor] = {}
+    for mp in params_of(engine, optimizer):
+        p = mp.visible
+        st = optimizer.state.get(p)
+        if not st:
+            continue
+        for name, value in st.items():
+            if not isinstance(value, torch.Tensor) or (value.dim() == 0 and not isinstance(value, DTensor)):
+                continue
+            what = f"{mp.name}'s {name!r}"
+            if isinstance(p, DTensor):
+                if isinstance(value, DTensor):
+                    if tuple(value.placements) != tuple(p.placements) or value.shape != p.shape:
+                        problems.append(f"{what} is a DTensor of shape {tuple(value.shape)} placed {value.placements}, "
+                                        f"the parameter is one of shape {tuple(p.shape)} placed {p.placements}")
+                    elif value.device_mesh is not p.device_mesh and any(isinstance(pl, Shard) for pl in value.placements):
+                        sharded[f"{mp.name}:{name}"] = value  # unpickled (state the step made is on p's mesh)
+                elif value.shape == p.shape:
+                    part = p._part_of(value).clone() if hasattr(p, "_part_of") else value
+                    adopted.append((st, name, DTensor.from_local(
+                        part, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())))
+                else:
+                    problems.append(f"{what} is a tensor of shape {tuple(value.shape)}, the parameter's shape is "
+                                    f"{tuple(p.shape)}")
+            elif isinstance(value, DTensor):
+                if any(isinstance(pl, Shard) for pl in value.placements):
+                    problems.append(f"{what} is a sharded DTensor (one rank's part, saved under a plan that shards), "
+                                    "the parameter is a whole tensor under this plan")
+                else:
+                    adopted.append((st, name, value.to_local()))
+    return LoadedState(problems, adopted, sharded)
+
+
+LOADED_STATE_FIX = (
+    "Save the optimizer's state as full tensors with torch.distributed.checkpoint.state_dict's "
+    "`get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))` on every rank (rank "
+    "0 writes the file) and load it with `optimizer.load_state_dict(...)` or `set_optimizer_state_dict(...)`; or "
+    "save and load sharded checkpoints with torch.distributed.checkpoint"
+)
+
+
+def adopt_loaded_state(engine: Engine, optimizer: torch.optim.Optimizer, found: LoadedState) -> None:
+    """Apply ``found``'s conversions (none if it found a problem) and keep what is left to check at
+    the next step (:func:`settle_loaded_state`)."""
+    if not found.problems:
+        for st, name, value in found.adopted:
+            st[name] = value
+    engine._loaded_states[optimizer] = found
+
+
+def settle_loaded_state(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
+    """Raise on every rank, before the step, if the state loaded into ``optimizer`` cannot be this
+    rank's ([Note: optimizer state loaded from a file])."""
+    from .state import foreign_shards
+
+    found = engine._loaded_states.pop(optimizer, None)
+    if found is None:
+        return
+    problem = "; ".join(found.problems[:3]) + (f" and {len(found.problems) - 3} more" if len(found.problems) > 3 else "")
+    if not problem and found.sharded:
+        engine.comm.rendezvous("optimizer.load_state_dict()", "Load the optimizer's state on every rank.")
+        problem = foreign_shards(found.sharded, engine.comm.all_gather_object) or ""
+    if not problem:
+        return
+    err = AutoDistError(
+        f"the state loaded into {type(optimizer).__name__} does not fit the parameters plan {engine.plan.label} holds: "
+        f"{problem}. Nothing was stepped. {LOADED_STATE_FIX} ([Note: optimizer state loaded from a file] in "
+        "autodist/runtime/optimizers.py)"
+    )
+    if engine.comm.world_size > 1:  # every rank loaded the same file and holds the same plan
+        mark_raised_on_every_rank(err)
+        raise reported_once(err, rank=engine.comm.rank)
+    raise err
+
+
+def watch_loads(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
+    """Look at the state each ``optimizer.load_state_dict`` loads, as it loads it."""
+    if optimizer in engine._load_hooks:
+        return
+    ref = weakref.ref(engine)
+
+    def load_post(opt: torch.optim.Optimizer) -> None:
+        eng = ref()
+        if eng is not None:
+            adopt_loaded_state(eng, opt, look_at_loaded_state(eng, opt))
+
+    engine._load_hooks[optimizer] = optimizer.register_load_state_dict_post_hook(load_post)
+
+
 def step_view(engine: Engine, optimizer: torch.optim.Optimizer) -> StepView:
     key = (engine.configured, params_key(optimizer))
     view = engine._step_views.get(optimizer)
@@ -217,6 +347,11 @@ def step_view(engine: Engine, optimizer: torch.optim.Optimizer) -> StepView:
 def before_optimizer_step(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
     if not watch(engine, optimizer):
         return
+    if optimizer not in engine._step_views:  # its first step: state loaded before it, and later loads
+        watch_loads(engine, optimizer)
+        adopt_loaded_state(engine, optimizer, look_at_loaded_state(engine, optimizer))
+    if engine._loaded_states:
+        settle_loaded_state(engine, optimizer)
     if engine.grad_forwards and not engine.stats.micro_batches:
         # [Note: a step no backward reached] Forwards with gradients since the last step, and no
         # backward reached the model: `loss.backward(inputs=list(model.parameters()))` (GAN code

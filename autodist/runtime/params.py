@@ -31,8 +31,8 @@ the parameter's rows in order followed by padding.
 
 from __future__ import annotations
 
-import copy
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -110,11 +110,43 @@ class HeldDTensor(DTensor):
         out.__class__ = DTensor
         return out  # type: ignore[return-value]
 
-    def __deepcopy__(self, memo: dict) -> nn.Parameter:
-        return nn.Parameter(copy.deepcopy(self._as_dtensor(), memo), requires_grad=self.requires_grad)
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        """A DTensor over a copy of the local tensor (a ``Parameter`` if this is one): torch's own
+        copy of a DTensor whose local tensor lies at an offset in its storage failed as its pickling
+        did ([Note: pickling a shard held in a flat buffer]): ``copy.deepcopy`` of
+        ``model.module.state_dict()``."""
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            dt = DTensor.from_local(self._local_tensor.clone(), self.device_mesh, self.placements, run_check=False,
+                                    shape=self.shape, stride=self.stride())
+        out = (nn.Parameter(dt, requires_grad=self.requires_grad) if getattr(self, "_is_param", False)
+               else dt.requires_grad_(self.requires_grad))
+        memo[id(self)] = out
+        return out
 
     def __reduce_ex__(self, protocol):  # type: ignore[override]
-        return nn.Parameter(self._as_dtensor(), requires_grad=self.requires_grad).__reduce_ex__(protocol)
+        """[Note: pickling a shard held in a flat buffer] ``torch.save(model.module.state_dict())``
+        and ``torch.save(model.module)`` pickle the parameters as torch's DTensors (a file loads
+        without AutoDist): a ``Parameter`` if this is one, else (a ``state_dict()`` entry, detached)
+        a DTensor. The local shards are views into one flat buffer per dtype ([Note: one shard
+        storage per dtype]), and since torch 2.10 a DTensor's wrapper takes its local tensor's
+        storage offset (pytorch/pytorch#167597); torch's pickling tells a wrapper from a tensor with
+        data by ``data_ptr() == 0``, which a wrapper of nonzero offset fails, so it pickled the
+        wrapper's storage, which has none: every shard but the first of its buffer failed with
+        "Attempted to access the data pointer on an invalid python storage". The wrapper is
+        pickled here as torch pickles one at offset zero, with its offset; the local tensor as a
+        view, its storage (the flat buffer) written once per file, as torch writes any view's."""
+        dt = self._as_dtensor()
+        param = getattr(self, "_is_param", False)
+        wrapper = (DTensor, dt.dtype, tuple(dt.size()), dt.stride(), dt.storage_offset(), dt.layout, dt.device,
+                   self.requires_grad and not param)
+        reduced = (torch._tensor._rebuild_from_type_v2, (  # type: ignore[attr-defined]
+            torch._utils._rebuild_wrapper_subclass, DTensor, wrapper, torch._utils._get_obj_state(dt),
+        ))
+        if not param:
+            return reduced
+        return (torch._utils._rebuild_parameter, (_Reduced(reduced), self.requires_grad, OrderedDict()))
 
     @property  # type: ignore[override]
     def data(self) -> torch.Tensor:
@@ -167,6 +199,18 @@ class HeldDTensor(DTensor):
         for dim, (n, start) in enumerate(zip(local_shape, offset)):
             whole = whole.narrow(dim, start, n)
         return whole
+
+
+class _Reduced:
+    """An object that pickles as ``reduce`` says (a part of another object's reduction)."""
+
+    __slots__ = ("reduce",)
+
+    def __init__(self, reduce: tuple) -> None:
+        self.reduce = reduce
+
+    def __reduce_ex__(self, protocol: object) -> tuple:
+        return self.reduce
 
 
 # torch's optimizers and clip_grad_norm_ take their foreach paths for the tensor types these lists

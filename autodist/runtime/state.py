@@ -13,6 +13,7 @@ from collections import OrderedDict
 from typing import Protocol, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
@@ -69,6 +70,17 @@ def agree_on_state_dict(
     mine = sorted((k, _describe(v)) for k, v in state_dict.items())
     digests = all_gather_object(hashlib.sha256(repr(mine).encode()).hexdigest())
     if len(set(digests)) == 1:
+        dtensors = {k: v for k, v in state_dict.items() if isinstance(v, DTensor)}
+        problem = foreign_shards(dtensors, all_gather_object) if dtensors else None
+        if problem is not None:
+            raise RankMismatchError(
+                f"load_state_dict was given DTensors that are not this rank's own parts: {problem}. A state dict "
+                "of DTensors saved with torch.save by one rank (`model.module.state_dict()`, which holds that rank's "
+                "shards only) is that rank's part on every rank that loads it. Nothing was loaded. Save "
+                "`model.state_dict()` instead (full tensors: every rank calls it, rank 0 writes the file), or "
+                "save and load sharded checkpoints with torch.distributed.checkpoint ([Note: one rank's shards "
+                "loaded on every rank] in autodist/runtime/state.py)"
+            )
         return
     everyone = [dict(d) for d in all_gather_object(mine)]
     other = next(r for r, d in enumerate(digests) if d != digests[0])
@@ -79,6 +91,70 @@ def agree_on_state_dict(
         f"{a.get(key, 'missing')} on rank 0 but {b.get(key, 'missing')} on rank {other}. It is a collective "
         "(as with FSDP2): give every rank the same full state dict, e.g. load the same checkpoint file on each."
     )
+
+
+def foreign_shards(values: dict[str, DTensor], all_gather_object: AllGatherObject) -> str | None:
+    """What shows that sharded DTensor ``values`` (the same keys on every rank) are not each rank's
+    own part, or None: a collective.
+
+    [Note: one rank's shards loaded on every rank] DDP code saves with ``if rank == 0:
+    torch.save(...)`` and every rank loads that file. A DTensor in it is rank 0's shard, and
+    loaded on every rank it is rank 0's part everywhere: ``full_tensor()`` then assembles rank 0's
+    rows in every place (or, with shards of uneven rows, waits on an all-gather whose sizes differ
+    on some ranks only), and an optimizer stepping such state trains every rank with rank 0's
+    moments. torch 2.14 pickles a DTensor's mesh with the saving rank's coordinate in it, so on
+    every rank the loaded DTensor claims that coordinate: nothing fails, and nothing is right (mlp
+    under ``fsdp`` loaded 0.52 off what was saved). Three signs, each checked on every rank and
+    shared, so that every rank reaches the same verdict: a DTensor whose mesh places this rank
+    elsewhere than the mesh's own rank list does; a part of another shape than this rank's under
+    the DTensor's placements; or every sharded value that is not constant identical (its sum, sum
+    of squares and range, in float64 on its device) on ranks whose parts start at different
+    offsets, which parts of a trained or initialised tensor never are, and a file saved by one rank
+    always is (the last holds should a torch recompute coordinates on loading)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    rank = dist.get_rank()
+    mine: list[tuple] = []
+    stats = []
+    for key, v in values.items():
+        if not any(isinstance(pl, Shard) for pl in v.placements):
+            continue
+        claimed = v.device_mesh.get_coordinate()
+        where = (v.device_mesh.mesh == rank).nonzero()
+        actual = tuple(where[0].tolist()) if len(where) else None
+        shape, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
+        local = v.to_local().detach()
+        mine.append((key, claimed, actual, tuple(local.shape), tuple(shape), tuple(offset)))
+        flat = local.reshape(-1).to(torch.float64)
+        stats.append(torch.stack([flat.sum(), (flat * flat).sum(), flat.max() - flat.min()]) if flat.numel()
+                     else torch.zeros(3, dtype=torch.float64, device=flat.device))
+    if not mine:
+        return None
+    figures = torch.stack(stats).cpu().tolist()
+    everyone = all_gather_object([(*entry, fig) for entry, fig in zip(mine, figures)])
+    for r, entries in enumerate(everyone):
+        for key, claimed, actual, held, own, _, _ in entries:
+            if claimed != actual:
+                return (f"on rank {r}, {key!r} is a DTensor whose mesh gives rank {r} the coordinate {claimed}, where the "
+                        f"mesh's ranks put it at {actual}: it was saved by another rank")
+            if held != own:
+                return (f"rank {r} holds a part of {key!r} of shape {held}, where its part under the DTensor's "
+                        f"placements has shape {own}")
+    compared = identical = 0
+    for i in range(len(mine)):
+        by_offset: dict[tuple[int, ...], list[float]] = {}
+        for entries in everyone:
+            *_, offset, fig = entries[i]
+            by_offset.setdefault(offset, fig)
+        if len(by_offset) < 2 or not any(f[2] > 0 for f in by_offset.values()):
+            continue  # one part, or constant parts (zeros): equal parts prove nothing
+        compared += 1
+        identical += len({tuple(f) for f in by_offset.values()}) == 1
+    if compared and identical == compared:
+        return (f"every rank holds the same values for the parts of {compared} sharded tensor(s) that start at "
+                f"different rows ({mine[0][0]!r} among them)")
+    return None
 
 
 @torch.no_grad()
