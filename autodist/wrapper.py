@@ -673,6 +673,26 @@ class AutoDist(nn.Module):
         self._comm.destroy()
         self.module.__dict__.pop(_MANAGED, None)
 
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        """A Hugging Face model's ``save_pretrained``, with the model's full tensors; call it on
+        every rank (rank 0 writes, as ``is_main_process`` defaults to it here).
+
+        [Note: save_pretrained under a plan that shards] The wrapped model's own
+        ``save_pretrained`` finds the parameters' storages to tell tied weights from others, and
+        AutoDist's shards are views into one flat buffer per dtype: every sharded parameter looked
+        tied to every other of its size, and the save failed inside transformers ("Attempted to
+        access the data pointer on an invalid python storage"; a rank 0 alone calling it waited
+        for the others). Here ``state_dict`` defaults to :meth:`state_dict` (full tensors, a
+        collective under a plan that shards), as Accelerate passes its gathered state dict, and
+        only rank 0 writes the files. A module without ``save_pretrained`` raises AttributeError."""
+        save = getattr(self.module, "save_pretrained", None)
+        if save is None:
+            raise AttributeError(f"{type(self.module).__name__} has no save_pretrained (not a Hugging Face model)")
+        if "state_dict" not in kwargs and any(isinstance(p, torch.distributed.tensor.DTensor) for p in self.module.parameters()):
+            kwargs["state_dict"] = self.state_dict()
+        kwargs.setdefault("is_main_process", self._comm.rank == 0)
+        return save(save_directory, *args, **kwargs)
+
     def __getattr__(self, name: str) -> Any:
         """An attribute this object lacks is the wrapped module's (``model.generate(...)``,
         ``model.config`` of a Hugging Face model), as under FSDP2, whose ``fully_shard`` keeps the

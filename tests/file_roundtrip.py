@@ -119,3 +119,34 @@ def one_ranks_shards(plan):
                                            "every_rank": getattr(e, "raised_on_every_rank", False)}
         m.close()
     return out
+
+
+def hugging_face_save_pretrained(directory: str, plan: str) -> dict[str, object]:
+    """A GPT-2 trained 2 steps under ``plan``, saved with ``model.save_pretrained(directory)`` on
+    every rank; returns how far ``from_pretrained`` is from a one-process reference trained on
+    the same data, and which files were written."""
+    import os
+
+    import transformers
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ref = copy.deepcopy(model)
+    m = AutoDist(model, plan=plan)
+    opt, ropt = (torch.optim.SGD(p, lr=0.1, momentum=0.9) for p in (m.parameters(), ref.parameters()))
+    for step in range(2):
+        every = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world)]
+        m(input_ids=every[rank], labels=every[rank]).loss.backward()
+        (sum(ref(input_ids=x, labels=x).loss for x in every) / world).backward()
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+    m.save_pretrained(directory)
+    m.close()
+    dist.barrier()
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(directory).state_dict()
+    want = ref.state_dict()
+    return {"worst": max((loaded[k] - v).abs().max().item() for k, v in want.items()), "files": sorted(os.listdir(directory))}

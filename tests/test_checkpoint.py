@@ -4,7 +4,7 @@ import tempfile
 
 import pytest
 from dcp_roundtrip import check_loaded, load, save
-from file_roundtrip import one_ranks_shards, resume
+from file_roundtrip import hugging_face_save_pretrained, one_ranks_shards, resume
 
 SAVE_LOAD = [
     ("fsdp", "ddp", False),
@@ -80,3 +80,15 @@ def test_one_ranks_shards_saved_with_torch_save_are_refused_by_load_state_dict(w
         assert "saved by another rank" in refused["message"] and refused["every_rank"], (rank, refused)
         assert out["per_rank=True"] == 0.0, (rank, out)
         assert out["deepcopy"] == 0.0 and out["deepcopy_types"] == ["DTensor"], (rank, out)
+
+
+@pytest.mark.parametrize("plan", ["fsdp", "ddp"])
+def test_save_pretrained_through_the_wrapper_writes_the_trained_model(world2, plan):
+    """`model.save_pretrained(dir)` on every rank (a Hugging Face model): under a plan that shards,
+    the model's own save_pretrained took AutoDist's shards, views into one flat buffer, for tied
+    weights and failed inside transformers; the wrapper's passes the full state dict and lets rank
+    0 alone write. `from_pretrained` gives the one-process reference's weights."""
+    pytest.importorskip("transformers", reason="transformers is not installed (an optional test dependency)")
+    with tempfile.TemporaryDirectory() as d:
+        for rank, out in enumerate(world2.run(hugging_face_save_pretrained, d, plan)):
+            assert out["worst"] < 1e-5 and "model.safetensors" in out["files"], (rank, out)
