@@ -8,11 +8,16 @@ of the parameters, fp32 gradients summed over the ranks' chunks); they agree to 
 a float32 reference they differed by up to 1e-2, which a 3e-2 tolerance let through.
 """
 
+import copy
 import itertools
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
 
-from parity import Case, _full, check, run_case, run_cases
+from autodist import AutoDist
+from parity import Case, _full, check, make_plan, run_case, run_cases
 
 ATOL = 2e-5
 
@@ -467,3 +472,69 @@ def test_backward_naming_the_parameters_trains_or_warns_that_nothing_reached_the
             assert worst < ATOL and not warned, (worst, warned)
         else:
             assert len(warned) == 1 and "inputs=" in warned[0], warned
+
+
+class _TwoTowers(nn.Module):
+    """CLIP's shape: two encoders the training code calls through methods, not the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.img = nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.Linear(32, 16))
+        self.txt = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 16))
+
+    def encode_image(self, x):
+        return nn.functional.normalize(self.img(x), dim=-1)
+
+    def encode_text(self, t):
+        return nn.functional.normalize(self.txt(t), dim=-1)
+
+    def forward(self, x, t):
+        return self.encode_image(x), self.encode_text(t)
+
+
+def _contrastive(i, t):
+    logits = 2.0 * i @ t.T
+    labels = torch.arange(len(i))
+    return (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.T, labels)) / 2
+
+
+def towers_through_methods(plan):
+    """3 steps whose loss comes from ``model.encode_image`` and ``model.encode_text`` (no call of
+    the model's forward), each followed by ``encode_image`` under ``no_grad`` in eval mode; returns
+    the largest difference from a one-process reference in the parameters and in the evaluation."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _TwoTowers()
+    ref = copy.deepcopy(model)
+    spec = make_plan(_TwoTowers(), world, **plan) if isinstance(plan, dict) else plan
+    m = AutoDist(model, plan=spec)
+    opt, ropt = (torch.optim.SGD(p, lr=0.1, momentum=0.9) for p in (m.parameters(), ref.parameters()))
+    evaluated = 0.0
+    for step in range(3):
+        xs = [torch.randn(4, 12, generator=torch.Generator().manual_seed(100 * step + r)) for r in range(world)]
+        ts = [torch.randn(4, 8, generator=torch.Generator().manual_seed(7 + 100 * step + r)) for r in range(world)]
+        _contrastive(m.encode_image(xs[rank]), m.encode_text(ts[rank])).backward()
+        (sum(_contrastive(*ref(x, t)) for x, t in zip(xs, ts)) / world).backward()
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+        m.eval()
+        ref.eval()
+        with torch.no_grad():
+            x = torch.randn(3, 12, generator=torch.Generator().manual_seed(55 + step))
+            evaluated = max(evaluated, (m.encode_image(x) - ref.encode_image(x)).abs().max().item())
+        m.train()
+        ref.train()
+    worst = max((_full(p) - q).abs().max().item() for p, q in zip(m.parameters(), ref.parameters()))
+    m.close()
+    return worst, evaluated
+
+
+@pytest.mark.parametrize("plan", ["ddp", "fsdp", {"residency": "persistent"}, {"placement": "mixed", "residency": "after_backward"}],
+                         ids=["ddp", "fsdp", "persistent", "mixed"])
+def test_parts_of_the_model_called_outside_its_forward_train_and_evaluate_as_in_one_process(world2, plan):
+    """[Note: a submodule called outside the model's forward]: before, an evaluation through
+    `model.encode_image` after an optimizer step computed with the weights of before the step
+    under a persistent plan (0.105 off, silently), and a mixed plan failed in DTensor's words."""
+    for rank, (worst, evaluated) in enumerate(world2.run(towers_through_methods, plan)):
+        assert worst < ATOL and evaluated < ATOL, (rank, worst, evaluated)

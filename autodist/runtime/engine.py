@@ -58,6 +58,7 @@ launches whatever is left: later, never wrong.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
 import weakref
@@ -251,6 +252,11 @@ class Engine:
         self._root_sites = [(module._parameters, attr, mp.full, mp.visible) for mp in self.params.values()
                             if mp.needs_swap and not mp.sharded for module, attr in mp.sites]
         self._root_swapped = False
+        self._in_forward = False  # inside the wrapper's forward
+        # a forward begun by a hooked module called outside the wrapper's forward, and how deep in
+        # such calls the hooks are ([Note: a submodule called outside the model's forward])
+        self._implicit: contextlib.ExitStack | None = None
+        self._implicit_depth = 0
 
         self.unit_order = [u.name for u in plan.units]
         self.reducer = Reducer([])
@@ -736,11 +742,14 @@ class Engine:
             self.stats.recomputations += 1
             self._on_backward_start()
             return self.module(*args, **kwargs)
+        if self._implicit is not None:  # a submodule's call that raised before its end
+            self._abandon_implicit()
         self._begin_step()
         # the triggers before the first unit fire at the forward's first hooked module, not here: the
         # model's forward may write its parameters before any unit runs ([Note: a first use a rank
         # left out])
         self._swap_root(True)
+        self._in_forward = True
         try:
             if self.observer is not None and torch.is_grad_enabled():
                 with self.observer.forward_context():
@@ -752,9 +761,51 @@ class Engine:
             else:
                 out = self.module(*args, **kwargs)
         finally:
+            self._in_forward = False
             self._swap_root(False)
         self._end_forward(out)
         return out
+
+    def _begin_implicit(self) -> None:
+        """[Note: a submodule called outside the model's forward] CLIP-style code calls the model's
+        parts, not its forward: ``model.encode_image(x)`` for zero-shot evaluation or retrieval,
+        ``model.encode_image(x)`` and ``model.encode_text(t)`` as a training step. The runtime's
+        per-step work is the wrapper's forward's, so such a call found a persistent group holding
+        the weights of before the last optimizer step (0.105 off under a persistent plan,
+        silently), a replicated DTensor parameter where its module needed the plain tensor (mixed
+        plans failed), and compute copies and buffers as the last forward left them. The first
+        hooked module called outside the wrapper's forward (and not in backward) now begins a
+        forward as the wrapper's does, and that module's own end ends it: one forward per
+        outermost call, each joining the step of the one before it as forwards before one backward
+        do ([Note: several forwards before one backward]); the units it does not run are the
+        units a forward left out (gathered all the same, so every rank's collectives match). The
+        root module's own parameters are not in such a forward: code that reads one (a learnt
+        temperature) reads the visible parameter, a DTensor under a plan with DTensors, and takes
+        its ``.full_tensor()`` as for any term outside the forward. A plan="auto" profile does
+        not record such forwards."""
+        stack = contextlib.ExitStack()
+        self._begin_step()
+        self._swap_root(True)
+        if self.observer is not None:
+            stack.enter_context(self.observer.paused())
+        self._implicit, self._implicit_depth = stack, 0
+
+    def _end_implicit(self, out: object) -> None:
+        stack, self._implicit = self._implicit, None
+        try:
+            self._swap_root(False)
+            self._end_forward(out)
+        finally:
+            if stack is not None:
+                stack.close()
+
+    def _abandon_implicit(self) -> None:
+        """A forward begun by a submodule call whose end never came (it raised): put back what it
+        changed; the next forward starts a step of its own."""
+        stack, self._implicit = self._implicit, None
+        self._swap_root(False)
+        if stack is not None:
+            stack.close()
 
     def _swap_root(self, on: bool) -> None:
         """Register the replicated parameters' autograd leaves (``on``) or the visible parameters at
@@ -1009,8 +1060,12 @@ class Engine:
         return pre_forward
 
     def _pre_forward(self, site: ModuleSite, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        step = self._step
         recompute = in_backward()
+        if not (self._in_forward or recompute):  # [Note: a submodule called outside the model's forward]
+            if self._implicit is None:
+                self._begin_implicit()
+            self._implicit_depth += 1
+        step = self._step
         if recompute:
             self._on_backward_start()
             if site.probe_root is not None and not self._probe_depth.get(site.probe_root):
@@ -1145,6 +1200,10 @@ class Engine:
             tensors = [t for t in output_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 self.param_hooks.own(register_multi_grad_hook, tensors, self._make_pre_backward(site))
+        if self._implicit is not None and not recompute:
+            self._implicit_depth -= 1
+            if self._implicit_depth == 0:
+                self._end_implicit(output)
 
     def _make_pre_backward(self, site: ModuleSite):
         def pre_backward(grads: object) -> None:
