@@ -129,21 +129,11 @@ def hugging_face_save_pretrained(directory: str, plan: str) -> dict[str, object]
 
     import transformers
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel(cfg)
+    model = models.hf_gpt2()
     ref = copy.deepcopy(model)
     m = AutoDist(model, plan=plan)
-    opt, ropt = (torch.optim.SGD(p, lr=0.1, momentum=0.9) for p in (m.parameters(), ref.parameters()))
-    for step in range(2):
-        every = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world)]
-        m(input_ids=every[rank], labels=every[rank]).loss.backward()
-        (sum(ref(input_ids=x, labels=x).loss for x in every) / world).backward()
-        for o in (opt, ropt):
-            o.step()
-            o.zero_grad()
+    models.hf_gpt2_steps(m, ref, 2)
     m.save_pretrained(directory)
     m.close()
     dist.barrier()

@@ -389,6 +389,33 @@ class MixedDtypes(nn.Module):
         return self.c(h).float()
 
 
+def hf_gpt2() -> nn.Module:
+    """A Hugging Face GPT-2 of two layers, dropout off (an optional test dependency: tests that
+    use one skip without transformers)."""
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def hf_gpt2_steps(wrapped: nn.Module, ref: nn.Module, steps: int) -> None:
+    """``steps`` steps of SGD with momentum on language-model batches: ``wrapped`` on this rank's,
+    ``ref`` (one process) on every rank's, its loss averaged over them."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        every = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world)]
+        wrapped(input_ids=every[rank], labels=every[rank]).loss.backward()
+        (sum(ref(input_ids=x, labels=x).loss for x in every) / world).backward()
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+
+
 def timm_model(name: str, **kwargs) -> nn.Module:
     """A timm model as timm builds it (an optional test dependency: tests that use one skip
     without timm), small enough for the CPU, classifying 32x32 images into 5 classes."""

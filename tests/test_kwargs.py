@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import models
 from autodist import AutoDist
 from autodist.measure.trace import profile_model
 from autodist.structure import discover
@@ -117,25 +118,12 @@ def test_the_planned_peak_includes_the_model_s_own_loss(world2):
 
 
 def hugging_face_gpt2_with_labels(cache_dir: str) -> float:
-    import transformers
-
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel(cfg)
+    model = models.hf_gpt2()
     ref = copy.deepcopy(model)
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
     wrapped = AutoDist(model, plan="auto", example_inputs=(ids,), example_kwargs={"labels": ids}, cache_dir=cache_dir)
-    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for step in range(3):
-        every = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world)]
-        wrapped(input_ids=every[rank], labels=every[rank]).loss.backward()
-        (sum(ref(input_ids=x, labels=x).loss for x in every) / world).backward()
-        for o in (opt, ropt):
-            o.step()
-            o.zero_grad()
+    models.hf_gpt2_steps(wrapped, ref, 3)
     sd = wrapped.state_dict()
     worst = max((sd[k].full_tensor() if hasattr(sd[k], "full_tensor") else sd[k]).float().sub(v.float()).abs().max().item()
                 for k, v in ref.state_dict().items() if k in sd)
