@@ -118,6 +118,13 @@ def one_ranks_shards(plan):
             out[f"per_rank={per_rank}"] = {"error": type(e).__name__, "message": str(e),
                                            "every_rank": getattr(e, "raised_on_every_rank", False)}
         m.close()
+    m, _ = build(plan, 123)
+    try:  # the module's own load_state_dict (not a collective): each rank sees what it can
+        m.module.load_state_dict(_loaded(_file(blob, False))["model"])
+        out["module"] = None
+    except RuntimeError as e:
+        out["module"] = str(e)
+    m.close()
     return out
 
 

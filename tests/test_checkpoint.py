@@ -73,13 +73,18 @@ def test_one_ranks_shards_saved_with_torch_save_are_refused_by_load_state_dict(w
     """`torch.save(model.module.state_dict())` (DTensor shards; it failed to pickle every shard but
     the first of its buffer) and `copy.deepcopy` of it work; rank 0's file loaded on every rank put rank 0's rows in every
     place (0.52 off what was saved) and is now refused on every rank, changing nothing; each
-    rank's own file loads exactly."""
+    rank's own file loads exactly. The module's own `load_state_dict` of rank 0's file (not a
+    collective) raises on the other ranks, where it copied rank 0's rows silently."""
     for rank, out in enumerate(world2.run(one_ranks_shards, plan)):
         refused = out["per_rank=False"]
         assert isinstance(refused, dict) and refused["error"] == "RankMismatchError", (rank, out)
         assert "saved by another rank" in refused["message"] and refused["every_rank"], (rank, refused)
         assert out["per_rank=True"] == 0.0, (rank, out)
         assert out["deepcopy"] == 0.0 and out["deepcopy_types"] == ["DTensor"], (rank, out)
+        # the module's own load_state_dict copies each DTensor into its parameter: rank 0's own
+        # parts are right on rank 0; every other rank sees the mesh coordinate is not its own
+        assert (out["module"] is None) == (rank == 0), (rank, out["module"])
+        assert rank == 0 or "another rank saved" in out["module"], (rank, out["module"])
 
 
 @pytest.mark.parametrize("plan", ["fsdp", "ddp"])

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -162,6 +163,7 @@ class HeldDTensor(DTensor):
                 "wrapping it"
             )
         if isinstance(value, DTensor):
+            _refuse_saved_elsewhere(value, ".data =")
             if value.device_mesh != self.device_mesh:
                 raise ValueError("cannot assign .data from a DTensor on another device mesh than the parameter's")
             if tuple(value.placements) != tuple(self.placements):
@@ -184,6 +186,8 @@ class HeldDTensor(DTensor):
         (this rank's part of it, the version counter bumped so that gathers of the old values are
         found stale); a DTensor or another shape goes to DTensor's ``copy_`` as before. As for any
         leaf, copying into a parameter that requires grad needs ``torch.no_grad()``."""
+        if isinstance(src, DTensor):
+            _refuse_saved_elsewhere(src, "copy_")
         if isinstance(src, DTensor) or not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(self.shape):
             return super().copy_(src, non_blocking)
         if self.requires_grad and torch.is_grad_enabled():
@@ -199,6 +203,26 @@ class HeldDTensor(DTensor):
         for dim, (n, start) in enumerate(zip(local_shape, offset)):
             whole = whole.narrow(dim, start, n)
         return whole
+
+
+def coordinates(t: DTensor) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """(the coordinate ``t``'s mesh gives this rank, the one the mesh's rank list gives it): they
+    differ for a DTensor another rank pickled ([Note: one rank's shards loaded on every rank] in
+    autodist/runtime/state.py)."""
+    where = (t.device_mesh.mesh == dist.get_rank()).nonzero()
+    return t.device_mesh.get_coordinate(), tuple(where[0].tolist()) if len(where) else None
+
+
+def _refuse_saved_elsewhere(value: DTensor, what: str) -> None:
+    claimed, actual = coordinates(value)
+    if claimed != actual:
+        raise ValueError(
+            f"{what} of a DTensor another rank saved: its mesh gives this rank the coordinate {claimed}, where the "
+            f"mesh's ranks put it at {actual}, so it holds that rank's part, not this one's (a file of "
+            "`model.module.state_dict()` saved by one rank with torch.save and loaded on every rank). Save "
+            "`model.state_dict()` (full tensors; every rank calls it) and load it with `model.load_state_dict`, or use "
+            "torch.distributed.checkpoint"
+        )
 
 
 class _Reduced:

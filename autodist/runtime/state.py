@@ -13,13 +13,12 @@ from collections import OrderedDict
 from typing import Protocol, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ..errors import RankMismatchError
-from .params import ManagedParam
+from .params import ManagedParam, coordinates
 
 T = TypeVar("T")
 
@@ -114,15 +113,12 @@ def foreign_shards(values: dict[str, DTensor], all_gather_object: AllGatherObjec
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    rank = dist.get_rank()
     mine: list[tuple] = []
     stats = []
     for key, v in values.items():
         if not any(isinstance(pl, Shard) for pl in v.placements):
             continue
-        claimed = v.device_mesh.get_coordinate()
-        where = (v.device_mesh.mesh == rank).nonzero()
-        actual = tuple(where[0].tolist()) if len(where) else None
+        claimed, actual = coordinates(v)
         shape, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
         local = v.to_local().detach()
         mine.append((key, claimed, actual, tuple(local.shape), tuple(shape), tuple(offset)))
