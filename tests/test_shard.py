@@ -498,10 +498,12 @@ def _contrastive(i, t):
     return (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.T, labels)) / 2
 
 
-def towers_through_methods(plan):
-    """3 steps whose loss comes from ``model.encode_image`` and ``model.encode_text`` (no call of
-    the model's forward), each followed by ``encode_image`` under ``no_grad`` in eval mode; returns
-    the largest difference from a one-process reference in the parameters and in the evaluation."""
+def towers_through_methods(plan, through):
+    """3 steps whose loss comes from ``model.encode_image`` and ``model.encode_text``
+    (``through="methods"``) or from the root module called directly, ``model.module(x, t)``
+    (``"module"``), never the wrapper's forward, each followed by ``encode_image`` under
+    ``no_grad`` in eval mode; returns the largest difference from a one-process reference in the
+    parameters and in the evaluation."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = _TwoTowers()
@@ -513,7 +515,8 @@ def towers_through_methods(plan):
     for step in range(3):
         xs = [torch.randn(4, 12, generator=torch.Generator().manual_seed(100 * step + r)) for r in range(world)]
         ts = [torch.randn(4, 8, generator=torch.Generator().manual_seed(7 + 100 * step + r)) for r in range(world)]
-        _contrastive(m.encode_image(xs[rank]), m.encode_text(ts[rank])).backward()
+        mine = (m.encode_image(xs[rank]), m.encode_text(ts[rank])) if through == "methods" else m.module(xs[rank], ts[rank])
+        _contrastive(*mine).backward()
         (sum(_contrastive(*ref(x, t)) for x, t in zip(xs, ts)) / world).backward()
         for o in (opt, ropt):
             o.step()
@@ -532,9 +535,10 @@ def towers_through_methods(plan):
 
 @pytest.mark.parametrize("plan", ["ddp", "fsdp", {"residency": "persistent"}, {"placement": "mixed", "residency": "after_backward"}],
                          ids=["ddp", "fsdp", "persistent", "mixed"])
-def test_parts_of_the_model_called_outside_its_forward_train_and_evaluate_as_in_one_process(world2, plan):
+@pytest.mark.parametrize("through", ["methods", "module"])
+def test_parts_of_the_model_called_outside_its_forward_train_and_evaluate_as_in_one_process(world2, plan, through):
     """[Note: a submodule called outside the model's forward]: before, an evaluation through
     `model.encode_image` after an optimizer step computed with the weights of before the step
     under a persistent plan (0.105 off, silently), and a mixed plan failed in DTensor's words."""
-    for rank, (worst, evaluated) in enumerate(world2.run(towers_through_methods, plan)):
+    for rank, (worst, evaluated) in enumerate(world2.run(towers_through_methods, plan, through)):
         assert worst < ATOL and evaluated < ATOL, (rank, worst, evaluated)

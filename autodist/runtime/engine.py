@@ -667,6 +667,9 @@ class Engine:
             self._module_handles.append(site.module.register_forward_hook(self._make_post_forward(site), always_call=True))
         for mname, module in probed:  # before the unit's own pre-forward at a root that is a unit too
             self._module_handles.append(module.register_forward_pre_hook(self._make_probe(mname, 1), prepend=True))
+        if sites:  # the root module called directly (`model.module(x)`) is one forward, not one per child
+            self._module_handles.append(self.module.register_forward_pre_hook(self._root_call_enter, prepend=True))
+            self._module_handles.append(self.module.register_forward_hook(self._root_call_exit, always_call=True))
 
     def _make_probe(self, root: str, delta: int):
         def probe(module: nn.Module, *_: object) -> None:
@@ -776,7 +779,8 @@ class Engine:
         plans failed), and compute copies and buffers as the last forward left them. The first
         hooked module called outside the wrapper's forward (and not in backward) now begins a
         forward as the wrapper's does, and that module's own end ends it: one forward per
-        outermost call, each joining the step of the one before it as forwards before one backward
+        outermost call (the root module called directly, ``model.module(x)``, is one: its own
+        hooks count as a hooked module's), each joining the step of the one before it as forwards before one backward
         do ([Note: several forwards before one backward]); the units it does not run are the
         units a forward left out (gathered all the same, so every rank's collectives match). The
         root module's own parameters are not in such a forward: code that reads one (a learnt
@@ -1059,12 +1063,34 @@ class Engine:
 
         return pre_forward
 
+    def _implicit_enter(self, *_: object) -> None:
+        """A hooked module's (or the root module's) call begins: outside the wrapper's forward and
+        outside backward, it is in a forward of its own ([Note: a submodule called outside the
+        model's forward])."""
+        if self._in_forward or in_backward():
+            return
+        if self._implicit is None:
+            self._begin_implicit()
+        self._implicit_depth += 1
+
+    def _implicit_exit(self, output: object) -> None:
+        if self._implicit is None or in_backward():
+            return
+        self._implicit_depth -= 1
+        if self._implicit_depth == 0:
+            self._end_implicit(output)
+
+    def _root_call_enter(self, module: nn.Module, args: tuple) -> None:
+        with outside_dispatch_modes():
+            self._implicit_enter()
+
+    def _root_call_exit(self, module: nn.Module, args: tuple, output: object) -> None:
+        with outside_dispatch_modes():
+            self._implicit_exit(output)
+
     def _pre_forward(self, site: ModuleSite, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         recompute = in_backward()
-        if not (self._in_forward or recompute):  # [Note: a submodule called outside the model's forward]
-            if self._implicit is None:
-                self._begin_implicit()
-            self._implicit_depth += 1
+        self._implicit_enter()
         step = self._step
         if recompute:
             self._on_backward_start()
@@ -1200,10 +1226,7 @@ class Engine:
             tensors = [t for t in output_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 self.param_hooks.own(register_multi_grad_hook, tensors, self._make_pre_backward(site))
-        if self._implicit is not None and not recompute:
-            self._implicit_depth -= 1
-            if self._implicit_depth == 0:
-                self._end_implicit(output)
+        self._implicit_exit(output)
 
     def _make_pre_backward(self, site: ModuleSite):
         def pre_backward(grads: object) -> None:
