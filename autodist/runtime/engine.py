@@ -1081,10 +1081,14 @@ class Engine:
             self._end_implicit(output)
 
     def _root_call_enter(self, module: nn.Module, args: tuple) -> None:
+        if self._in_forward:  # the wrapper's own call: nothing to do, at two hook calls a step
+            return
         with outside_dispatch_modes():
             self._implicit_enter()
 
     def _root_call_exit(self, module: nn.Module, args: tuple, output: object) -> None:
+        if self._implicit is None:
+            return
         with outside_dispatch_modes():
             self._implicit_exit(output)
 
