@@ -4,7 +4,7 @@ import tempfile
 
 import pytest
 from dcp_roundtrip import check_loaded, load, save
-from file_roundtrip import hugging_face_save_pretrained, one_ranks_shards, resume
+from file_roundtrip import hugging_face_save_pretrained, one_ranks_shards, resume, state_of_other_shapes
 
 SAVE_LOAD = [
     ("fsdp", "ddp", False),
@@ -52,7 +52,7 @@ def test_checkpoints_written_the_ddp_way_resume_under_another_plan(world2, src, 
 
 @pytest.mark.parametrize("src,dst,per_rank,problem", [
     ("fsdp", "fsdp", False, "it was saved by another rank"),
-    ("zero2", MIXED, False, "placed (Shard(dim=0),), the parameter is one of shape (29, 37) placed (Replicate(),)"),
+    ("zero2", MIXED, False, "is a DTensor placed (Shard(dim=0),), the parameter is placed (Replicate(),)"),
     ("fsdp", "ddp", True, "is a sharded DTensor (one rank's part"),
 ], ids=["rank0-file", "rank0-file-mixed", "shards-into-ddp"])
 def test_optimizer_state_of_one_ranks_shards_is_refused_before_the_step(world2, src, dst, per_rank, problem):
@@ -81,6 +81,7 @@ def test_one_ranks_shards_saved_with_torch_save_are_refused_by_load_state_dict(w
         assert "saved by another rank" in refused["message"] and refused["every_rank"], (rank, refused)
         assert out["per_rank=True"] == 0.0, (rank, out)
         assert out["deepcopy"] == 0.0 and out["deepcopy_types"] == ["DTensor"], (rank, out)
+        assert out["saved_again"] == ["DTensor"] and out["module_copy"] == ["DTensor"], (rank, out)
         # the module's own load_state_dict copies each DTensor into its parameter: rank 0's own
         # parts are right on rank 0; every other rank sees the mesh coordinate is not its own
         assert (out["module"] is None) == (rank == 0), (rank, out["module"])
@@ -97,3 +98,12 @@ def test_save_pretrained_through_the_wrapper_writes_the_trained_model(world2, pl
     with tempfile.TemporaryDirectory() as d:
         for rank, out in enumerate(world2.run(hugging_face_save_pretrained, d, plan)):
             assert out["worst"] < 1e-5 and "model.safetensors" in out["files"], (rank, out)
+
+
+@pytest.mark.parametrize("plan", ["fsdp", MIXED])
+def test_optimizer_state_of_other_shapes_is_the_optimizers_own(world2, plan):
+    """State not shaped like its parameter (a 1-element scale made at construction, per-row
+    statistics) is left alone at the first step and after reloading the optimizer's own state
+    dict (the review of the change found both refused)."""
+    for rank, out in enumerate(world2.run(state_of_other_shapes, plan)):
+        assert out == 0.0, (rank, out)

@@ -62,6 +62,7 @@ import contextlib
 import heapq
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -668,8 +669,9 @@ class Engine:
         for mname, module in probed:  # before the unit's own pre-forward at a root that is a unit too
             self._module_handles.append(module.register_forward_pre_hook(self._make_probe(mname, 1), prepend=True))
         if sites:  # the root module called directly (`model.module(x)`) is one forward, not one per child
-            self._module_handles.append(self.module.register_forward_pre_hook(self._root_call_enter, prepend=True))
-            self._module_handles.append(self.module.register_forward_hook(self._root_call_exit, always_call=True))
+            enter, leave = self._make_root_call_hooks()
+            self._module_handles.append(self.module.register_forward_pre_hook(enter, prepend=True))
+            self._module_handles.append(self.module.register_forward_hook(leave, always_call=True))
 
     def _make_probe(self, root: str, delta: int):
         def probe(module: nn.Module, *_: object) -> None:
@@ -1080,17 +1082,24 @@ class Engine:
         if self._implicit_depth == 0:
             self._end_implicit(output)
 
-    def _root_call_enter(self, module: nn.Module, args: tuple) -> None:
-        if self._in_forward:  # the wrapper's own call: nothing to do, at two hook calls a step
-            return
-        with outside_dispatch_modes():
-            self._implicit_enter()
+    def _make_root_call_hooks(self) -> tuple[Callable[..., None], Callable[..., None]]:
+        """The root module's pre and post forward hooks for a direct call (functions, not bound
+        methods: ``copy.deepcopy(model.module)`` copies a module's hooks, and a bound method would
+        take the engine, process groups and all, with it)."""
 
-    def _root_call_exit(self, module: nn.Module, args: tuple, output: object) -> None:
-        if self._implicit is None:
-            return
-        with outside_dispatch_modes():
-            self._implicit_exit(output)
+        def enter(module: nn.Module, args: tuple) -> None:
+            if self._in_forward:  # the wrapper's own call: nothing to do, at two hook calls a step
+                return
+            with outside_dispatch_modes():
+                self._implicit_enter()
+
+        def leave(module: nn.Module, args: tuple, output: object) -> None:
+            if self._implicit is None:
+                return
+            with outside_dispatch_modes():
+                self._implicit_exit(output)
+
+        return enter, leave
 
     def _pre_forward(self, site: ModuleSite, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         recompute = in_backward()

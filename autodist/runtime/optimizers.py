@@ -225,9 +225,10 @@ def look_at_loaded_state(engine: Engine, optimizer: torch.optim.Optimizer) -> Lo
     state of every parameter: a plain tensor of a DTensor parameter's whole shape becomes this
     rank's part of it (a DTensor as the parameter's, the rank's rows copied out), and a DTensor of
     a plain parameter, if it is whole (replicated), its local tensor. What cannot be taken is
-    refused before the step changes anything, on every rank, naming it: a DTensor of another
-    layout than its parameter's (saved under another plan), a sharded DTensor of a plain
-    parameter, a tensor of another shape. Sharded DTensors on a mesh of their own (unpickled; the
+    refused before the step changes anything, on every rank, naming it: a DTensor of the
+    parameter's shape in another layout (saved under another plan), a sharded DTensor of a plain
+    parameter. State of another shape than the parameter's is the optimizer's own business
+    (Adafactor's factored statistics, a per-parameter scale) and is left alone. Sharded DTensors on a mesh of their own (unpickled; the
     state a step makes, and what DCP's ``set_optimizer_state_dict`` loads, is on the parameter's
     mesh) are then checked across ranks for being another rank's parts ([Note: one rank's shards
     loaded on every rank] in ``autodist/runtime/state.py``): a collective, met first in the job's
@@ -250,18 +251,16 @@ def look_at_loaded_state(engine: Engine, optimizer: torch.optim.Optimizer) -> Lo
             what = f"{mp.name}'s {name!r}"
             if isinstance(p, DTensor):
                 if isinstance(value, DTensor):
-                    if tuple(value.placements) != tuple(p.placements) or value.shape != p.shape:
-                        problems.append(f"{what} is a DTensor of shape {tuple(value.shape)} placed {value.placements}, "
-                                        f"the parameter is one of shape {tuple(p.shape)} placed {p.placements}")
+                    if value.shape == p.shape and tuple(value.placements) != tuple(p.placements):
+                        problems.append(f"{what} is a DTensor placed {value.placements}, the parameter is placed "
+                                        f"{p.placements}")
                     elif value.device_mesh is not p.device_mesh and any(isinstance(pl, Shard) for pl in value.placements):
                         sharded[f"{mp.name}:{name}"] = value  # unpickled (state the step made is on p's mesh)
                 elif value.shape == p.shape:
                     part = p._part_of(value).clone() if hasattr(p, "_part_of") else value
                     adopted.append((st, name, DTensor.from_local(
                         part, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())))
-                else:
-                    problems.append(f"{what} is a tensor of shape {tuple(value.shape)}, the parameter's shape is "
-                                    f"{tuple(p.shape)}")
+                # a tensor of another shape is the optimizer's own (factored statistics, a scale): left alone
             elif isinstance(value, DTensor):
                 if any(isinstance(pl, Shard) for pl in value.placements):
                     problems.append(f"{what} is a sharded DTensor (one rank's part, saved under a plan that shards), "
@@ -303,7 +302,8 @@ def settle_loaded_state(engine: Engine, optimizer: torch.optim.Optimizer) -> Non
     if not problem:
         return
     err = AutoDistError(
-        f"the state loaded into {type(optimizer).__name__} does not fit the parameters plan {engine.plan.label} holds: "
+        f"the state {type(optimizer).__name__} holds (loaded, or there before its first step) does not fit the "
+        f"parameters plan {engine.plan.label} holds: "
         f"{problem}. Nothing was stepped. {LOADED_STATE_FIX} ([Note: optimizer state loaded from a file] in "
         "autodist/runtime/optimizers.py)"
     )

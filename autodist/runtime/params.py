@@ -128,20 +128,21 @@ class HeldDTensor(DTensor):
 
     def __reduce_ex__(self, protocol):  # type: ignore[override]
         """[Note: pickling a shard held in a flat buffer] ``torch.save(model.module.state_dict())``
-        and ``torch.save(model.module)`` pickle the parameters as torch's DTensors (a file loads
-        without AutoDist): a ``Parameter`` if this is one, else (a ``state_dict()`` entry, detached)
-        a DTensor. The local shards are views into one flat buffer per dtype ([Note: one shard
-        storage per dtype]), and since torch 2.10 a DTensor's wrapper takes its local tensor's
-        storage offset (pytorch/pytorch#167597); torch's pickling tells a wrapper from a tensor with
-        data by ``data_ptr() == 0``, which a wrapper of nonzero offset fails, so it pickled the
-        wrapper's storage, which has none: every shard but the first of its buffer failed with
-        "Attempted to access the data pointer on an invalid python storage". The wrapper is
-        pickled here as torch pickles one at offset zero, with its offset; the local tensor as a
-        view, its storage (the flat buffer) written once per file, as torch writes any view's."""
+        pickles the parameters as torch's DTensors (a file loads without AutoDist): a ``Parameter``
+        if this is one, else (a ``state_dict()`` entry, detached) a DTensor. The local shards are
+        views into one flat buffer per dtype ([Note: one shard storage per dtype]), and since torch
+        2.10 a DTensor's wrapper takes its local tensor's storage offset (pytorch/pytorch#167597);
+        torch's pickling tells a wrapper from a tensor with data by ``data_ptr() == 0``, which a
+        wrapper of nonzero offset fails, so it pickled the wrapper's storage, which has none: every
+        shard but the first of its buffer failed with "Attempted to access the data pointer on an
+        invalid python storage". The wrapper is pickled here as torch pickles one, at offset zero
+        (what the wrapper had before torch 2.10: it holds no data), so a DTensor loaded from the
+        file saves and copies again; the local tensor as a view, its storage, the flat buffer,
+        written once per file as torch writes any view's: a file of a few entries holds the whole
+        buffer (clone them first to save less)."""
         dt = self._as_dtensor()
         param = getattr(self, "_is_param", False)
-        wrapper = (DTensor, dt.dtype, tuple(dt.size()), dt.stride(), dt.storage_offset(), dt.layout, dt.device,
-                   self.requires_grad and not param)
+        wrapper = (DTensor, dt.dtype, tuple(dt.size()), dt.stride(), 0, dt.layout, dt.device, self.requires_grad and not param)
         reduced = (torch._tensor._rebuild_from_type_v2, (  # type: ignore[attr-defined]
             torch._utils._rebuild_wrapper_subclass, DTensor, wrapper, torch._utils._get_obj_state(dt),
         ))
