@@ -542,3 +542,36 @@ def test_parts_of_the_model_called_outside_its_forward_train_and_evaluate_as_in_
     under a persistent plan (0.105 off, silently), and a mixed plan failed in DTensor's words."""
     for rank, (worst, evaluated) in enumerate(world2.run(towers_through_methods, plan, through)):
         assert worst < ATOL and evaluated < ATOL, (rank, worst, evaluated)
+
+
+def through_the_module_under_a_policy(plan):
+    """3 steps of the mlp under a bf16 policy through ``model.module(x)`` and, from the same start,
+    through ``model(x)``: the largest difference between the two runs, and between this rank's
+    parameters and rank 0's after the first."""
+    import models
+    from autodist import MixedPrecision
+
+    finals = []
+    for through_module in (True, False):
+        torch.manual_seed(0)
+        m = AutoDist(models.make("mlp"), plan=plan, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        for step in range(3):
+            x, y = models.batch("mlp", 4, torch.Generator().manual_seed(100 * step + dist.get_rank()))
+            models.loss_fn("mlp", (m.module if through_module else m)(x).float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+        finals.append(torch.cat([_full(p).flatten() for p in m.parameters()]))
+        m.close()
+    rank0 = finals[0].clone()
+    dist.broadcast(rank0, 0)
+    return (finals[0] - finals[1]).abs().max().item(), (finals[0] - rank0).abs().max().item()
+
+
+@pytest.mark.parametrize("plan", ["ddp", "fsdp"])
+def test_the_root_module_called_directly_under_a_policy_trains_as_the_wrapper(world2, plan):
+    """`model.module(x)` (DDP code's raw_model) under a bf16 policy: under `plan="ddp"` it computed
+    with the float32 master weights and their gradients were never reduced (the ranks' parameters
+    drifted apart, silently); it now trains exactly as `model(x)` does."""
+    for rank, (apart, from_rank0) in enumerate(world2.run(through_the_module_under_a_policy, plan)):
+        assert apart == 0.0 and from_rank0 == 0.0, (rank, apart, from_rank0)

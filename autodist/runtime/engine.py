@@ -668,10 +668,14 @@ class Engine:
             self._module_handles.append(site.module.register_forward_hook(self._make_post_forward(site), always_call=True))
         for mname, module in probed:  # before the unit's own pre-forward at a root that is a unit too
             self._module_handles.append(module.register_forward_pre_hook(self._make_probe(mname, 1), prepend=True))
-        if sites:  # the root module called directly (`model.module(x)`) is one forward, not one per child
-            enter, leave = self._make_root_call_hooks()
-            self._module_handles.append(self.module.register_forward_pre_hook(enter, prepend=True))
-            self._module_handles.append(self.module.register_forward_hook(leave, always_call=True))
+        # the root module called directly (`model.module(x)`) is one forward, not one per child;
+        # its children too, where no site is (a replicated plan under a policy: their parameters'
+        # compute copies and gradient buckets are the forward's, [Note: a submodule called outside
+        # the model's forward])
+        enter, leave = self._make_root_call_hooks()
+        for module in (self.module, *self.module.children()):
+            self._module_handles.append(module.register_forward_pre_hook(enter, prepend=True, with_kwargs=True))
+            self._module_handles.append(module.register_forward_hook(leave, always_call=True))
 
     def _make_probe(self, root: str, delta: int):
         def probe(module: nn.Module, *_: object) -> None:
@@ -781,8 +785,10 @@ class Engine:
         plans failed), and compute copies and buffers as the last forward left them. The first
         hooked module called outside the wrapper's forward (and not in backward) now begins a
         forward as the wrapper's does, and that module's own end ends it: one forward per
-        outermost call (the root module called directly, ``model.module(x)``, is one: its own
-        hooks count as a hooked module's), each joining the step of the one before it as forwards before one backward
+        outermost call (the root module called directly, ``model.module(x)``, is one: it and its
+        children are hooked for this, where no site is too: under ``plan="ddp"`` with a bf16
+        policy, training through ``model.module(x)`` computed with the float32 master weights and
+        their gradients were never reduced, the ranks drifting apart silently), each joining the step of the one before it as forwards before one backward
         do ([Note: several forwards before one backward]); the units it does not run are the
         units a forward left out (gathered all the same, so every rank's collectives match). The
         root module's own parameters are not in such a forward: code that reads one (a learnt
@@ -794,7 +800,7 @@ class Engine:
         self._swap_root(True)
         if self.observer is not None:
             stack.enter_context(self.observer.paused())
-        self._implicit, self._implicit_depth = stack, 0
+        self._implicit = stack
 
     def _end_implicit(self, out: object) -> None:
         stack, self._implicit = self._implicit, None
@@ -808,7 +814,7 @@ class Engine:
     def _abandon_implicit(self) -> None:
         """A forward begun by a submodule call whose end never came (it raised): put back what it
         changed; the next forward starts a step of its own."""
-        stack, self._implicit = self._implicit, None
+        stack, self._implicit, self._implicit_depth = self._implicit, None, 0
         self._swap_root(False)
         if stack is not None:
             stack.close()
@@ -1065,15 +1071,21 @@ class Engine:
 
         return pre_forward
 
-    def _implicit_enter(self, *_: object) -> None:
+    def _implicit_enter(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """A hooked module's (or the root module's) call begins: outside the wrapper's forward and
         outside backward, it is in a forward of its own ([Note: a submodule called outside the
-        model's forward])."""
+        model's forward]). Returns the call's inputs cast as the wrapper's forward casts them (a
+        policy's ``cast_forward_inputs``) where this call begins that forward, else None."""
         if self._in_forward or in_backward():
-            return
-        if self._implicit is None:
-            self._begin_implicit()
-        self._implicit_depth += 1
+            return None
+        if self._implicit is not None:
+            self._implicit_depth += 1
+            return None
+        self._begin_implicit()
+        self._implicit_depth = 1
+        if self.mp is not None and self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
+            return cast_floats(args, self.mp.param_dtype), cast_floats(kwargs, self.mp.param_dtype)
+        return None
 
     def _implicit_exit(self, output: object) -> None:
         if self._implicit is None or in_backward():
@@ -1082,16 +1094,17 @@ class Engine:
         if self._implicit_depth == 0:
             self._end_implicit(output)
 
-    def _make_root_call_hooks(self) -> tuple[Callable[..., None], Callable[..., None]]:
-        """The root module's pre and post forward hooks for a direct call (functions, not bound
+    def _make_root_call_hooks(self) -> tuple[Callable[..., object], Callable[..., None]]:
+        """The pre and post forward hooks of the root module and its children for a direct call
+        (functions, not bound
         methods: ``copy.deepcopy(model.module)`` copies a module's hooks, and a bound method would
         take the engine, process groups and all, with it)."""
 
-        def enter(module: nn.Module, args: tuple) -> None:
+        def enter(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             if self._in_forward:  # the wrapper's own call: nothing to do, at two hook calls a step
-                return
+                return None
             with outside_dispatch_modes():
-                self._implicit_enter()
+                return self._implicit_enter(args, kwargs)
 
         def leave(module: nn.Module, args: tuple, output: object) -> None:
             if self._implicit is None:
@@ -1102,8 +1115,14 @@ class Engine:
         return enter, leave
 
     def _pre_forward(self, site: ModuleSite, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        cast = self._implicit_enter(args, kwargs)
+        if cast is None:
+            return self._site_pre_forward(site, args, kwargs)
+        routed = self._site_pre_forward(site, *cast)
+        return cast if routed is None else routed
+
+    def _site_pre_forward(self, site: ModuleSite, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         recompute = in_backward()
-        self._implicit_enter()
         step = self._step
         if recompute:
             self._on_backward_start()
