@@ -169,6 +169,7 @@ class Engine:
         self._collapse = collapse
         self._handles: list[RemovableHandle] = []
         self._module_handles: list[RemovableHandle] = []  # module forward hooks (re-installed once probed)
+        self._call_handles: list[RemovableHandle] = []  # direct calls' hooks (_make_root_call_hooks)
         self._opt_global_handles: list[RemovableHandle] = []
         self._gen = 0
         self._step = StepState()
@@ -402,11 +403,12 @@ class Engine:
         return self.actions
 
     def remove_hooks(self) -> None:
-        for h in self._handles + self._module_handles + self._opt_global_handles:
+        for h in self._handles + self._module_handles + self._call_handles + self._opt_global_handles:
             h.remove()
         self.param_hooks.remove()
         self._handles.clear()
         self._module_handles.clear()
+        self._call_handles.clear()
         self._opt_global_handles.clear()
 
     def _next_gen(self) -> int:
@@ -603,9 +605,10 @@ class Engine:
         shards, and the forward failed on a DTensor weight. The runtime's pre-forward hooks are
         prepended, as FSDP2's are, so any other pre-hook sees the full parameters; its post-forward
         hooks are appended, after the model's own."""
-        for h in self._module_handles:
+        for h in self._module_handles + self._call_handles:
             h.remove()
         self._module_handles.clear()
+        self._call_handles.clear()
         self._sites_of_param: dict[int, list[ModuleSite]] = {}
         self._probe_depth: dict[str, int] = {}
         self._probe_failed: set[str] = set()
@@ -671,11 +674,13 @@ class Engine:
         # the root module called directly (`model.module(x)`) is one forward, not one per child;
         # its children too, where no site is (a replicated plan under a policy: their parameters'
         # compute copies and gradient buckets are the forward's, [Note: a submodule called outside
-        # the model's forward])
-        enter, leave = self._make_root_call_hooks()
-        for module in (self.module, *self.module.children()):
-            self._module_handles.append(module.register_forward_pre_hook(enter, prepend=True, with_kwargs=True))
-            self._module_handles.append(module.register_forward_hook(leave, always_call=True))
+        # the model's forward]). A plan of plain replicated parameters needs none: a module called
+        # directly computes with the parameters the buckets reduce, as under DDP
+        if sites or self._root_sites:
+            enter, leave = self._make_root_call_hooks()
+            for module in (self.module, *self.module.children()):
+                self._call_handles.append(module.register_forward_pre_hook(enter, prepend=True, with_kwargs=True))
+                self._call_handles.append(module.register_forward_hook(leave, always_call=True))
 
     def _make_probe(self, root: str, delta: int):
         def probe(module: nn.Module, *_: object) -> None:
