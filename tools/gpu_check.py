@@ -76,7 +76,8 @@ def _train_against_reference(device, rank, world, model_name, plan, extra, micro
     where ``extra`` has one), the largest over the ranks, and whether every managed tensor is on
     ``device``. ``hooks``: gradient hooks on both models' parameters, as ``parity.Case.hooks``
     ("scale", "optimizer-in-backward": stepped in post-accumulate hooks, run on autograd's device
-    thread on CUDA; "penalty": an L2 term of the parameters added to the loss outside the forward)."""
+    thread on CUDA; "penalty": an L2 term of the parameters added to the loss outside the forward;
+    "root-call": the root module called directly, not the wrapper)."""
     import torch
     import torch.distributed as dist
 
@@ -110,7 +111,10 @@ def _train_against_reference(device, rank, world, model_name, plan, extra, micro
                 # that autograd reaches it last ([Note: gradients that reach a parameter outside its
                 # bucket]); the reference adds it once a step, below
                 penalty = sum(_whole((p ** 2).sum()) for p in model.parameters()) if hooks == "penalty" else 0.0
-                (models.loss_fn(model_name, model(x[mine]).float(), y[mine]).div(micro) + 0.05 * penalty).backward()
+                # "root-call": the root module called directly, as DDP code's raw_model ([Note: a
+                # submodule called outside the model's forward])
+                fwd = model.module if hooks == "root-call" else model
+                (models.loss_fn(model_name, fwd(x[mine]).float(), y[mine]).div(micro) + 0.05 * penalty).backward()
             # under a bf16 policy the reference computes as the policy does (bf16 copies but
             # BatchNorm's, bf16 inputs, float32 gradients), and rank by rank, as the ranks do: the
             # same arithmetic on one process (bf16 sums a batch of 2 and one of 4 apart; BatchNorm
@@ -183,6 +187,8 @@ def _parity(device, rank, world, args, out):
         "optimizer-in-backward-fsdp": ("gpt", "fsdp", {}, 1, "optimizer-in-backward"),
         "penalty-outside-forward-fsdp": ("gpt", "fsdp", {}, 1, "penalty"),
         "penalty-outside-forward-ddp-bf16": ("gpt", "ddp", bf16, 1, "penalty"),
+        "root-module-called-persistent": ("gpt", {"residency": "persistent"}, {}, 1, "root-call"),
+        "root-module-called-ddp-bf16": ("gpt", "ddp", bf16, 1, "root-call"),
     }
     for mode in CHECKPOINTING if not args.quick else ["reentrant", "nonreentrant"]:
         for plan in ("ddp", "fsdp", "zero2"):
