@@ -750,8 +750,7 @@ class Engine:
     # root forward
     # ------------------------------------------------------------------------------------------
     def forward(self, args: tuple, kwargs: dict) -> object:
-        if self.mp is not None and self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
-            args, kwargs = cast_floats(args, self.mp.param_dtype), cast_floats(kwargs, self.mp.param_dtype)
+        args, kwargs = self._cast_inputs(args, kwargs) or (args, kwargs)
         if in_backward():  # the whole model is checkpointed and recomputed: the module hooks cope
             self.stats.recomputations += 1
             self._on_backward_start()
@@ -793,8 +792,9 @@ class Engine:
         outermost call (the root module called directly, ``model.module(x)``, is one: it and its
         children are hooked for this, where no site is too: under ``plan="ddp"`` with a bf16
         policy, training through ``model.module(x)`` computed with the float32 master weights and
-        their gradients were never reduced, the ranks drifting apart silently), each joining the step of the one before it as forwards before one backward
-        do ([Note: several forwards before one backward]); the units it does not run are the
+        their gradients were never reduced, the ranks drifting apart silently), its inputs cast
+        as the wrapper's are, each joining the step of the one before it as forwards before one
+        backward do ([Note: several forwards before one backward]); the units it does not run are the
         units a forward left out (gathered all the same, so every rank's collectives match). The
         root module's own parameters are not in such a forward: code that reads one (a learnt
         temperature) reads the visible parameter, a DTensor under a plan with DTensors, and takes
@@ -1088,6 +1088,10 @@ class Engine:
             return None
         self._begin_implicit()
         self._implicit_depth = 1
+        return self._cast_inputs(args, kwargs)
+
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """A forward's inputs cast to the policy's compute dtype (``cast_forward_inputs``), or None."""
         if self.mp is not None and self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
             return cast_floats(args, self.mp.param_dtype), cast_floats(kwargs, self.mp.param_dtype)
         return None
@@ -1101,9 +1105,8 @@ class Engine:
 
     def _make_root_call_hooks(self) -> tuple[Callable[..., object], Callable[..., None]]:
         """The pre and post forward hooks of the root module and its children for a direct call
-        (functions, not bound
-        methods: ``copy.deepcopy(model.module)`` copies a module's hooks, and a bound method would
-        take the engine, process groups and all, with it)."""
+        (functions, not bound methods: ``copy.deepcopy(model.module)`` copies a module's hooks, and
+        a bound method would take the engine, process groups and all, with it)."""
 
         def enter(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             if self._in_forward:  # the wrapper's own call: nothing to do, at two hook calls a step
@@ -1120,7 +1123,7 @@ class Engine:
         return enter, leave
 
     def _pre_forward(self, site: ModuleSite, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        cast = self._implicit_enter(args, kwargs)
+        cast = None if self._in_forward else self._implicit_enter(args, kwargs)
         if cast is None:
             return self._site_pre_forward(site, args, kwargs)
         routed = self._site_pre_forward(site, *cast)
@@ -1263,7 +1266,8 @@ class Engine:
             tensors = [t for t in output_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 self.param_hooks.own(register_multi_grad_hook, tensors, self._make_pre_backward(site))
-        self._implicit_exit(output)
+        if self._implicit is not None:
+            self._implicit_exit(output)
 
     def _make_pre_backward(self, site: ModuleSite):
         def pre_backward(grads: object) -> None:

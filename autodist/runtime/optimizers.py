@@ -323,6 +323,7 @@ def watch_loads(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
         eng = ref()
         if eng is not None:
             adopt_loaded_state(eng, opt, look_at_loaded_state(eng, opt))
+            eng._step_views.pop(opt, None)  # the next step looks again (step_view)
 
     engine._load_hooks[optimizer] = optimizer.register_load_state_dict_post_hook(load_post)
 
@@ -332,6 +333,11 @@ def step_view(engine: Engine, optimizer: torch.optim.Optimizer) -> StepView:
     view = engine._step_views.get(optimizer)
     if view is not None and view.key == key:
         return view
+    if view is None:  # its first step, or the first after a load (the load's hook drops the view)
+        if optimizer not in engine._load_hooks:
+            watch_loads(engine, optimizer)
+            adopt_loaded_state(engine, optimizer, look_at_loaded_state(engine, optimizer))
+        settle_loaded_state(engine, optimizer)
     mps = params_of(engine, optimizer)
     refuse_unsteppable(engine, optimizer, mps)
     touched = {id(mp) for mp in mps}
@@ -347,11 +353,6 @@ def step_view(engine: Engine, optimizer: torch.optim.Optimizer) -> StepView:
 def before_optimizer_step(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
     if not watch(engine, optimizer):
         return
-    if optimizer not in engine._step_views:  # its first step: state loaded before it, and later loads
-        watch_loads(engine, optimizer)
-        adopt_loaded_state(engine, optimizer, look_at_loaded_state(engine, optimizer))
-    if engine._loaded_states:
-        settle_loaded_state(engine, optimizer)
     if engine.grad_forwards and not engine.stats.micro_batches:
         # [Note: a step no backward reached] Forwards with gradients since the last step, and no
         # backward reached the model: `loss.backward(inputs=list(model.parameters()))` (GAN code
