@@ -101,8 +101,10 @@ def make_plan(
     replicate_units: tuple[str, ...] = (),
     accumulate: str = "unsharded",
     recompute: Any = (),
+    inflight: int | None = None,
 ) -> Plan:
-    """A hand-written plan from a few knobs (see the test files for the combinations used)."""
+    """A hand-written plan from a few knobs (see the test files for the combinations used);
+    ``inflight``: the plan's ``max_inflight_buckets``."""
     s = discover(model)
     units = []
     for u in s.units:
@@ -150,7 +152,8 @@ def make_plan(
         raise ValueError(buckets)
     blocks = list(s.blocks) if recompute == "all" else list(recompute)
     return Plan(
-        world_size=world, units=units, gather_groups=groups, buckets=bl, recompute=blocks, provenance={"source": "test"}
+        world_size=world, units=units, gather_groups=groups, buckets=bl, recompute=blocks, provenance={"source": "test"},
+        max_inflight_buckets=inflight,
     )
 
 

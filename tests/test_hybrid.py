@@ -99,6 +99,30 @@ def test_hybrid_matches_single_process_on_2x2(world4, how):
 AUTO_LAUNCHES = ["searched", "cached", "whole world", "roomy budget", "groups of one"]
 
 
+# Experts some ranks leave out ([Note: units a forward left out] in autodist/schedule.py) under
+# hybrid sharding: each bucket is reduce-scattered in its shard group, then all-reduced across the
+# replicas, whose ranks are in other shard groups. With one reduction in flight gloo hung before
+# the buckets of units left out were launched at their places ([Note: one issue order for NCCL] in
+# autodist/runtime/engine.py)
+LEFT_OUT = {
+    "fsdp": Case(model="moe", plan="fsdp", steps=4),
+    "unit-window2-no-sync": Case(model="moe", plan={"grouping": "unit", "window": 2}, accumulate=2, steps=3),
+    "one-reduction-in-flight": Case(model="moe", plan={"grouping": "unit", "inflight": 1}, steps=4),
+    "mixed-placement-in-flight": Case(model="moe", plan={"placement": "mixed", "inflight": 1}, steps=4),
+    "mixed-placement-nccl-launch-policy": Case(model="moe", plan={"placement": "mixed"}, launch_policy="sampled",
+                                               steps=4),
+    "persistent-blocks-recomputed-in-flight": Case(
+        model="moe", plan={"grouping": "block", "residency": "persistent", "recompute": "all", "inflight": 2}, steps=4),
+}
+
+
+def test_units_some_ranks_leave_out_train_as_in_one_process_on_2x2(world4):
+    results = world4.run(_on_mesh, list(LEFT_OUT.values()), (2, 2), "shard_size", timeout=600)
+    check_cases(results, list(LEFT_OUT), atol=ATOL)
+    ran = [set(map(tuple, r["ran"])) for rank_results in results for r in rank_results]
+    assert any(len(step) < 4 for steps in ran for step in steps), "no rank left an expert out: the case tests nothing"
+
+
 def _auto_launches(shape: tuple[int, int], how: str, cache_dir: str) -> list[dict]:
     """plan="auto" on hybrid shard groups, launched twice on one cache (the second finds the plan),
     then once over the whole world on the same cache (which must not reuse it), once on the groups

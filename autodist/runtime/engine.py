@@ -38,6 +38,18 @@ on one rank delays its bucket there). So when a plan both gathers and reduces on
 same state when the control flow is the same. The end-of-backward collective-order check
 (comm.py) covers the rest: ranks whose interleaving differed are reported.
 
+Under either policy a rank replays the backward events of the units its forwards left out at their
+places (their triggers, then a poll of the buckets), so a bucket of theirs is launched where the
+ranks that ran them launch it. With the reductions in flight bounded (``max_inflight_buckets``), a
+rank launching one more waits for the oldest in the middle of its backward; under ``"ready"`` a rank
+that left a unit out (an expert none of its tokens chose) used to launch that unit's bucket only at
+the end of its backward, and the waiting rank stopped issuing the gathers the other needed to get
+there (gloo hung, 2 ranks and 2 x 2 alike). A unit that gathers nothing has the place of the last
+gathering unit before it: passing that place passes it too, and under ``"sampled"`` its bucket,
+which the ranks that ran it launch at the next sharded unit's event, settles there as well (a plan
+mixing placements failed the interleaving check on gloo with the policy set). Not covered: that
+policy with a plan that mixes placements and recomputes blocks (the check still reports it).
+
 [Note: settled parameters] Under ``"sampled"`` a bucket whose gradients have not all arrived is
 launched at an event when each missing parameter is *settled*: every module that uses it has
 finished the backward of each of its forwards this step (its post-backward signal fired), so no
@@ -566,20 +578,32 @@ class Engine:
         return min((pos[u] for u in site.units if u in pos), default=None)
 
     def _replay_left_out(self, site: ModuleSite) -> None:
-        """NCCL's launch policy ([Note: one issue order for NCCL]): before ``site``'s backward, the
-        backward events of the units this step's forwards left out, at their places: the triggers
-        there, then a poll of the buckets, as their pre- and post-backward events do on the ranks
-        that ran them. A bucket of theirs is settled only once its place is reached (see
-        :meth:`_settled`), so it is launched among the gathers where those ranks launch it."""
-        step = self._step
+        """Before ``site``'s backward, the backward events of the units this step's forwards left
+        out, at their places: the triggers there, then a poll of the buckets, as their pre- and
+        post-backward events do on the ranks that ran them. A bucket of theirs is settled only once
+        its place is reached (see :meth:`_settled`), so it is launched where those ranks launch it:
+        under NCCL's launch policy ([Note: one issue order for NCCL]) among the same gathers, and
+        under either policy before this rank goes on to gathers a rank waiting for that bucket (its
+        bound on reductions in flight) has not issued yet. Under NCCL's policy a replicated unit
+        has no event of its own on the ranks that ran it (its bucket waits for the next sharded
+        unit's), so only a sharded unit left out polls there."""
         at = self._place(site, False)
-        if at is None:
-            return
-        for j in range(step.bwd_reached + 1, at):
-            if any(u not in step.ran_units for u in step.bwd_units_at.get(j, ())):
-                self._fire(step.bwd_schedule, j, before=at)
+        if at is not None:
+            self._replay_left_out_before(at, any(u in self._gathering for u in site.units))
+
+    def _replay_left_out_before(self, at: int, gathers: bool) -> None:
+        """:meth:`_replay_left_out` up to backward position ``at``, the place of a unit that
+        ``gathers`` or not: one that gathers nothing has the place of the last gathering unit
+        before it, whose backward has then passed too."""
+        step = self._step
+        end = at if gathers else at + 1
+        for j in range(step.bwd_reached + 1, end):
+            left = [u for u in step.bwd_units_at.get(j, ()) if u not in step.ran_units]
+            if left:
+                self._fire(step.bwd_schedule, j, before=end)
                 step.bwd_reached = j
-                self.reducer.poll()
+                if self.launch_policy != "sampled" or any(u in self.group_of_unit for u in left):
+                    self.reducer.poll()
         step.bwd_reached = max(step.bwd_reached, at)
 
     def _install_hooks(self) -> None:
@@ -1286,8 +1310,7 @@ class Engine:
                     if not g.used:
                         g.free()
                 step.bwd_open = [g for g in step.bwd_open if g.used]
-            if self.launch_policy == "sampled":
-                self._replay_left_out(site)
+            self._replay_left_out(site)
             if site.groups:
                 self._catch_up(step.bwd_schedule, site, False)
             for g in site.groups:
@@ -1328,6 +1351,22 @@ class Engine:
         finished its backward (see [Note: settled parameters])."""
         step = self._step
         sites = self._sites_of_param.get(id(mp), ())
+
+        # a unit left out settles at its place ([Note: units a forward left out]); under NCCL's
+        # policy a unit that gathers nothing at the next place, where the ranks that ran it poll
+        # its gradients (see _replay_left_out)
+        later = 1 if self.launch_policy == "sampled" else 0
+
+        def passed(site: ModuleSite) -> bool:
+            return max((step.bwd_need.get(u, -1) + (0 if u in self._gathering else later) for u in site.units),
+                       default=-1) <= step.bwd_reached
+
+        if (self.launch_policy == "sampled" or self.plan.max_inflight_buckets is not None) and sites and not any(
+            u in step.ran_units for site in sites for u in site.units
+        ):
+            # every unit using it was left out of this step's forwards: no signal is needed, only its
+            # place (where a bound on the reductions in flight may have another rank wait for it)
+            return all(passed(site) for site in sites)
         if self.launch_policy != "sampled" and not (sites and all(site.groups for site in sites)):
             # only sites that gather attach post-backward signals under the other policies: where
             # one does not, nothing says its backward finished
@@ -1337,10 +1376,8 @@ class Engine:
             if key in step.site_untokened:
                 return False
             calls = step.site_calls.get(key, 0)
-            if calls == 0 and step.bwd_units_at and max(
-                (step.bwd_need.get(u, -1) for u in site.units), default=-1
-            ) > step.bwd_reached:
-                return False  # NCCL's policy: a unit left out settles at its place ([Note: units a forward left out])
+            if calls == 0 and not passed(site):
+                return False
             if step.site_done.get(key, 0) < calls or calls < step.site_nograd.get(key, 0):
                 return False
         return True
@@ -1458,10 +1495,9 @@ class Engine:
         trig = triggers([g.units for g in late], [g.backward_window for g in late], step.bwd_need)
         step.bwd_reached = -1
         step.bwd_open = []
-        if self.launch_policy == "sampled":
-            step.bwd_units_at = {}
-            for u, p in step.bwd_need.items():
-                step.bwd_units_at.setdefault(p, []).append(u)
+        step.bwd_units_at = {}
+        for u, p in step.bwd_need.items():
+            step.bwd_units_at.setdefault(p, []).append(u)
         step.bwd_schedule = TriggerCursor([replace(t, group=late[t.group].index) for t in trig])
         self._fire(step.bwd_schedule, -1)  # the start of backward, whichever hook saw it first
         # Parameters used by several forwards, one of them without gradients (reentrant activation
