@@ -66,6 +66,10 @@ class Case:
     # a forward with gradients before each backward's own, its output dropped (a metric computed
     # outside no_grad): nothing of it may reach the gradients
     dropped_forward: bool = False
+    # a forward without gradients between the loss and its backward (a target from the same
+    # network, a metric): "no_grad", "inference_mode", or "eval" (under no_grad in model.eval());
+    # it changes nothing the reference computes (models without BatchNorm)
+    aside: str = ""
     # after each optimizer step, every parameter clamped to [-c, c] through ``p.data`` (WGAN's
     # weight clipping), which moves no version counter
     clamp_data: float | None = None
@@ -267,6 +271,15 @@ def _step_in_backward(model: torch.nn.Module, kind: str, fired: list[int], slot:
         p.register_post_accumulate_grad_hook(step)
 
 
+def _aside_forward(model: torch.nn.Module, x: torch.Tensor, how: str) -> None:
+    if how == "eval":
+        model.eval()
+    with torch.inference_mode() if how == "inference_mode" else torch.no_grad():
+        model(x)
+    if how == "eval":
+        model.train()
+
+
 def run_case(case: Case) -> dict[str, float]:
     group, extra, plan = None, dict(case.extra), case.plan
     if case.mesh_size:
@@ -334,6 +347,8 @@ def run_case(case: Case) -> dict[str, float]:
                     model(x[lo:hi])
                 loss = sum(models.loss_fn(case.model, model(x[a:b]).float(), y[a:b]) for a, b in chunks) / (
                     case.accumulate * case.forwards)
+                if case.aside:
+                    _aside_forward(model, x[lo:hi], case.aside)
                 if case.zero_grad_at == "before_backward" and micro == 0:
                     opt.zero_grad(set_to_none=True)
                     ropt.zero_grad(set_to_none=True)

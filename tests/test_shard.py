@@ -97,6 +97,9 @@ MIXTURE_OF_EXPERTS = {
                                                steps=4),
     "mixed-placement-nccl-launch-policy-in-flight": Case(model="moe", plan={"placement": "mixed", "inflight": 1},
                                                          launch_policy="sampled", steps=4),
+    # [Note: a forward without gradients before a backward] in autodist/runtime/engine.py
+    "aside-forward": Case(model="moe", plan="fsdp", aside="no_grad", steps=4),
+    "aside-forward-mixed-in-flight": Case(model="moe", plan={"placement": "mixed", "inflight": 1}, aside="eval", steps=4),
 }
 
 
@@ -143,6 +146,27 @@ SEVERAL_FORWARDS = {
     "resnet-ddp": Case(model="resnet", plan="ddp", forwards=2),
 }
 
+
+# [Note: a forward without gradients before a backward] in autodist/runtime/engine.py: the forward
+# under no_grad started a step of its own and the pending backward reduced nothing (ddp: the ranks
+# drifted apart; sharded plans: each rank stepped its shard with its own gradient), silently
+ASIDE_FORWARD = {
+    "gpt-ddp": Case(model="gpt", plan="ddp", aside="no_grad"),
+    "gpt-fsdp": Case(model="gpt", plan="fsdp", aside="no_grad"),
+    "gpt-zero2-eval": Case(model="gpt", plan="zero2", aside="eval"),
+    "gpt-after-backward-inference-mode": Case(model="gpt", plan={"residency": "after_backward"}, aside="inference_mode"),
+    "gpt-persistent-two-forwards": Case(model="gpt", plan={"residency": "persistent"}, forwards=2, aside="no_grad"),
+    "gpt-recompute-window2": Case(model="gpt", plan={"grouping": "block", "window": 2, "recompute": "all"}, aside="no_grad"),
+    "mlp-mixed-no-sync": Case(model="mlp", plan={"placement": "mixed"}, accumulate=2, aside="no_grad"),
+    "mlp-fsdp-bf16": Case(model="mlp", plan="fsdp", bf16=True, aside="no_grad"),
+    "gpt-ckpt-reentrant-fsdp": Case(model="gpt-ckpt-reentrant", plan="fsdp", aside="no_grad"),
+}
+
+
+@pytest.mark.parametrize("name", list(ASIDE_FORWARD))
+def test_a_forward_without_gradients_before_the_backward_changes_nothing(world2, name):
+    case = ASIDE_FORWARD[name]
+    check(world2.run(run_case, case), atol=1e-4 if case.bf16 else ATOL)
 
 @pytest.mark.parametrize("name", list(SEVERAL_FORWARDS))
 def test_several_forwards_before_one_backward(world2, name):

@@ -185,6 +185,7 @@ class Engine:
         self._opt_global_handles: list[RemovableHandle] = []
         self._gen = 0
         self._step = StepState()
+        self._pending: StepState | None = None  # a step set aside by a forward without gradients (_begin_aside)
         self._order_learned = False
         self._anchors: dict[str, str | None] = {}  # learned recomputation anchors (previous step)
         self._module_of_unit = {u.name: u.module_name for u in structure.units}  # [Note: nested units]
@@ -393,7 +394,7 @@ class Engine:
             if g.state is not GroupState.SHARDED:
                 g.free()
         self.remove_hooks()
-        self._step = StepState(gen=self._next_gen())
+        self._step, self._pending = StepState(gen=self._next_gen()), None
         self._configure(plan, windows)
 
     def set_launch_policy(self, policy: str | None) -> None:
@@ -787,6 +788,7 @@ class Engine:
         # left out])
         self._swap_root(True)
         self._in_forward = True
+        done = False
         try:
             if self.observer is not None and torch.is_grad_enabled():
                 with self.observer.forward_context():
@@ -797,9 +799,12 @@ class Engine:
                     out = self.module(*args, **kwargs)
             else:
                 out = self.module(*args, **kwargs)
+            done = True
         finally:
             self._in_forward = False
             self._swap_root(False)
+            if not done:
+                self._end_aside()
         self._end_forward(out)
         return out
 
@@ -845,6 +850,7 @@ class Engine:
         changed; the next forward starts a step of its own."""
         stack, self._implicit, self._implicit_depth = self._implicit, None, 0
         self._swap_root(False)
+        self._end_aside()
         if stack is not None:
             stack.close()
 
@@ -869,6 +875,9 @@ class Engine:
             self._join_step()
             return
         if step.expects_backward and not step.in_backward:
+            if not torch.is_grad_enabled():
+                self._begin_aside()
+                return
             # The previous forward's backward never ran (or ran without reaching our hooks).
             self._release_after_step(drop_reductions=True)
         self._sync_requires_grad()
@@ -996,8 +1005,9 @@ class Engine:
         the order learned, the reductions and the gathered groups are the step's. A forward that
         is never backpropagated (its loss dropped) leaves its signals unfired: what it held is
         released and its gradients reduced at the end of the backward that follows, a little later
-        than they could have been. A forward under ``no_grad`` or a different ``no_sync`` state
-        after an unfinished one still starts a step of its own, as before."""
+        than they could have been. A forward under ``no_grad`` after an unfinished one runs beside
+        its step ([Note: a forward without gradients before a backward]); one under a different
+        ``no_sync`` state still starts a step of its own."""
         self.stats.joined_forwards += 1
         self._step.fwd_schedule = TriggerCursor(self._fwd_triggers)
         # the order is learned, and a group freed, from this forward's own units: the units each
@@ -1012,6 +1022,36 @@ class Engine:
         self._refresh_persistent()
         self._broadcast_buffers_if_due()
         refresh_casts(self._cast_copies)
+
+    def _begin_aside(self) -> None:
+        """A forward without gradients after one whose backward has not begun runs beside its step.
+
+        [Note: a forward without gradients before a backward] Training code runs the model under
+        ``torch.no_grad()`` between a forward and its backward: a target or teacher output from the
+        same network (self-distillation, consistency terms), a metric, a generation logged mid-step.
+        Such a forward used to start a step of its own, dropping the pending one's reductions, so
+        that backward reduced nothing: under ``plan="ddp"`` the ranks drifted apart (0.18 and 0.21
+        off a one-process run after 4 steps of a small GPT), under sharded plans each rank stepped
+        its shard with its own gradient (0.92 off), silently; DDP trains it. The pending step is
+        now set aside while that forward runs with a step state of its own (no gradients, no
+        reductions, its gathers issued and freed by its own schedule, alike on every rank), and put
+        back at its end: the groups the pending backward will read stay as it left them, and the
+        order learned is the pending forward's. Buffers are broadcast by DDP's rule, as before any
+        forward. A forward whose loss is dropped keeps its step pending through such forwards,
+        until the next forward with gradients releases it."""
+        self._pending = self._step
+        self._step = StepState(gen=self._next_gen(), sync=False, grad=False, fwd_schedule=TriggerCursor(self._fwd_triggers))
+        for g in self.groups:
+            g.fwd_done = set()
+        if self.offload.active:
+            self.offload.finish_out()
+        self._broadcast_buffers_if_due()
+        refresh_casts(self._cast_copies, self._frozen_casts)
+
+    def _end_aside(self) -> None:
+        """Put back the step a forward without gradients set aside (:meth:`_begin_aside`)."""
+        if self._pending is not None:
+            self._step, self._pending = self._pending, None
 
     def _broadcast_buffers_if_due(self) -> None:
         """Rank 0's buffers on every rank, when due ([Note: when buffers are broadcast]). Their
@@ -1037,17 +1077,23 @@ class Engine:
         if step.first_uses:
             self._first_uses_passed(step.fwd_schedule, math.inf, math.inf)
         self._fire(step.fwd_schedule, math.inf, forward=True)  # the places a forward left out last
+        # beside a pending step, its backward still reads what it gathered
+        pending = self._pending is not None and self._pending.expects_backward
         for g in self.groups:
             if g.active:
                 continue
-            if g.residency == "after_forward" or (g.residency == "after_backward" and not step.expects_backward):
+            if g.residency == "after_forward" or (
+                g.residency == "after_backward" and not step.expects_backward and not pending
+            ):
                 g.free()
             elif g.residency == "persistent":
                 g.quiesce()  # see [Note: a first use a rank left out]
         step.fwd_open = [g for g in step.fwd_open if g.active]
         if step.expects_backward:
             self.param_hooks.own(register_multi_grad_hook, tensors, self._root_pre_backward)
-        self._learn_forward_order(step.fwd_sequence)
+        if self._pending is None:
+            self._learn_forward_order(step.fwd_sequence)
+        self._end_aside()
 
     def _warn_written_copies(self) -> None:
         """A write inside the forward to the compute copy of a parameter no optimizer steps
