@@ -71,7 +71,7 @@ class CollectiveSequence:
         for k in (stream, "interleaved"):
             self.hashes[k] = (self.hashes[k] * 1_000_003 + crc) & 0xFFFFFFFFFFFFFFFF
             self.counts[k] += 1
-        if len(self.entries) < self.KEEP:
+        if len(self.entries) < self.KEEP or kind == "late_gradient":
             self.entries.append(f"{kind}({label})")
 
     def digest(self, streams: tuple[str, ...]) -> list[int]:
@@ -121,6 +121,16 @@ class CommStats:
     def record(self, kind: str, label: str) -> None:
         if self.log is not None:
             self.log.append((kind, label))
+
+
+LATE_GRADIENT = (
+    "the gradient of {names} arrived {where}after its bucket was reduced in this backward: every module the "
+    "runtime hooks that uses it had finished its backward (or none ran: a unit left out), so the bucket went out, "
+    "but code outside those modules read the parameter too (a read the source scan cannot name, such as "
+    "`sum(e.weight.sum() for e in self.experts)`); the step's gradients are incomplete. Read it only through its "
+    "own module's forward, or register it on the module that reads it (as a tied weight is, "
+    "`other.weight = module.weight`)."
+)
 
 
 RENDEZVOUS_MAX_S = 300.0  # Comm.rendezvous warns after half the group's timeout, this at most ...
@@ -747,6 +757,12 @@ class Comm:
         first = next((r for r in range(n) if everyone[r] != everyone[0]), 1)
         a, b = everyone[0], everyone[first]
         i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+        late = sorted({e[len("late_gradient(") : -1] for r in everyone for e in r if e.startswith("late_gradient(")})
+        if late:
+            names = sorted({n for e in late for n in e.rsplit("@", 1)[0].split(",")})
+            ranks = sorted({int(e.rsplit("@", 1)[1]) for e in late})
+            raise RankMismatchError(LATE_GRADIENT.format(
+                names=", ".join(map(repr, names)), where=f"on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "))
         what0 = a[i] if i < len(a) else "nothing more"
         what1 = b[i] if i < len(b) else "nothing more"
         if "optimizer_step" in what0 + what1:

@@ -107,7 +107,7 @@ from ..schedule import (
 from ..structure import ModelStructure
 from .backward import attach_post_backward, in_backward, outside_dispatch_modes
 from .buckets import install_reducer, maybe_rebuild_buckets
-from .comm import Comm, profiled_range
+from .comm import LATE_GRADIENT, Comm, profiled_range
 from .compiled import BlockCompile, merge_block_sites
 from .gather import GatherGroupRuntime, GroupState
 from .offload import OffloadManager
@@ -186,6 +186,7 @@ class Engine:
         self._gen = 0
         self._step = StepState()
         self._pending: StepState | None = None  # a step set aside by a forward without gradients (_begin_aside)
+        self._aside_held: set[int] = set()  # the groups that step held then: the aside leaves them as they are
         self._order_learned = False
         self._anchors: dict[str, str | None] = {}  # learned recomputation anchors (previous step)
         self._module_of_unit = {u.name: u.module_name for u in structure.units}  # [Note: nested units]
@@ -874,10 +875,13 @@ class Engine:
         if self.forward_joins_step():
             self._join_step()
             return
+        if (
+            not torch.is_grad_enabled() and step.grad and not step.in_backward
+            and (step.expects_backward or (step.backwards and self.grad_forwards))
+        ):
+            self._begin_aside()
+            return
         if step.expects_backward and not step.in_backward:
-            if not torch.is_grad_enabled():
-                self._begin_aside()
-                return
             # The previous forward's backward never ran (or ran without reaching our hooks).
             self._release_after_step(drop_reductions=True)
         self._sync_requires_grad()
@@ -1024,25 +1028,33 @@ class Engine:
         refresh_casts(self._cast_copies)
 
     def _begin_aside(self) -> None:
-        """A forward without gradients after one whose backward has not begun runs beside its step.
+        """A forward without gradients in a step that may still run a backward runs beside it.
 
         [Note: a forward without gradients before a backward] Training code runs the model under
         ``torch.no_grad()`` between a forward and its backward: a target or teacher output from the
-        same network (self-distillation, consistency terms), a metric, a generation logged mid-step.
-        Such a forward used to start a step of its own, dropping the pending one's reductions, so
-        that backward reduced nothing: under ``plan="ddp"`` the ranks drifted apart (0.18 and 0.21
-        off a one-process run after 4 steps of a small GPT), under sharded plans each rank stepped
-        its shard with its own gradient (0.92 off), silently; DDP trains it. The pending step is
-        now set aside while that forward runs with a step state of its own (no gradients, no
-        reductions, its gathers issued and freed by its own schedule, alike on every rank), and put
-        back at its end: the groups the pending backward will read stay as it left them, and the
-        order learned is the pending forward's. Buffers are broadcast by DDP's rule, as before any
-        forward. A forward whose loss is dropped keeps its step pending through such forwards,
-        until the next forward with gradients releases it."""
+        same network (self-distillation, consistency terms), a metric, a generation logged mid-step;
+        or between two backward passes over one forward (``retain_graph``, an input gradient taken
+        with ``create_graph``). Such a forward used to start a step of its own, dropping the pending
+        one's reductions, so that backward reduced nothing: under ``plan="ddp"`` the ranks drifted
+        apart (0.18 and 0.21 off a one-process run after 4 steps of a small GPT), under sharded
+        plans each rank stepped its shard with its own gradient (0.92 off), silently; DDP trains
+        it. The pending step is now set aside while that forward runs with a step state of its own
+        (no gradients, no reductions, its gathers issued by its own schedule, alike on every rank)
+        and put back at its end. The groups the pending step held stay as it left them (its
+        backward reads them; a backward that built a graph keeps every group gathered), those the
+        forward gathered itself are freed by their residency, and the order learned is the pending
+        forward's. Buffers are broadcast by DDP's rule, as before any forward. Whether a step may
+        still run a backward: its forward's has not begun, or it has run one and no optimizer has
+        stepped since (after the step, an evaluation starts a step of its own, which refreshes what
+        the step made stale). A forward whose loss is dropped keeps what its step holds through
+        such forwards (all of its groups under an ``after_backward`` plan), until the next forward
+        with gradients releases it."""
         self._pending = self._step
+        self._aside_held = {g.index for g in self.groups if g.state is not GroupState.SHARDED}
         self._step = StepState(gen=self._next_gen(), sync=False, grad=False, fwd_schedule=TriggerCursor(self._fwd_triggers))
         for g in self.groups:
             g.fwd_done = set()
+            g.recheck()
         if self.offload.active:
             self.offload.finish_out()
         self._broadcast_buffers_if_due()
@@ -1051,7 +1063,7 @@ class Engine:
     def _end_aside(self) -> None:
         """Put back the step a forward without gradients set aside (:meth:`_begin_aside`)."""
         if self._pending is not None:
-            self._step, self._pending = self._pending, None
+            self._step, self._pending, self._aside_held = self._pending, None, set()
 
     def _broadcast_buffers_if_due(self) -> None:
         """Rank 0's buffers on every rank, when due ([Note: when buffers are broadcast]). Their
@@ -1077,14 +1089,10 @@ class Engine:
         if step.first_uses:
             self._first_uses_passed(step.fwd_schedule, math.inf, math.inf)
         self._fire(step.fwd_schedule, math.inf, forward=True)  # the places a forward left out last
-        # beside a pending step, its backward still reads what it gathered
-        pending = self._pending is not None and self._pending.expects_backward
         for g in self.groups:
-            if g.active:
+            if g.active or g.index in self._aside_held:  # a step set aside still reads what it held
                 continue
-            if g.residency == "after_forward" or (
-                g.residency == "after_backward" and not step.expects_backward and not pending
-            ):
+            if g.residency == "after_forward" or (g.residency == "after_backward" and not step.expects_backward):
                 g.free()
             elif g.residency == "persistent":
                 g.quiesce()  # see [Note: a first use a rank left out]
@@ -1328,7 +1336,7 @@ class Engine:
             if recompute:
                 continue  # its backward follows at once: the post-backward signal frees
             g.fwd_done.update(site.units)
-            if g.residency == "after_forward" and g.active == 0 and freed_after_forward(
+            if g.residency == "after_forward" and g.active == 0 and g.index not in self._aside_held and freed_after_forward(
                 g.units, g.fwd_done, g.fwd_expected, self.unit_pos, self._step.fwd_place
             ):
                 g.free()
@@ -1603,6 +1611,13 @@ class Engine:
             self._fire(step.bwd_schedule, math.inf, trained=True)
             # without sync, only units accumulating sharded gradients reduce (every micro-batch)
             missing = self.reducer.flush() if step.sync or self.reducer.active else []
+            if self.reducer.late:
+                # a parameter settled as unused got its gradient after all ([Note: one issue order
+                # for NCCL]): every rank raises, from the collective check, before an optimizer step
+                late = sorted(set(self.reducer.late))
+                if self.comm.world_size == 1 or not (self.groups and self.check_collectives):
+                    raise RuntimeError(LATE_GRADIENT.format(names=", ".join(map(repr, late)), where=""))
+                self.comm.sequence.record("late_gradient", f"{','.join(late)}@{self.comm.rank}")
             hooked = self._user_post_hooked(step) if self.param_hooks.post else []
             if step.sync:
                 if missing and step.ready_order:  # a backward to the inputs only computes no parameter's

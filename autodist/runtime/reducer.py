@@ -503,6 +503,7 @@ class Reducer:
             b.taking = sync or b.every
         self.next_launch = 0
         self.next_finish = 0
+        self.late: list[str] = []  # gradients that came after their bucket went out (see take)
 
     def attach_views(self, skip: set[int]) -> None:
         """At the start of a backward that synchronises: see [Note: views attached before backward]."""
@@ -529,6 +530,9 @@ class Reducer:
                     "(torch.utils.checkpoint.checkpoint(..., use_reentrant=False)), or reduce in one backward."
                 )
             bucket.add_late(slot, mp)
+            return
+        if bucket.launched:  # settled early: reported at the end of backward, on every rank (comm.LATE_GRADIENT)
+            self.late.append(mp.name)
             return
         bucket.add_grad(slot, mp)
         if (
