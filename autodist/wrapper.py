@@ -6,6 +6,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import itertools
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.nn.parameter import is_lazy
 
 from ._log import announce, logger
 from .builtins import BUILTIN_PLANS, builtin_plan
@@ -1053,6 +1055,13 @@ def _check_module_argument(module: Any) -> None:
             raise TypeError(
                 f"{what} is sharded by torch's FSDP (fully_shard or FullyShardedDataParallel); AutoDist replaces "
                 "FSDP: build the model without it and wrap the plain module"
+            )
+    for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
+        if is_lazy(t):
+            raise ValueError(
+                f"{'parameter' if isinstance(t, nn.Parameter) else 'buffer'} {name!r} is not initialised yet (a lazy "
+                "module such as nn.LazyLinear infers its shapes at its first forward): run one forward with a batch of "
+                "your data before wrapping, as DDP requires"
             )
     for name, p in module.named_parameters():
         if isinstance(p, DTensor):

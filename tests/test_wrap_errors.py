@@ -263,6 +263,28 @@ def _bad_arguments():
 def test_distributed_or_bad_arguments_fail_with_one_line_on_every_rank_before_anything_changes(world2):
     for res in world2.run(_bad_arguments, timeout=120):
         assert res == {name: "ok" for name in res}
+def _lazy_module_refused() -> str:
+    m = torch.nn.Sequential(torch.nn.LazyLinear(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    try:
+        AutoDist(m, plan="fsdp")
+    except ValueError as e:
+        said = str(e)
+    else:
+        said = "no error"
+    m(torch.randn(4, 5))  # initialised by a forward, as the message says, it wraps and trains
+    model = AutoDist(m, plan="fsdp")
+    model(torch.randn(4, 5)).sum().backward()
+    model.close()
+    return said
+
+
+def test_a_lazy_module_not_yet_initialised_is_refused_naming_the_fix(world2):
+    for said in world2.run(_lazy_module_refused):
+        assert said == ("parameter '0.weight' is not initialised yet (a lazy module such as nn.LazyLinear infers its "
+                        "shapes at its first forward): run one forward with a batch of your data before wrapping, as DDP "
+                        "requires"), said
+
+
 def _used_after_close():
     m = AutoDist(models.make("mlp"), plan="fsdp")
     x, y = models.batch("mlp", 4, torch.Generator().manual_seed(0))
