@@ -511,6 +511,44 @@ def test_two_backward_passes_over_one_forward_train_as_in_one_process(world2, pl
         assert worst < ATOL, worst
 
 
+def _gradient_shards_held_through_an_evaluation(update: str) -> tuple[int, int]:
+    """gpt under fsdp: a backward, the update (``"optimizer"``, or ``"manual"``: ``p -= lr * p.grad``
+    with no optimizer AutoDist sees), ``zero_grad``, then evaluation forwards under no_grad: the
+    bytes of the reduce-scatter outputs after the backward and after the evaluation."""
+    import models
+    torch.manual_seed(0)
+    model = AutoDist(models.make("gpt"), plan="fsdp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = models.batch("gpt", 4, torch.Generator().manual_seed(dist.get_rank()))
+
+    def held() -> int:
+        return sum(b.buffer.untyped_storage().nbytes() for b in model.runtime.reducer.buckets if b.op == "reduce_scatter")
+
+    models.loss_fn("gpt", model(x), y).backward()
+    after_backward = held()
+    if update == "optimizer":
+        opt.step()
+    else:
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+    with torch.no_grad():
+        for _ in range(2):
+            model(x)
+    model.close()
+    return after_backward, held()
+
+
+@pytest.mark.parametrize("update", ["optimizer", "manual"])
+def test_an_evaluation_after_the_gradients_are_dropped_holds_no_gradient_shards(world2, update):
+    # [Note: a forward without gradients before a backward] in autodist/runtime/engine.py: after a
+    # backward with no optimizer step the runtime sees, evaluation forwards run beside that step; they
+    # held the reduce-scatter outputs of the gradients zero_grad had dropped to the next training step
+    for after_backward, after_evaluation in world2.run(_gradient_shards_held_through_an_evaluation, update):
+        assert after_backward > 0 and after_evaluation == 0, (after_backward, after_evaluation)
+
 ASIDE_BETWEEN_BACKWARDS = [
     (plan, how) for how in ("retain", "r1") for plan in ("ddp", "fsdp", {"residency": "after_backward"}, {"placement": "mixed"})
 ]

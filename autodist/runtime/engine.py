@@ -1055,6 +1055,8 @@ class Engine:
         for g in self.groups:
             g.fwd_done = set()
             g.recheck()
+        for b in self.reducer.buckets:  # gradients dropped since the backward (zero_grad) free their shards
+            b.release_if_unused()
         if self.offload.active:
             self.offload.finish_out()
         self._broadcast_buffers_if_due()
@@ -1611,13 +1613,15 @@ class Engine:
             self._fire(step.bwd_schedule, math.inf, trained=True)
             # without sync, only units accumulating sharded gradients reduce (every micro-batch)
             missing = self.reducer.flush() if step.sync or self.reducer.active else []
+            late_here = None
             if self.reducer.late:
                 # a parameter settled as unused got its gradient after all ([Note: one issue order
                 # for NCCL]): every rank raises, from the collective check, before an optimizer step
                 late = sorted(set(self.reducer.late))
                 if self.comm.world_size == 1 or not (self.groups and self.check_collectives):
-                    raise RuntimeError(LATE_GRADIENT.format(names=", ".join(map(repr, late)), where=""))
-                self.comm.sequence.record("late_gradient", f"{','.join(late)}@{self.comm.rank}")
+                    late_here = LATE_GRADIENT.format(names=", ".join(map(repr, late)), where="")
+                else:
+                    self.comm.sequence.record("late_gradient", f"{','.join(late)}@{self.comm.rank}")
             hooked = self._user_post_hooked(step) if self.param_hooks.post else []
             if step.sync:
                 if missing and step.ready_order:  # a backward to the inputs only computes no parameter's
@@ -1644,6 +1648,8 @@ class Engine:
             # on the CPU the divergent step raises from its own backward; on a GPU the comparison runs
             # on the host beside the optimizer step and the next forward reports it
             self.comm.check_sequence(interleaving=self.launch_policy == "sampled", wait=self.device.type == "cpu")
+        if late_here is not None:  # once the runtime is as after any backward
+            raise RuntimeError(late_here)
         # last in the backward: an optimizer stepped in a hook finds the runtime as after any backward
         for mp in hooked:
             self.param_hooks.fire(mp)
