@@ -590,8 +590,12 @@ class Engine:
         has no event of its own on the ranks that ran it (its bucket waits for the next sharded
         unit's), so only a sharded unit left out polls there."""
         at = self._place(site, False)
-        if at is not None:
+        if at is None:
+            return
+        if self._step.bwd_units_at:
             self._replay_left_out_before(at, any(u in self._gathering for u in site.units))
+        else:  # no unit left out (the usual step): only the place advances
+            self._step.bwd_reached = max(self._step.bwd_reached, at)
 
     def _replay_left_out_before(self, at: int, gathers: bool) -> None:
         """:meth:`_replay_left_out` up to backward position ``at``, the place of a unit that
@@ -600,7 +604,7 @@ class Engine:
         step = self._step
         end = at if gathers else at + 1
         for j in range(step.bwd_reached + 1, end):
-            left = [u for u in step.bwd_units_at.get(j, ()) if u not in step.ran_units]
+            left = step.bwd_units_at.get(j)
             if left:
                 self._fire(step.bwd_schedule, j, before=end)
                 step.bwd_reached = j
@@ -1553,7 +1557,8 @@ class Engine:
         step.bwd_open = []
         step.bwd_units_at = {}
         for u, p in step.bwd_need.items():
-            step.bwd_units_at.setdefault(p, []).append(u)
+            if u not in step.ran_units:
+                step.bwd_units_at.setdefault(p, []).append(u)
         step.bwd_schedule = TriggerCursor([replace(t, group=late[t.group].index) for t in trig])
         self._fire(step.bwd_schedule, -1)  # the start of backward, whichever hook saw it first
         # Parameters used by several forwards, one of them without gradients (reentrant activation

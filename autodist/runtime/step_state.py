@@ -52,7 +52,7 @@ class StepState:
     bwd_schedule: TriggerCursor = field(default_factory=lambda: TriggerCursor([]))
     bwd_need: dict[str, int] = field(default_factory=dict)  # first backward use (recomputation anchors)
     bwd_fire: dict[str, int] = field(default_factory=dict)  # where each unit's backward fires prefetch
-    bwd_units_at: dict[int, list[str]] = field(default_factory=dict)  # the units at each backward position (left-out replays)
+    bwd_units_at: dict[int, list[str]] = field(default_factory=dict)  # the units a forward left out, at each backward position
     bwd_reached: int = -1  # the backward position the latest pre-backward event reached
     ran_units: set[str] = field(default_factory=set)  # the units any forward of this step ran
     # [Note: freeing the groups of units left out] in engine.py: the furthest forward place the
