@@ -173,3 +173,75 @@ def test_blocks_the_plan_recomputes_match_single_process(world2):
     for per_rank in results:
         counts = {n: r["runtime"]["recomputed_blocks"] for n, r in zip(names, per_rank)}
         assert all(c > 0 for c in counts.values()), counts
+
+
+def hf_blocks_the_plan_recomputes(arch: str, placement: str) -> dict:
+    """A Hugging Face model whose layers the plan recomputes, with its cache on (``use_cache`` is on by
+    default in training too) and a padding mask, trained against a single-process reference that
+    recomputes nothing; then the layers' checkpointing flags after ``close()`` and a cache from a
+    forward without gradients. See [Note: a Hugging Face layer's cache under recomputation]."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from autodist import AutoDist
+    from parity import make_plan
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    elif arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+            vocab_size=64, max_position_embeddings=16))
+    else:
+        model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2,
+            relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
+    model.train()
+    ref = copy.deepcopy(model)
+    plan = make_plan(model, world, placement=placement, grouping="block", recompute="all")
+    wrapped = AutoDist(model, plan=plan)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+    def batch(ids: torch.Tensor, mask: torch.Tensor) -> dict:
+        return {"input_ids": ids, "attention_mask": mask, "labels": torch.where(mask.bool(), ids, -100)}
+
+    for step in range(3):
+        ids = torch.randint(1, 64, (2 * world, 12), generator=torch.Generator().manual_seed(step))
+        mask = torch.ones_like(ids)
+        mask[1::2, 9:] = 0  # every rank's second sequence padded
+        wrapped(**batch(ids[2 * rank : 2 * rank + 2], mask[2 * rank : 2 * rank + 2])).loss.backward()
+        (sum(ref(**batch(ids[2 * r : 2 * r + 2], mask[2 * r : 2 * r + 2])).loss for r in range(world)) / world).backward()
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+    recomputed = wrapped.runtime.stats.recomputed_blocks
+    wrapped.eval()
+    with torch.no_grad():  # generation's forward: the cache is kept
+        out = wrapped(**batch(ids[:2], mask[:2]), use_cache=True)
+    wrapped.train()
+    cache = out["cache"] if "cache" in out else out.get("past_key_values")  # its name before transformers 5
+    sd = wrapped.state_dict()
+    worst = max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items() if k in sd)
+    wrapped.close()
+    flags = sorted(n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False)
+                   or "_gradient_checkpointing_func" in m.__dict__)
+    return {"worst": worst, "recomputed": recomputed, "cache": cache.get_seq_length() if cache is not None else 0,
+            "flags_after_close": flags}
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "t5"])
+@pytest.mark.parametrize("placement", ["shard", "replicate"])
+def test_hugging_face_layers_the_plan_recomputes_keep_their_cache_out(world2, arch, placement):
+    pytest.importorskip("transformers", reason="transformers is not installed (optional; CI need not install it)")
+    for r in world2.run(hf_blocks_the_plan_recomputes, arch, placement, timeout=300):
+        assert r["worst"] <= ATOL, r
+        assert r["recomputed"] > 0, r
+        assert r["cache"] == 12, r
+        assert r["flags_after_close"] == [], r

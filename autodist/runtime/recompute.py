@@ -31,6 +31,25 @@ forward left them:
 - A buffer the recomputation changes that the forward was not seen to change (control flow taking
   another branch) is also put back; the two forwards then differed, which torch's checkpoint reports
   where it changes what is saved.
+
+[Note: a Hugging Face layer's cache under recomputation] A Hugging Face decoder layer
+(``transformers``' ``GradientCheckpointingLayer``: Llama's, T5's, ...) writes its keys and values into
+the cache object its model passes it (``use_cache`` is on by default, in training too). Recomputed,
+the layer wrote them a second time and attended over both copies: with a padding mask the
+recomputation failed on the mask's shape (Llama: "size of tensor a (24) must match ... (12)"), and
+T5 saved other tensors than its forward did (torch's ``CheckpointError``); under ``plan="auto"`` a
+plan that recomputes blocks failed so. Such a layer declares how it is checkpointed: its own
+``gradient_checkpointing`` flag makes it drop ``use_cache`` and the cache (unless it only reads the
+cache) in a training forward with gradients and hand its forward to ``_gradient_checkpointing_func``,
+and the model holding it (a ``PreTrainedModel``) has the same flag, which turns ``use_cache`` off
+for every layer (GPT-2 passes its cache positionally, out of the layer's reach; in older
+transformers versions the model's flag is what checkpoints its layers, through the same function).
+A layer the plan recomputes and each Hugging Face model above it get the flag, with a function
+that runs the forward as it is (the recomputation is the plan's, as above), so they follow the
+contract of ``gradient_checkpointing_enable()``: no cache from a training forward with gradients
+(transformers logs this once); evaluation and generation in ``eval()`` mode keep it (GPT-2 drops
+it in training mode even without gradients, as under its own checkpointing).
+``remove()`` puts both attributes back; a module the user already checkpoints is left as it is.
 """
 
 from __future__ import annotations
@@ -150,6 +169,24 @@ def _recomputed(block: nn.Module, forward: Callable[..., Any], on_recompute: Cal
     return run
 
 
+def _run_as_is(forward: Callable[..., Any], *args: Any) -> Any:
+    return forward(*args)
+
+
+_DECLARING_CLASSES = ("GradientCheckpointingLayer", "PreTrainedModel")
+
+
+def _declares_checkpointing(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face layer or model that declares how it is checkpointed (see
+    [Note: a Hugging Face layer's cache under recomputation]) and is not checkpointed already."""
+    return getattr(module, "gradient_checkpointing", None) is False and any(
+        c.__name__ in _DECLARING_CLASSES and c.__module__.startswith("transformers.") for c in type(module).__mro__
+    )
+
+
+_CHECKPOINTING_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
+
+
 class BlockRecompute:
     """Recompute the forward of ``blocks`` (module names) of ``module`` during backward;
     ``on_recompute`` is called each time one runs again."""
@@ -157,9 +194,24 @@ class BlockRecompute:
     def __init__(self, module: nn.Module, blocks: list[str], on_recompute: Callable[[], None] = lambda: None) -> None:
         self.blocks = list(blocks)
         self._patches = ForwardPatches()
+        # each Hugging Face layer or model flagged here, with what its instance dict held for the
+        # flag's attributes ([Note: a Hugging Face layer's cache under recomputation])
+        self._flagged: list[tuple[nn.Module, dict[str, Any]]] = []
         for name in self.blocks:
             block = module.get_submodule(name)
+            parts = name.split(".") if name else []
+            for owner in [module.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1)]:
+                if _declares_checkpointing(owner):
+                    self._flagged.append((owner, {a: owner.__dict__[a] for a in _CHECKPOINTING_ATTRS if a in owner.__dict__}))
+                    owner.__dict__.update(gradient_checkpointing=True, _gradient_checkpointing_func=_run_as_is)
             self._patches.shadow(block, _recomputed(block, block.forward, on_recompute))
 
     def remove(self) -> None:
         self._patches.remove()
+        for block, previous in reversed(self._flagged):
+            for attr in _CHECKPOINTING_ATTRS:
+                if attr in previous:
+                    block.__dict__[attr] = previous[attr]
+                else:
+                    block.__dict__.pop(attr, None)
+        self._flagged.clear()
