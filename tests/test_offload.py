@@ -46,7 +46,16 @@ def _held(plan, param):
     return -(-shape[0] // plan.world_size) * (shape.numel() // shape[0])
 
 
-def _train(plan, optim, steps, *, checkpoint_at=None, directory=None):
+def _local_state(opt):
+    return {
+        (i, k): (v.to_local() if hasattr(v, "to_local") else v).clone()
+        for i, st in opt.state_dict()["state"].items() for k, v in st.items() if torch.is_tensor(v)
+    }
+
+
+def _train(plan, optim, steps, *, checkpoint_at=None, directory=None, reads=None):
+    """``reads``: a list given gets ``opt.state_dict()``'s tensors after every step (periodic
+    checkpoints, logging), taken as part of the training."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = AutoDist(models.make("mlp"), plan=plan)
@@ -59,11 +68,10 @@ def _train(plan, optim, steps, *, checkpoint_at=None, directory=None):
         opt.zero_grad()
         if checkpoint_at == step:
             torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, os.path.join(directory, f"r{rank}.pt"))
+        if reads is not None:
+            reads.append(_local_state(opt))
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    ostate = {
-        (i, k): (v.to_local() if hasattr(v, "to_local") else v).clone()
-        for i, st in opt.state_dict()["state"].items() for k, v in st.items() if torch.is_tensor(v)
-    }
+    ostate = _local_state(opt)
     account = list(model.runtime.offload.account.log)
     model.close()
     return state, ostate, account
@@ -85,6 +93,28 @@ def test_offload_is_bitwise_identical_to_no_offload(world2, optim, variant, base
     for r in world2.run(_compare, base, optim, variant):
         assert r["params"] and r["state"]
         assert "copy-out start" in r["events"] and "copy-back done" in r["events"]
+
+
+def _compare_with_reads(optim):
+    """``opt.state_dict()`` after every step, with and without offload: it changes nothing the
+    optimizer steps, and every read holds the values the optimizer has."""
+    base_kw = {"residency": "after_forward"}
+    ref_reads: list = []
+    off_reads: list = []
+    ref = _train(make_plan(models.make("mlp"), 2, **base_kw), optim, 4, reads=ref_reads)
+    off = _train(_offload_plan(base_kw, optim, "whole-after-step"), optim, 4, reads=off_reads)
+    return {
+        "params": max((ref[0][k] - off[0][k]).abs().max().item() for k in ref[0]),
+        "reads": max((a[k] - b[k]).abs().max().item() for a, b in zip(ref_reads, off_reads) for k in a),
+        "same_keys": [a.keys() == b.keys() for a, b in zip(ref_reads, off_reads)],
+    }
+
+
+@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+def test_reading_the_optimizer_state_dict_changes_nothing_under_offload(world2, optim):
+    for r in world2.run(_compare_with_reads, optim):
+        assert r["params"] == 0.0 and r["reads"] == 0.0, r
+        assert r["same_keys"] == [True] * 4, r
 
 
 def _resume(directory, optim):

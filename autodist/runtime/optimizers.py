@@ -459,15 +459,23 @@ def complete_state_dict(engine: Engine, optimizer: torch.optim.Optimizer, state_
     by_visible = {id(mp.visible): mp for mp in engine.params.values()}
     from torch.distributed.tensor import DTensor
 
-    for idx, st in state_dict.get("state", {}).items():
+    states = state_dict.get("state", {})
+    for idx, st in list(states.items()):
         p = index.get(idx)
         mp = by_visible.get(id(p)) if p is not None else None
         if mp is None:
             continue
+        mine = False
         for name, value in list(st.items()):
             full = engine.offload.assembled((mp.name, name))
             if full is None:
                 continue
+            if not mine:
+                # torch's state dict holds the optimizer's own per-parameter dicts, not copies:
+                # written into, the optimizer would step a tensor the offload no longer moves and
+                # a later read return stale values
+                st = states[idx] = dict(st)
+                mine = True
             local_shape = value.to_local().shape if isinstance(value, DTensor) else value.shape
             full = full.view(local_shape)
             if isinstance(value, DTensor):
