@@ -108,7 +108,7 @@ def test_momentum_encoders_train_as_in_one_process_under_every_plan(world2):
 def cast_policy_updates() -> dict[str, object]:
     """Under a bf16 policy, plain replicated parameters (``plan="ddp"``) compute with bf16 copies;
     sharded ones (``plan="fsdp"``) are cast at each gather. Every update form after the step trains
-    the same under both ([Note: compute copies of frozen parameters] in autodist/runtime/params.py);
+    the same under both ([Note: compute copies cast at every forward] in autodist/runtime/params.py);
     an update inside the forward under ``ddp`` reaches the copies only, and says so."""
     import logging
 

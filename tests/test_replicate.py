@@ -6,9 +6,15 @@ and AdamW (AdamW only on models whose parameters all get nonzero gradients: Adam
 sqrt(v), which turns rounding noise on a zero gradient into a full-size update).
 """
 
-import pytest
+import copy
 
-from parity import Case, check, run_case
+import pytest
+import torch
+import torch.distributed as dist
+
+import models
+from autodist import AutoDist, MixedPrecision
+from parity import Case, as_policy, check, make_plan, run_case
 
 ATOL = 2e-5
 
@@ -31,7 +37,7 @@ CASES = {
     "clip-grad-norm": Case(model="mlp", plan="ddp", clip=0.05),
     "tied-embeddings": Case(model="gpt", plan="ddp"),
     "frozen": Case(model="frozen", plan="ddp"),
-    # the frozen layer's bf16 copy is cast at every step ([Note: compute copies of frozen parameters])
+    # the frozen layer's bf16 copy is cast at every forward ([Note: compute copies cast at every forward])
     "frozen-bf16": Case(model="frozen", plan="ddp", bf16=True, steps=4),
     "frozen-bf16-recomputed": Case(model="frozen", plan={"placement": "replicate", "recompute": "all"}, bf16=True, steps=4),
     "branches": Case(model="branchy", plan="ddp", steps=4),
@@ -161,3 +167,69 @@ def test_channels_last_model_and_conversions_after_wrapping(world2, plan):
         assert said[refused] is not None and "strides" in said[refused], said
         assert kept
         assert worst < 1e-4, worst
+
+
+
+def _sam(plan, write):
+    """SAM's step under a bf16 policy: a forward-backward, the parameters moved along their gradient
+    (``write``: through ``.data``, which moves no version counter, or in place under ``no_grad``),
+    a second forward-backward at the moved point, the move undone, the optimizer step; against a
+    one-process reference computing as the policy does. The worst parameter difference."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    base = models.make("mlp")
+    ref = copy.deepcopy(base)
+    model = AutoDist(base, plan=plan, mixed_precision=MixedPrecision(torch.bfloat16, torch.float32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(7)
+
+    def shift(params, moves, sign):
+        with torch.no_grad():
+            for p, e in zip(params, moves):
+                if write == "data":
+                    p.data.add_(sign * e)
+                else:
+                    p.add_(sign * e)
+
+    def backward(x, y):
+        mine = slice(rank * 4, (rank + 1) * 4)
+        models.loss_fn("mlp", model(x[mine]).float(), y[mine]).backward()
+        for r in range(world):  # the reference: every rank's part, as the policy computes it
+            with as_policy(ref, True):
+                part = slice(r * 4, (r + 1) * 4)
+                (models.loss_fn("mlp", ref(x[part].bfloat16()).float(), y[part]) / world).backward()
+
+    worst = 0.0
+    for _ in range(3):
+        x, y = models.batch("mlp", 4 * world, gen)
+        backward(x, y)
+        sides = []
+        for o in (opt, ropt):
+            params = [p for g in o.param_groups for p in g["params"]]
+            norm = torch.stack([p.grad.norm() for p in params]).norm()
+            moves = [0.5 * p.grad / norm for p in params]
+            shift(params, moves, 1.0)
+            o.zero_grad()
+            sides.append((params, moves))
+        backward(x, y)
+        for params, moves in sides:
+            shift(params, moves, -1.0)
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+        sd = model.state_dict()
+        worst = max(worst, max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items()))
+    model.close()
+    return worst
+
+
+@pytest.mark.parametrize("write", ["data", "in-place"])
+@pytest.mark.parametrize("plan", ["ddp", "one-bucket"])
+def test_a_write_between_two_forwards_of_a_step_reaches_the_compute_copies(world2, plan, write):
+    """SAM (and FGM/AWP) move the parameters between a step's two forward-backward passes; the
+    second forward must compute with the moved weights under a bf16 policy ([Note: compute copies
+    cast at every forward] in autodist/runtime/params.py)."""
+    spec = "ddp" if plan == "ddp" else make_plan(models.make("mlp"), 2, placement="replicate", buckets="one")
+    for worst in world2.run(_sam, spec, write):
+        assert worst <= ATOL, worst

@@ -176,7 +176,7 @@ def _parity(device, rank, world, args, out):
         "bf16-batchnorm-ddp": ("resnet", "ddp", bf16, 1),
         "bf16-batchnorm-fsdp": ("resnet", "fsdp", bf16, 1),
         # a layer frozen when wrapped: its bf16 copy is cast at every step's first forward, on the compute
-        # stream ([Note: compute copies of frozen parameters])
+        # stream ([Note: compute copies cast at every forward])
         "bf16-frozen-ddp": ("frozen", "ddp", bf16, 1),
         "bf16-frozen-fsdp": ("frozen", "fsdp", bf16, 1),
         # user hooks on the parameters: forwarded from the leaves the forward uses, and stepped at the

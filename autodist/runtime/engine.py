@@ -247,7 +247,7 @@ class Engine:
         # per-step CPU time on a model of many small layers)
         self._swapping = [mp for mp in self.params.values() if mp.needs_swap and mp.sharded]
         self._cast_copies = [mp for mp in self.params.values() if mp.has_cast_copy]
-        # cast at every step ([Note: compute copies of frozen parameters] in params.py)
+        # their forward writes are warned about ([Note: compute copies cast at every forward] in params.py)
         self._frozen_casts = [mp for mp in self._cast_copies if not mp.requires_grad]
         # [Note: requires_grad set on the visible parameter] (see _sync_requires_grad)
         self._grad_leaves = [mp for mp in self.params.values() if mp.requires_grad and mp.full is not mp.visible]
@@ -923,7 +923,7 @@ class Engine:
         # statistics, as under DDP. A forward under no_grad or no_sync makes the next one skip it.
         # Every rank runs the same forwards in the same modes, so every rank agrees on when.
         self._broadcast_buffers_if_due()
-        refresh_casts(self._cast_copies, self._frozen_casts)
+        refresh_casts(self._cast_copies)
 
     def _check_forward_mode(self) -> None:
         """[Note: a forward on some ranks only] DDP code evaluates on rank 0 alone
@@ -1064,7 +1064,7 @@ class Engine:
         if self.offload.active:
             self.offload.finish_out()
         self._broadcast_buffers_if_due()
-        refresh_casts(self._cast_copies, self._frozen_casts)
+        refresh_casts(self._cast_copies)
 
     def _end_aside(self) -> None:
         """Put back the step a forward without gradients set aside (:meth:`_begin_aside`)."""
@@ -1111,7 +1111,7 @@ class Engine:
 
     def _warn_written_copies(self) -> None:
         """A write inside the forward to the compute copy of a parameter no optimizer steps
-        ([Note: compute copies of frozen parameters] in params.py), said once."""
+        ([Note: compute copies cast at every forward] in params.py), said once."""
         written = written_casts(self._frozen_casts)
         if written:
             names = [mp.name for mp in written]

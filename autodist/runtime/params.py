@@ -307,6 +307,7 @@ class ManagedParam:
         self.sites: list[tuple[nn.Module, str]] = []
         self._swaps = 0
         self.accum: torch.Tensor | None = None  # unsharded gradient accumulated in the reduce dtype
+        self._accum_shown = False  # the accumulator is the visible .grad
         # A parameter on the meta device has no values yet: its storage is allocated here and filled
         # by ``load_full_`` (see autodist/runtime/materialize.py).
         pending = original.is_meta
@@ -336,13 +337,11 @@ class ManagedParam:
                     self._master, requires_grad=original.requires_grad
                 )
                 self._cast_version = None
-                self._cast_ptr = 0
             else:
                 self.full = nn.Parameter(
                     self._master.detach().to(self.compute_dtype), requires_grad=original.requires_grad
                 )
                 self._cast_version = -1  # cast on first use
-                self._cast_ptr = 0
             self._copy_seen = (-1, 0)
             self.shard_flat = None
             self.local = self._master
@@ -378,7 +377,6 @@ class ManagedParam:
         self._full_padded = padded  # the flat storage view, for copy-out
         self.free_full()
         self._cast_version = None
-        self._cast_ptr = 0
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -435,27 +433,55 @@ class ManagedParam:
     def stash_full_grad(self, dtype: torch.dtype) -> None:
         """Move the gradient autograd accumulated into ``full`` into an accumulator of ``dtype``:
         over micro-batches that do not synchronise, gradients accumulate in the reduce dtype (FSDP2
-        does the same), not in the compute dtype they are produced in."""
+        does the same), not in the compute dtype they are produced in.
+
+        [Note: gradients accumulated without sync, shown] A replicated parameter's accumulator is
+        its visible ``.grad`` (where that held none and the dtypes agree), as DDP shows the local
+        gradients of a ``no_sync`` backward: ``zero_grad()`` then drops them (a micro-batch thrown
+        away, SAM's m-sharpness step on local gradients), where before they were kept out of
+        sight and added to the synchronising backward's (0.70 off under ``plan="ddp"`` with bf16).
+        A sharded parameter's visible gradient is a shard, which the whole accumulator cannot be:
+        it shows none, as under FSDP2, and ``AutoDist.zero_grad()`` drops it."""
         g = self.full.grad
         if g is None:
             return
         self.full.grad = None
         if self.accum is None:
             self.accum = g.to(dtype, copy=True)
+            if (not self.sharded and self.visible.grad is None and self.accum.dtype == self.visible.dtype
+                    and not self.is_dtensor):
+                self.visible.grad = self.accum
+                self._accum_shown = True
         else:
             self.accum.add_(g)
 
     def take_full_grad(self) -> torch.Tensor | None:
         """This rank's whole unreduced gradient (the accumulator plus what autograd added since),
-        which the runtime now owns: ``full.grad`` and the accumulator are cleared."""
+        which the runtime now owns: ``full.grad`` and the accumulator are cleared. An accumulator
+        shown as the visible gradient is what that gradient holds now: dropped by ``zero_grad()``,
+        zeroed in place, or another tensor put there ([Note: gradients accumulated without sync, shown])."""
         g = self.full.grad
         self.full.grad = None
+        if self._accum_shown:
+            self._accum_shown = False
+            self.accum = self.visible.grad
+            self.visible.grad = None
         if self.accum is None:
             return g
         acc, self.accum = self.accum, None
         if g is not None:
             acc.add_(g)
         return acc
+
+    def drop_held_grad(self) -> None:
+        """Drop the gradients accumulated out of sight (``AutoDist.zero_grad()``)."""
+        if self.full is not self.visible:
+            self.full.grad = None
+        if self._accum_shown:
+            self._accum_shown = False
+            if self.visible.grad is self.accum:
+                self.visible.grad = None
+        self.accum = None
 
     def set_local_grad(self, grad: torch.Tensor) -> None:
         """Make ``grad`` (this rank's local part, master dtype) the visible gradient, without copying."""
@@ -562,41 +588,40 @@ def release_casts(params: Sequence[ManagedParam]) -> None:
         mp._cast_version = -1
 
 
-def refresh_casts(params: Sequence[ManagedParam], always: Sequence[ManagedParam] = ()) -> None:
-    """Re-cast every stale compute copy among ``params`` (replicated parameters with a cast copy)
-    from its master, and every one in ``always``, in one ``_foreach_copy_``: a model of many small
-    layers would otherwise issue one copy from Python per parameter per step.
+def refresh_casts(params: Sequence[ManagedParam]) -> None:
+    """Cast every compute copy among ``params`` (replicated parameters with a cast copy) from its
+    master, in one ``_foreach_copy_``: a model of many small layers would otherwise issue one copy
+    from Python per parameter per forward.
 
-    [Note: compute copies of frozen parameters] A copy is stale when its master's version counter
-    or storage moved. ``p.data.mul_(m)`` moves neither (``.data`` of a plain tensor has a counter
-    of its own): DINO's teacher update after the step never reached its bfloat16 copies under a
-    replicated plan (2.9e-3 off after 4 steps). The engine passes the parameters frozen when the
-    model was wrapped (a momentum encoder, a frozen backbone) as ``always`` at each step's first
-    forward: cast every step, as autocast and FSDP2 cast theirs; the others are released at each
-    optimizer step and cast again anyway (:func:`release_casts`). Each copy's own counter and
-    storage are noted, so a write to the copy inside the forward is found (:func:`written_casts`):
-    replicated parameters are registered as their copies for the whole root forward (per-module
-    swaps would cost hooks on every module, and code reading a parameter's dtype, as Hugging Face's
-    ``model.dtype`` does, would read float32), so MoCo's update made there writes the copy, never
-    the parameter."""
-    stale = [mp for mp in params if mp._cast_version is not None and not mp.sharded
-             and (mp.version() != mp._cast_version or mp._master.data_ptr() != mp._cast_ptr)]
-    if always:
-        have = {id(mp) for mp in stale}
-        stale += [mp for mp in always if id(mp) not in have]
-    if not stale:
+    [Note: compute copies cast at every forward] The engine calls this at the start of every
+    forward, as autocast casts a weight at each forward and FSDP2 at each unshard: a write to a
+    parameter cannot always be seen. ``p.data.add_(e)`` moves neither the parameter's version
+    counter nor its storage (``.data`` of a plain tensor has a counter of its own), and copies that
+    were cast again only when one of them moved missed such writes: SAM's perturbation between the
+    two forward-backward passes of a step (``p.data.add_``) never reached the bfloat16 copies under
+    ``plan="ddp"``, which trained as plain SGD (0.19 off the one-process run), and DINO's teacher
+    update after the step was lost the same way (2.9e-3 off after 4 steps). The copies of trained
+    parameters are released at each optimizer step (:func:`release_casts`), so what casting at
+    every forward adds is one cast per further forward within a step: micro-batches under
+    ``no_sync``, several forwards before one backward, evaluations beside a step. Each copy's own
+    counter and storage are noted, so a write to the copy inside the forward is found
+    (:func:`written_casts`): replicated parameters are registered as their copies for the whole
+    root forward (per-module swaps would cost hooks on every module, and code reading a
+    parameter's dtype, as Hugging Face's ``model.dtype`` does, would read float32), so MoCo's
+    update made there writes the copy, never the parameter."""
+    held = [mp for mp in params if mp._cast_version is not None and not mp.sharded]
+    if not held:
         return
-    for mp in stale:
+    for mp in held:
         storage = mp.full.untyped_storage()
         if storage.nbytes() == 0:  # released before the last optimizer step (``release_casts``)
             storage.resize_(mp.full.numel() * mp.full.element_size())
     with torch.no_grad():
-        # ``.data``: the cast copy's own version counter is not bumped (no graph reads it yet)
-        torch._foreach_copy_([mp.full.data for mp in stale], [mp._master for mp in stale])
-    for mp in stale:
+        # ``.data``: the cast copy's own version counter is not bumped (a graph of an earlier forward
+        # of this step saved it, and reads the same values unless the master was written since)
+        torch._foreach_copy_([mp.full.data for mp in held], [mp._master for mp in held])
+    for mp in held:
         mp._cast_version = mp.version()
-        # a plain parameter's ``p.data = new`` moves no version counter: its storage changes
-        mp._cast_ptr = mp._master.data_ptr()
         mp._copy_seen = (mp.full._version, mp.full.data_ptr())
 
 
