@@ -615,6 +615,16 @@ class AutoDist(nn.Module):
         # torch.distributed.checkpoint.state_dict: our keys omit the 'module.' level.
         return {name: "module" for name, _ in self.module.named_children()}
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, and the gradients ``no_sync`` backward passes accumulated out
+        of sight are dropped too ([Note: gradients accumulated without sync, shown] in
+        autodist/runtime/params.py): a sharded parameter shows none until the synchronising
+        backward, so an optimizer's ``zero_grad()`` cannot reach them, as under FSDP2."""
+        super().zero_grad(set_to_none)
+        if not self._closed:
+            for mp in self._engine.params.values():
+                mp.drop_held_grad()
+
     # ---------------------------------------------------------------------------------------------
     # gradient synchronisation control
     # ---------------------------------------------------------------------------------------------
