@@ -405,3 +405,44 @@ def test_sampled_launches_issue_collectives_in_the_same_order_on_every_rank(worl
     sampled = world2.run(issue_order_with_a_rank_dependent_gradient, "sampled")
     assert sampled[0] == sampled[1], sampled
     assert {k for k, _ in sampled[0]} >= {"all_gather", "all_reduce", "reduce_scatter"}
+
+
+def functional_call_scenario(plan) -> dict:
+    """``torch.func.functional_call`` with tensors of the caller's (the weights x1.5, full tensors):
+    the loss and its gradients with respect to those tensors, as in one process; then an ordinary
+    training step, as the reference's ([Note: a tensor put in a parameter's place] in
+    autodist/runtime/params.py). Every rank runs the same batch."""
+    from torch.distributed.tensor import DTensor
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    base = models.make("gpt")
+    ref = copy.deepcopy(base)
+    model = AutoDist(base, plan=plan)
+    x, y = models.batch("gpt", 4, torch.Generator().manual_seed(0))
+
+    def at_moved(m, named):
+        params = {n: ((p.full_tensor() if isinstance(p, DTensor) else p).detach() * 1.5).requires_grad_()
+                  for n, p in named}
+        loss = models.loss_fn("gpt", functional_call(m, params, (x,)), y)
+        return loss, dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+
+    loss, grads = at_moved(model, model.named_parameters())
+    rloss, rgrads = at_moved(ref, ref.named_parameters())
+    out = {"loss": abs(loss.item() - rloss.item()), "grad": max((grads[n] - rgrads[n]).abs().max().item() for n in rgrads)}
+    opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for m, o in ((model, opt), (ref, ropt)):
+        o.zero_grad()
+        models.loss_fn("gpt", m(x), y).backward()
+        o.step()
+    sd = model.state_dict()
+    out["param"] = max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    model.close()
+    return out
+
+
+@pytest.mark.parametrize("plan", ["ddp", "fsdp", "zero2", "mixed"])
+def test_functional_call_computes_with_the_callers_tensors(world2, plan):
+    spec = make_plan(models.make("gpt"), 2, placement="mixed") if plan == "mixed" else plan
+    for r in world2.run(functional_call_scenario, spec):
+        assert r["loss"] <= 1e-5 and r["grad"] <= ATOL and r["param"] <= ATOL, r

@@ -864,12 +864,16 @@ class Engine:
         their sites (see [Note: replicated parameters swap at the root])."""
         if on == self._root_swapped:
             return
+        # a site holding another tensor (torch.func.functional_call's) is left as it is ([Note: a
+        # tensor put in a parameter's place] in params.py)
         if on:
-            for params, attr, leaf, _ in self._root_sites:
-                params[attr] = leaf
+            for params, attr, leaf, visible in self._root_sites:
+                if params.get(attr) is visible:
+                    params[attr] = leaf
         else:
-            for params, attr, _, visible in self._root_sites:
-                params[attr] = visible
+            for params, attr, leaf, visible in self._root_sites:
+                if params.get(attr) is leaf:
+                    params[attr] = visible
         self._root_swapped = on
 
     def _begin_step(self) -> None:

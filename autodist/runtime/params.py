@@ -539,8 +539,26 @@ class ManagedParam:
             module._parameters[attr] = self.visible
 
     def register_full(self) -> None:
+        """``full`` at every site that holds the visible parameter.
+
+        [Note: a tensor put in a parameter's place] ``torch.func.functional_call(model, params, x)``
+        (meta-learning, per-sample gradients, a loss at perturbed weights) puts its own tensors in
+        the modules' ``_parameters`` for one call. Swapping ``full`` in over them computed with the
+        model's weights instead, silently (a loss at every weight x1.5 came out as the unperturbed
+        one; first-order MAML 0.38 off under ``fsdp``). A site that holds another tensor than the
+        visible parameter is left as it is, and swapping back restores only what was swapped in:
+        the forward computes with the caller's tensors, as in one process. Under a plan that shards,
+        tensors taken from ``model.parameters()`` are this rank's DTensor shards, which DTensor
+        refuses to mix with the activations, as under FSDP2; full tensors (``p.full_tensor()``)
+        compute."""
         for module, attr in self.sites:
-            module._parameters[attr] = self.full
+            if module._parameters.get(attr) is self.visible:
+                module._parameters[attr] = self.full
+
+    def _register_visible_over_full(self) -> None:
+        for module, attr in self.sites:
+            if module._parameters.get(attr) is self.full:
+                module._parameters[attr] = self.visible
 
     def swap_in(self) -> None:
         """Register ``full`` at every site while a forward that uses it runs. Nested uses (a module
@@ -553,13 +571,13 @@ class ManagedParam:
     def swap_out(self) -> None:
         self._swaps -= 1
         if self._swaps == 0:
-            self.register_visible()
+            self._register_visible_over_full()
 
     def reset_swaps(self) -> None:
         """Between steps: every site holds the visible parameter (after an exception mid-forward)."""
         if self._swaps:
             self._swaps = 0
-            self.register_visible()
+            self._register_visible_over_full()
 
     @property
     def needs_swap(self) -> bool:
