@@ -112,7 +112,7 @@ from .compiled import BlockCompile, merge_block_sites
 from .gather import GatherGroupRuntime, GroupState
 from .offload import OffloadManager
 from .optimizers import adopt_optimizer, weak_optimizer_hook
-from .params import ManagedParam, allocate_shard_storage, refresh_casts, written_casts
+from .params import ManagedParam, allocate_shard_storage, moved_after_wrapping, refresh_casts, written_casts
 from .precision import MixedPrecision, cast_floats
 from .recompute import BlockRecompute
 from .reducer import Reducer
@@ -868,8 +868,12 @@ class Engine:
         # tensor put in a parameter's place] in params.py)
         if on:
             for params, attr, leaf, visible in self._root_sites:
-                if params.get(attr) is visible:
+                held = params.get(attr)
+                if held is visible:
                     params[attr] = leaf
+                elif held is None and attr not in params:
+                    mp = self._visible_map[id(visible)]
+                    moved_after_wrapping(mp.name, next(m for m, a in mp.sites if m._parameters is params), attr)
         else:
             for params, attr, leaf, visible in self._root_sites:
                 if params.get(attr) is leaf:

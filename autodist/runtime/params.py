@@ -552,8 +552,11 @@ class ManagedParam:
         refuses to mix with the activations, as under FSDP2; full tensors (``p.full_tensor()``)
         compute."""
         for module, attr in self.sites:
-            if module._parameters.get(attr) is self.visible:
+            held = module._parameters.get(attr)
+            if held is self.visible:
                 module._parameters[attr] = self.full
+            elif held is None:
+                moved_after_wrapping(self.name, module, attr)
 
     def _register_visible_over_full(self) -> None:
         for module, attr in self.sites:
@@ -590,6 +593,22 @@ class ManagedParam:
         the DTensor wrapper's counter, not its local tensor's, so staleness is read here.
         """
         return self.visible._version
+
+
+def moved_after_wrapping(name: str, module: nn.Module, attr: str) -> None:
+    """Raise if ``attr`` is no longer a parameter of ``module``: a parametrization or pruning applied
+    after wrapping moved it (``weight`` became ``parametrizations.weight.original`` or
+    ``weight_orig``), and the forward would compute with what AutoDist no longer manages (torch
+    failed with "mixed torch.Tensor and DTensor" or a dtype mismatch, naming neither)."""
+    if attr in module._parameters:
+        return
+    raise ValueError(
+        f"parameter {name!r} is no longer registered in its module (as {attr!r} of a {type(module).__name__}): "
+        "it was moved after "
+        "the model was wrapped (torch.nn.utils.parametrize.register_parametrization, torch.nn.utils.prune, "
+        "weight_norm, or deleting or replacing it), and AutoDist manages the parameters where they were at "
+        "wrapping. Apply parametrizations and pruning to the model before AutoDist(model, ...)"
+    )
 
 
 def release_casts(params: Sequence[ManagedParam]) -> None:
