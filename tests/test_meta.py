@@ -157,6 +157,56 @@ def test_param_init_fn_initialises_what_reset_parameters_cannot(world2):
     assert world2.run(_loose_root, True) == [True, True]
 
 
+class Rotary(nn.Module):
+    """Only a computed buffer, as Llama's rotary embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (100 ** (torch.arange(0, 6, 2).float() / 6)), persistent=False)
+
+
+class WithRotary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rot = Rotary()
+        self.body = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x * self.rot.inv_freq.repeat(2))
+
+
+def _child_buffer() -> object:
+    """``param_init_fn`` (called with every module, children first, as Hugging Face's
+    ``_init_weights`` is passed) writes a child's computed buffer; the root's call, which comes
+    after the buffer's value went to every rank, writes nothing. Before, that call was taken for a
+    write the trial run had not seen and the model was refused."""
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            module.reset_parameters()
+        elif isinstance(module, Rotary):
+            module.inv_freq.copy_(1.0 / (100 ** (torch.arange(0, 6, 2).float() / 6)))
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = WithRotary()
+    try:
+        wrapped = AutoDist(model, plan="fsdp", param_init_fn=init)
+    except InitError as e:
+        return str(e)
+    torch.manual_seed(0)
+    cpu = WithRotary()
+    sd = wrapped.state_dict()
+    same = all(torch.equal(sd[k], v) for k, v in cpu.state_dict().items()) and torch.equal(model.rot.inv_freq, cpu.rot.inv_freq)
+    x = torch.randn(4, 6)
+    same = same and torch.allclose(wrapped(x), cpu(x), atol=1e-6)
+    wrapped.close()
+    return same
+
+
+def test_param_init_fn_initialises_a_childs_buffer(world2):
+    assert world2.run(_child_buffer) == [True, True]
+
+
 def _stale_reference() -> str | None:
     torch.manual_seed(0)
     with torch.device("meta"):

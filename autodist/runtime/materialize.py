@@ -103,6 +103,11 @@ class _Entry:
             raise RuntimeError(f"materialize: {self.name} has no host copy outside its initialisation")
         return self.live
 
+    def registered(self) -> torch.Tensor:
+        """The tensor registered at its first site now."""
+        module, attr = self.sites[0]
+        return self.dict_of(module)[attr]
+
     def register(self, value: torch.Tensor) -> None:
         for module, attr in self.sites:
             self.dict_of(module)[attr] = value
@@ -407,7 +412,10 @@ class Materializer:
         expected: dict[int, torch.Tensor] = {}
         for i in call.subtree:
             e = self.entries[i]
-            expected[i] = e.live if e.live is not None else e.original
+            # not live: not begun (its meta tensor), or finished (a parameter is registered as its
+            # meta tensor again, a buffer as its value, which a later call, an ancestor's under a
+            # param_init_fn called with every module, must leave alone)
+            expected[i] = e.live if e.live is not None else e.registered()
         keys = {i: _storage_key(t) for i, t in expected.items()}
         recorder = _WriteRecorder(dry=False)
         try:
@@ -415,7 +423,9 @@ class Materializer:
                 call.fn()
         except Exception as exc:
             raise InitError(f"initialising module {call.name or '(root)'!r} ({type(call.module).__name__}) failed: {exc}") from exc
-        stray = sorted({meta_keys[k] for k in recorder.written if k in meta_keys})
+        finished = {keys[i]: i for i in call.subtree if self.entries[i].live is None}
+        stray = sorted({meta_keys[k] for k in recorder.written if k in meta_keys}
+                       | {finished[k] for k in recorder.written if k in finished})
         replaced = self._replaced(call, expected, keys)
         stray += [i for i in replaced if self.entries[i].live is None]
         if stray:
