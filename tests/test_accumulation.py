@@ -14,6 +14,7 @@ with untied embeddings; tied gpt is compared under sharded accumulation, where b
 bfloat16, and under unsharded accumulation in float32 against the single-process reference.
 """
 
+import contextlib
 import itertools
 
 import pytest
@@ -188,30 +189,49 @@ def test_torch_policy_without_reduce_dtype_on_a_model_of_several_dtypes_is_refus
     assert MixedPrecision.coerce(policy, mlp).reduce_dtype == torch.float32
 
 
-def _dropped_micro_batch(plan, bf16: bool, zero: str) -> float:
-    """A ``no_sync`` backward whose gradients ``zero_grad()`` then drops (a micro-batch thrown away),
-    then a synchronising one and the step: against the same plan trained without the dropped
-    micro-batch; the worst parameter difference after 3 steps ([Note: gradients accumulated without
-    sync, shown] in autodist/runtime/params.py)."""
+
+def _dropped_micro_batch(plan, bf16: bool, zero: str, pattern: str) -> float:
+    """``no_sync`` micro-batches whose gradients ``zero_grad()`` drops or the loop rescales, then a
+    synchronising one and the step, against the same plan trained on what should remain; the worst
+    parameter difference after 3 steps ([Note: gradients accumulated without sync, shown] in
+    autodist/runtime/params.py). ``pattern``: "dropped" (A, zero_grad, C against C), "dropped-then-
+    accumulated" (A, zero_grad, B, C against B, C), "rescaled" (B, ``p.grad = p.grad * 0.5`` out of
+    place, B2, C against the same with ``p.grad.mul_(0.5)``)."""
     rank = dist.get_rank()
     mp = MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None
     out = []
-    for drop in (True, False):
+    for first in (True, False):
         torch.manual_seed(0)
         model = AutoDist(models.make("gpt"), plan=plan, mixed_precision=mp)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         gen = torch.Generator().manual_seed(rank)
+
+        def micro(sync: bool, model=model, gen=gen) -> None:
+            x, y = models.batch("gpt", 4, gen)
+            with contextlib.nullcontext() if sync else model.no_sync():
+                models.loss_fn("gpt", model(x).float(), y).backward()
+
         for _ in range(3):
-            x, y = models.batch("gpt", 4, gen)
-            if drop:
-                with model.no_sync():
-                    models.loss_fn("gpt", model(x).float(), y).backward()
-                if zero == "optimizer":
-                    opt.zero_grad()
+            if pattern == "rescaled":
+                micro(False)
+                for p in model.parameters():
+                    if first:
+                        p.grad = p.grad * 0.5
+                    else:
+                        p.grad.mul_(0.5)
+                micro(False)
+            else:
+                if first:
+                    micro(False)
+                    if zero == "optimizer":
+                        opt.zero_grad()
+                    else:
+                        model.zero_grad()
                 else:
-                    model.zero_grad()
-            x, y = models.batch("gpt", 4, gen)
-            models.loss_fn("gpt", model(x).float(), y).backward()
+                    models.batch("gpt", 4, gen)  # the same data stream
+                if pattern == "dropped-then-accumulated":
+                    micro(False)
+            micro(True)
             opt.step()
             opt.zero_grad()
         out.append(model.state_dict())
@@ -219,13 +239,38 @@ def _dropped_micro_batch(plan, bf16: bool, zero: str) -> float:
     return max((out[0][k] - out[1][k]).abs().max().item() for k in out[0])
 
 
-@pytest.mark.parametrize("plan,bf16,zero", [
-    ("ddp", False, "optimizer"), ("ddp", True, "optimizer"), ("ddp", True, "model"),
-    ("fsdp", False, "model"), ("zero2", True, "model"), ("mixed", False, "model"),
+@pytest.mark.parametrize("plan,bf16,zero,pattern", [
+    ("ddp", False, "optimizer", "dropped"), ("ddp", True, "optimizer", "dropped"), ("ddp", True, "model", "dropped"),
+    ("fsdp", False, "model", "dropped"), ("zero2", True, "model", "dropped"), ("mixed", False, "model", "dropped"),
+    ("ddp", True, "optimizer", "dropped-then-accumulated"), ("fsdp", True, "model", "dropped-then-accumulated"),
+    ("ddp", True, "optimizer", "rescaled"),
 ])
-def test_zero_grad_drops_the_gradients_of_a_no_sync_backward(world2, plan, bf16, zero):
+def test_zero_grad_drops_the_gradients_of_a_no_sync_backward(world2, plan, bf16, zero, pattern):
     """The optimizer's ``zero_grad()`` under a replicated plan (as DDP), the wrapper's under every
     plan (a sharded parameter shows no gradient during ``no_sync``, as under FSDP2)."""
     spec = make_plan(models.make("gpt"), 2, placement="mixed") if plan == "mixed" else plan
-    for worst in world2.run(_dropped_micro_batch, spec, bf16, zero):
+    for worst in world2.run(_dropped_micro_batch, spec, bf16, zero, pattern):
         assert worst == 0.0, worst
+
+
+def _post_hooks_in_no_sync(bf16: bool) -> tuple[int, int]:
+    """Parameters showing a ``.grad`` after a ``no_sync`` backward under ``plan="ddp"``, and the
+    post-accumulate hooks that ran in it: every parameter, as under DDP, with a bf16 policy too."""
+    torch.manual_seed(0)
+    model = AutoDist(models.make("mlp"), plan="ddp",
+                     mixed_precision=MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None)
+    ran: list[str] = []
+    for n, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, n=n: ran.append(n))
+    x, y = models.batch("mlp", 4, torch.Generator().manual_seed(0))
+    with model.no_sync():
+        models.loss_fn("mlp", model(x).float(), y).backward()
+    shown = sum(p.grad is not None for p in model.parameters())
+    model.close()
+    return shown, len(ran)
+
+
+def test_a_no_sync_backward_shows_gradients_and_runs_post_accumulate_hooks_as_ddp(world2):
+    n = len(list(models.make("mlp").parameters()))
+    for bf16 in (False, True):
+        assert world2.run(_post_hooks_in_no_sync, bf16) == [(n, n), (n, n)], bf16

@@ -1671,8 +1671,8 @@ class Engine:
         """The parameters with post-accumulate hooks of the user's whose visible ``.grad`` this
         backward gave a gradient: reduced in it (on every rank alike; in a ``no_sync`` backward, the
         buckets of units accumulating sharded gradients), or accumulated locally into a leaf that is
-        the visible parameter in a ``no_sync`` backward ([Note: hooks on the visible parameters] in
-        user_hooks.py). Read once the buckets are finished, before they are rebuilt."""
+        the visible parameter (or shown as its ``.grad``) in a ``no_sync`` backward ([Note: hooks on
+        the visible parameters] in user_hooks.py). Read once the buckets are finished, before they are rebuilt."""
         slots = self.reducer.slot
         out = []
         for mp in self.param_hooks.post:
@@ -1680,7 +1680,9 @@ class Engine:
             if entry is not None and entry[0].taking:
                 got = entry[0].used[entry[1]]
             else:
-                got = mp.full is mp.visible and id(mp) in step.ready_set
+                # a leaf that is the visible parameter, or a compute copy's accumulator shown as its
+                # .grad ([Note: gradients accumulated without sync, shown] in params.py)
+                got = (mp.full is mp.visible or mp._accum_shown) and id(mp) in step.ready_set
             if got:
                 out.append(mp)
         return out

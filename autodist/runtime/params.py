@@ -446,6 +446,7 @@ class ManagedParam:
         if g is None:
             return
         self.full.grad = None
+        self.reconcile_shown()
         if self.accum is None:
             self.accum = g.to(dtype, copy=True)
             if (not self.sharded and self.visible.grad is None and self.accum.dtype == self.visible.dtype
@@ -455,6 +456,15 @@ class ManagedParam:
         else:
             self.accum.add_(g)
 
+    def reconcile_shown(self) -> None:
+        """The accumulator shown as the visible gradient is what that gradient holds now: dropped
+        by ``zero_grad()`` (none), zeroed in place, or another tensor put there (``p.grad = p.grad *
+        0.5``); the next micro-batch adds to that ([Note: gradients accumulated without sync,
+        shown])."""
+        if self._accum_shown and self.visible.grad is not self.accum:
+            self.accum = self.visible.grad
+            self._accum_shown = self.accum is not None
+
     def take_full_grad(self) -> torch.Tensor | None:
         """This rank's whole unreduced gradient (the accumulator plus what autograd added since),
         which the runtime now owns: ``full.grad`` and the accumulator are cleared. An accumulator
@@ -462,9 +472,9 @@ class ManagedParam:
         zeroed in place, or another tensor put there ([Note: gradients accumulated without sync, shown])."""
         g = self.full.grad
         self.full.grad = None
+        self.reconcile_shown()
         if self._accum_shown:
             self._accum_shown = False
-            self.accum = self.visible.grad
             self.visible.grad = None
         if self.accum is None:
             return g
@@ -474,14 +484,13 @@ class ManagedParam:
         return acc
 
     def drop_held_grad(self) -> None:
-        """Drop the gradients accumulated out of sight (``AutoDist.zero_grad()``)."""
+        """Drop the gradients accumulated out of sight (``AutoDist.zero_grad()``, after the module's
+        own, which dropped or zeroed a shown accumulator as it does any ``.grad``)."""
         if self.full is not self.visible:
             self.full.grad = None
-        if self._accum_shown:
-            self._accum_shown = False
-            if self.visible.grad is self.accum:
-                self.visible.grad = None
-        self.accum = None
+        self.reconcile_shown()
+        if not self._accum_shown:
+            self.accum = None
 
     def set_local_grad(self, grad: torch.Tensor) -> None:
         """Make ``grad`` (this rank's local part, master dtype) the visible gradient, without copying."""

@@ -358,6 +358,7 @@ class BucketRuntime:
         if not mp.needs_swap:
             g = mp.visible.grad
             return g is not None and not self._is_slot_view(g, self.params.index(mp))
+        mp.reconcile_shown()  # an accumulator shown as .grad and dropped by zero_grad() is none
         return mp.full.grad is not None or mp.accum is not None
 
     def launch(self) -> list[str]:
