@@ -1,5 +1,6 @@
 """Offloaded optimizer-state fragments: only the location of state changes, never a value."""
 
+import copy
 import dataclasses
 import os
 import tempfile
@@ -115,6 +116,91 @@ def test_reading_the_optimizer_state_dict_changes_nothing_under_offload(world2, 
     for r in world2.run(_compare_with_reads, optim):
         assert r["params"] == 0.0 and r["reads"] == 0.0, r
         assert r["same_keys"] == [True] * 4, r
+
+
+def _rollback(plan, optim):
+    """A rollback to an in-memory copy of the optimizer's state (``copy.deepcopy(opt.state_dict())``
+    after step 1, loaded back after step 2), then two more steps; the parameters and the state."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = AutoDist(models.make("mlp"), plan=plan)
+    opt = _opt(optim, model.parameters())
+    gen = torch.Generator().manual_seed(rank)
+    saved = None
+    for step in range(4):
+        x, y = models.batch("mlp", 4, gen)
+        models.loss_fn("mlp", model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            saved = copy.deepcopy(opt.state_dict())
+        elif step == 1:
+            opt.load_state_dict(saved)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ostate = _local_state(opt)
+    model.close()
+    return state, ostate
+
+
+def _compare_rollback(optim):
+    from autodist.builtins import fsdp_plan
+    from autodist.structure import discover
+
+    s = discover(models.make("mlp"))
+    plan = fsdp_plan(s, 2)
+    # every trainable parameter's state offloaded from one step to the next, as auto plans do
+    frags = [OffloadFragment(p, st, (0, -(-s.params[p].shape[0] // 2) * (s.params[p].numel // s.params[p].shape[0])),
+                             "step", "step") for p in s.trainable for st in STATES[optim]]
+    ref = _rollback(plan, optim)
+    off = _rollback(dataclasses.replace(plan, offload=frags), optim)
+    return (all(torch.equal(ref[0][k], off[0][k]) for k in ref[0])
+            and ref[1].keys() == off[1].keys() and all(torch.equal(ref[1][k], off[1][k]) for k in ref[1]))
+
+
+@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+def test_a_rollback_to_an_in_memory_copy_of_offloaded_state(world2, optim):
+    """Before, the loaded copy's sharded values were kept for the check across ranks at the next
+    step, after the offload had freed their device storage: every rank died (SIGSEGV)."""
+    assert world2.run(_compare_rollback, optim) == [True, True]
+
+
+def _two_optimizers(plan):
+    """Two AdamWs over the model's parameters (matrices and the rest, as a Muon + AdamW split):
+    the fragments of both are offloaded; the parameters, the state, and how many fragments are held."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = AutoDist(models.make("mlp"), plan=plan)
+    named = list(model.named_parameters())
+    opts = [torch.optim.AdamW([p for _, p in named if p.dim() == 2], lr=1e-3),
+            torch.optim.AdamW([p for _, p in named if p.dim() != 2], lr=1e-3)]
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x, y = models.batch("mlp", 4, gen)
+        models.loss_fn("mlp", model(x), y).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ostate = [_local_state(o) for o in opts]
+    held = len(model.runtime.offload.entries)
+    model.close()
+    return state, ostate, held
+
+
+def _compare_two_optimizers():
+    plan = _offload_plan({"residency": "after_forward"}, "adamw", "whole-after-step")
+    ref = _two_optimizers(dataclasses.replace(plan, offload=[]))
+    off = _two_optimizers(plan)
+    same = (all(torch.equal(ref[0][k], off[0][k]) for k in ref[0])
+            and all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(ref[1], off[1])))
+    return same, off[2], len(plan.offload)
+
+
+def test_the_offloaded_state_of_every_optimizer_is_offloaded(world2):
+    """Before, only the first optimizer to step had its state bound; the second's fragments stayed
+    on the device, with a warning that their state did not exist."""
+    for same, held, planned in world2.run(_compare_two_optimizers):
+        assert same and held == planned, (same, held, planned)
 
 
 def _resume(directory, optim):

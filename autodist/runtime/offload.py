@@ -40,6 +40,7 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -175,6 +176,9 @@ class OffloadManager:
         self.account = PoolAccount()
         self.record: Callable[[str, object], None] | None = None  # the engine's action log, when on
         self.entries: dict[tuple[str, str], _Entry] = {}
+        # the optimizers whose state is bound: each optimizer over the model's parameters holds the
+        # state of its own (a Muon + AdamW split, one optimizer per parameter stepped in backward)
+        self.bound: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         anchors = offload_anchors(fragments)  # [Note: offload anchors] in autodist/schedule.py
         self._spec: dict[tuple[str, str], list[tuple[int, int]]] = anchors.ranges
         self.out_at: dict[str, list[tuple[str, str]]] = anchors.out_at  # anchor ("step" | "forward:u") -> keys
@@ -191,6 +195,7 @@ class OffloadManager:
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         """(Re)find the state tensors the fragments refer to (after the first step creates them, or
         after ``load_state_dict`` replaces them)."""
+        self.bound.add(optimizer)
         by_visible = {id(mp.visible): mp for mp in self.params.values()}
         found = 0
         for p, st in optimizer.state.items():
@@ -230,12 +235,20 @@ class OffloadManager:
                 self.entries[key] = e
                 self.account.device_bytes += numel * local.element_size()
                 found += 1
-        missing = [k for k in self._spec if k not in self.entries]
+        mine = {by_visible[id(p)].name for g in optimizer.param_groups for p in g["params"] if id(p) in by_visible}
+        missing = [k for k in self._spec if k[0] in mine and k not in self.entries]
         if missing:
             logger.warning(
-                "autodist: %d offload fragment(s) name optimizer state that does not exist (e.g. %s/%s); "
-                "they stay on the device", len(missing), *missing[0],
+                "autodist: %d offload fragment(s) name state %s does not hold (e.g. %s/%s); they stay on the "
+                "device", len(missing), type(optimizer).__name__, *missing[0],
             )
+
+    def unbind(self, optimizer: torch.optim.Optimizer) -> None:
+        """Forget the state tensors of ``optimizer``'s parameters (its state is being replaced)."""
+        mine = {mp.name for mp in self.params.values()
+                if any(mp.visible is p for g in optimizer.param_groups for p in g["params"])}
+        for key in [k for k in self.entries if k[0] in mine]:
+            del self.entries[key]
 
     # ---- copies ---------------------------------------------------------------------------------
     def copy_out(self, keys: Iterable[tuple[str, str]]) -> None:

@@ -201,12 +201,13 @@ def refuse_unsteppable(engine: Engine, optimizer: torch.optim.Optimizer, mps: li
 class LoadedState:
     """What a look at an optimizer's loaded state found ([Note: optimizer state loaded from a
     file]): ``problems`` (one line each), and ``adopted`` (state key, the value in place now, the
-    value it becomes) to apply when there are none, and ``sharded`` (sharded DTensor values as
-    loaded) for the check across ranks."""
+    value it becomes) to apply when there are none, and ``sharded`` (the figures of sharded DTensor
+    values as loaded, read as they load: a plan that offloads the state frees their device storage
+    before the next step) for the check across ranks."""
 
     problems: list[str]
     adopted: list[tuple[dict, str, torch.Tensor]]
-    sharded: dict[str, torch.Tensor]
+    sharded: list[tuple]
 
 
 def look_at_loaded_state(engine: Engine, optimizer: torch.optim.Optimizer) -> LoadedState:
@@ -237,9 +238,11 @@ def look_at_loaded_state(engine: Engine, optimizer: torch.optim.Optimizer) -> Lo
     with ``full_state_dict=True`` on every rank), as under FSDP2."""
     from torch.distributed.tensor import DTensor, Shard
 
+    from .state import shard_figures
+
     problems: list[str] = []
     adopted: list[tuple[dict, str, torch.Tensor]] = []
-    sharded: dict[str, torch.Tensor] = {}
+    sharded: dict[str, DTensor] = {}
     for mp in params_of(engine, optimizer):
         p = mp.visible
         st = optimizer.state.get(p)
@@ -267,7 +270,7 @@ def look_at_loaded_state(engine: Engine, optimizer: torch.optim.Optimizer) -> Lo
                                     "the parameter is a whole tensor under this plan")
                 else:
                     adopted.append((st, name, value.to_local()))
-    return LoadedState(problems, adopted, sharded)
+    return LoadedState(problems, adopted, shard_figures(sharded) if sharded else [])
 
 
 LOADED_STATE_FIX = (
@@ -290,7 +293,7 @@ def adopt_loaded_state(engine: Engine, optimizer: torch.optim.Optimizer, found: 
 def settle_loaded_state(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
     """Raise on every rank, before the step, if the state loaded into ``optimizer`` cannot be this
     rank's ([Note: optimizer state loaded from a file])."""
-    from .state import foreign_shards
+    from .state import foreign_among
 
     found = engine._loaded_states.pop(optimizer, None)
     if found is None:
@@ -298,7 +301,7 @@ def settle_loaded_state(engine: Engine, optimizer: torch.optim.Optimizer) -> Non
     problem = "; ".join(found.problems[:3]) + (f" and {len(found.problems) - 3} more" if len(found.problems) > 3 else "")
     if not problem and found.sharded:
         engine.comm.rendezvous("optimizer.load_state_dict()", "Load the optimizer's state on every rank.")
-        problem = foreign_shards(found.sharded, engine.comm.all_gather_object) or ""
+        problem = foreign_among(found.sharded, engine.comm.all_gather_object) or ""
     if not problem:
         return
     err = AutoDistError(
@@ -409,7 +412,7 @@ def on_optimizer_step(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
     for g in view.persistent:
         g.refresh_due = True
     if engine.offload.active:
-        if not engine.offload.entries:
+        if optimizer not in engine.offload.bound:
             adopt_optimizer(engine, optimizer)
         engine.offload.copy_out(engine.offload.out_at.get("step", []))
     for listener in engine.step_listeners:
@@ -434,7 +437,7 @@ def adopt_optimizer(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
         def load_post(opt: torch.optim.Optimizer) -> None:
             eng = ref()
             if eng is not None and eng.offload.active:
-                eng.offload.entries.clear()
+                eng.offload.unbind(opt)
                 eng.offload.bind(opt)
                 eng.offload.copy_out([k for keys in eng.offload.out_at.values() for k in keys])
                 eng.offload.finish_out()

@@ -94,7 +94,17 @@ def agree_on_state_dict(
 
 def foreign_shards(values: dict[str, DTensor], all_gather_object: AllGatherObject) -> str | None:
     """What shows that sharded DTensor ``values`` (the same keys on every rank) are not each rank's
-    own part, or None: a collective.
+    own part, or None: a collective (:func:`shard_figures`, then :func:`foreign_among`)."""
+    return foreign_among(shard_figures(values), all_gather_object)
+
+
+ShardFigures = list[tuple]
+
+
+def shard_figures(values: dict[str, DTensor]) -> ShardFigures:
+    """This rank's figures of sharded DTensor ``values`` that :func:`foreign_among` compares across
+    ranks: local, read now (the optimizer's loaded state may be offloaded, its device storage
+    freed, before the check runs at the next step).
 
     [Note: one rank's shards loaded on every rank] DDP code saves with ``if rank == 0:
     torch.save(...)`` and every rank loads that file. A DTensor in it is rank 0's shard, and
@@ -126,9 +136,17 @@ def foreign_shards(values: dict[str, DTensor], all_gather_object: AllGatherObjec
         stats.append(torch.stack([flat.sum(), (flat * flat).sum(), flat.max() - flat.min()]) if flat.numel()
                      else torch.zeros(3, dtype=torch.float64, device=flat.device))
     if not mine:
-        return None
+        return []
     figures = torch.stack(stats).cpu().tolist()
-    everyone = all_gather_object([(*entry, fig) for entry, fig in zip(mine, figures)])
+    return [(*entry, fig) for entry, fig in zip(mine, figures)]
+
+
+def foreign_among(mine: ShardFigures, all_gather_object: AllGatherObject) -> str | None:
+    """The verdict of [Note: one rank's shards loaded on every rank] on every rank's
+    :func:`shard_figures` (the same keys on every rank), or None: a collective."""
+    if not mine:
+        return None
+    everyone = all_gather_object(mine)
     for r, entries in enumerate(everyone):
         for key, claimed, actual, held, own, _, _ in entries:
             if claimed != actual:
