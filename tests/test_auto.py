@@ -343,3 +343,27 @@ def test_the_recorder_s_own_gradient_hooks_are_not_taken_for_the_user_s(world2):
         for ready in recorded:
             assert ready == {f"layers.{i}": [f"layers.{i}.bias", f"layers.{i}.weight"] for i in range(3)}, ready
         assert calls == [6] * 5, calls
+
+
+def _safe_start_of_a_frozen_base(directory: str) -> tuple[str, str]:
+    """The plan ``plan="auto"`` starts with, without example inputs, for gpt with every parameter
+    frozen but its last norm (adapters over a frozen base), under a budget that holds the parameters
+    and the head's gradients and Adam state in its half, but not four copies of every parameter."""
+    model = models.make("gpt")
+    for n, p in model.named_parameters():
+        p.requires_grad_(n.startswith("ln_f"))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert 0 < trained and params + 3 * trained < 3 * params  # the budget below lies between the two counts
+    limit = 2 * (params + 3 * trained) + 2 * params  # its half: params + 3 trained + params
+    wrapped = AutoDist(model, plan="auto", cache_dir=os.path.join(directory, str(dist.get_rank())),
+                       memory_limit=f"{limit}B")
+    source = wrapped.plan.provenance["source"]
+    wrapped.close()
+    return source, f"{params} {trained} {limit}"
+
+
+def test_auto_s_safe_start_counts_state_for_trained_parameters_only(world2):
+    with tempfile.TemporaryDirectory() as d:
+        for source, sizes in world2.run(_safe_start_of_a_frozen_base, d):
+            assert source == "auto:safe start (replicated)", (source, sizes)

@@ -570,14 +570,17 @@ class AutoPlanner:
             reason = "the model is on the meta device: its units are sharded, so no rank holds all its parameters"
         else:
             params = sum(p.nbytes for p in self.structure.params.values())
-            # replicated: parameters + gradients + Adam's two moments
-            if 4 * params <= self.rt.budget_bytes // 2:
+            trained = sum(self.structure.params[n].nbytes for n in self.structure.trainable)
+            # replicated: parameters + the trained ones' gradients and Adam's two moments (a frozen
+            # base under adapters has neither: counting them made a LoRA model start sharded)
+            need = params + 3 * trained
+            if need <= self.rt.budget_bytes // 2:
                 plan = ddp_plan(self.structure, self.world)
                 plan.provenance = {"source": "auto:safe start (replicated)"}
-                reason = f"parameters, gradients and optimizer state ({format_bytes(4 * params)}) fit in half the budget"
+                reason = f"parameters, gradients and optimizer state ({format_bytes(need)}) fit in half the budget"
             else:
                 plan = space.to_plan(space.fsdp(), provenance={"source": "auto:safe start (sharded)"})
-                reason = f"replicating would need {format_bytes(4 * params)} of a {format_bytes(self.rt.budget_bytes)} budget"
+                reason = f"replicating would need {format_bytes(need)} of a {format_bytes(self.rt.budget_bytes)} budget"
         plan.device = self.device.type
         if self.shard_size is not None:
             plan = replace(plan, shard_size=self.shard_size)
