@@ -113,7 +113,7 @@ from .gather import GatherGroupRuntime, GroupState
 from .offload import OffloadManager
 from .optimizers import adopt_optimizer, weak_optimizer_hook
 from .params import ManagedParam, allocate_shard_storage, moved_after_wrapping, refresh_casts, written_casts
-from .precision import MixedPrecision, cast_floats, other_floats_cast
+from .precision import MixedPrecision, cast_floats
 from .recompute import BlockRecompute
 from .reducer import Reducer
 from .step_state import ModuleSite, RuntimeStats, StepState
@@ -695,7 +695,6 @@ class Engine:
             site.probe_root = root_of_unit.get(own) if own is not None else None
             sites.append(site)
         for site in merge_block_sites(sites, self.compiled.blocks, self.module, self.unit_order, warn=warn):
-            site.casts_inputs = self._casts_unit_inputs(site)
             for mp in site.params:
                 self._sites_of_param.setdefault(id(mp), []).append(site)
             self._module_handles.append(site.module.register_forward_pre_hook(self._make_pre_forward(site), with_kwargs=True, prepend=True))
@@ -738,7 +737,6 @@ class Engine:
             groups=[g], units=list(g.units), params=params, collapsed=True,
             bwd_first=backward_order(g.units, self._module_of_unit)[0],
         )
-        site.casts_inputs = self._casts_unit_inputs(site)
         for mp in params:
             self._sites_of_param.setdefault(id(mp), []).append(site)
         self._module_handles.append(module.register_forward_pre_hook(self._make_pre_forward(site), with_kwargs=True, prepend=True))
@@ -1216,24 +1214,8 @@ class Engine:
 
         return enter, leave
 
-    def _casts_unit_inputs(self, site: ModuleSite) -> bool:
-        """[Note: inputs cast at each sharded unit] A module whose sharded parameters are swapped in
-        as compute-dtype copies for its forward gets its floating inputs in that dtype, as FSDP2
-        casts the inputs of each module it shards (``cast_forward_inputs``). Outside the module's
-        forward its parameters are the float32 shards, and code that casts an input to a child's
-        weight dtype before calling the child (peft's LoRA: ``x.to(lora_A.weight.dtype)``) made a
-        float32 input meet the bfloat16 weight: under a bf16 policy every plan that shards the
-        adapters failed at the first forward ("expected m1 and m2 to have the same dtype"), while
-        FSDP2 trained it. Replicated parameters are registered as their copies for the whole root
-        forward, so code reads their compute dtype anyway."""
-        mp = self.mp
-        return (mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs
-                and any(p.sharded and p.compute_dtype != p.dtype for p in site.swaps))
-
     def _pre_forward(self, site: ModuleSite, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         cast = None if self._in_forward else self._implicit_enter(args, kwargs)
-        if cast is None and site.casts_inputs and self.mp is not None and self.mp.param_dtype is not None:
-            cast = other_floats_cast(args, kwargs, self.mp.param_dtype)
         if cast is None:
             return self._site_pre_forward(site, args, kwargs)
         routed = self._site_pre_forward(site, *cast)

@@ -96,21 +96,3 @@ def cast_floats(tree: T, dtype: torch.dtype) -> T:
 
     out: T = tree_map(cast, tree)
     return out
-
-
-def _has_other_floats(tree: object, dtype: torch.dtype) -> bool:
-    if isinstance(tree, torch.Tensor):
-        return tree.is_floating_point() and tree.dtype != dtype
-    if isinstance(tree, dict):
-        return any(_has_other_floats(v, dtype) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return any(_has_other_floats(v, dtype) for v in tree)
-    return False
-
-
-def other_floats_cast(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict] | None:
-    """``args`` and ``kwargs`` with their floating-point tensors in ``dtype``, or None when every
-    one is already (the common case, checked without rebuilding the containers)."""
-    if not (_has_other_floats(args, dtype) or _has_other_floats(kwargs, dtype)):
-        return None
-    return cast_floats(args, dtype), cast_floats(kwargs, dtype)

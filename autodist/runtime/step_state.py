@@ -32,9 +32,6 @@ class ModuleSite:
     # the unit whose backward position fires backward prefetch, if not ``unit`` (a compiled block:
     # its first unit; see [Note: hooks at a compiled block's boundary] in compiled.py)
     backward_unit: str | None = None
-    # its forward's floating inputs are cast to the policy's compute dtype ([Note: inputs cast at
-    # each sharded unit] in autodist/runtime/engine.py)
-    casts_inputs: bool = False
 
     @property
     def sharded(self) -> bool:
