@@ -1719,9 +1719,8 @@ class Engine:
             g.quiesce()
 
     def mark_stale(self) -> None:
-        """Parameters were overwritten in place (a state dict was loaded): re-gather and re-cast."""
-        for mp in self.params.values():
-            mp.mark_stale()
+        """Parameters were overwritten in place (a state dict was loaded): re-gather (compute copies
+        are cast at every forward anyway)."""
         for g in self.groups:
             g.mark_stale()
 

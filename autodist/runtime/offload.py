@@ -235,7 +235,7 @@ class OffloadManager:
                 self.entries[key] = e
                 self.account.device_bytes += numel * local.element_size()
                 found += 1
-        mine = {by_visible[id(p)].name for g in optimizer.param_groups for p in g["params"] if id(p) in by_visible}
+        mine = self._names_in(optimizer)
         missing = [k for k in self._spec if k[0] in mine and k not in self.entries]
         if missing:
             logger.warning(
@@ -245,10 +245,14 @@ class OffloadManager:
 
     def unbind(self, optimizer: torch.optim.Optimizer) -> None:
         """Forget the state tensors of ``optimizer``'s parameters (its state is being replaced)."""
-        mine = {mp.name for mp in self.params.values()
-                if any(mp.visible is p for g in optimizer.param_groups for p in g["params"])}
+        mine = self._names_in(optimizer)
         for key in [k for k in self.entries if k[0] in mine]:
             del self.entries[key]
+
+    def _names_in(self, optimizer: torch.optim.Optimizer) -> set[str]:
+        """The names of the managed parameters ``optimizer`` steps."""
+        by_visible = {id(mp.visible): mp.name for mp in self.params.values()}
+        return {by_visible[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in by_visible}
 
     # ---- copies ---------------------------------------------------------------------------------
     def copy_out(self, keys: Iterable[tuple[str, str]]) -> None:

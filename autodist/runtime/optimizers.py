@@ -68,8 +68,8 @@ def params_of(engine: Engine, optimizer: torch.optim.Optimizer) -> list[ManagedP
 @dataclass(frozen=True)
 class StepView:
     """What an optimizer's step touches of one engine, worked out once per optimizer and plan: its
-    managed parameters, those with a compute-dtype copy (released before the step, marked stale
-    after it), the gather groups holding any of them (quiesced before the step) and, of those, the
+    managed parameters, those with a compute-dtype copy (released before the step, cast again at
+    the next forward), the gather groups holding any of them (quiesced before the step) and, of those, the
     persistent ones (refreshed after it), in plan order.
 
     [Note: optimizer hooks per step] Both step hooks run on the thread that issues the step's
@@ -391,8 +391,6 @@ def on_optimizer_step(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
     engine.grad_forwards = 0
     if engine.stats.micro_batches:
         engine.stats.grad_accum_steps, engine.stats.micro_batches = engine.stats.micro_batches, 0
-    for mp in view.casts:
-        mp.mark_stale()  # compute-dtype copies are re-cast (an optimizer may write p.data)
     # [Note: when persistent groups are refreshed] A persistent group keeps its full parameters
     # between steps; after an optimizer step over its shards it is gathered again, whatever the
     # version counters say (an optimizer, or the user, may write p.data, which moves none). The

@@ -336,12 +336,12 @@ class ManagedParam:
                 self.full = self.visible if not use_dtensor else nn.Parameter(
                     self._master, requires_grad=original.requires_grad
                 )
-                self._cast_version = None
+                self._has_cast = False
             else:
                 self.full = nn.Parameter(
                     self._master.detach().to(self.compute_dtype), requires_grad=original.requires_grad
                 )
-                self._cast_version = -1  # cast on first use
+                self._has_cast = True  # cast at every forward (refresh_casts)
             self._copy_seen = (-1, 0)
             self.shard_flat = None
             self.local = self._master
@@ -376,7 +376,7 @@ class ManagedParam:
         self.full = nn.Parameter(padded[: math.prod(self.shape)].view(self.shape), requires_grad=original.requires_grad)
         self._full_padded = padded  # the flat storage view, for copy-out
         self.free_full()
-        self._cast_version = None
+        self._has_cast = False
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -536,11 +536,7 @@ class ManagedParam:
     @property
     def has_cast_copy(self) -> bool:
         """A replicated parameter computed in another dtype: ``full`` is its cast copy."""
-        return self._cast_version is not None
-
-    def mark_stale(self) -> None:
-        if self._cast_version is not None:
-            self._cast_version = -1
+        return self._has_cast
 
     # -- module registration ------------------------------------------------------------------
     def register_visible(self) -> None:
@@ -621,22 +617,19 @@ def moved_after_wrapping(name: str, module: nn.Module, attr: str) -> None:
 
 
 def release_casts(params: Sequence[ManagedParam]) -> None:
-    """Drop the compute copies of ``params`` (replicated parameters with a cast copy) before the
-    optimizer step makes them stale: between steps they would hold memory DDP under autocast does
+    """Drop the compute copies of ``params`` (replicated parameters with one: ``has_cast_copy``)
+    before the optimizer step makes them stale: between steps they would hold memory DDP under autocast does
     not; the next forward casts them again (:func:`refresh_casts`). One version bump for all."""
-    held = [mp for mp in params if mp._cast_version is not None and not mp.sharded]
-    live = [mp.full for mp in held if mp.full.untyped_storage().nbytes()]
+    live = [mp.full for mp in params if mp.full.untyped_storage().nbytes()]
     if live:
         torch.autograd.graph.increment_version(live)  # a graph kept across the step must not read them
         for t in live:
             t.untyped_storage().resize_(0)
-    for mp in held:
-        mp._cast_version = -1
 
 
 def refresh_casts(params: Sequence[ManagedParam]) -> None:
-    """Cast every compute copy among ``params`` (replicated parameters with a cast copy) from its
-    master, in one ``_foreach_copy_``: a model of many small layers would otherwise issue one copy
+    """Cast the compute copy of each of ``params`` (replicated parameters with one:
+    ``has_cast_copy``) from its master, in one ``_foreach_copy_``: a model of many small layers would otherwise issue one copy
     from Python per parameter per forward.
 
     [Note: compute copies cast at every forward] The engine calls this at the start of every
@@ -655,19 +648,17 @@ def refresh_casts(params: Sequence[ManagedParam]) -> None:
     root forward (per-module swaps would cost hooks on every module, and code reading a
     parameter's dtype, as Hugging Face's ``model.dtype`` does, would read float32), so MoCo's
     update made there writes the copy, never the parameter."""
-    held = [mp for mp in params if mp._cast_version is not None and not mp.sharded]
-    if not held:
+    if not params:
         return
-    for mp in held:
+    for mp in params:
         storage = mp.full.untyped_storage()
         if storage.nbytes() == 0:  # released before the last optimizer step (``release_casts``)
             storage.resize_(mp.full.numel() * mp.full.element_size())
     with torch.no_grad():
         # ``.data``: the cast copy's own version counter is not bumped (a graph of an earlier forward
         # of this step saved it, and reads the same values unless the master was written since)
-        torch._foreach_copy_([mp.full.data for mp in held], [mp._master for mp in held])
-    for mp in held:
-        mp._cast_version = mp.version()
+        torch._foreach_copy_([mp.full.data for mp in params], [mp._master for mp in params])
+    for mp in params:
         mp._copy_seen = (mp.full._version, mp.full.data_ptr())
 
 
